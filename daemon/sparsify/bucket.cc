@@ -1,0 +1,358 @@
+#include "daemon/sparsify/bucket.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/common/status_macros.h"
+
+namespace microd::sparsify {
+
+using kernels::KernelStatus;
+using transport::CollectiveOptions;
+using transport::DataType;
+using transport::MakeTag;
+using transport::TagKind;
+
+// The owned partition's candidates of a `micro` step, as the controller sees them.
+class BucketState::Candidates final : public CandidateSet {
+ public:
+  Candidates(BucketState* bucket, const float* acc, Range range, uint64_t count)
+      : bucket_(bucket), acc_(acc), range_(range), count_(count) {}
+  const float* values() const override { return bucket_->candidate_value_.get(); }
+  uint64_t count() const override { return count_; }
+  absl::Status Rescan(float threshold) override {
+    BucketState& b = *bucket_;
+    RETURN_IF_ERROR(b.Check(
+        b.ops_->SelectRange(acc_, range_.begin, range_.end, threshold, b.candidate_index_.get(),
+                            b.candidate_value_.get(), b.scalars_.get(), b.stream_),
+        "selection"));
+    ASSIGN_OR_RETURN(const kernels::StepScalars s, b.ReadScalars());
+    count_ = s.count;
+    return absl::OkStatus();
+  }
+
+ private:
+  BucketState* const bucket_;
+  const float* const acc_;
+  const Range range_;
+  uint64_t count_;
+};
+
+BucketState::BucketState(const BucketSpec& spec, const JobShape& job,
+                         const SparsifyOptions& options, kernels::SparseOps* ops)
+    : spec_(spec), job_(job), options_(options), ops_(ops), k_(Budget(options.density, spec.size)) {
+  if (options_.sparsifier == SparsifierKind::kMicro) {
+    controller_ = CreateController(options_.controller, k_);
+  }
+}
+
+absl::StatusOr<std::unique_ptr<BucketState>> BucketState::Create(const BucketSpec& spec,
+                                                                 const JobShape& job,
+                                                                 const SparsifyOptions& options,
+                                                                 kernels::SparseOps* ops) {
+  if (ops == nullptr) return absl::InvalidArgumentError("bucket: no kernel backend");
+  if (spec.name.empty()) return absl::InvalidArgumentError("bucket: empty name");
+  if (spec.size == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("bucket '", spec.name, "' has no elements"));
+  }
+  if (spec.size > kernels::kMaxBucketElements) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bucket '", spec.name, "' has ", spec.size,
+                     " elements; a bucket holds fewer than 2^32 (indices are uint32): split it"));
+  }
+  if (spec.slot > 0xFFFFFF) {
+    return absl::InvalidArgumentError(absl::StrCat("bucket slot ", spec.slot, " out of range"));
+  }
+  RETURN_IF_ERROR(options.Validate());
+  RETURN_IF_ERROR(job.Validate());
+  std::unique_ptr<BucketState> b(new BucketState(spec, job, options, ops));
+  RETURN_IF_ERROR(b->Allocate());
+  return b;
+}
+
+absl::Status BucketState::Allocate() {
+  const uint64_t d = spec_.size;
+  uint64_t capacity = 0;
+  switch (options_.sparsifier) {
+    case SparsifierKind::kMicro:
+      capacity = PartitionRange(d, job_.num_nodes, 0).size();  // partition 0 is the largest
+      break;
+    case SparsifierKind::kHard:
+      capacity = d;
+      break;
+    case SparsifierKind::kTopK:
+      capacity = std::min(k_, d);
+      break;
+    case SparsifierKind::kDense:
+      break;
+  }
+  scalars_.Reset(ops_, 1);
+  bool ok = scalars_.ok();
+  if (options_.sparsifier != SparsifierKind::kDense) {
+    residual_[0].Reset(ops_, d);
+    residual_[1].Reset(ops_, d);
+    candidate_index_.Reset(ops_, std::max<uint64_t>(capacity, 1));
+    candidate_value_.Reset(ops_, std::max<uint64_t>(capacity, 1));
+    ok = ok && residual_[0].ok() && residual_[1].ok() && candidate_index_.ok() &&
+         candidate_value_.ok();
+  }
+  if (!ok) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("bucket '", spec_.name, "': out of memory for ", d, " elements"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BucketState::Check(KernelStatus status, const char* what) const {
+  if (status == KernelStatus::kOk) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("bucket '", spec_.name, "': ", what, " kernel failed (",
+                                          ops_->name(), "): ",
+                                          kernels::KernelStatusString(status)));
+}
+
+absl::StatusOr<kernels::StepScalars> BucketState::ReadScalars() const {
+  kernels::StepScalars s;
+  RETURN_IF_ERROR(Check(ops_->CopyToHost(&s, scalars_.get(), sizeof s, stream_), "copy"));
+  return s;
+}
+
+absl::StatusOr<StepStats> BucketState::Step(const float* grad, float* update,
+                                            transport::Transport& transport, absl::Time deadline) {
+  if (grad == nullptr || update == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("bucket '", spec_.name, "': null buffer"));
+  }
+  if (grad == update) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bucket '", spec_.name, "': gradient and update buffers alias"));
+  }
+  if (transport.size() != job_.num_nodes || transport.rank() != job_.node_rank) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "bucket '", spec_.name, "': transport is rank ", transport.rank(), " of ", transport.size(),
+        " but the job says node ", job_.node_rank, " of ", job_.num_nodes));
+  }
+  switch (options_.sparsifier) {
+    case SparsifierKind::kMicro:
+      return StepMicro(grad, update, transport, deadline);
+    case SparsifierKind::kTopK:
+    case SparsifierKind::kHard:
+      return StepUnion(grad, update, transport, deadline);
+    case SparsifierKind::kDense:
+      return StepDense(grad, update, transport, deadline);
+  }
+  return absl::InternalError("unknown sparsifier");
+}
+
+absl::StatusOr<std::vector<BucketState::Header>> BucketState::ExchangeHeaders(
+    const Header& mine, transport::Transport& transport, const CollectiveOptions& options,
+    StepStats& stats) {
+  std::vector<Header> headers(job_.num_nodes);
+  stats.bytes_sent += sizeof(Header);
+  RETURN_IF_ERROR(transport.Allgather(&mine, sizeof(Header), headers.data(), options));
+  std::vector<std::string> bad;
+  for (int r = 0; r < job_.num_nodes; ++r) {
+    if (headers[r].nonfinite != 0) {
+      bad.push_back(absl::StrCat("node ", r, " (", headers[r].nonfinite, " values)"));
+    }
+  }
+  if (!bad.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bucket '", spec_.name, "' step ", step_, ": NaN or Inf in the gradient on ",
+        absl::StrJoin(bad, ", "), "; step skipped, residual unchanged"));
+  }
+  return headers;
+}
+
+absl::StatusOr<uint64_t> BucketState::GatherIndices(const std::vector<Header>& headers,
+                                                    transport::Transport& transport,
+                                                    const CollectiveOptions& options,
+                                                    StepStats& stats) {
+  std::vector<size_t> bytes(job_.num_nodes);
+  uint64_t total = 0;
+  stats.node_counts.resize(job_.num_nodes);
+  for (int r = 0; r < job_.num_nodes; ++r) {
+    stats.node_counts[r] = headers[r].count;
+    bytes[r] = headers[r].count * sizeof(uint32_t);
+    total += headers[r].count;
+  }
+  stats.local_selected = headers[job_.node_rank].count;
+  stats.sum_of_counts = total;
+  if (!global_index_.Reserve(ops_, std::max<uint64_t>(total, 1))) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("bucket '", spec_.name, "': out of memory for ", total, " indices"));
+  }
+  stats.bytes_sent += bytes[job_.node_rank];
+  CollectiveOptions o = options;
+  o.tag = MakeTag(spec_.slot, TagKind::kIndices);
+  RETURN_IF_ERROR(transport.AllgatherV(candidate_index_.get(), bytes, global_index_.get(), o));
+  return total;
+}
+
+absl::Status BucketState::ReduceAndApply(uint64_t K, float* acc, float* update,
+                                         transport::Transport& transport,
+                                         const CollectiveOptions& options, StepStats& stats) {
+  if (!values_.Reserve(ops_, std::max<uint64_t>(K, 1))) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("bucket '", spec_.name, "': out of memory for ", K, " values"));
+  }
+  RETURN_IF_ERROR(Check(ops_->Gather(acc, global_index_.get(), K, values_.get(), stream_), "gather"));
+  CollectiveOptions o = options;
+  o.tag = MakeTag(spec_.slot, TagKind::kValues);
+  stats.bytes_sent += K * sizeof(float);
+  RETURN_IF_ERROR(transport.AllreduceSum(values_.get(), K, DataType::kFloat32, o));
+  RETURN_IF_ERROR(Check(ops_->ScatterAverage(values_.get(), global_index_.get(), K,
+                                             static_cast<float>(job_.world_size), update,
+                                             spec_.size, stream_),
+                        "scatter"));
+  RETURN_IF_ERROR(Check(ops_->ZeroAt(acc, global_index_.get(), K, stream_), "zeroing"));
+  stats.selected = K;
+  stats.cre = std::fabs(static_cast<double>(K) / static_cast<double>(k_) - 1.0);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* update,
+                                                 transport::Transport& transport,
+                                                 absl::Time deadline) {
+  StepStats stats;
+  stats.step = step_;
+  stats.budget = k_;
+  const int n = job_.num_nodes;
+  const Range part = PartitionRange(spec_.size, n, OwnedPartition(job_.node_rank, step_, n));
+  float* acc = residual_[1 - current_].get();
+  const float pass_threshold = controller_->PassThreshold();
+
+  kernels::FusedSelectArgs args;
+  args.grad = grad;
+  args.residual = residual_[current_].get();
+  args.acc = acc;
+  args.size = spec_.size;
+  args.select_begin = part.begin;
+  args.select_end = part.end;
+  args.threshold = pass_threshold;
+  args.out_index = candidate_index_.get();
+  args.out_value = candidate_value_.get();
+  args.scalars = scalars_.get();
+  RETURN_IF_ERROR(Check(ops_->FusedAccumulateSelect(args, stream_), "fused selection"));
+  ASSIGN_OR_RETURN(kernels::StepScalars scalars, ReadScalars());
+
+  CollectiveOptions options;
+  options.deadline = deadline;
+  options.tag = MakeTag(spec_.slot, TagKind::kHeader);
+  ASSIGN_OR_RETURN(std::vector<Header> headers,
+                   ExchangeHeaders({scalars.count, scalars.nonfinite}, transport, options, stats));
+
+  float threshold = pass_threshold;
+  if (controller_->Refines()) {
+    Candidates candidates(this, acc, part, scalars.count);
+    ControllerContext ctx;
+    ctx.ops = ops_;
+    ctx.stream = stream_;
+    ctx.transport = &transport;
+    ctx.options = options;
+    ctx.options.tag = MakeTag(spec_.slot, TagKind::kHistogram);
+    ctx.k = k_;
+    ctx.bytes_sent = &stats.bytes_sent;
+    ctx.rescans = &stats.rescans;
+    ASSIGN_OR_RETURN(threshold, controller_->Resolve(candidates, ctx));
+    RETURN_IF_ERROR(Check(ops_->TrimBelow(candidate_index_.get(), candidate_value_.get(),
+                                          candidates.count(), threshold, scalars_.get(), stream_),
+                          "trim"));
+    ASSIGN_OR_RETURN(scalars, ReadScalars());
+    // Final per-node counts (the header's were candidate counts).
+    const Header mine{scalars.count, 0};
+    stats.bytes_sent += sizeof(Header);
+    RETURN_IF_ERROR(transport.Allgather(&mine, sizeof(Header), headers.data(), options));
+  }
+  stats.threshold = threshold;
+
+  ASSIGN_OR_RETURN(const uint64_t K, GatherIndices(headers, transport, options, stats));
+  RETURN_IF_ERROR(ReduceAndApply(K, acc, update, transport, options, stats));
+  current_ = 1 - current_;
+  ++step_;
+  controller_->Commit(K);
+  return stats;
+}
+
+absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* update,
+                                                 transport::Transport& transport,
+                                                 absl::Time deadline) {
+  StepStats stats;
+  stats.step = step_;
+  stats.budget = k_;
+  const bool hard = options_.sparsifier == SparsifierKind::kHard;
+  const float lambda = static_cast<float>(
+      options_.hard_threshold > 0 ? options_.hard_threshold
+                                  : 1.0 / (2.0 * std::sqrt(static_cast<double>(k_))));
+  float* acc = residual_[1 - current_].get();
+
+  kernels::FusedSelectArgs args;
+  args.grad = grad;
+  args.residual = residual_[current_].get();
+  args.acc = acc;
+  args.size = spec_.size;
+  args.select_begin = 0;
+  args.select_end = hard ? spec_.size : 0;  // topk selects afterwards
+  args.threshold = lambda;
+  args.out_index = candidate_index_.get();
+  args.out_value = candidate_value_.get();
+  args.scalars = scalars_.get();
+  RETURN_IF_ERROR(Check(ops_->FusedAccumulateSelect(args, stream_), "accumulate"));
+  ASSIGN_OR_RETURN(kernels::StepScalars scalars, ReadScalars());
+  const uint64_t nonfinite = scalars.nonfinite;
+  if (!hard && nonfinite == 0) {
+    RETURN_IF_ERROR(Check(ops_->TopK(acc, spec_.size, k_, candidate_index_.get(),
+                                     candidate_value_.get(), scalars_.get(), stream_),
+                          "top-k"));
+    ASSIGN_OR_RETURN(scalars, ReadScalars());
+  }
+  stats.threshold = hard ? lambda : 0.0;
+
+  CollectiveOptions options;
+  options.deadline = deadline;
+  options.tag = MakeTag(spec_.slot, TagKind::kHeader);
+  ASSIGN_OR_RETURN(const std::vector<Header> headers,
+                   ExchangeHeaders({nonfinite == 0 ? scalars.count : 0, nonfinite}, transport,
+                                   options, stats));
+  ASSIGN_OR_RETURN(const uint64_t total, GatherIndices(headers, transport, options, stats));
+  // The union of every node's indices: overlaps build up to n * k.
+  RETURN_IF_ERROR(Check(ops_->SortUnique(global_index_.get(), total, scalars_.get(), stream_),
+                        "union"));
+  ASSIGN_OR_RETURN(scalars, ReadScalars());
+  RETURN_IF_ERROR(ReduceAndApply(scalars.count, acc, update, transport, options, stats));
+  current_ = 1 - current_;
+  ++step_;
+  return stats;
+}
+
+absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* update,
+                                                 transport::Transport& transport,
+                                                 absl::Time deadline) {
+  StepStats stats;
+  stats.step = step_;
+  stats.budget = k_;
+  stats.dense = true;
+  const float* inputs[1] = {grad};
+  RETURN_IF_ERROR(
+      Check(ops_->LocalSum(inputs, 1, spec_.size, update, scalars_.get(), stream_), "copy"));
+  ASSIGN_OR_RETURN(const kernels::StepScalars scalars, ReadScalars());
+  CollectiveOptions options;
+  options.deadline = deadline;
+  options.tag = MakeTag(spec_.slot, TagKind::kHeader);
+  RETURN_IF_ERROR(ExchangeHeaders({0, scalars.nonfinite}, transport, options, stats).status());
+  options.tag = MakeTag(spec_.slot, TagKind::kDense);
+  stats.bytes_sent += spec_.size * sizeof(float);
+  RETURN_IF_ERROR(transport.AllreduceSum(update, spec_.size, DataType::kFloat32, options));
+  RETURN_IF_ERROR(Check(ops_->Divide(update, spec_.size, static_cast<float>(job_.world_size),
+                                     nullptr, stream_),
+                        "divide"));
+  stats.selected = spec_.size;
+  stats.sum_of_counts = spec_.size;
+  stats.local_selected = spec_.size;
+  stats.cre = std::fabs(static_cast<double>(spec_.size) / static_cast<double>(k_) - 1.0);
+  ++step_;
+  return stats;
+}
+
+}  // namespace microd::sparsify

@@ -1,0 +1,122 @@
+// The per-bucket state of a node (residual e, threshold controller, step
+// counter t) and the step of ARCHITECTURE section 1 for every sparsifier,
+// written against kernels/sparse_ops.h and daemon/transport/transport.h.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "daemon/sparsify/controller.h"
+#include "daemon/sparsify/device_buffer.h"
+#include "daemon/sparsify/options.h"
+#include "daemon/transport/transport.h"
+#include "kernels/sparse_ops.h"
+
+namespace microd::sparsify {
+
+struct BucketSpec {
+  std::string name;   // for messages
+  uint64_t size = 0;  // d, fp32 elements, 1 <= d < 2^32
+  uint32_t slot = 0;  // distinguishes this bucket's collectives (transport tag)
+};
+
+// What one step did, as this node saw it.
+struct StepStats {
+  uint64_t step = 0;            // t of the step that ran
+  uint64_t budget = 0;          // k
+  uint64_t selected = 0;        // K_t: indices reduced (the union for topk/hard)
+  uint64_t local_selected = 0;  // |I_r|
+  uint64_t sum_of_counts = 0;   // sum over nodes of |I_r| (> K means build-up)
+  std::vector<uint64_t> node_counts;
+  double threshold = 0.0;       // threshold the selection used (0 for topk, dense)
+  double cre = 0.0;             // |K / k - 1|
+  uint64_t bytes_sent = 0;      // payload bytes this node handed to collectives
+  int rescans = 0;              // `hist` controller: extra passes over the partition
+  bool dense = false;
+};
+
+class BucketState {
+ public:
+  // Validates everything and allocates the state (residual zero). `ops` must
+  // outlive the bucket.
+  static absl::StatusOr<std::unique_ptr<BucketState>> Create(const BucketSpec& spec,
+                                                             const JobShape& job,
+                                                             const SparsifyOptions& options,
+                                                             kernels::SparseOps* ops);
+
+  // One step: `grad` is this node's local sum g (d elements, device memory);
+  // the averaged sparse update u is written to `update` (d elements; may not
+  // alias grad). Every node of the job must call Step for this bucket in the
+  // same order. Blocks until done or `deadline`. On any error (including a
+  // NaN/Inf in some node's gradient, reported on every node) the residual,
+  // the threshold and t are unchanged and `update` is unspecified.
+  absl::StatusOr<StepStats> Step(const float* grad, float* update, transport::Transport& transport,
+                                 absl::Time deadline);
+
+  const BucketSpec& spec() const { return spec_; }
+  uint64_t step() const { return step_; }
+  uint64_t budget() const { return k_; }
+  // The residual e (device memory, d elements; null for dense).
+  const float* residual() const { return residual_[current_].get(); }
+  // Threshold the next `micro` step's pass will use.
+  double pass_threshold() const { return controller_ ? controller_->PassThreshold() : 0.0; }
+
+ private:
+  class Candidates;
+  struct Header {
+    uint64_t count;
+    uint64_t nonfinite;
+  };
+
+  BucketState(const BucketSpec& spec, const JobShape& job, const SparsifyOptions& options,
+              kernels::SparseOps* ops);
+  absl::Status Allocate();
+  absl::Status Check(kernels::KernelStatus status, const char* what) const;
+  absl::StatusOr<kernels::StepScalars> ReadScalars() const;
+  // Allgathers headers; fails on every node if any node saw a non-finite value.
+  absl::StatusOr<std::vector<Header>> ExchangeHeaders(const Header& mine,
+                                                      transport::Transport& transport,
+                                                      const transport::CollectiveOptions& options,
+                                                      StepStats& stats);
+  // Allgather-v of the candidates' indices into global_index_; returns the total.
+  absl::StatusOr<uint64_t> GatherIndices(const std::vector<Header>& headers,
+                                         transport::Transport& transport,
+                                         const transport::CollectiveOptions& options,
+                                         StepStats& stats);
+  // Steps 8-10 at global_index_[0..K): values, update, residual zeroing.
+  absl::Status ReduceAndApply(uint64_t K, float* acc, float* update,
+                              transport::Transport& transport,
+                              const transport::CollectiveOptions& options, StepStats& stats);
+
+  absl::StatusOr<StepStats> StepMicro(const float* grad, float* update, transport::Transport& t,
+                                      absl::Time deadline);
+  absl::StatusOr<StepStats> StepUnion(const float* grad, float* update, transport::Transport& t,
+                                      absl::Time deadline);
+  absl::StatusOr<StepStats> StepDense(const float* grad, float* update, transport::Transport& t,
+                                      absl::Time deadline);
+
+  const BucketSpec spec_;
+  const JobShape job_;
+  const SparsifyOptions options_;
+  kernels::SparseOps* const ops_;
+  void* const stream_ = nullptr;
+  const uint64_t k_;
+  std::unique_ptr<ThresholdController> controller_;  // micro only
+
+  uint64_t step_ = 0;
+  // Double-buffered residual: a step writes acc into the other buffer and
+  // flips only when it succeeds, so a failed step leaves e untouched.
+  DeviceBuffer<float> residual_[2];
+  int current_ = 0;
+  DeviceBuffer<uint32_t> candidate_index_;
+  DeviceBuffer<float> candidate_value_;
+  DeviceBuffer<uint32_t> global_index_;
+  DeviceBuffer<float> values_;
+  DeviceBuffer<kernels::StepScalars> scalars_;
+};
+
+}  // namespace microd::sparsify

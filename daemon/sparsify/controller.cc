@@ -1,0 +1,166 @@
+#include "daemon/sparsify/controller.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/sparsify/device_buffer.h"
+
+namespace microd::sparsify {
+namespace {
+
+constexpr float kSmallestPositive = std::numeric_limits<float>::denorm_min();
+
+uint32_t Bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+float FromBits(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
+}
+
+}  // namespace
+
+PaperController::PaperController(uint64_t k)
+    : k_(k), tau_(1.0 / (2.0 * std::sqrt(static_cast<double>(k)))) {}
+
+void PaperController::Commit(uint64_t selected) {
+  const double x = static_cast<double>(selected) / static_cast<double>(k_);
+  double s;
+  if (x > 1.1) {
+    s = 1.005;
+  } else if (x > 0.909) {
+    s = 1.00125;
+  } else {
+    s = 0.995;
+  }
+  tau_ *= s;
+}
+
+HistogramController::HistogramController(uint64_t k)
+    : k_(k), lower_bound_(kSmallestPositive), pending_lower_bound_(kSmallestPositive) {}
+
+void HistogramController::Commit(uint64_t) { lower_bound_ = pending_lower_bound_; }
+
+absl::StatusOr<float> HistogramController::Resolve(CandidateSet& candidates,
+                                                   const ControllerContext& ctx) {
+  kernels::SparseOps& ops = *ctx.ops;
+  const uint64_t k = k_;
+  DeviceBuffer<int64_t> device_bins(&ops, std::max(kCoarseBins, kFineBins) + 1);
+  if (!device_bins.ok()) return absl::ResourceExhaustedError("histogram: out of device memory");
+  std::vector<int64_t> coarse(kCoarseBins + 1);
+  std::vector<int64_t> fine(kFineBins + 1);
+
+  // Runs LogHistogram on the candidates and sums it across nodes.
+  auto global_histogram = [&](uint32_t shift, uint32_t first, uint32_t num,
+                              std::vector<int64_t>& out) -> absl::Status {
+    const kernels::KernelStatus ks = ops.LogHistogram(candidates.values(), candidates.count(),
+                                                      shift, first, num, device_bins.get(),
+                                                      ctx.stream);
+    if (ks != kernels::KernelStatus::kOk) {
+      return absl::InternalError(
+          absl::StrCat("histogram kernel: ", kernels::KernelStatusString(ks)));
+    }
+    // The allreduce runs on a host copy: the histograms are tiny.
+    if (ops.CopyToHost(out.data(), device_bins.get(), (num + 1) * sizeof(int64_t), ctx.stream) !=
+        kernels::KernelStatus::kOk) {
+      return absl::InternalError("histogram: copy to host failed");
+    }
+    if (ctx.bytes_sent != nullptr) *ctx.bytes_sent += (num + 1) * sizeof(int64_t);
+    return ctx.transport->AllreduceSum(out.data(), num + 1, transport::DataType::kInt64,
+                                       ctx.options);
+  };
+
+  float lower = lower_bound_;
+  int rescans = 0;
+  uint32_t first = Bits(lower) >> kCoarseShift;
+  for (;;) {
+    RETURN_IF_ERROR(global_histogram(kCoarseShift, first, kCoarseBins, coarse));
+    int64_t total = 0;
+    for (int64_t c : coarse) total += c;
+    if (static_cast<uint64_t>(total) < k) {
+      if (lower <= kSmallestPositive) {
+        // Fewer than k non-zero values in the whole bucket: take them all.
+        pending_lower_bound_ = kSmallestPositive;
+        if (ctx.rescans != nullptr) *ctx.rescans = rescans;
+        return kSmallestPositive;
+      }
+      // Too few candidates: lower the bound 256x, then to every non-zero value.
+      lower = rescans == 0 ? std::max(lower * 0x1p-8f, kSmallestPositive) : kSmallestPositive;
+      ++rescans;
+      RETURN_IF_ERROR(candidates.Rescan(lower));
+      first = Bits(lower) >> kCoarseShift;
+      continue;
+    }
+    if (static_cast<uint64_t>(coarse[kCoarseBins]) >= k) {
+      first += kCoarseBins;  // the k-th value lies above the window: move it up
+      continue;
+    }
+    break;
+  }
+  if (ctx.rescans != nullptr) *ctx.rescans = rescans;
+
+  // Coarse bin holding the k-th largest magnitude, and the count above it.
+  uint64_t above = static_cast<uint64_t>(coarse[kCoarseBins]);
+  int kth_bin = 0;
+  for (int b = kCoarseBins - 1; b >= 0; --b) {
+    if (above + static_cast<uint64_t>(coarse[b]) >= k) {
+      kth_bin = b;
+      break;
+    }
+    above += static_cast<uint64_t>(coarse[b]);
+  }
+
+  // Next step's lower bound: the coarse edge with about kCandidateMargin * k
+  // values above it in this step.
+  {
+    uint64_t cum = static_cast<uint64_t>(coarse[kCoarseBins]);
+    float next = std::max(lower * 0.5f, kSmallestPositive);
+    for (int b = kCoarseBins - 1; b >= 0; --b) {
+      cum += static_cast<uint64_t>(coarse[b]);
+      if (cum >= kCandidateMargin * k) {
+        next = FromBits((first + b) << kCoarseShift);
+        break;
+      }
+    }
+    pending_lower_bound_ = std::max(next, kSmallestPositive);
+  }
+
+  // Refine the k-th bin.
+  const uint32_t fine_first = (first + kth_bin) << (kCoarseShift - kFineShift);
+  RETURN_IF_ERROR(global_histogram(kFineShift, fine_first, kFineBins, fine));
+  uint64_t cum = above;
+  float threshold = lower;
+  for (int j = kFineBins - 1; j >= 0; --j) {
+    const uint64_t with_bin = cum + static_cast<uint64_t>(fine[j]);
+    if (with_bin >= k) {
+      // Edge below sub-bin j selects with_bin (>= k); the edge above selects cum (< k).
+      const bool take_lower = with_bin - k <= k - cum;
+      const uint32_t edge = (fine_first + j + (take_lower ? 0 : 1)) << kFineShift;
+      threshold = FromBits(edge);
+      break;
+    }
+    cum = with_bin;
+  }
+  // Never below the pass's bound: only candidates can be selected.
+  return std::max(threshold, lower);
+}
+
+std::unique_ptr<ThresholdController> CreateController(ControllerKind kind, uint64_t k) {
+  switch (kind) {
+    case ControllerKind::kPaper:
+      return std::make_unique<PaperController>(k);
+    case ControllerKind::kHistogram:
+      return std::make_unique<HistogramController>(k);
+  }
+  return nullptr;
+}
+
+}  // namespace microd::sparsify

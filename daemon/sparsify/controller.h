@@ -1,0 +1,106 @@
+// Threshold controllers of the `micro` sparsifier.
+//
+// Life cycle, once per step and in this order on every node:
+//   1. PassThreshold(): the threshold the fused pass selects with: the final
+//      one for `paper`, a lower bound that keeps a few candidates for `hist`.
+//   2. Resolve(): sees this node's candidates and returns the step's final
+//      threshold. It may run collectives (the same ones on every node, since
+//      its decisions depend only on global sums) and ask for a rescan of the
+//      owned partition. It changes no persistent state.
+//   3. Commit(K): the step succeeded with K selected globally; advance.
+// A failed step never reaches Commit, so the controller is as it was.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "daemon/sparsify/options.h"
+#include "daemon/transport/transport.h"
+#include "kernels/sparse_ops.h"
+
+namespace microd::sparsify {
+
+// This node's selected candidates, owned by the step.
+class CandidateSet {
+ public:
+  virtual ~CandidateSet() = default;
+  virtual const float* values() const = 0;  // device memory, count() entries
+  virtual uint64_t count() const = 0;
+  // Re-selects the owned partition with a lower threshold.
+  virtual absl::Status Rescan(float threshold) = 0;
+};
+
+struct ControllerContext {
+  kernels::SparseOps* ops = nullptr;
+  void* stream = nullptr;
+  transport::Transport* transport = nullptr;
+  transport::CollectiveOptions options;  // deadline and the controller's tag
+  uint64_t k = 1;                        // budget of the whole bucket
+  uint64_t* bytes_sent = nullptr;        // payload accounting of the step
+  int* rescans = nullptr;                // how many rescans the step needed
+};
+
+class ThresholdController {
+ public:
+  virtual ~ThresholdController() = default;
+  virtual float PassThreshold() const = 0;
+  virtual absl::StatusOr<float> Resolve(CandidateSet& candidates, const ControllerContext& ctx) = 0;
+  virtual void Commit(uint64_t selected) = 0;
+  // True when Resolve may return a threshold above PassThreshold (the step
+  // then trims its candidates and gathers the final counts).
+  virtual bool Refines() const = 0;
+};
+
+// `paper`: tau_0 = 1 / (2 sqrt(k)); tau_t = tau_{t-1} * s(K_{t-1} / k) with
+// s = 1.005 above 1.1, 1.00125 above 0.909, 0.995 otherwise. Kept in double,
+// compared in float.
+class PaperController final : public ThresholdController {
+ public:
+  explicit PaperController(uint64_t k);
+  float PassThreshold() const override { return static_cast<float>(tau_); }
+  absl::StatusOr<float> Resolve(CandidateSet&, const ControllerContext&) override {
+    return PassThreshold();
+  }
+  void Commit(uint64_t selected) override;
+  bool Refines() const override { return false; }
+  double tau() const { return tau_; }
+
+ private:
+  const uint64_t k_;
+  double tau_;
+};
+
+// `hist` (ours): exact density from a same-step global histogram.
+// The fused pass keeps candidates above a lower bound tau_lo (chosen from the
+// previous step's histogram so that about kCandidateMargin * k survive). The
+// candidates' magnitudes are binned by their float bit patterns (1/8 octave
+// bins), summed across nodes with one small allreduce, and the bin holding the
+// k-th largest magnitude is refined into 256 sub-bins (1/2048 octave) with a
+// second one. The threshold is the sub-bin edge whose global count is closest
+// to k, so K differs from k only by the population of one sub-bin. When fewer
+// than k candidates survive, every node rescans its partition with a lower
+// bound (rare; at most two rescans, the last one keeps every non-zero value).
+class HistogramController final : public ThresholdController {
+ public:
+  static constexpr uint32_t kCoarseShift = 20;  // 3 mantissa bits: 8 bins per octave
+  static constexpr uint32_t kCoarseBins = 128;  // 16 octaves above the lower bound
+  static constexpr uint32_t kFineShift = 12;    // 11 mantissa bits
+  static constexpr uint32_t kFineBins = 1u << (kCoarseShift - kFineShift);
+  static constexpr uint64_t kCandidateMargin = 4;
+
+  explicit HistogramController(uint64_t k);
+  float PassThreshold() const override { return lower_bound_; }
+  absl::StatusOr<float> Resolve(CandidateSet& candidates, const ControllerContext& ctx) override;
+  void Commit(uint64_t selected) override;
+  bool Refines() const override { return true; }
+
+ private:
+  const uint64_t k_;
+  float lower_bound_;          // tau_lo of the coming step
+  float pending_lower_bound_;  // set by Resolve, taken by Commit
+};
+
+std::unique_ptr<ThresholdController> CreateController(ControllerKind kind, uint64_t k);
+
+}  // namespace microd::sparsify

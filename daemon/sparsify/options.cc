@@ -1,0 +1,96 @@
+#include "daemon/sparsify/options.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+
+namespace microd::sparsify {
+
+absl::StatusOr<SparsifierKind> ParseSparsifier(absl::string_view name) {
+  if (name == "micro") return SparsifierKind::kMicro;
+  if (name == "topk") return SparsifierKind::kTopK;
+  if (name == "hard") return SparsifierKind::kHard;
+  if (name == "dense") return SparsifierKind::kDense;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown sparsifier '", name, "' (expected micro, topk, hard or dense)"));
+}
+
+absl::StatusOr<ControllerKind> ParseController(absl::string_view name) {
+  if (name == "paper") return ControllerKind::kPaper;
+  if (name == "hist") return ControllerKind::kHistogram;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown threshold controller '", name, "' (expected hist or paper)"));
+}
+
+const char* SparsifierName(SparsifierKind kind) {
+  switch (kind) {
+    case SparsifierKind::kMicro:
+      return "micro";
+    case SparsifierKind::kTopK:
+      return "topk";
+    case SparsifierKind::kHard:
+      return "hard";
+    case SparsifierKind::kDense:
+      return "dense";
+  }
+  return "?";
+}
+
+const char* ControllerName(ControllerKind kind) {
+  switch (kind) {
+    case ControllerKind::kPaper:
+      return "paper";
+    case ControllerKind::kHistogram:
+      return "hist";
+  }
+  return "?";
+}
+
+absl::Status SparsifyOptions::Validate() const {
+  if (!(density > 0.0 && density <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("density must be in (0, 1], got ", density));
+  }
+  if (!(hard_threshold >= 0.0) || std::isinf(hard_threshold)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hard threshold must be finite and >= 0, got ", hard_threshold));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status JobShape::Validate() const {
+  if (num_nodes < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("node count must be >= 1, got ", num_nodes));
+  }
+  if (node_rank < 0 || node_rank >= num_nodes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("node rank ", node_rank, " out of range [0, ", num_nodes, ")"));
+  }
+  if (world_size < num_nodes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "world size ", world_size, " smaller than the node count ", num_nodes));
+  }
+  return absl::OkStatus();
+}
+
+Range PartitionRange(uint64_t d, int n, int i) {
+  const uint64_t q = d / n;
+  const uint64_t rem = d % n;
+  const uint64_t ui = static_cast<uint64_t>(i);
+  Range r;
+  r.begin = ui * q + (ui < rem ? ui : rem);
+  r.end = r.begin + q + (ui < rem ? 1 : 0);
+  return r;
+}
+
+int OwnedPartition(int r, uint64_t t, int n) {
+  return static_cast<int>((t % static_cast<uint64_t>(n) + static_cast<uint64_t>(r)) %
+                          static_cast<uint64_t>(n));
+}
+
+uint64_t Budget(double density, uint64_t d) {
+  const double k = std::floor(density * static_cast<double>(d));
+  return k < 1.0 ? 1 : static_cast<uint64_t>(k);
+}
+
+}  // namespace microd::sparsify

@@ -1,0 +1,58 @@
+// Per-job sparsification settings and the small pure functions of the
+// algorithm (ARCHITECTURE section 1): partitions, their cyclic assignment and
+// the budget k.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace microd::sparsify {
+
+enum class SparsifierKind : int { kMicro = 0, kTopK = 1, kHard = 2, kDense = 3 };
+enum class ControllerKind : int {
+  kPaper = 0,      // MiCRO as published
+  kHistogram = 1,  // ours: same-step global histogram of candidates (default)
+};
+
+absl::StatusOr<SparsifierKind> ParseSparsifier(absl::string_view name);
+absl::StatusOr<ControllerKind> ParseController(absl::string_view name);
+const char* SparsifierName(SparsifierKind kind);
+const char* ControllerName(ControllerKind kind);
+
+struct SparsifyOptions {
+  SparsifierKind sparsifier = SparsifierKind::kMicro;
+  ControllerKind controller = ControllerKind::kHistogram;
+  // Target density rho in (0, 1].
+  double density = 0.01;
+  // `hard` sparsifier's constant threshold; 0 means 1 / (2 sqrt(k)).
+  double hard_threshold = 0.0;
+
+  absl::Status Validate() const;
+};
+
+// The shape of the job as one node sees it.
+struct JobShape {
+  int num_nodes = 1;   // n: MiCRO workers (one daemon each)
+  int node_rank = 0;   // r in [0, n)
+  int world_size = 1;  // W: training processes in the job (sum of local sizes)
+
+  absl::Status Validate() const;
+};
+
+// Partition i of a bucket of d elements split into n: [begin, end).
+struct Range {
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  uint64_t size() const { return end - begin; }
+};
+Range PartitionRange(uint64_t d, int n, int i);
+// Partition owned by node r at step t: (t + r) mod n.
+int OwnedPartition(int r, uint64_t t, int n);
+// k = max(1, floor(rho * d)).
+uint64_t Budget(double density, uint64_t d);
+
+}  // namespace microd::sparsify

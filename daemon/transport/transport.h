@@ -1,0 +1,84 @@
+// The data-plane interface a sparsifier step is written against: allgather
+// (fixed and variable size), allreduce-sum and barrier among the nodes of one
+// job. Backends (in-process, Gloo, NCCL) live in sub-folders and expose only a
+// factory.
+//
+// Contract for every backend:
+// - Collectives are called by every rank in the same order with the same tag
+//   and the same kind; a rank that calls a different one gets an error.
+//   Tags are built with MakeTag (what a tag means is written down there).
+// - Each call blocks until it is complete on this rank or its deadline passes.
+//   On a deadline, an abort or a peer failure it returns an error
+//   (kDeadlineExceeded, kAborted, kUnavailable) and the transport is broken:
+//   every later call fails at once with the same status. Nothing hangs.
+// - One collective at a time per Transport object (not thread-safe); the
+//   memory passed in must stay valid until the call returns.
+// - Buffers are memory the backend can read: host memory for in-process and
+//   Gloo, device memory for NCCL (same memory space as the kernels' device).
+// - AllreduceSum leaves the identical result on every rank.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+
+namespace microd::transport {
+
+enum class DataType : int { kFloat32 = 0, kInt32 = 1, kInt64 = 2 };
+size_t DataTypeSize(DataType type);
+const char* DataTypeName(DataType type);
+
+// What a collective belongs to. A tag is (bucket slot << 8) | kind, so that
+// the collectives of different buckets can never be matched with each other.
+enum class TagKind : uint32_t {
+  kControl = 0,     // barriers and set-up
+  kHeader = 1,      // per-node header: selected count and status flags
+  kIndices = 2,     // allgather-v of selected indices
+  kValues = 3,      // allreduce of the values at the selected indices
+  kHistogram = 4,   // threshold controller histograms
+  kDense = 5,       // dense allreduce of a whole bucket
+};
+constexpr uint32_t MakeTag(uint32_t bucket_slot, TagKind kind) {
+  return (bucket_slot << 8) | static_cast<uint32_t>(kind);
+}
+
+struct CollectiveOptions {
+  absl::Time deadline = absl::InfiniteFuture();
+  uint32_t tag = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // Backend name for logs and statistics ("inproc", "gloo", "nccl").
+  virtual const char* name() const = 0;
+
+  // Every rank contributes `bytes` bytes; `out` (size() * bytes) receives rank
+  // r's contribution at offset r * bytes.
+  virtual absl::Status Allgather(const void* in, size_t bytes, void* out,
+                                 const CollectiveOptions& options) = 0;
+
+  // Rank r contributes recv_bytes[r] bytes (every rank passes the same
+  // recv_bytes, of length size(); this rank sends recv_bytes[rank()] bytes from
+  // `in`); `out` receives the contributions concatenated in rank order.
+  virtual absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv_bytes, void* out,
+                                  const CollectiveOptions& options) = 0;
+
+  // In-place element-wise sum of `count` elements across ranks.
+  virtual absl::Status AllreduceSum(void* data, size_t count, DataType type,
+                                    const CollectiveOptions& options) = 0;
+
+  virtual absl::Status Barrier(const CollectiveOptions& options) = 0;
+
+  // Makes pending and later calls on every rank of the group fail with
+  // `reason` where the backend can reach them (at least on this rank).
+  virtual void Abort(const absl::Status& reason) = 0;
+};
+
+}  // namespace microd::transport

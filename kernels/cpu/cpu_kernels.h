@@ -1,0 +1,29 @@
+// Internal to the CPU backend: the memory-bound passes, one set per
+// instruction set, selected at run time by cpu_ops.cc.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/sparse_ops.h"
+
+namespace microd::kernels::cpu {
+
+struct PassResult {
+  uint64_t count = 0;
+  uint64_t nonfinite = 0;
+};
+
+// Semantics of SparseOps::FusedAccumulateSelect; arguments already validated.
+PassResult FusedScalar(const FusedSelectArgs& args);
+PassResult FusedAvx2(const FusedSelectArgs& args);
+
+// Semantics of SparseOps::SelectRange; arguments already validated.
+uint64_t SelectRangeScalar(const float* acc, uint64_t begin, uint64_t end, float threshold,
+                           uint32_t* out_index, float* out_value);
+uint64_t SelectRangeAvx2(const float* acc, uint64_t begin, uint64_t end, float threshold,
+                         uint32_t* out_index, float* out_value);
+
+// Number of NaN/Inf values in data[0..size).
+uint64_t CountNonFiniteScalar(const float* data, uint64_t size);
+
+}  // namespace microd::kernels::cpu

@@ -1,0 +1,257 @@
+// CPU backend of SparseOps: argument checks, the instruction-set dispatch of
+// the memory-bound passes, and the small host loops around them.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "kernels/cpu/cpu_kernels.h"
+#include "kernels/sparse_ops.h"
+
+namespace microd::kernels {
+namespace {
+
+using cpu::PassResult;
+
+inline uint32_t FloatBits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
+class CpuSparseOps final : public SparseOps {
+ public:
+  explicit CpuSparseOps(CpuIsa isa) : isa_(isa) {}
+
+  Device device() const override { return Device::kCpu; }
+  const char* name() const override { return isa_ == CpuIsa::kAvx2 ? "cpu-avx2" : "cpu-scalar"; }
+
+  void* Allocate(size_t bytes) override {
+    const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, rounded);
+    if (p != nullptr) std::memset(p, 0, rounded);
+    return p;
+  }
+  void Free(void* ptr) override { std::free(ptr); }
+
+  KernelStatus CopyToHost(void* dst, const void* src, size_t bytes, void*) override {
+    if (bytes == 0) return KernelStatus::kOk;
+    if (dst == nullptr || src == nullptr) return KernelStatus::kInvalidArgument;
+    std::memmove(dst, src, bytes);
+    return KernelStatus::kOk;
+  }
+  KernelStatus CopyToDevice(void* dst, const void* src, size_t bytes, void* s) override {
+    return CopyToHost(dst, src, bytes, s);
+  }
+  KernelStatus Synchronize(void*) override { return KernelStatus::kOk; }
+
+  KernelStatus FusedAccumulateSelect(const FusedSelectArgs& a, void*) override {
+    if (a.scalars == nullptr || a.size > kMaxBucketElements || a.select_begin > a.select_end ||
+        a.select_end > a.size) {
+      return KernelStatus::kInvalidArgument;
+    }
+    if (a.size > 0 && (a.grad == nullptr || a.residual == nullptr || a.acc == nullptr ||
+                       a.acc == a.grad)) {
+      return KernelStatus::kInvalidArgument;
+    }
+    if (a.select_end > a.select_begin && (a.out_index == nullptr || a.out_value == nullptr)) {
+      return KernelStatus::kInvalidArgument;
+    }
+    const PassResult r = isa_ == CpuIsa::kAvx2 ? cpu::FusedAvx2(a) : cpu::FusedScalar(a);
+    a.scalars->count = r.count;
+    a.scalars->nonfinite = r.nonfinite;
+    return KernelStatus::kOk;
+  }
+
+  KernelStatus SelectRange(const float* acc, uint64_t begin, uint64_t end, float threshold,
+                           uint32_t* out_index, float* out_value, StepScalars* scalars,
+                           void*) override {
+    if (scalars == nullptr || begin > end || end > kMaxBucketElements) {
+      return KernelStatus::kInvalidArgument;
+    }
+    if (end > begin && (acc == nullptr || out_index == nullptr || out_value == nullptr)) {
+      return KernelStatus::kInvalidArgument;
+    }
+    scalars->count =
+        isa_ == CpuIsa::kAvx2
+            ? cpu::SelectRangeAvx2(acc, begin, end, threshold, out_index, out_value)
+            : cpu::SelectRangeScalar(acc, begin, end, threshold, out_index, out_value);
+    return KernelStatus::kOk;
+  }
+
+  KernelStatus TrimBelow(uint32_t* index, float* value, uint64_t count, float threshold,
+                         StepScalars* scalars, void*) override {
+    if (scalars == nullptr || (count > 0 && (index == nullptr || value == nullptr))) {
+      return KernelStatus::kInvalidArgument;
+    }
+    uint64_t c = 0;
+    for (uint64_t j = 0; j < count; ++j) {
+      const uint32_t i = index[j];
+      const float v = value[j];
+      index[c] = i;
+      value[c] = v;
+      c += std::fabs(v) >= threshold;
+    }
+    scalars->count = c;
+    return KernelStatus::kOk;
+  }
+
+  KernelStatus LogHistogram(const float* values, uint64_t count, uint32_t shift,
+                            uint32_t first_bin, uint32_t num_bins, int64_t* bins,
+                            void*) override {
+    if (bins == nullptr || shift > 31 || (count > 0 && values == nullptr)) {
+      return KernelStatus::kInvalidArgument;
+    }
+    std::fill(bins, bins + num_bins + 1, 0);
+    for (uint64_t j = 0; j < count; ++j) {
+      const uint32_t b = (FloatBits(values[j]) & 0x7FFFFFFFu) >> shift;
+      if (b < first_bin) continue;
+      const uint64_t slot = b - first_bin;
+      ++bins[slot < num_bins ? slot : num_bins];
+    }
+    return KernelStatus::kOk;
+  }
+
+  KernelStatus Gather(const float* acc, const uint32_t* index, uint64_t count, float* out,
+                      void*) override {
+    if (count > 0 && (acc == nullptr || index == nullptr || out == nullptr)) {
+      return KernelStatus::kInvalidArgument;
+    }
+    for (uint64_t j = 0; j < count; ++j) out[j] = acc[index[j]];
+    return KernelStatus::kOk;
+  }
+
+  KernelStatus ScatterAverage(const float* values, const uint32_t* index, uint64_t count,
+                              float divisor, float* out, uint64_t size, void*) override {
+    if (size > kMaxBucketElements || (size > 0 && out == nullptr) ||
+        (count > 0 && (values == nullptr || index == nullptr))) {
+      return KernelStatus::kInvalidArgument;
+    }
+    for (uint64_t j = 0; j < count; ++j) {
+      if (index[j] >= size) return KernelStatus::kInvalidArgument;
+    }
+    if (size > 0) std::memset(out, 0, size * sizeof(float));
+    for (uint64_t j = 0; j < count; ++j) out[index[j]] = values[j] / divisor;
+    return KernelStatus::kOk;
+  }
+
+  KernelStatus ZeroAt(float* acc, const uint32_t* index, uint64_t count, void*) override {
+    if (count > 0 && (acc == nullptr || index == nullptr)) return KernelStatus::kInvalidArgument;
+    for (uint64_t j = 0; j < count; ++j) acc[index[j]] = 0.0f;
+    return KernelStatus::kOk;
+  }
+
+  KernelStatus LocalSum(const float* const* inputs, int num_inputs, uint64_t size, float* out,
+                        StepScalars* scalars, void*) override {
+    if (num_inputs < 1 || inputs == nullptr || (size > 0 && out == nullptr)) {
+      return KernelStatus::kInvalidArgument;
+    }
+    for (int l = 0; l < num_inputs; ++l) {
+      if (size > 0 && inputs[l] == nullptr) return KernelStatus::kInvalidArgument;
+    }
+    // Cache-sized chunks: each chunk of every input is read once, summed in
+    // input order.
+    constexpr uint64_t kChunk = 4096;
+    for (uint64_t c0 = 0; c0 < size; c0 += kChunk) {
+      const uint64_t c1 = std::min(size, c0 + kChunk);
+      if (out != inputs[0]) std::memcpy(out + c0, inputs[0] + c0, (c1 - c0) * sizeof(float));
+      for (int l = 1; l < num_inputs; ++l) {
+        const float* in = inputs[l];
+        for (uint64_t i = c0; i < c1; ++i) out[i] += in[i];
+      }
+    }
+    if (scalars != nullptr) scalars->nonfinite = cpu::CountNonFiniteScalar(out, size);
+    return KernelStatus::kOk;
+  }
+
+  KernelStatus Divide(float* data, uint64_t size, float divisor, StepScalars* scalars,
+                      void*) override {
+    if (size > 0 && data == nullptr) return KernelStatus::kInvalidArgument;
+    if (scalars != nullptr) scalars->nonfinite = cpu::CountNonFiniteScalar(data, size);
+    for (uint64_t i = 0; i < size; ++i) data[i] /= divisor;
+    return KernelStatus::kOk;
+  }
+
+  KernelStatus CountNonFinite(const float* data, uint64_t size, StepScalars* scalars,
+                              void*) override {
+    if (scalars == nullptr || (size > 0 && data == nullptr)) return KernelStatus::kInvalidArgument;
+    scalars->nonfinite = cpu::CountNonFiniteScalar(data, size);
+    return KernelStatus::kOk;
+  }
+
+  KernelStatus TopK(const float* acc, uint64_t size, uint64_t k, uint32_t* out_index,
+                    float* out_value, StepScalars* scalars, void*) override {
+    if (scalars == nullptr || size > kMaxBucketElements) return KernelStatus::kInvalidArgument;
+    const uint64_t n = std::min(k, size);
+    if (n > 0 && (acc == nullptr || out_index == nullptr || out_value == nullptr)) {
+      return KernelStatus::kInvalidArgument;
+    }
+    std::vector<uint32_t> order(size);
+    std::iota(order.begin(), order.end(), 0u);
+    auto before = [acc](uint32_t x, uint32_t y) {
+      const float ax = std::fabs(acc[x]);
+      const float ay = std::fabs(acc[y]);
+      return ax > ay || (ax == ay && x < y);
+    };
+    if (n > 0 && n < size) std::nth_element(order.begin(), order.begin() + n, order.end(), before);
+    for (uint64_t j = 0; j < n; ++j) {
+      out_index[j] = order[j];
+      out_value[j] = acc[order[j]];
+    }
+    scalars->count = n;
+    return KernelStatus::kOk;
+  }
+
+  KernelStatus SortUnique(uint32_t* index, uint64_t count, StepScalars* scalars, void*) override {
+    if (scalars == nullptr || (count > 0 && index == nullptr)) return KernelStatus::kInvalidArgument;
+    std::sort(index, index + count);
+    scalars->count = static_cast<uint64_t>(std::unique(index, index + count) - index);
+    return KernelStatus::kOk;
+  }
+
+ private:
+  const CpuIsa isa_;
+};
+
+}  // namespace
+
+const char* KernelStatusString(KernelStatus status) {
+  switch (status) {
+    case KernelStatus::kOk:
+      return "ok";
+    case KernelStatus::kInvalidArgument:
+      return "invalid argument";
+    case KernelStatus::kDeviceError:
+      return "device error";
+    case KernelStatus::kUnsupported:
+      return "unsupported";
+  }
+  return "unknown kernel status";
+}
+
+bool CpuSupports(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAuto:
+    case CpuIsa::kScalar:
+      return true;
+    case CpuIsa::kAvx2:
+      return __builtin_cpu_supports("avx2");
+  }
+  return false;
+}
+
+std::unique_ptr<SparseOps> CreateCpuSparseOps(CpuIsa isa) {
+  if (isa == CpuIsa::kAuto) {
+    isa = CpuSupports(CpuIsa::kAvx2) ? CpuIsa::kAvx2 : CpuIsa::kScalar;
+    // MICROD_CPU_ISA=scalar forces the portable path (debugging, comparisons).
+    if (const char* env = std::getenv("MICROD_CPU_ISA"); env && std::strcmp(env, "scalar") == 0) {
+      isa = CpuIsa::kScalar;
+    }
+  }
+  if (!CpuSupports(isa)) return nullptr;
+  return std::make_unique<CpuSparseOps>(isa);
+}
+
+}  // namespace microd::kernels

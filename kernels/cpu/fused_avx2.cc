@@ -1,0 +1,131 @@
+// AVX2 code path of the fused pass (built with -mavx2, called only when the
+// processor supports it). Works in 64-element blocks: eight 8-lane vectors
+// compute acc = e + g and store it, their comparison masks combine into one
+// 64-bit mask, and a bit-scan loop writes the few selected elements. Blocks
+// outside the owned partition skip the comparison. When acc is a separate,
+// aligned, large buffer it is written with streaming stores, so the pass moves
+// the same bytes as the in-place `e += g` floor.
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/cpu/cpu_kernels.h"
+
+namespace microd::kernels::cpu {
+namespace {
+
+constexpr uint64_t kBlock = 64;
+constexpr uint64_t kStreamMinBytes = 4u << 20;  // below this acc stays in cache
+
+inline __m256 Abs(__m256 x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+
+// Bits of `mask` for block elements inside [begin, end).
+inline uint64_t RangeMask(uint64_t base, uint64_t begin, uint64_t end) {
+  uint64_t m = ~0ull;
+  if (base < begin) m &= ~0ull << (begin - base);
+  if (base + kBlock > end) m &= end <= base ? 0 : ((1ull << (end - base)) - 1);
+  return m;
+}
+
+template <bool kAccumulate, bool kStream>
+PassResult Pass(const float* grad, const float* residual, float* acc, uint64_t size,
+                uint64_t begin, uint64_t end, float threshold, uint32_t* out_index,
+                float* out_value) {
+  const __m256 vthr = _mm256_set1_ps(threshold);
+  const __m256 vinf = _mm256_set1_ps(__builtin_inff());
+  __m256 bad = _mm256_setzero_ps();
+  alignas(32) float block[kBlock];
+  uint64_t count = 0;
+  // With selection only, walk just the blocks covering [begin, end).
+  const uint64_t first_block = kAccumulate ? 0 : begin / kBlock;
+  const uint64_t full_blocks = kAccumulate ? size / kBlock : end / kBlock;
+  for (uint64_t b = first_block; b < full_blocks; ++b) {
+    const uint64_t base = b * kBlock;
+    const bool select = base + kBlock > begin && base < end;
+    uint64_t mask = 0;
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; ++v) {
+      const uint64_t i = base + 8 * v;
+      __m256 a;
+      if constexpr (kAccumulate) {
+        a = _mm256_add_ps(_mm256_loadu_ps(residual + i), _mm256_loadu_ps(grad + i));
+        if constexpr (kStream) {
+          _mm256_stream_ps(acc + i, a);
+        } else {
+          _mm256_storeu_ps(acc + i, a);
+        }
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(Abs(a), vinf, _CMP_NLT_UQ));
+      } else {
+        a = _mm256_loadu_ps(acc + i);
+      }
+      if (select) {
+        _mm256_store_ps(block + 8 * v, a);
+        const uint32_t m = static_cast<uint32_t>(
+            _mm256_movemask_ps(_mm256_cmp_ps(Abs(a), vthr, _CMP_GE_OQ)));
+        mask |= static_cast<uint64_t>(m) << (8 * v);
+      }
+    }
+    if (select) {
+      mask &= RangeMask(base, begin, end);
+      while (mask != 0) {
+        const int j = __builtin_ctzll(mask);
+        out_index[count] = static_cast<uint32_t>(base + j);
+        out_value[count] = block[j];
+        ++count;
+        mask &= mask - 1;
+      }
+    }
+  }
+  if constexpr (kStream) _mm_sfence();
+  PassResult r;
+  // Scalar tail after the last full block.
+  uint64_t i = full_blocks * kBlock;
+  if (!kAccumulate && i < begin) i = begin;
+  const uint64_t tail_end = kAccumulate ? size : end;
+  for (; i < tail_end; ++i) {
+    float v;
+    if constexpr (kAccumulate) {
+      v = residual[i] + grad[i];
+      acc[i] = v;
+    } else {
+      v = acc[i];
+    }
+    if (i >= begin && i < end) {
+      out_index[count] = static_cast<uint32_t>(i);
+      out_value[count] = v;
+      count += __builtin_fabsf(v) >= threshold;
+    }
+  }
+  r.count = count;
+  if constexpr (kAccumulate) {
+    // Rare path: count exactly only when some lane was non-finite.
+    if (_mm256_movemask_ps(bad) != 0 || CountNonFiniteScalar(acc + full_blocks * kBlock,
+                                                              size - full_blocks * kBlock) != 0) {
+      r.nonfinite = CountNonFiniteScalar(acc, size);
+    }
+  }
+  return r;
+}
+
+}  // namespace
+
+PassResult FusedAvx2(const FusedSelectArgs& a) {
+  const bool stream = a.acc != a.residual && a.size * sizeof(float) >= kStreamMinBytes &&
+                      reinterpret_cast<uintptr_t>(a.acc) % 32 == 0;
+  if (stream) {
+    return Pass<true, true>(a.grad, a.residual, a.acc, a.size, a.select_begin, a.select_end,
+                            a.threshold, a.out_index, a.out_value);
+  }
+  return Pass<true, false>(a.grad, a.residual, a.acc, a.size, a.select_begin, a.select_end,
+                           a.threshold, a.out_index, a.out_value);
+}
+
+uint64_t SelectRangeAvx2(const float* acc, uint64_t begin, uint64_t end, float threshold,
+                         uint32_t* out_index, float* out_value) {
+  return Pass<false, false>(nullptr, nullptr, const_cast<float*>(acc), end, begin, end, threshold,
+                            out_index, out_value)
+      .count;
+}
+
+}  // namespace microd::kernels::cpu

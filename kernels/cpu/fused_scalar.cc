@@ -1,0 +1,61 @@
+// Portable reference code path of the CPU passes. Compaction is branch-free:
+// every element is written at the current output slot and the slot advances
+// only when the element is selected.
+#include <cmath>
+#include <limits>
+
+#include "kernels/cpu/cpu_kernels.h"
+
+namespace microd::kernels::cpu {
+namespace {
+
+inline bool IsNonFinite(float x) { return !(std::fabs(x) <= std::numeric_limits<float>::max()); }
+
+}  // namespace
+
+PassResult FusedScalar(const FusedSelectArgs& a) {
+  PassResult r;
+  const float* g = a.grad;
+  const float* e = a.residual;
+  float* acc = a.acc;
+  uint64_t i = 0;
+  for (; i < a.select_begin; ++i) {
+    acc[i] = e[i] + g[i];
+    r.nonfinite += IsNonFinite(acc[i]);
+  }
+  uint64_t c = 0;
+  for (; i < a.select_end; ++i) {
+    const float v = e[i] + g[i];
+    acc[i] = v;
+    r.nonfinite += IsNonFinite(v);
+    a.out_index[c] = static_cast<uint32_t>(i);
+    a.out_value[c] = v;
+    c += std::fabs(v) >= a.threshold;
+  }
+  for (; i < a.size; ++i) {
+    acc[i] = e[i] + g[i];
+    r.nonfinite += IsNonFinite(acc[i]);
+  }
+  r.count = c;
+  return r;
+}
+
+uint64_t SelectRangeScalar(const float* acc, uint64_t begin, uint64_t end, float threshold,
+                           uint32_t* out_index, float* out_value) {
+  uint64_t c = 0;
+  for (uint64_t i = begin; i < end; ++i) {
+    const float v = acc[i];
+    out_index[c] = static_cast<uint32_t>(i);
+    out_value[c] = v;
+    c += std::fabs(v) >= threshold;
+  }
+  return c;
+}
+
+uint64_t CountNonFiniteScalar(const float* data, uint64_t size) {
+  uint64_t n = 0;
+  for (uint64_t i = 0; i < size; ++i) n += IsNonFinite(data[i]);
+  return n;
+}
+
+}  // namespace microd::kernels::cpu

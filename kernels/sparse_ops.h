@@ -1,0 +1,154 @@
+// The compute operations of a MiCRO step, behind one interface so that a CPU
+// and a CUDA implementation can sit side by side (ARCHITECTURE section 3).
+//
+// Contract shared by every implementation:
+// - Every pointer argument named as an array is memory of the implementation's
+//   device (`SparseOps::device()`): host memory for the CPU backend, device
+//   memory for CUDA. Counts and thresholds that the host needs to size an
+//   exchange are passed by value or returned through a `StepScalars` block in
+//   device memory that the caller copies with `CopyToHost`.
+// - `stream` is an opaque queue handle (a `cudaStream_t` on CUDA); nullptr is
+//   the implementation's default queue. The CPU backend runs synchronously and
+//   ignores it. Calls on one stream run in order.
+// - Indices are uint32 relative to the start of the bucket, so a bucket holds
+//   at most kMaxBucketElements elements; larger sizes are refused.
+// - Kernels validate their arguments and return a KernelStatus; they never
+//   throw and never abort. This module depends on nothing but the C++ library.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace microd::kernels {
+
+enum class Device : int { kCpu = 0, kCuda = 1 };
+
+enum class KernelStatus : int {
+  kOk = 0,
+  kInvalidArgument = 1,  // null pointer, bad range, size too large
+  kDeviceError = 2,      // the device reported an error (CUDA only)
+  kUnsupported = 3,      // not available in this build or on this machine
+};
+const char* KernelStatusString(KernelStatus status);
+
+// Indices are uint32: a bucket has fewer than 2^32 elements.
+constexpr uint64_t kMaxBucketElements = 0xFFFFFFFFull;
+
+// Scalars a kernel reports back. Lives in device memory.
+struct StepScalars {
+  uint64_t count = 0;      // elements written to the output arrays
+  uint64_t nonfinite = 0;  // number of NaN/Inf values seen (0 = all finite)
+};
+
+// The fused pass of steps 2 and 6 of the algorithm:
+//   acc[i] = residual[i] + grad[i]               for i in [0, size)
+//   select (i, acc[i]) with |acc[i]| >= threshold for i in [select_begin, select_end)
+// `acc` may alias `residual` (in place) but not `grad`. The outputs receive the
+// selected indices and values (any order; capacity select_end - select_begin).
+// `scalars->nonfinite` counts non-finite acc values over the whole bucket; when
+// it is non-zero the caller must discard `acc` (the residual is untouched when
+// acc does not alias it).
+struct FusedSelectArgs {
+  const float* grad = nullptr;
+  const float* residual = nullptr;
+  float* acc = nullptr;
+  uint64_t size = 0;
+  uint64_t select_begin = 0;
+  uint64_t select_end = 0;
+  float threshold = 0.0f;
+  uint32_t* out_index = nullptr;
+  float* out_value = nullptr;
+  StepScalars* scalars = nullptr;
+};
+
+// Which instruction set the CPU backend uses. kAuto picks the best one the
+// processor supports at run time.
+enum class CpuIsa : int { kAuto = 0, kScalar = 1, kAvx2 = 2 };
+
+class SparseOps {
+ public:
+  virtual ~SparseOps() = default;
+
+  virtual Device device() const = 0;
+  // Human-readable name of the code path, e.g. "cpu-avx2".
+  virtual const char* name() const = 0;
+
+  // Memory of this device, 64-byte aligned, zero-filled. Returns nullptr when
+  // out of memory. Free(nullptr) is a no-op.
+  virtual void* Allocate(size_t bytes) = 0;
+  virtual void Free(void* ptr) = 0;
+  // Copies between host and device memory; blocks until done.
+  virtual KernelStatus CopyToHost(void* host_dst, const void* src, size_t bytes, void* stream) = 0;
+  virtual KernelStatus CopyToDevice(void* dst, const void* host_src, size_t bytes,
+                                    void* stream) = 0;
+  // Waits until all work queued on `stream` has finished.
+  virtual KernelStatus Synchronize(void* stream) = 0;
+
+  // See FusedSelectArgs.
+  virtual KernelStatus FusedAccumulateSelect(const FusedSelectArgs& args, void* stream) = 0;
+
+  // Selection only: (i, acc[i]) with |acc[i]| >= threshold for i in [begin, end).
+  // scalars->count receives the number selected; nonfinite is not computed.
+  virtual KernelStatus SelectRange(const float* acc, uint64_t begin, uint64_t end,
+                                   float threshold, uint32_t* out_index, float* out_value,
+                                   StepScalars* scalars, void* stream) = 0;
+
+  // Keeps, in place and in order, the pairs with |value| >= threshold.
+  // scalars->count receives the number kept.
+  virtual KernelStatus TrimBelow(uint32_t* index, float* value, uint64_t count, float threshold,
+                                 StepScalars* scalars, void* stream) = 0;
+
+  // Log-scale histogram over |values|: bin b = (bit pattern of |v|) >> shift.
+  // bins[b - first_bin] += 1 for first_bin <= b < first_bin + num_bins;
+  // bins[num_bins] counts the values above the window; values below it are
+  // ignored. `bins` has num_bins + 1 entries and is overwritten.
+  virtual KernelStatus LogHistogram(const float* values, uint64_t count, uint32_t shift,
+                                    uint32_t first_bin, uint32_t num_bins, int64_t* bins,
+                                    void* stream) = 0;
+
+  // out[j] = acc[index[j]] for j in [0, count).
+  virtual KernelStatus Gather(const float* acc, const uint32_t* index, uint64_t count, float* out,
+                              void* stream) = 0;
+
+  // out[0..size) = 0, then out[index[j]] = values[j] / divisor.
+  virtual KernelStatus ScatterAverage(const float* values, const uint32_t* index, uint64_t count,
+                                      float divisor, float* out, uint64_t size, void* stream) = 0;
+
+  // acc[index[j]] = 0 for j in [0, count).
+  virtual KernelStatus ZeroAt(float* acc, const uint32_t* index, uint64_t count, void* stream) = 0;
+
+  // out = inputs[0] + inputs[1] + ... (summed in that order). `inputs` is a
+  // host array of num_inputs device pointers; out may alias inputs[0].
+  // scalars->nonfinite counts non-finite sums (scalars may be null).
+  virtual KernelStatus LocalSum(const float* const* inputs, int num_inputs, uint64_t size,
+                                float* out, StepScalars* scalars, void* stream) = 0;
+
+  // data[i] /= divisor, and scalars->nonfinite counts non-finite inputs (scalars
+  // may be null).
+  virtual KernelStatus Divide(float* data, uint64_t size, float divisor, StepScalars* scalars,
+                              void* stream) = 0;
+
+  // Counts non-finite values of data into scalars->nonfinite.
+  virtual KernelStatus CountNonFinite(const float* data, uint64_t size, StepScalars* scalars,
+                                      void* stream) = 0;
+
+  // Exact top-k by magnitude: writes min(k, size) pairs with the largest
+  // |acc[i]| (ties broken by lower index), in any order; scalars->count
+  // receives the number written.
+  virtual KernelStatus TopK(const float* acc, uint64_t size, uint64_t k, uint32_t* out_index,
+                            float* out_value, StepScalars* scalars, void* stream) = 0;
+
+  // Sorts index[0..count) ascending and removes duplicates in place;
+  // scalars->count receives the number of distinct indices.
+  virtual KernelStatus SortUnique(uint32_t* index, uint64_t count, StepScalars* scalars,
+                                  void* stream) = 0;
+};
+
+// Creates the CPU backend. kAvx2 on a processor without AVX2 returns nullptr.
+std::unique_ptr<SparseOps> CreateCpuSparseOps(CpuIsa isa = CpuIsa::kAuto);
+
+// True when this processor can run the given instruction set.
+bool CpuSupports(CpuIsa isa);
+
+}  // namespace microd::kernels
