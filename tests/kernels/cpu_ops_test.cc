@@ -1,0 +1,366 @@
+// Every CPU kernel against a plain scalar reference written here, for each
+// instruction set this processor runs, over sizes {0, 1, 7, 1000, 1000003}
+// and every partition edge.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/sparse_ops.h"
+
+namespace microd::kernels {
+namespace {
+
+const uint64_t kSizes[] = {0, 1, 7, 1000, 1000003};
+
+uint32_t Bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+
+// Values spanning orders of magnitude, both signs, some exact zeros.
+std::vector<float> RandomValues(uint64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-12, 2);
+  std::vector<float> v(n);
+  for (uint64_t i = 0; i < n; ++i) {
+    v[i] = (i % 97 == 5) ? 0.0f : normal(rng) * std::ldexp(1.0f, exponent(rng));
+  }
+  return v;
+}
+
+// An owned-partition range of each shape a step can produce.
+std::vector<std::pair<uint64_t, uint64_t>> Ranges(uint64_t d) {
+  std::vector<std::pair<uint64_t, uint64_t>> out = {{0, 0}, {0, d}};
+  for (uint64_t n : {2, 3, 4, 7, 1000}) {
+    const uint64_t q = d / n, rem = d % n;
+    for (uint64_t i : {uint64_t{0}, n / 2, n - 1}) {
+      const uint64_t b = i * q + std::min(i, rem);
+      out.push_back({b, b + q + (i < rem ? 1 : 0)});
+    }
+  }
+  if (d > 3) out.push_back({1, d - 1});  // unaligned both ends
+  return out;
+}
+
+using Pairs = std::vector<std::pair<uint32_t, float>>;
+
+Pairs Collect(const uint32_t* idx, const float* val, uint64_t n) {
+  Pairs p;
+  for (uint64_t j = 0; j < n; ++j) p.push_back({idx[j], val[j]});
+  std::sort(p.begin(), p.end(), [](auto& a, auto& b) { return a.first < b.first; });
+  return p;
+}
+
+void ExpectSamePairs(const Pairs& got, const Pairs& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t j = 0; j < got.size(); ++j) {
+    ASSERT_EQ(got[j].first, want[j].first) << "at " << j;
+    ASSERT_EQ(Bits(got[j].second), Bits(want[j].second)) << "index " << got[j].first;
+  }
+}
+
+class CpuOpsTest : public ::testing::TestWithParam<CpuIsa> {
+ protected:
+  void SetUp() override {
+    if (!CpuSupports(GetParam())) GTEST_SKIP() << "this processor lacks the instruction set";
+    ops_ = CreateCpuSparseOps(GetParam());
+    ASSERT_NE(ops_, nullptr);
+  }
+  // A buffer from the backend (aligned, as a step's buffers are).
+  float* Device(const std::vector<float>& host) {
+    float* p = static_cast<float*>(ops_->Allocate(host.size() * sizeof(float)));
+    if (!host.empty()) std::memcpy(p, host.data(), host.size() * sizeof(float));
+    owned_.push_back(p);
+    return p;
+  }
+  void TearDown() override {
+    for (void* p : owned_) ops_->Free(p);
+  }
+  std::unique_ptr<SparseOps> ops_;
+  std::vector<void*> owned_;
+};
+
+TEST_P(CpuOpsTest, FusedAccumulateSelectMatchesReference) {
+  for (uint64_t d : kSizes) {
+    const std::vector<float> g = RandomValues(d, 1 + d);
+    const std::vector<float> e = RandomValues(d, 2 + d);
+    std::vector<float> want_acc(d);
+    for (uint64_t i = 0; i < d; ++i) want_acc[i] = e[i] + g[i];
+    for (auto [b, end] : Ranges(d)) {
+      for (float thr : {0.0f, 1e-3f, 0.5f, std::numeric_limits<float>::infinity()}) {
+        for (bool in_place : {false, true}) {
+          SCOPED_TRACE(testing::Message() << "d=" << d << " range=[" << b << "," << end
+                                          << ") thr=" << thr << " in_place=" << in_place);
+          float* gd = Device(g);
+          float* ed = Device(e);
+          float* acc = in_place ? ed : Device(std::vector<float>(d));
+          std::vector<uint32_t> idx(end - b + 1);
+          std::vector<float> val(end - b + 1);
+          StepScalars s{123, 456};
+          FusedSelectArgs a{gd, ed, acc, d, b, end, thr, idx.data(), val.data(), &s};
+          ASSERT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kOk);
+          EXPECT_EQ(s.nonfinite, 0u);
+          for (uint64_t i = 0; i < d; ++i) ASSERT_EQ(Bits(acc[i]), Bits(want_acc[i])) << i;
+          Pairs want;
+          for (uint64_t i = b; i < end; ++i) {
+            if (std::fabs(want_acc[i]) >= thr) want.push_back({uint32_t(i), want_acc[i]});
+          }
+          ASSERT_EQ(s.count, want.size());
+          ExpectSamePairs(Collect(idx.data(), val.data(), s.count), want);
+        }
+      }
+    }
+  }
+}
+
+TEST_P(CpuOpsTest, FusedPassCountsNonFiniteAndLeavesSeparateResidual) {
+  for (uint64_t d : {uint64_t{1}, uint64_t{7}, uint64_t{1000}, uint64_t{1000003}}) {
+    std::vector<float> g = RandomValues(d, 9);
+    const std::vector<float> e = RandomValues(d, 10);
+    g[d / 2] = std::numeric_limits<float>::quiet_NaN();
+    g[d - 1] = -std::numeric_limits<float>::infinity();
+    float* ed = Device(e);
+    float* acc = Device(std::vector<float>(d));
+    std::vector<uint32_t> idx(d);
+    std::vector<float> val(d);
+    StepScalars s;
+    FusedSelectArgs a{Device(g), ed, acc, d, 0, d, 0.1f, idx.data(), val.data(), &s};
+    ASSERT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kOk);
+    EXPECT_EQ(s.nonfinite, d == 1 ? 1u : 2u) << d;
+    for (uint64_t i = 0; i < d; ++i) ASSERT_EQ(Bits(ed[i]), Bits(e[i]));
+  }
+  // Overflow to infinity counts too.
+  std::vector<float> big(100, 3e38f);
+  StepScalars s;
+  float* acc = Device(std::vector<float>(100));
+  FusedSelectArgs a{Device(big), Device(big), acc, 100, 0, 0, 0, nullptr, nullptr, &s};
+  ASSERT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kOk);
+  EXPECT_EQ(s.nonfinite, 100u);
+}
+
+TEST_P(CpuOpsTest, FusedPassRejectsBadArguments) {
+  std::vector<float> v(16, 1.0f), out(16);
+  std::vector<uint32_t> idx(16);
+  StepScalars s;
+  FusedSelectArgs ok{v.data(), v.data(), out.data(), 16, 0, 16, 0.5f, idx.data(), out.data(), &s};
+  FusedSelectArgs a = ok;
+  a.grad = nullptr;
+  EXPECT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kInvalidArgument);
+  a = ok;
+  a.select_begin = 9;
+  a.select_end = 8;
+  EXPECT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kInvalidArgument);
+  a = ok;
+  a.select_end = 17;
+  EXPECT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kInvalidArgument);
+  a = ok;
+  a.size = kMaxBucketElements + 1;
+  a.select_end = 0;
+  EXPECT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kInvalidArgument);
+  a = ok;
+  a.scalars = nullptr;
+  EXPECT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kInvalidArgument);
+  a = ok;
+  a.out_index = nullptr;
+  EXPECT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kInvalidArgument);
+  a = ok;
+  a.acc = const_cast<float*>(a.grad);
+  EXPECT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kInvalidArgument);
+  EXPECT_EQ(ops_->SelectRange(v.data(), 0, kMaxBucketElements + 1, 0, idx.data(), out.data(), &s,
+                              nullptr),
+            KernelStatus::kInvalidArgument);
+  EXPECT_EQ(ops_->ScatterAverage(v.data(), idx.data(), 1, 1.0f, out.data(),
+                                 kMaxBucketElements + 1, nullptr),
+            KernelStatus::kInvalidArgument);
+  // An index outside the output is refused before anything is written.
+  idx[0] = 16;
+  out.assign(16, 7.0f);
+  EXPECT_EQ(ops_->ScatterAverage(v.data(), idx.data(), 1, 1.0f, out.data(), 16, nullptr),
+            KernelStatus::kInvalidArgument);
+  EXPECT_EQ(out[0], 7.0f);
+}
+
+TEST_P(CpuOpsTest, SelectRangeMatchesReference) {
+  for (uint64_t d : kSizes) {
+    const std::vector<float> acc = RandomValues(d, 3 + d);
+    const float* ad = Device(acc);
+    for (auto [b, end] : Ranges(d)) {
+      for (float thr : {0.0f, 1e-2f, 2.0f}) {
+        std::vector<uint32_t> idx(end - b + 1);
+        std::vector<float> val(end - b + 1);
+        StepScalars s;
+        ASSERT_EQ(ops_->SelectRange(ad, b, end, thr, idx.data(), val.data(), &s, nullptr),
+                  KernelStatus::kOk);
+        Pairs want;
+        for (uint64_t i = b; i < end; ++i) {
+          if (std::fabs(acc[i]) >= thr) want.push_back({uint32_t(i), acc[i]});
+        }
+        ASSERT_EQ(s.count, want.size()) << "d=" << d << " [" << b << "," << end << ")";
+        ExpectSamePairs(Collect(idx.data(), val.data(), s.count), want);
+      }
+    }
+  }
+}
+
+TEST_P(CpuOpsTest, TrimBelowKeepsOrderAndLargeValues) {
+  for (uint64_t n : kSizes) {
+    std::vector<float> val = RandomValues(n, 4);
+    std::vector<uint32_t> idx(n);
+    for (uint64_t j = 0; j < n; ++j) idx[j] = uint32_t(n - j);
+    std::vector<uint32_t> want_idx;
+    std::vector<float> want_val;
+    for (uint64_t j = 0; j < n; ++j) {
+      if (std::fabs(val[j]) >= 0.01f) {
+        want_idx.push_back(idx[j]);
+        want_val.push_back(val[j]);
+      }
+    }
+    StepScalars s;
+    ASSERT_EQ(ops_->TrimBelow(idx.data(), val.data(), n, 0.01f, &s, nullptr), KernelStatus::kOk);
+    ASSERT_EQ(s.count, want_idx.size());
+    for (uint64_t j = 0; j < s.count; ++j) {
+      EXPECT_EQ(idx[j], want_idx[j]);
+      EXPECT_EQ(Bits(val[j]), Bits(want_val[j]));
+    }
+  }
+}
+
+TEST_P(CpuOpsTest, LogHistogramBinsByBitPattern) {
+  for (uint64_t n : kSizes) {
+    const std::vector<float> v = RandomValues(n, 5);
+    for (uint32_t shift : {12u, 20u, 23u}) {
+      const uint32_t first = Bits(1e-3f) >> shift;
+      const uint32_t num = 40;
+      std::vector<int64_t> want(num + 1, 0), got(num + 1, -1);
+      for (float x : v) {
+        const uint32_t b = Bits(std::fabs(x)) >> shift;
+        if (b < first) continue;
+        ++want[std::min<uint64_t>(b - first, num)];
+      }
+      ASSERT_EQ(ops_->LogHistogram(Device(v), n, shift, first, num, got.data(), nullptr),
+                KernelStatus::kOk);
+      EXPECT_EQ(got, want) << "n=" << n << " shift=" << shift;
+    }
+  }
+}
+
+TEST_P(CpuOpsTest, GatherScatterZero) {
+  for (uint64_t d : kSizes) {
+    const std::vector<float> acc = RandomValues(d, 6);
+    std::vector<uint32_t> idx;
+    for (uint64_t i = 0; i < d; i += 3) idx.push_back(uint32_t(i));
+    std::vector<float> gathered(idx.size());
+    ASSERT_EQ(ops_->Gather(acc.data(), idx.data(), idx.size(), gathered.data(), nullptr),
+              KernelStatus::kOk);
+    for (size_t j = 0; j < idx.size(); ++j) ASSERT_EQ(Bits(gathered[j]), Bits(acc[idx[j]]));
+
+    std::vector<float> out(d, 5.0f);
+    ASSERT_EQ(ops_->ScatterAverage(gathered.data(), idx.data(), idx.size(), 3.0f, out.data(), d,
+                                   nullptr),
+              KernelStatus::kOk);
+    for (uint64_t i = 0; i < d; ++i) {
+      const float want = i % 3 == 0 ? acc[i] / 3.0f : 0.0f;
+      ASSERT_EQ(Bits(out[i]), Bits(want)) << i;
+    }
+    std::vector<float> e = acc;
+    ASSERT_EQ(ops_->ZeroAt(e.data(), idx.data(), idx.size(), nullptr), KernelStatus::kOk);
+    for (uint64_t i = 0; i < d; ++i) ASSERT_EQ(Bits(e[i]), Bits(i % 3 == 0 ? 0.0f : acc[i]));
+  }
+}
+
+TEST_P(CpuOpsTest, LocalSumDivideAndNonFinite) {
+  for (uint64_t d : kSizes) {
+    for (int L : {1, 2, 3, 5}) {
+      std::vector<std::vector<float>> in;
+      std::vector<const float*> ptr;
+      for (int l = 0; l < L; ++l) in.push_back(RandomValues(d, 7 + l));
+      for (auto& v : in) ptr.push_back(v.data());
+      std::vector<float> out(d);
+      StepScalars s{0, 99};
+      ASSERT_EQ(ops_->LocalSum(ptr.data(), L, d, out.data(), &s, nullptr), KernelStatus::kOk);
+      EXPECT_EQ(s.nonfinite, 0u);
+      for (uint64_t i = 0; i < d; ++i) {
+        float want = in[0][i];
+        for (int l = 1; l < L; ++l) want += in[l][i];
+        ASSERT_EQ(Bits(out[i]), Bits(want));
+      }
+      std::vector<float> div = out;
+      ASSERT_EQ(ops_->Divide(div.data(), d, 7.0f, nullptr, nullptr), KernelStatus::kOk);
+      for (uint64_t i = 0; i < d; ++i) ASSERT_EQ(Bits(div[i]), Bits(out[i] / 7.0f));
+      // In place into the first input.
+      ASSERT_EQ(ops_->LocalSum(ptr.data(), L, d, in[0].data(), nullptr, nullptr),
+                KernelStatus::kOk);
+      for (uint64_t i = 0; i < d; ++i) ASSERT_EQ(Bits(in[0][i]), Bits(out[i]));
+    }
+    if (d > 0) {
+      std::vector<float> bad = RandomValues(d, 8);
+      bad[d - 1] = std::numeric_limits<float>::infinity();
+      StepScalars s;
+      ASSERT_EQ(ops_->CountNonFinite(bad.data(), d, &s, nullptr), KernelStatus::kOk);
+      EXPECT_EQ(s.nonfinite, 1u);
+    }
+  }
+}
+
+TEST_P(CpuOpsTest, TopKIsExact) {
+  for (uint64_t d : kSizes) {
+    const std::vector<float> acc = RandomValues(d, 11);
+    for (uint64_t k : {uint64_t{1}, uint64_t{5}, d / 100 + 1, d, d + 3}) {
+      std::vector<uint32_t> order(d);
+      for (uint64_t i = 0; i < d; ++i) order[i] = uint32_t(i);
+      std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+        return std::fabs(acc[a]) > std::fabs(acc[b]);
+      });
+      const uint64_t n = std::min(k, d);
+      std::set<uint32_t> want(order.begin(), order.begin() + n);
+      std::vector<uint32_t> idx(n + 1);
+      std::vector<float> val(n + 1);
+      StepScalars s;
+      ASSERT_EQ(ops_->TopK(acc.data(), d, k, idx.data(), val.data(), &s, nullptr),
+                KernelStatus::kOk);
+      ASSERT_EQ(s.count, n);
+      EXPECT_EQ(std::set<uint32_t>(idx.begin(), idx.begin() + n), want) << "d=" << d << " k=" << k;
+      for (uint64_t j = 0; j < n; ++j) EXPECT_EQ(Bits(val[j]), Bits(acc[idx[j]]));
+    }
+  }
+}
+
+TEST_P(CpuOpsTest, SortUnique) {
+  std::vector<uint32_t> v = {9, 3, 3, 0, 9, 7, 0, 4294967295u};
+  StepScalars s;
+  ASSERT_EQ(ops_->SortUnique(v.data(), v.size(), &s, nullptr), KernelStatus::kOk);
+  ASSERT_EQ(s.count, 5u);
+  EXPECT_EQ(std::vector<uint32_t>(v.begin(), v.begin() + 5),
+            (std::vector<uint32_t>{0, 3, 7, 9, 4294967295u}));
+  ASSERT_EQ(ops_->SortUnique(nullptr, 0, &s, nullptr), KernelStatus::kOk);
+  EXPECT_EQ(s.count, 0u);
+}
+
+TEST_P(CpuOpsTest, AllocateIsAlignedAndZeroed) {
+  for (size_t bytes : {size_t{0}, size_t{1}, size_t{4096}, size_t{1} << 20}) {
+    auto* p = static_cast<unsigned char*>(ops_->Allocate(bytes));
+    ASSERT_NE(p, nullptr);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u);
+    for (size_t i = 0; i < bytes; ++i) ASSERT_EQ(p[i], 0);
+    ops_->Free(p);
+  }
+  ops_->Free(nullptr);
+}
+
+INSTANTIATE_TEST_SUITE_P(Isa, CpuOpsTest, ::testing::Values(CpuIsa::kScalar, CpuIsa::kAvx2),
+                         [](const auto& info) {
+                           return info.param == CpuIsa::kScalar ? std::string("Scalar")
+                                                                : std::string("Avx2");
+                         });
+
+}  // namespace
+}  // namespace microd::kernels
