@@ -331,7 +331,7 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
                                                  absl::Time deadline) {
   StepStats stats;
   stats.step = step_;
-  stats.budget = k_;
+  stats.budget = spec_.size;  // dense reduces every element: no compression error
   stats.dense = true;
   const float* inputs[1] = {grad};
   RETURN_IF_ERROR(
@@ -350,7 +350,6 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
   stats.selected = spec_.size;
   stats.sum_of_counts = spec_.size;
   stats.local_selected = spec_.size;
-  stats.cre = std::fabs(static_cast<double>(spec_.size) / static_cast<double>(k_) - 1.0);
   ++step_;
   return stats;
 }

@@ -17,6 +17,12 @@
 namespace microd::kernels {
 namespace {
 
+}  // namespace
+
+void PrintTo(CpuIsa isa, std::ostream* os) { *os << (isa == CpuIsa::kAvx2 ? "avx2" : "scalar"); }
+
+namespace {
+
 const uint64_t kSizes[] = {0, 1, 7, 1000, 1000003};
 
 uint32_t Bits(float x) {

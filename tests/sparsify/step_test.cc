@@ -1,0 +1,378 @@
+// The step of every sparsifier against an independent, straightforward
+// reference of ARCHITECTURE section 1 written here: n in {1, 2, 3, 4, 7},
+// sizes with remainders, 25 steps; updates and residuals must match bit for
+// bit, and the `paper` threshold trajectory exactly.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "daemon/sparsify/bucket.h"
+#include "daemon/transport/inproc/inproc_transport.h"
+#include "gtest/gtest.h"
+#include "kernels/sparse_ops.h"
+
+namespace microd::sparsify {
+namespace {
+
+using Vec = std::vector<float>;
+
+uint32_t Bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+
+void ExpectBitEqual(const Vec& got, const Vec& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_EQ(Bits(got[i]), Bits(want[i])) << what << " differs at " << i << ": " << got[i]
+                                           << " vs " << want[i];
+  }
+}
+
+// Gradients of n nodes at one step: a shared part (so top-k sets overlap)
+// plus per-node noise, with layer-like scale changes along the bucket.
+std::vector<Vec> MakeGrads(int n, uint64_t d, uint64_t t, uint32_t seed) {
+  std::mt19937 shared_rng(seed * 7919 + t);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Vec shared(d);
+  for (auto& x : shared) x = normal(shared_rng);
+  std::vector<Vec> g(n, Vec(d));
+  for (int r = 0; r < n; ++r) {
+    std::mt19937 rng(seed * 104729 + t * 131 + r);
+    for (uint64_t i = 0; i < d; ++i) {
+      const float scale = (i * 5 / std::max<uint64_t>(d, 1)) % 2 ? 0.05f : 0.002f;
+      g[r][i] = scale * (shared[i] + 0.5f * normal(rng));
+    }
+  }
+  return g;
+}
+
+// The reference: state of every node, one step at a time.
+class Reference {
+ public:
+  Reference(int n, int W, uint64_t d, SparsifyOptions o)
+      : n_(n), W_(W), d_(d), o_(o), k_(Budget(o.density, d)), e_(n, Vec(d, 0.0f)) {
+    tau_ = 1.0 / (2.0 * std::sqrt(double(k_)));
+  }
+
+  // Returns the update every node receives. `micro_threshold` is used by
+  // micro when the controller is not `paper`.
+  Vec Step(const std::vector<Vec>& g, float micro_threshold, uint64_t* K_out) {
+    std::vector<Vec> acc(n_, Vec(d_));
+    for (int r = 0; r < n_; ++r) {
+      for (uint64_t i = 0; i < d_; ++i) acc[r][i] = e_[r][i] + g[r][i];
+    }
+    std::vector<uint32_t> I;
+    Vec u(d_, 0.0f);
+    if (o_.sparsifier == SparsifierKind::kDense) {
+      for (uint64_t i = 0; i < d_; ++i) {
+        float s = g[0][i];
+        for (int r = 1; r < n_; ++r) s += g[r][i];
+        u[i] = s / float(W_);
+      }
+      *K_out = d_;
+      return u;
+    }
+    if (o_.sparsifier == SparsifierKind::kMicro) {
+      const float thr = o_.controller == ControllerKind::kPaper ? float(tau_) : micro_threshold;
+      for (int r = 0; r < n_; ++r) {
+        const int p = int((t_ + r) % n_);
+        const uint64_t q = d_ / n_, rem = d_ % n_;
+        const uint64_t begin = p * q + std::min<uint64_t>(p, rem);
+        const uint64_t end = begin + q + (uint64_t(p) < rem ? 1 : 0);
+        for (uint64_t i = begin; i < end; ++i) {
+          if (std::fabs(acc[r][i]) >= thr) I.push_back(uint32_t(i));
+        }
+      }
+    } else {
+      std::set<uint32_t> uni;
+      for (int r = 0; r < n_; ++r) {
+        if (o_.sparsifier == SparsifierKind::kHard) {
+          const float lambda = float(1.0 / (2.0 * std::sqrt(double(k_))));
+          for (uint64_t i = 0; i < d_; ++i) {
+            if (std::fabs(acc[r][i]) >= lambda) uni.insert(uint32_t(i));
+          }
+        } else {
+          std::vector<uint32_t> order(d_);
+          for (uint64_t i = 0; i < d_; ++i) order[i] = uint32_t(i);
+          std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+            return std::fabs(acc[r][a]) > std::fabs(acc[r][b]);
+          });
+          for (uint64_t j = 0; j < std::min(k_, d_); ++j) uni.insert(order[j]);
+        }
+      }
+      I.assign(uni.begin(), uni.end());
+    }
+    for (uint32_t i : I) {
+      float v = acc[0][i];
+      for (int r = 1; r < n_; ++r) v += acc[r][i];
+      u[i] = v / float(W_);
+    }
+    for (int r = 0; r < n_; ++r) {
+      e_[r] = acc[r];
+      for (uint32_t i : I) e_[r][i] = 0.0f;
+    }
+    const uint64_t K = I.size();
+    const double x = double(K) / double(k_);
+    tau_ *= x > 1.1 ? 1.005 : (x > 0.909 ? 1.00125 : 0.995);
+    ++t_;
+    *K_out = K;
+    return u;
+  }
+
+  const Vec& residual(int r) const { return e_[r]; }
+  double tau() const { return tau_; }
+
+ private:
+  const int n_, W_;
+  const uint64_t d_;
+  const SparsifyOptions o_;
+  const uint64_t k_;
+  std::vector<Vec> e_;
+  double tau_;
+  uint64_t t_ = 0;
+};
+
+// n nodes of one bucket over the in-process transport.
+class Cluster {
+ public:
+  Cluster(int n, int W, uint64_t d, const SparsifyOptions& o) : n_(n), d_(d) {
+    ops_ = kernels::CreateCpuSparseOps();
+    group_ = transport::CreateInprocGroup(n);
+    for (int r = 0; r < n; ++r) {
+      auto b = BucketState::Create({"grads.0", d, 3}, {n, r, W}, o, ops_.get());
+      EXPECT_TRUE(b.ok()) << b.status();
+      buckets_.push_back(std::move(b).value());
+    }
+  }
+
+  // One step on every node; returns each node's status.
+  std::vector<absl::Status> Step(const std::vector<Vec>& g, std::vector<Vec>& updates,
+                                 std::vector<StepStats>& stats) {
+    updates.assign(n_, Vec(d_, -1.0f));
+    stats.assign(n_, {});
+    std::vector<absl::Status> status(n_);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n_; ++r) {
+      threads.emplace_back([&, r] {
+        auto s = buckets_[r]->Step(g[r].data(), updates[r].data(), *group_[r],
+                                   absl::Now() + absl::Seconds(30));
+        if (s.ok()) {
+          stats[r] = *s;
+        } else {
+          status[r] = s.status();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    return status;
+  }
+
+  Vec residual(int r) const {
+    const float* e = buckets_[r]->residual();
+    return Vec(e, e + d_);
+  }
+  BucketState& bucket(int r) { return *buckets_[r]; }
+
+ private:
+  const int n_;
+  const uint64_t d_;
+  std::unique_ptr<kernels::SparseOps> ops_;
+  std::vector<std::unique_ptr<transport::Transport>> group_;
+  std::vector<std::unique_ptr<BucketState>> buckets_;
+};
+
+struct Case {
+  SparsifierKind sparsifier;
+  ControllerKind controller;
+};
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << SparsifierName(c.sparsifier) << "/" << ControllerName(c.controller);
+}
+
+class StepTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(StepTest, MatchesReferenceBitForBit) {
+  const Case c = GetParam();
+  for (int n : {1, 2, 3, 4, 7}) {
+    for (uint64_t d : {uint64_t{5}, uint64_t{1003}, uint64_t{20011}}) {
+      for (double density : {0.01, 0.1}) {
+        SCOPED_TRACE(testing::Message() << "n=" << n << " d=" << d << " density=" << density);
+        SparsifyOptions o;
+        o.sparsifier = c.sparsifier;
+        o.controller = c.controller;
+        o.density = density;
+        const int W = 2 * n;  // two training processes per node
+        Cluster cluster(n, W, d, o);
+        Reference ref(n, W, d, o);
+        std::vector<Vec> updates;
+        std::vector<StepStats> stats;
+        for (uint64_t t = 0; t < 25; ++t) {
+          const auto g = MakeGrads(n, d, t, uint32_t(d + n));
+          const double paper_tau = ref.tau();
+          for (const auto& s : cluster.Step(g, updates, stats)) ASSERT_TRUE(s.ok()) << s;
+          uint64_t K = 0;
+          const Vec want = ref.Step(g, float(stats[0].threshold), &K);
+          for (int r = 0; r < n; ++r) {
+            ExpectBitEqual(updates[r], want, "update of node " + std::to_string(r));
+            if (c.sparsifier != SparsifierKind::kDense) {
+              ExpectBitEqual(cluster.residual(r), ref.residual(r),
+                             "residual of node " + std::to_string(r));
+            }
+            ASSERT_EQ(stats[r].step, t);
+            ASSERT_EQ(stats[r].selected, K);
+            ASSERT_EQ(stats[r].threshold, stats[0].threshold);
+          }
+          if (c.sparsifier == SparsifierKind::kMicro) {
+            // No build-up: the node sets are disjoint, K is the sum of the counts.
+            ASSERT_EQ(stats[0].sum_of_counts, K);
+            if (c.controller == ControllerKind::kPaper) {
+              ASSERT_EQ(stats[0].threshold, double(float(paper_tau)));
+              ASSERT_EQ(cluster.bucket(0).pass_threshold(), float(ref.tau()));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sparsifiers, StepTest,
+    ::testing::Values(Case{SparsifierKind::kMicro, ControllerKind::kPaper},
+                      Case{SparsifierKind::kMicro, ControllerKind::kHistogram},
+                      Case{SparsifierKind::kTopK, ControllerKind::kHistogram},
+                      Case{SparsifierKind::kHard, ControllerKind::kHistogram},
+                      Case{SparsifierKind::kDense, ControllerKind::kHistogram}),
+    [](const auto& info) {
+      return std::string(SparsifierName(info.param.sparsifier)) + "_" +
+             ControllerName(info.param.controller);
+    });
+
+TEST(StepBuildUp, TopKAndHardBuildUpMicroDoesNot) {
+  const int n = 4;
+  const uint64_t d = 40000;
+  for (SparsifierKind kind : {SparsifierKind::kTopK, SparsifierKind::kHard, SparsifierKind::kMicro}) {
+    SparsifyOptions o;
+    o.sparsifier = kind;
+    o.density = 0.01;
+    Cluster cluster(n, n, d, o);
+    std::vector<Vec> updates;
+    std::vector<StepStats> stats;
+    uint64_t overlap_steps = 0;
+    for (uint64_t t = 0; t < 10; ++t) {
+      for (const auto& s : cluster.Step(MakeGrads(n, d, t, 5), updates, stats)) {
+        ASSERT_TRUE(s.ok()) << s;
+      }
+      ASSERT_GE(stats[0].sum_of_counts, stats[0].selected);
+      overlap_steps += stats[0].sum_of_counts > stats[0].selected;
+      if (kind == SparsifierKind::kTopK) {
+        ASSERT_GT(stats[0].selected, stats[0].budget);  // the union exceeds k
+        ASSERT_LE(stats[0].selected, n * stats[0].budget);
+      }
+    }
+    if (kind == SparsifierKind::kMicro) {
+      EXPECT_EQ(overlap_steps, 0u);
+    } else {
+      EXPECT_EQ(overlap_steps, 10u) << SparsifierName(kind);
+    }
+  }
+}
+
+TEST(StepBadInput, InvalidConfigurationIsRefused) {
+  auto ops = kernels::CreateCpuSparseOps();
+  SparsifyOptions o;
+  const JobShape job{4, 0, 4};
+  for (double density : {0.0, -0.5, 1.5, std::nan("")}) {
+    o.density = density;
+    auto b = BucketState::Create({"b", 100, 0}, job, o, ops.get());
+    ASSERT_FALSE(b.ok());
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(b.status().message(), "density")) << b.status();
+  }
+  o.density = 1.0;
+  EXPECT_TRUE(BucketState::Create({"b", 100, 0}, job, o, ops.get()).ok());
+  o.density = 0.01;
+  for (JobShape bad : {JobShape{0, 0, 1}, JobShape{4, 4, 4}, JobShape{4, -1, 4}, JobShape{4, 0, 3}}) {
+    auto b = BucketState::Create({"b", 100, 0}, bad, o, ops.get());
+    ASSERT_FALSE(b.ok());
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument) << b.status();
+  }
+  auto huge = BucketState::Create({"huge", uint64_t{1} << 32, 0}, job, o, ops.get());
+  ASSERT_FALSE(huge.ok());
+  EXPECT_TRUE(absl::StrContains(huge.status().message(), "2^32")) << huge.status();
+  EXPECT_TRUE(absl::StrContains(huge.status().message(), "huge")) << huge.status();
+  EXPECT_FALSE(BucketState::Create({"empty", 0, 0}, job, o, ops.get()).ok());
+  EXPECT_FALSE(BucketState::Create({"", 10, 0}, job, o, ops.get()).ok());
+  EXPECT_TRUE(BucketState::Create({"max", kernels::kMaxBucketElements, 0}, job,
+                                  SparsifyOptions{SparsifierKind::kDense}, ops.get())
+                  .ok());
+}
+
+TEST(StepBadInput, TransportOfAnotherShapeIsRefused) {
+  auto ops = kernels::CreateCpuSparseOps();
+  auto group = transport::CreateInprocGroup(1);
+  auto b = BucketState::Create({"b", 10, 0}, {2, 0, 2}, SparsifyOptions{}, ops.get());
+  ASSERT_TRUE(b.ok());
+  Vec g(10, 1.0f), u(10);
+  auto s = (*b)->Step(g.data(), u.data(), *group[0], absl::Now() + absl::Seconds(5));
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*b)->step(), 0u);
+}
+
+// A NaN or Inf on one node fails the step on every node, names the bucket and
+// the node, and changes no state: the next good step continues as if the bad
+// one never happened.
+TEST_P(StepTest, NonFiniteGradientFailsEveryNodeAndChangesNothing) {
+  const Case c = GetParam();
+  const int n = 3;
+  const uint64_t d = 3001;
+  SparsifyOptions o;
+  o.sparsifier = c.sparsifier;
+  o.controller = c.controller;
+  o.density = 0.01;
+  Cluster cluster(n, n, d, o);
+  Reference ref(n, n, d, o);
+  std::vector<Vec> updates;
+  std::vector<StepStats> stats;
+  for (uint64_t t = 0; t < 8; ++t) {
+    const auto g = MakeGrads(n, d, t, 77);
+    if (t == 3 || t == 5) {
+      auto bad = g;
+      bad[1][d / 2] = t == 3 ? std::numeric_limits<float>::quiet_NaN()
+                             : std::numeric_limits<float>::infinity();
+      std::vector<Vec> before;
+      if (c.sparsifier != SparsifierKind::kDense) {
+        for (int r = 0; r < n; ++r) before.push_back(cluster.residual(r));
+      }
+      const double threshold_before = cluster.bucket(0).pass_threshold();
+      const auto status = cluster.Step(bad, updates, stats);
+      for (int r = 0; r < n; ++r) {
+        ASSERT_FALSE(status[r].ok()) << "node " << r;
+        EXPECT_EQ(status[r].code(), absl::StatusCode::kInvalidArgument);
+        EXPECT_TRUE(absl::StrContains(status[r].message(), "grads.0")) << status[r];
+        EXPECT_TRUE(absl::StrContains(status[r].message(), "node 1")) << status[r];
+        if (c.sparsifier != SparsifierKind::kDense) {
+          ExpectBitEqual(cluster.residual(r), before[r], "residual after a failed step");
+        }
+        EXPECT_EQ(cluster.bucket(r).step(), t);
+      }
+      EXPECT_EQ(cluster.bucket(0).pass_threshold(), threshold_before);
+    }
+    for (const auto& s : cluster.Step(g, updates, stats)) ASSERT_TRUE(s.ok()) << s;
+    uint64_t K;
+    const Vec want = ref.Step(g, float(stats[0].threshold), &K);
+    for (int r = 0; r < n; ++r) ExpectBitEqual(updates[r], want, "update after recovery");
+  }
+}
+
+}  // namespace
+}  // namespace microd::sparsify

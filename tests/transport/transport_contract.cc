@@ -1,0 +1,166 @@
+#include "tests/transport/transport_contract.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <numeric>
+
+#include "absl/time/clock.h"
+
+namespace microd::transport::testing {
+namespace {
+
+const int kRanks[] = {1, 2, 3, 4, 7};
+const size_t kCounts[] = {0, 1, 17, 100003};
+
+CollectiveOptions Opts(uint32_t tag, absl::Duration timeout = absl::Seconds(30)) {
+  CollectiveOptions o;
+  o.tag = tag;
+  o.deadline = absl::Now() + timeout;
+  return o;
+}
+
+TEST_P(TransportContractTest, AllgatherFixed) {
+  for (int n : kRanks) {
+    auto group = GetParam().create(n);
+    ASSERT_EQ(group.size(), size_t(n));
+    for (size_t count : kCounts) {
+      RunRanks(group, [&](int r, Transport& t) {
+        EXPECT_EQ(t.rank(), r);
+        EXPECT_EQ(t.size(), n);
+        std::vector<uint32_t> in(count);
+        for (size_t i = 0; i < count; ++i) in[i] = uint32_t(r * 1000003 + i);
+        std::vector<uint32_t> out(count * n, 0xFFFFFFFF);
+        ASSERT_TRUE(t.Allgather(in.data(), count * 4, out.data(), Opts(1)).ok());
+        for (int q = 0; q < n; ++q) {
+          for (size_t i = 0; i < count; ++i) ASSERT_EQ(out[q * count + i], uint32_t(q * 1000003 + i));
+        }
+      });
+    }
+  }
+}
+
+TEST_P(TransportContractTest, AllgatherVUnequalCounts) {
+  for (int n : kRanks) {
+    auto group = GetParam().create(n);
+    for (size_t base : kCounts) {
+      std::vector<size_t> bytes(n);
+      // Unequal and some empty contributions, as per-node selections are.
+      for (int q = 0; q < n; ++q) bytes[q] = 4 * ((q % 3 == 1) ? 0 : base + q * (base % 7 + 1));
+      const size_t total = std::accumulate(bytes.begin(), bytes.end(), size_t{0});
+      RunRanks(group, [&](int r, Transport& t) {
+        std::vector<uint32_t> in(bytes[r] / 4);
+        for (size_t i = 0; i < in.size(); ++i) in[i] = uint32_t(r << 24 | i);
+        std::vector<uint32_t> out(total / 4 + 1);
+        ASSERT_TRUE(t.AllgatherV(in.data(), bytes, out.data(), Opts(2)).ok());
+        size_t off = 0;
+        for (int q = 0; q < n; ++q) {
+          for (size_t i = 0; i < bytes[q] / 4; ++i) ASSERT_EQ(out[off + i], uint32_t(q << 24 | i));
+          off += bytes[q] / 4;
+        }
+      });
+    }
+  }
+}
+
+TEST_P(TransportContractTest, AllreduceSumAllTypesIdenticalOnEveryRank) {
+  for (int n : kRanks) {
+    auto group = GetParam().create(n);
+    for (size_t count : kCounts) {
+      std::vector<std::vector<float>> results(n);
+      RunRanks(group, [&](int r, Transport& t) {
+        std::vector<float> f(count);
+        std::vector<int32_t> i32(count);
+        std::vector<int64_t> i64(count);
+        for (size_t i = 0; i < count; ++i) {
+          f[i] = 0.1f * float(r + 1) + 1e-7f * float(i);
+          i32[i] = int32_t(r + i);
+          i64[i] = (int64_t(1) << 40) + r;
+        }
+        ASSERT_TRUE(t.AllreduceSum(f.data(), count, DataType::kFloat32, Opts(3)).ok());
+        ASSERT_TRUE(t.AllreduceSum(i32.data(), count, DataType::kInt32, Opts(4)).ok());
+        ASSERT_TRUE(t.AllreduceSum(i64.data(), count, DataType::kInt64, Opts(5)).ok());
+        for (size_t i = 0; i < count; ++i) {
+          float want = 0;
+          for (int q = 0; q < n; ++q) want += 0.1f * float(q + 1) + 1e-7f * float(i);
+          ASSERT_NEAR(f[i], want, 1e-5f * n);
+          ASSERT_EQ(i32[i], int32_t(n * i + n * (n - 1) / 2));
+          ASSERT_EQ(i64[i], n * (int64_t(1) << 40) + n * (n - 1) / 2);
+        }
+        results[r] = f;
+      });
+      for (int q = 1; q < n; ++q) {
+        ASSERT_EQ(0, std::memcmp(results[q].data(), results[0].data(), count * 4));
+      }
+    }
+  }
+}
+
+TEST_P(TransportContractTest, BarrierAndManyCollectivesInOrder) {
+  for (int n : kRanks) {
+    auto group = GetParam().create(n);
+    RunRanks(group, [&](int r, Transport& t) {
+      for (int i = 0; i < 200; ++i) {
+        ASSERT_TRUE(t.Barrier(Opts(6)).ok());
+        int64_t v = r;
+        ASSERT_TRUE(t.AllreduceSum(&v, 1, DataType::kInt64, Opts(7)).ok());
+        ASSERT_EQ(v, n * (n - 1) / 2);
+      }
+    });
+  }
+}
+
+TEST_P(TransportContractTest, MissingRankFailsEveryoneByTheDeadline) {
+  for (int n : {2, 4}) {
+    auto group = GetParam().create(n);
+    std::atomic<int> failed{0};
+    const auto start = std::chrono::steady_clock::now();
+    RunRanks(group, [&](int r, Transport& t) {
+      if (r == n - 1) return;  // never calls
+      int64_t v = 1;
+      absl::Status s = t.AllreduceSum(&v, 1, DataType::kInt64, Opts(8, absl::Milliseconds(300)));
+      EXPECT_FALSE(s.ok());
+      failed += !s.ok();
+      // Broken afterwards: later calls fail at once.
+      EXPECT_FALSE(t.Barrier(Opts(9, absl::Seconds(30))).ok());
+    });
+    EXPECT_EQ(failed.load(), n - 1);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  }
+}
+
+TEST_P(TransportContractTest, MismatchedCollectivesAreAnError) {
+  auto group = GetParam().create(3);
+  RunRanks(group, [&](int r, Transport& t) {
+    int64_t v = 1;
+    absl::Status s = r == 1 ? t.Barrier(Opts(10, absl::Seconds(5)))
+                            : t.AllreduceSum(&v, 1, DataType::kInt64, Opts(10, absl::Seconds(5)));
+    EXPECT_FALSE(s.ok()) << "rank " << r;
+  });
+}
+
+TEST_P(TransportContractTest, AbortEndsPendingCalls) {
+  auto group = GetParam().create(3);
+  RunRanks(group, [&](int r, Transport& t) {
+    if (r == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      t.Abort(absl::CancelledError("test abort"));
+      return;
+    }
+    absl::Status s = t.Barrier(Opts(11, absl::Seconds(30)));
+    EXPECT_FALSE(s.ok());
+  });
+}
+
+TEST_P(TransportContractTest, NullBuffersAreRefused) {
+  auto group = GetParam().create(1);
+  Transport& t = *group[0];
+  EXPECT_EQ(t.AllreduceSum(nullptr, 4, DataType::kFloat32, Opts(12)).code(),
+            absl::StatusCode::kInvalidArgument);
+  const size_t wrong_len[] = {4, 4};
+  uint32_t x = 0, y[2];
+  EXPECT_EQ(t.AllgatherV(&x, wrong_len, y, Opts(13)).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace microd::transport::testing

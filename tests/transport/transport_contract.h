@@ -1,0 +1,38 @@
+// The transport contract suite, written once and instantiated per backend
+// (in-process now; Gloo and NCCL register their own factory). One thread per
+// rank; sizes {0, 1, odd, large}; ranks {1, 2, 3, 4, 7}.
+#pragma once
+
+#include <functional>
+#include <ostream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "daemon/transport/transport.h"
+#include "gtest/gtest.h"
+
+namespace microd::transport::testing {
+
+struct TransportBackend {
+  std::string name;
+  // Creates a connected group of `size` endpoints, rank i at index i.
+  std::function<std::vector<std::unique_ptr<Transport>>(int size)> create;
+};
+
+inline void PrintTo(const TransportBackend& b, std::ostream* os) { *os << b.name; }
+
+// Runs body(rank, transport) on one thread per rank and joins them.
+inline void RunRanks(std::vector<std::unique_ptr<Transport>>& group,
+                     const std::function<void(int, Transport&)>& body) {
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < group.size(); ++r) {
+    threads.emplace_back([&, r] { body(static_cast<int>(r), *group[r]); });
+  }
+  for (auto& t : threads) t.join();
+}
+
+class TransportContractTest : public ::testing::TestWithParam<TransportBackend> {};
+
+}  // namespace microd::transport::testing
