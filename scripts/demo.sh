@@ -9,7 +9,7 @@ mkdir -p results
 for density in 0.01 0.001; do
   echo
   echo "### MiCRO, 4 nodes, d = 1,000,000, density $density: controller 'hist' (ours) vs 'paper'"
-  "$SIM" --nodes=4 --size=1000000 --density="$density" --steps=300 --every=25 \
+  "$SIM" --nodes=4 --size=1000000 --density="$density" --steps=600 --every=50 \
     --controller=hist,paper --json="results/sim-density-$density.json"
 done
 echo

@@ -16,8 +16,8 @@ struct SyntheticOptions {
   uint64_t size = 1 << 20;
   int num_layers = 16;
   uint64_t seed = 1;
-  double min_scale = 1e-6;   // smallest layer scale
-  double max_scale = 1e-2;   // largest layer scale (gradients are small)
+  double min_scale = 3e-7;   // smallest layer scale
+  double max_scale = 3e-3;   // largest layer scale (gradients are small)
   double step_noise = 0.25;  // sigma of the per-step log magnitude, shared by all layers
   double layer_noise = 0.2;  // sigma of the per-step log magnitude of each layer
   double drift = 0.02;       // sigma of the random walk of each layer's log scale

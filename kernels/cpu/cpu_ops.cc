@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+
+#include <sys/mman.h>
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.h"
@@ -29,9 +31,16 @@ class CpuSparseOps final : public SparseOps {
   const char* name() const override { return isa_ == CpuIsa::kAvx2 ? "cpu-avx2" : "cpu-scalar"; }
 
   void* Allocate(size_t bytes) override {
-    const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
-    void* p = std::aligned_alloc(64, rounded);
-    if (p != nullptr) std::memset(p, 0, rounded);
+    // Large buffers (residuals, updates) are streamed through once per step:
+    // back them with huge pages where the kernel allows it, so the passes are
+    // not slowed by TLB misses.
+    constexpr size_t kHuge = size_t{2} << 20;
+    const size_t align = bytes >= 2 * kHuge ? kHuge : 64;
+    const size_t rounded = (std::max<size_t>(bytes, 1) + align - 1) / align * align;
+    void* p = std::aligned_alloc(align, rounded);
+    if (p == nullptr) return nullptr;
+    if (align == kHuge) madvise(p, rounded, MADV_HUGEPAGE);  // advice only: failure is harmless
+    std::memset(p, 0, rounded);
     return p;
   }
   void Free(void* ptr) override { std::free(ptr); }
