@@ -108,8 +108,8 @@ int main(int argc, char** argv) {
               ops->name(), reps);
 
   std::vector<Row> rows;
-  std::string json = absl::StrFormat("{\"size\":%d,\"nodes\":%d,\"isa\":\"%s\",\"results\":[",
-                                     d, n, ops->name());
+  std::string json =
+      absl::StrFormat("{\"size\":%d,\"nodes\":%d,\"isa\":\"%s\",\"results\":[", d, n, ops->name());
   bool first_json = true;
   for (double density : {0.01, 0.001}) {
     const uint64_t k = microd::sparsify::Budget(density, d);
@@ -119,12 +119,11 @@ int main(int argc, char** argv) {
     const float thr_4k = KthMagnitude(acc, part.begin, part.end, 4 * k / n);
 
     auto fused = [&](microd::kernels::SparseOps* o, float thr, float* out) {
-      microd::kernels::FusedSelectArgs a{g,          e,          out,        d,        part.begin,
-                                         part.end,   thr,        idx.data(), val.data(), &scalars};
+      microd::kernels::FusedSelectArgs a{g,        e,   out,        d,          part.begin,
+                                         part.end, thr, idx.data(), val.data(), &scalars};
       o->FusedAccumulateSelect(a, nullptr);
     };
-    std::vector<double> t_floor, t_floor_plain, t_fused_k, t_fused_4k, t_fused_inplace,
-        t_scalar;
+    std::vector<double> t_floor, t_floor_plain, t_fused_k, t_fused_4k, t_fused_inplace, t_scalar;
     uint64_t selected_k = 0, selected_4k = 0;
     for (int r = 0; r < reps + 1; ++r) {  // first round warms up
       const bool keep = r > 0;
@@ -149,9 +148,8 @@ int main(int argc, char** argv) {
       std::vector<uint32_t> tidx(k);
       std::vector<float> tval(k);
       for (int r = 0; r < topk_reps; ++r) {
-        t_topk.push_back(TimeMs([&] {
-          ops->TopK(acc, d, k, tidx.data(), tval.data(), &scalars, nullptr);
-        }));
+        t_topk.push_back(
+            TimeMs([&] { ops->TopK(acc, d, k, tidx.data(), tval.data(), &scalars, nullptr); }));
       }
     }
     const double floor_ms = Median(t_floor);
@@ -171,16 +169,16 @@ int main(int argc, char** argv) {
                     Median(t_fused_inplace) / floor_ms, ""});
     rows.push_back({"fused pass, scalar code path", Median(t_scalar), "floor",
                     Median(t_scalar) / floor_ms, ""});
-    rows.push_back({absl::StrFormat("exact top-k (nth_element), k=%llu",
-                                    static_cast<unsigned long long>(k)),
-                    topk, "fused", topk / fused_k, ">= 15x"});
+    rows.push_back(
+        {absl::StrFormat("exact top-k (nth_element), k=%llu", static_cast<unsigned long long>(k)),
+         topk, "fused", topk / fused_k, ">= 15x"});
 
     std::printf("\n-- density %s (k = %llu)%s\n", dens.c_str(), static_cast<unsigned long long>(k),
                 avx2 ? "" : " [no AVX2: scalar path]");
     std::printf("%-46s %10s %8s %10s %10s\n", "pass", "ms", "vs", "ratio", "target");
     for (const Row& row : rows) {
-      std::printf("%-46s %10.2f %8s %9.2fx %10s\n", row.name.c_str(), row.ms,
-                  row.baseline.c_str(), row.ratio, row.target.c_str());
+      std::printf("%-46s %10.2f %8s %9.2fx %10s\n", row.name.c_str(), row.ms, row.baseline.c_str(),
+                  row.ratio, row.target.c_str());
       absl::StrAppendFormat(&json,
                             "%s{\"density\":%g,\"pass\":\"%s\",\"ms\":%.4f,\"baseline\":\"%s\","
                             "\"ratio\":%.4f,\"target\":\"%s\"}",

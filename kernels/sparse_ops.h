@@ -90,9 +90,9 @@ class SparseOps {
 
   // Selection only: (i, acc[i]) with |acc[i]| >= threshold for i in [begin, end).
   // scalars->count receives the number selected; nonfinite is not computed.
-  virtual KernelStatus SelectRange(const float* acc, uint64_t begin, uint64_t end,
-                                   float threshold, uint32_t* out_index, float* out_value,
-                                   StepScalars* scalars, void* stream) = 0;
+  virtual KernelStatus SelectRange(const float* acc, uint64_t begin, uint64_t end, float threshold,
+                                   uint32_t* out_index, float* out_value, StepScalars* scalars,
+                                   void* stream) = 0;
 
   // Keeps, in place and in order, the pairs with |value| >= threshold.
   // scalars->count receives the number kept.

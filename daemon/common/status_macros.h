@@ -9,9 +9,9 @@
 #define MICROD_CONCAT_(a, b) MICROD_CONCAT_INNER_(a, b)
 
 // Returns from the current function when `expr` is not OK.
-#define RETURN_IF_ERROR(expr)                      \
-  do {                                             \
-    ::absl::Status microd_status_ = (expr);        \
+#define RETURN_IF_ERROR(expr)                        \
+  do {                                               \
+    ::absl::Status microd_status_ = (expr);          \
     if (!microd_status_.ok()) return microd_status_; \
   } while (0)
 

@@ -112,9 +112,8 @@ int main(int argc, char** argv) {
       run.options = base;
       run.options.sparsify.sparsifier = *sparsifier;
       run.options.sparsify.controller = *controller;
-      run.label = *sparsifier == microd::sparsify::SparsifierKind::kMicro
-                      ? absl::StrCat(sp, "/", c)
-                      : std::string(sp);
+      run.label = *sparsifier == microd::sparsify::SparsifierKind::kMicro ? absl::StrCat(sp, "/", c)
+                                                                          : std::string(sp);
       runs.push_back(run);
     }
   }
@@ -132,8 +131,8 @@ int main(int argc, char** argv) {
     run.result = *result;
     const SimResult& s = run.result;
     if (every > 0) {
-      std::fprintf(text, "%6s %10s %8s %8s %12s %14s %7s\n", "step", "K", "K/k", "CRE",
-                   "threshold", "bytes/node", "rescan");
+      std::fprintf(text, "%6s %10s %8s %8s %12s %14s %7s\n", "step", "K", "K/k", "CRE", "threshold",
+                   "bytes/node", "rescan");
       for (const auto& st : s.steps) {
         if (st.step % every != 0 && st.step + 1 != s.steps.size()) continue;
         std::fprintf(text, "%6llu %10llu %8.3f %7.2f%% %12.4g %14.0f %7d\n",
@@ -145,7 +144,8 @@ int main(int argc, char** argv) {
     }
   }
 
-  std::fprintf(text, "\nSummary (k = %llu per step)\n", static_cast<unsigned long long>(runs[0].result.budget));
+  std::fprintf(text, "\nSummary (k = %llu per step)\n",
+               static_cast<unsigned long long>(runs[0].result.budget));
   std::fprintf(text, "%-14s %12s %12s %10s %12s %10s %14s %12s\n", "run", "CRE from t=2",
                "CRE 2nd half", "in +-10%", "first <=10%", "density", "bytes/node", "vs dense");
   for (const Run& run : runs) {

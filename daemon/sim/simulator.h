@@ -28,9 +28,9 @@ struct SimStep {
   uint64_t max_count = 0;      // max_r |I_r|
   double cre = 0;
   double threshold = 0;
-  double bytes_per_node = 0;   // mean payload bytes a node sent
+  double bytes_per_node = 0;  // mean payload bytes a node sent
   int rescans = 0;
-  double seconds = 0;          // wall time of the step (slowest node)
+  double seconds = 0;  // wall time of the step (slowest node)
 };
 
 struct SimResult {
@@ -44,8 +44,8 @@ struct SimResult {
   double within_10pct = 0;
   // First step t with CRE <= 10 %, or -1 if none.
   int64_t first_within_10pct = -1;
-  double mean_density = 0;        // mean K / d
-  double mean_bytes_per_node = 0; // mean payload bytes per node per step
+  double mean_density = 0;          // mean K / d
+  double mean_bytes_per_node = 0;   // mean payload bytes per node per step
   double dense_bytes_per_node = 0;  // what a dense allreduce would hand over: 4 d
   // Largest residual magnitude at the end, over all nodes (stability check).
   double max_residual = 0;

@@ -30,7 +30,8 @@ double Normal(uint64_t& state) {
 SyntheticGradients::SyntheticGradients(const SyntheticOptions& options, int node)
     : options_(options),
       shared_state_(options.seed * 0x2545F4914F6CDD1Dull + 17),
-      node_state_((options.seed + 1) * 0x9E3779B97F4A7C15ull ^ (static_cast<uint64_t>(node) << 32)) {
+      node_state_((options.seed + 1) * 0x9E3779B97F4A7C15ull ^
+                  (static_cast<uint64_t>(node) << 32)) {
   const int layers = std::max(1, options_.num_layers);
   // Layer sizes: random proportions, so partitions cut across layers.
   std::vector<double> weight(layers);

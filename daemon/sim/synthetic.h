@@ -37,12 +37,12 @@ class SyntheticGradients {
 
  private:
   SyntheticOptions options_;
-  std::vector<uint64_t> layer_end_;     // exclusive end of each layer
-  std::vector<double> log_scale_;       // current log scale of each layer
-  std::vector<float> direction_;        // persistent per-element mean
-  std::vector<float> tail_table_;       // Student-t(3) samples, unit scale
-  uint64_t shared_state_;               // RNG shared by all nodes (scales)
-  uint64_t node_state_;                 // this node's RNG (element noise)
+  std::vector<uint64_t> layer_end_;  // exclusive end of each layer
+  std::vector<double> log_scale_;    // current log scale of each layer
+  std::vector<float> direction_;     // persistent per-element mean
+  std::vector<float> tail_table_;    // Student-t(3) samples, unit scale
+  uint64_t shared_state_;            // RNG shared by all nodes (scales)
+  uint64_t node_state_;              // this node's RNG (element noise)
   uint64_t step_ = 0;
 };
 

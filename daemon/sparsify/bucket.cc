@@ -109,8 +109,8 @@ absl::Status BucketState::Allocate() {
 absl::Status BucketState::Check(KernelStatus status, const char* what) const {
   if (status == KernelStatus::kOk) return absl::OkStatus();
   return absl::InternalError(absl::StrCat("bucket '", spec_.name, "': ", what, " kernel failed (",
-                                          ops_->name(), "): ",
-                                          kernels::KernelStatusString(status)));
+                                          ops_->name(),
+                                          "): ", kernels::KernelStatusString(status)));
 }
 
 absl::StatusOr<kernels::StepScalars> BucketState::ReadScalars() const {
@@ -158,9 +158,9 @@ absl::StatusOr<std::vector<BucketState::Header>> BucketState::ExchangeHeaders(
     }
   }
   if (!bad.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "bucket '", spec_.name, "' step ", step_, ": NaN or Inf in the gradient on ",
-        absl::StrJoin(bad, ", "), "; step skipped, residual unchanged"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("bucket '", spec_.name, "' step ", step_, ": NaN or Inf in the gradient on ",
+                     absl::StrJoin(bad, ", "), "; step skipped, residual unchanged"));
   }
   return headers;
 }
@@ -197,15 +197,16 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, float* acc, float* update,
     return absl::ResourceExhaustedError(
         absl::StrCat("bucket '", spec_.name, "': out of memory for ", K, " values"));
   }
-  RETURN_IF_ERROR(Check(ops_->Gather(acc, global_index_.get(), K, values_.get(), stream_), "gather"));
+  RETURN_IF_ERROR(
+      Check(ops_->Gather(acc, global_index_.get(), K, values_.get(), stream_), "gather"));
   CollectiveOptions o = options;
   o.tag = MakeTag(spec_.slot, TagKind::kValues);
   stats.bytes_sent += K * sizeof(float);
   RETURN_IF_ERROR(transport.AllreduceSum(values_.get(), K, DataType::kFloat32, o));
-  RETURN_IF_ERROR(Check(ops_->ScatterAverage(values_.get(), global_index_.get(), K,
-                                             static_cast<float>(job_.world_size), update,
-                                             spec_.size, stream_),
-                        "scatter"));
+  RETURN_IF_ERROR(
+      Check(ops_->ScatterAverage(values_.get(), global_index_.get(), K,
+                                 static_cast<float>(job_.world_size), update, spec_.size, stream_),
+            "scatter"));
   RETURN_IF_ERROR(Check(ops_->ZeroAt(acc, global_index_.get(), K, stream_), "zeroing"));
   stats.selected = K;
   stats.cre = std::fabs(static_cast<double>(K) / static_cast<double>(k_) - 1.0);
@@ -282,9 +283,9 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
   stats.step = step_;
   stats.budget = k_;
   const bool hard = options_.sparsifier == SparsifierKind::kHard;
-  const float lambda = static_cast<float>(
-      options_.hard_threshold > 0 ? options_.hard_threshold
-                                  : 1.0 / (2.0 * std::sqrt(static_cast<double>(k_))));
+  const float lambda = static_cast<float>(options_.hard_threshold > 0
+                                              ? options_.hard_threshold
+                                              : 1.0 / (2.0 * std::sqrt(static_cast<double>(k_))));
   float* acc = residual_[1 - current_].get();
 
   kernels::FusedSelectArgs args;
@@ -312,13 +313,13 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
   CollectiveOptions options;
   options.deadline = deadline;
   options.tag = MakeTag(spec_.slot, TagKind::kHeader);
-  ASSIGN_OR_RETURN(const std::vector<Header> headers,
-                   ExchangeHeaders({nonfinite == 0 ? scalars.count : 0, nonfinite}, transport,
-                                   options, stats));
+  ASSIGN_OR_RETURN(
+      const std::vector<Header> headers,
+      ExchangeHeaders({nonfinite == 0 ? scalars.count : 0, nonfinite}, transport, options, stats));
   ASSIGN_OR_RETURN(const uint64_t total, GatherIndices(headers, transport, options, stats));
   // The union of every node's indices: overlaps build up to n * k.
-  RETURN_IF_ERROR(Check(ops_->SortUnique(global_index_.get(), total, scalars_.get(), stream_),
-                        "union"));
+  RETURN_IF_ERROR(
+      Check(ops_->SortUnique(global_index_.get(), total, scalars_.get(), stream_), "union"));
   ASSIGN_OR_RETURN(scalars, ReadScalars());
   RETURN_IF_ERROR(ReduceAndApply(scalars.count, acc, update, transport, options, stats));
   current_ = 1 - current_;
@@ -344,9 +345,9 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
   options.tag = MakeTag(spec_.slot, TagKind::kDense);
   stats.bytes_sent += spec_.size * sizeof(float);
   RETURN_IF_ERROR(transport.AllreduceSum(update, spec_.size, DataType::kFloat32, options));
-  RETURN_IF_ERROR(Check(ops_->Divide(update, spec_.size, static_cast<float>(job_.world_size),
-                                     nullptr, stream_),
-                        "divide"));
+  RETURN_IF_ERROR(
+      Check(ops_->Divide(update, spec_.size, static_cast<float>(job_.world_size), nullptr, stream_),
+            "divide"));
   stats.selected = spec_.size;
   stats.sum_of_counts = spec_.size;
   stats.local_selected = spec_.size;

@@ -32,10 +32,10 @@ struct StepStats {
   uint64_t local_selected = 0;  // |I_r|
   uint64_t sum_of_counts = 0;   // sum over nodes of |I_r| (> K means build-up)
   std::vector<uint64_t> node_counts;
-  double threshold = 0.0;       // threshold the selection used (0 for topk, dense)
-  double cre = 0.0;             // |K / k - 1|
-  uint64_t bytes_sent = 0;      // payload bytes this node handed to collectives
-  int rescans = 0;              // `hist` controller: extra passes over the partition
+  double threshold = 0.0;   // threshold the selection used (0 for topk, dense)
+  double cre = 0.0;         // |K / k - 1|
+  uint64_t bytes_sent = 0;  // payload bytes this node handed to collectives
+  int rescans = 0;          // `hist` controller: extra passes over the partition
   bool dense = false;
 };
 

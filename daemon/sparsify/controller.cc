@@ -61,9 +61,8 @@ absl::StatusOr<float> HistogramController::Resolve(CandidateSet& candidates,
   // Runs LogHistogram on the candidates and sums it across nodes.
   auto global_histogram = [&](uint32_t shift, uint32_t first, uint32_t num,
                               std::vector<int64_t>& out) -> absl::Status {
-    const kernels::KernelStatus ks = ops.LogHistogram(candidates.values(), candidates.count(),
-                                                      shift, first, num, device_bins.get(),
-                                                      ctx.stream);
+    const kernels::KernelStatus ks = ops.LogHistogram(
+        candidates.values(), candidates.count(), shift, first, num, device_bins.get(), ctx.stream);
     if (ks != kernels::KernelStatus::kOk) {
       return absl::InternalError(
           absl::StrCat("histogram kernel: ", kernels::KernelStatusString(ks)));

@@ -48,8 +48,7 @@ const char* ControllerName(ControllerKind kind) {
 
 absl::Status SparsifyOptions::Validate() const {
   if (!(density > 0.0 && density <= 1.0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("density must be in (0, 1], got ", density));
+    return absl::InvalidArgumentError(absl::StrCat("density must be in (0, 1], got ", density));
   }
   if (!(hard_threshold >= 0.0) || std::isinf(hard_threshold)) {
     return absl::InvalidArgumentError(
@@ -67,8 +66,8 @@ absl::Status JobShape::Validate() const {
         absl::StrCat("node rank ", node_rank, " out of range [0, ", num_nodes, ")"));
   }
   if (world_size < num_nodes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "world size ", world_size, " smaller than the node count ", num_nodes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("world size ", world_size, " smaller than the node count ", num_nodes));
   }
   return absl::OkStatus();
 }

@@ -34,12 +34,12 @@ const char* DataTypeName(DataType type);
 // What a collective belongs to. A tag is (bucket slot << 8) | kind, so that
 // the collectives of different buckets can never be matched with each other.
 enum class TagKind : uint32_t {
-  kControl = 0,     // barriers and set-up
-  kHeader = 1,      // per-node header: selected count and status flags
-  kIndices = 2,     // allgather-v of selected indices
-  kValues = 3,      // allreduce of the values at the selected indices
-  kHistogram = 4,   // threshold controller histograms
-  kDense = 5,       // dense allreduce of a whole bucket
+  kControl = 0,    // barriers and set-up
+  kHeader = 1,     // per-node header: selected count and status flags
+  kIndices = 2,    // allgather-v of selected indices
+  kValues = 3,     // allreduce of the values at the selected indices
+  kHistogram = 4,  // threshold controller histograms
+  kDense = 5,      // dense allreduce of a whole bucket
 };
 constexpr uint32_t MakeTag(uint32_t bucket_slot, TagKind kind) {
   return (bucket_slot << 8) | static_cast<uint32_t>(kind);

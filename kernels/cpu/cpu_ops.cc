@@ -1,12 +1,12 @@
 // CPU backend of SparseOps: argument checks, the instruction-set dispatch of
 // the memory-bound passes, and the small host loops around them.
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
-
-#include <sys/mman.h>
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.h"
@@ -61,8 +61,8 @@ class CpuSparseOps final : public SparseOps {
         a.select_end > a.size) {
       return KernelStatus::kInvalidArgument;
     }
-    if (a.size > 0 && (a.grad == nullptr || a.residual == nullptr || a.acc == nullptr ||
-                       a.acc == a.grad)) {
+    if (a.size > 0 &&
+        (a.grad == nullptr || a.residual == nullptr || a.acc == nullptr || a.acc == a.grad)) {
       return KernelStatus::kInvalidArgument;
     }
     if (a.select_end > a.select_begin && (a.out_index == nullptr || a.out_value == nullptr)) {
@@ -83,10 +83,9 @@ class CpuSparseOps final : public SparseOps {
     if (end > begin && (acc == nullptr || out_index == nullptr || out_value == nullptr)) {
       return KernelStatus::kInvalidArgument;
     }
-    scalars->count =
-        isa_ == CpuIsa::kAvx2
-            ? cpu::SelectRangeAvx2(acc, begin, end, threshold, out_index, out_value)
-            : cpu::SelectRangeScalar(acc, begin, end, threshold, out_index, out_value);
+    scalars->count = isa_ == CpuIsa::kAvx2
+                         ? cpu::SelectRangeAvx2(acc, begin, end, threshold, out_index, out_value)
+                         : cpu::SelectRangeScalar(acc, begin, end, threshold, out_index, out_value);
     return KernelStatus::kOk;
   }
 
@@ -107,9 +106,8 @@ class CpuSparseOps final : public SparseOps {
     return KernelStatus::kOk;
   }
 
-  KernelStatus LogHistogram(const float* values, uint64_t count, uint32_t shift,
-                            uint32_t first_bin, uint32_t num_bins, int64_t* bins,
-                            void*) override {
+  KernelStatus LogHistogram(const float* values, uint64_t count, uint32_t shift, uint32_t first_bin,
+                            uint32_t num_bins, int64_t* bins, void*) override {
     if (bins == nullptr || shift > 31 || (count > 0 && values == nullptr)) {
       return KernelStatus::kInvalidArgument;
     }
@@ -214,7 +212,8 @@ class CpuSparseOps final : public SparseOps {
   }
 
   KernelStatus SortUnique(uint32_t* index, uint64_t count, StepScalars* scalars, void*) override {
-    if (scalars == nullptr || (count > 0 && index == nullptr)) return KernelStatus::kInvalidArgument;
+    if (scalars == nullptr || (count > 0 && index == nullptr))
+      return KernelStatus::kInvalidArgument;
     std::sort(index, index + count);
     scalars->count = static_cast<uint64_t>(std::unique(index, index + count) - index);
     return KernelStatus::kOk;

@@ -29,9 +29,8 @@ inline uint64_t RangeMask(uint64_t base, uint64_t begin, uint64_t end) {
 }
 
 template <bool kAccumulate, bool kStream>
-PassResult Pass(const float* grad, const float* residual, float* acc, uint64_t size,
-                uint64_t begin, uint64_t end, float threshold, uint32_t* out_index,
-                float* out_value) {
+PassResult Pass(const float* grad, const float* residual, float* acc, uint64_t size, uint64_t begin,
+                uint64_t end, float threshold, uint32_t* out_index, float* out_value) {
   const __m256 vthr = _mm256_set1_ps(threshold);
   const __m256 vinf = _mm256_set1_ps(__builtin_inff());
   __m256 bad = _mm256_setzero_ps();
@@ -61,8 +60,8 @@ PassResult Pass(const float* grad, const float* residual, float* acc, uint64_t s
       }
       if (select) {
         _mm256_store_ps(block + 8 * v, a);
-        const uint32_t m = static_cast<uint32_t>(
-            _mm256_movemask_ps(_mm256_cmp_ps(Abs(a), vthr, _CMP_GE_OQ)));
+        const uint32_t m =
+            static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(Abs(a), vthr, _CMP_GE_OQ)));
         mask |= static_cast<uint64_t>(m) << (8 * v);
       }
     }
@@ -100,8 +99,8 @@ PassResult Pass(const float* grad, const float* residual, float* acc, uint64_t s
   r.count = count;
   if constexpr (kAccumulate) {
     // Rare path: count exactly only when some lane was non-finite.
-    if (_mm256_movemask_ps(bad) != 0 || CountNonFiniteScalar(acc + full_blocks * kBlock,
-                                                              size - full_blocks * kBlock) != 0) {
+    if (_mm256_movemask_ps(bad) != 0 ||
+        CountNonFiniteScalar(acc + full_blocks * kBlock, size - full_blocks * kBlock) != 0) {
       r.nonfinite = CountNonFiniteScalar(acc, size);
     }
   }

@@ -15,9 +15,7 @@
 #include "kernels/sparse_ops.h"
 
 namespace microd::kernels {
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 
 void PrintTo(CpuIsa isa, std::ostream* os) { *os << (isa == CpuIsa::kAvx2 ? "avx2" : "scalar"); }
 
@@ -184,8 +182,8 @@ TEST_P(CpuOpsTest, FusedPassRejectsBadArguments) {
   EXPECT_EQ(ops_->SelectRange(v.data(), 0, kMaxBucketElements + 1, 0, idx.data(), out.data(), &s,
                               nullptr),
             KernelStatus::kInvalidArgument);
-  EXPECT_EQ(ops_->ScatterAverage(v.data(), idx.data(), 1, 1.0f, out.data(),
-                                 kMaxBucketElements + 1, nullptr),
+  EXPECT_EQ(ops_->ScatterAverage(v.data(), idx.data(), 1, 1.0f, out.data(), kMaxBucketElements + 1,
+                                 nullptr),
             KernelStatus::kInvalidArgument);
   // An index outside the output is refused before anything is written.
   idx[0] = 16;
@@ -270,9 +268,9 @@ TEST_P(CpuOpsTest, GatherScatterZero) {
     for (size_t j = 0; j < idx.size(); ++j) ASSERT_EQ(Bits(gathered[j]), Bits(acc[idx[j]]));
 
     std::vector<float> out(d, 5.0f);
-    ASSERT_EQ(ops_->ScatterAverage(gathered.data(), idx.data(), idx.size(), 3.0f, out.data(), d,
-                                   nullptr),
-              KernelStatus::kOk);
+    ASSERT_EQ(
+        ops_->ScatterAverage(gathered.data(), idx.data(), idx.size(), 3.0f, out.data(), d, nullptr),
+        KernelStatus::kOk);
     for (uint64_t i = 0; i < d; ++i) {
       const float want = i % 3 == 0 ? acc[i] / 3.0f : 0.0f;
       ASSERT_EQ(Bits(out[i]), Bits(want)) << i;

@@ -1,6 +1,8 @@
 // Threshold controllers: the published one reproduced exactly, ours holding
 // the achieved density at the target on gradient streams with the
 // step-to-step noise real training shows.
+#include "daemon/sparsify/controller.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -10,7 +12,6 @@
 #include "daemon/sim/simulator.h"
 #include "daemon/sim/synthetic.h"
 #include "daemon/sparsify/bucket.h"
-#include "daemon/sparsify/controller.h"
 #include "daemon/transport/inproc/inproc_transport.h"
 #include "gtest/gtest.h"
 
@@ -109,7 +110,8 @@ std::vector<StepStats> RunSteps(int n, uint64_t d, double density,
   SparsifyOptions o;
   o.density = density;
   std::vector<std::unique_ptr<BucketState>> b;
-  for (int r = 0; r < n; ++r) b.push_back(*BucketState::Create({"b", d, 0}, {n, r, n}, o, ops.get()));
+  for (int r = 0; r < n; ++r)
+    b.push_back(*BucketState::Create({"b", d, 0}, {n, r, n}, o, ops.get()));
   std::vector<StepStats> out;
   for (uint64_t t = 0; t < steps; ++t) {
     std::vector<StepStats> stats(n);
@@ -131,9 +133,9 @@ std::vector<StepStats> RunSteps(int n, uint64_t d, double density,
 
 TEST(HistogramController, FewerNonZerosThanBudgetSelectsExactlyTheNonZeros) {
   // 50 non-zero values in 10,000; k = 100.
-  const auto stats = RunSteps(3, 10000, 0.01, [](int r, uint64_t t, uint64_t i) {
-    return i % 200 == 7 ? 1.0f + float(r) : 0.0f;
-  }, 3);
+  const auto stats = RunSteps(
+      3, 10000, 0.01,
+      [](int r, uint64_t t, uint64_t i) { return i % 200 == 7 ? 1.0f + float(r) : 0.0f; }, 3);
   EXPECT_EQ(stats[0].selected, 50u);
   EXPECT_EQ(stats[0].threshold, double(std::numeric_limits<float>::denorm_min()));
 }
@@ -214,9 +216,8 @@ TEST(HistogramController, ScaleDropRescansAndStillHitsTheBudget) {
 }
 
 TEST(HistogramController, TinyBucketSelectsAtLeastOne) {
-  const auto stats = RunSteps(7, 5, 0.01, [](int r, uint64_t t, uint64_t i) {
-    return float(i + 1) * (r + 1) * 1e-3f;
-  }, 10);
+  const auto stats = RunSteps(
+      7, 5, 0.01, [](int r, uint64_t t, uint64_t i) { return float(i + 1) * (r + 1) * 1e-3f; }, 10);
   for (const auto& s : stats) {
     EXPECT_EQ(s.budget, 1u);
     EXPECT_GE(s.selected, 1u);

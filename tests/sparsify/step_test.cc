@@ -32,8 +32,8 @@ uint32_t Bits(float x) {
 void ExpectBitEqual(const Vec& got, const Vec& want, const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_EQ(Bits(got[i]), Bits(want[i])) << what << " differs at " << i << ": " << got[i]
-                                           << " vs " << want[i];
+    ASSERT_EQ(Bits(got[i]), Bits(want[i]))
+        << what << " differs at " << i << ": " << got[i] << " vs " << want[i];
   }
 }
 
@@ -245,22 +245,23 @@ TEST_P(StepTest, MatchesReferenceBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Sparsifiers, StepTest,
-    ::testing::Values(Case{SparsifierKind::kMicro, ControllerKind::kPaper},
-                      Case{SparsifierKind::kMicro, ControllerKind::kHistogram},
-                      Case{SparsifierKind::kTopK, ControllerKind::kHistogram},
-                      Case{SparsifierKind::kHard, ControllerKind::kHistogram},
-                      Case{SparsifierKind::kDense, ControllerKind::kHistogram}),
-    [](const auto& info) {
-      return std::string(SparsifierName(info.param.sparsifier)) + "_" +
-             ControllerName(info.param.controller);
-    });
+INSTANTIATE_TEST_SUITE_P(Sparsifiers, StepTest,
+                         ::testing::Values(Case{SparsifierKind::kMicro, ControllerKind::kPaper},
+                                           Case{SparsifierKind::kMicro, ControllerKind::kHistogram},
+                                           Case{SparsifierKind::kTopK, ControllerKind::kHistogram},
+                                           Case{SparsifierKind::kHard, ControllerKind::kHistogram},
+                                           Case{SparsifierKind::kDense,
+                                                ControllerKind::kHistogram}),
+                         [](const auto& info) {
+                           return std::string(SparsifierName(info.param.sparsifier)) + "_" +
+                                  ControllerName(info.param.controller);
+                         });
 
 TEST(StepBuildUp, TopKAndHardBuildUpMicroDoesNot) {
   const int n = 4;
   const uint64_t d = 40000;
-  for (SparsifierKind kind : {SparsifierKind::kTopK, SparsifierKind::kHard, SparsifierKind::kMicro}) {
+  for (SparsifierKind kind :
+       {SparsifierKind::kTopK, SparsifierKind::kHard, SparsifierKind::kMicro}) {
     SparsifyOptions o;
     o.sparsifier = kind;
     o.density = 0.01;
@@ -301,7 +302,8 @@ TEST(StepBadInput, InvalidConfigurationIsRefused) {
   o.density = 1.0;
   EXPECT_TRUE(BucketState::Create({"b", 100, 0}, job, o, ops.get()).ok());
   o.density = 0.01;
-  for (JobShape bad : {JobShape{0, 0, 1}, JobShape{4, 4, 4}, JobShape{4, -1, 4}, JobShape{4, 0, 3}}) {
+  for (JobShape bad :
+       {JobShape{0, 0, 1}, JobShape{4, 4, 4}, JobShape{4, -1, 4}, JobShape{4, 0, 3}}) {
     auto b = BucketState::Create({"b", 100, 0}, bad, o, ops.get());
     ASSERT_FALSE(b.ok());
     EXPECT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument) << b.status();
@@ -347,8 +349,8 @@ TEST_P(StepTest, NonFiniteGradientFailsEveryNodeAndChangesNothing) {
     const auto g = MakeGrads(n, d, t, 77);
     if (t == 3 || t == 5) {
       auto bad = g;
-      bad[1][d / 2] = t == 3 ? std::numeric_limits<float>::quiet_NaN()
-                             : std::numeric_limits<float>::infinity();
+      bad[1][d / 2] =
+          t == 3 ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
       std::vector<Vec> before;
       if (c.sparsifier != SparsifierKind::kDense) {
         for (int r = 0; r < n; ++r) before.push_back(cluster.residual(r));

@@ -1,5 +1,6 @@
 // The contract suite against the in-process transport.
 #include "daemon/transport/inproc/inproc_transport.h"
+
 #include "tests/transport/transport_contract.h"
 
 namespace microd::transport::testing {

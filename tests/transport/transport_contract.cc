@@ -33,7 +33,8 @@ TEST_P(TransportContractTest, AllgatherFixed) {
         std::vector<uint32_t> out(count * n, 0xFFFFFFFF);
         ASSERT_TRUE(t.Allgather(in.data(), count * 4, out.data(), Opts(1)).ok());
         for (int q = 0; q < n; ++q) {
-          for (size_t i = 0; i < count; ++i) ASSERT_EQ(out[q * count + i], uint32_t(q * 1000003 + i));
+          for (size_t i = 0; i < count; ++i)
+            ASSERT_EQ(out[q * count + i], uint32_t(q * 1000003 + i));
         }
       });
     }

@@ -35,7 +35,7 @@ struct Post {
   OpKind kind = OpKind::kBarrier;
   uint32_t tag = 0;
   const void* in = nullptr;
-  size_t bytes = 0;             // Allgather: bytes per rank; Allreduce: element count
+  size_t bytes = 0;  // Allgather: bytes per rank; Allreduce: element count
   DataType type = DataType::kFloat32;
   absl::Span<const size_t> recv;  // AllgatherV
 };
@@ -64,8 +64,8 @@ class Hub {
         const std::string what =
             post != nullptr ? absl::StrCat(OpName(post->kind), " tag ", post->tag) : phase;
         broken_ = absl::DeadlineExceededError(
-            absl::StrCat("inproc transport: rank ", rank, " timed out in ", what, ": ",
-                         arrived_, " of ", size_, " ranks arrived before the deadline"));
+            absl::StrCat("inproc transport: rank ", rank, " timed out in ", what, ": ", arrived_,
+                         " of ", size_, " ranks arrived before the deadline"));
         cv_.SignalAll();
       }
     }
@@ -126,8 +126,8 @@ class InprocTransport final : public Transport {
   absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv_bytes, void* out,
                           const CollectiveOptions& o) override {
     if (recv_bytes.size() != static_cast<size_t>(size())) {
-      return absl::InvalidArgumentError(absl::StrCat("AllgatherV: ", recv_bytes.size(),
-                                                     " counts for ", size(), " ranks"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("AllgatherV: ", recv_bytes.size(), " counts for ", size(), " ranks"));
     }
     size_t total = 0;
     for (size_t b : recv_bytes) total += b;
@@ -161,9 +161,9 @@ class InprocTransport final : public Transport {
     absl::Status status = Run(p, o, [&]() -> absl::Status {
       for (int r = 0; r < size(); ++r) {
         if (hub_->post(r).type != type) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "AllreduceSum tag ", o.tag, ": data types differ between ranks (", DataTypeName(type),
-              " vs ", DataTypeName(hub_->post(r).type), ")"));
+          return absl::InvalidArgumentError(
+              absl::StrCat("AllreduceSum tag ", o.tag, ": data types differ between ranks (",
+                           DataTypeName(type), " vs ", DataTypeName(hub_->post(r).type), ")"));
         }
       }
       switch (type) {
@@ -202,12 +202,13 @@ class InprocTransport final : public Transport {
     // Every rank must be in the same collective.
     for (int r = 0; r < size(); ++r) {
       const Post& q = hub_->post(r);
-      if (q.kind != p.kind || q.tag != p.tag || (p.kind == OpKind::kAllgather && q.bytes != p.bytes) ||
+      if (q.kind != p.kind || q.tag != p.tag ||
+          (p.kind == OpKind::kAllgather && q.bytes != p.bytes) ||
           (p.kind == OpKind::kAllreduce && q.bytes != p.bytes)) {
-        absl::Status err = absl::InvalidArgumentError(absl::StrCat(
-            "inproc transport: collective mismatch: rank ", rank_, " called ", OpName(p.kind),
-            " tag ", p.tag, " size ", p.bytes, ", rank ", r, " called ", OpName(q.kind), " tag ",
-            q.tag, " size ", q.bytes));
+        absl::Status err = absl::InvalidArgumentError(
+            absl::StrCat("inproc transport: collective mismatch: rank ", rank_, " called ",
+                         OpName(p.kind), " tag ", p.tag, " size ", p.bytes, ", rank ", r,
+                         " called ", OpName(q.kind), " tag ", q.tag, " size ", q.bytes));
         hub_->Break(err);
         return err;
       }
