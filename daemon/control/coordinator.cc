@@ -1,0 +1,409 @@
+#include "daemon/control/coordinator.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <random>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace microd::control {
+namespace {
+
+constexpr int kDataTypeFloat32 = 1;  // microd.v1.DataType.DATA_TYPE_FLOAT32
+constexpr int64_t kMaxBucketCount = 0xFFFFFFFFll;
+
+uint64_t RandomSession() {
+  std::random_device rd;
+  return (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ 1;
+}
+
+// Token comparison whose time does not depend on where the strings differ.
+bool SameToken(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() != b.size();
+  for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+    diff |= static_cast<unsigned char>((i < a.size() ? a[i] : 0) ^ (i < b.size() ? b[i] : 0));
+  }
+  return diff == 0;
+}
+
+absl::Status ValidateName(const std::string& what, const std::string& name) {
+  if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(what, " is empty"));
+  if (name.size() > kMaxNameBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " has ", name.size(), " bytes (limit ", kMaxNameBytes, ")"));
+  }
+  return absl::OkStatus();
+}
+
+std::string Describe(const BucketInfo& b) {
+  return absl::StrCat(b.dtype == kDataTypeFloat32 ? "float32" : "dtype " + std::to_string(b.dtype),
+                      " x ", b.count);
+}
+
+}  // namespace
+
+const char* JobStateName(JobState state) {
+  switch (state) {
+    case JobState::kForming:
+      return "forming";
+    case JobState::kRunning:
+      return "running";
+    case JobState::kFailed:
+      return "failed";
+    case JobState::kFinished:
+      return "finished";
+  }
+  return "?";
+}
+
+Coordinator::Coordinator(CoordinatorOptions options)
+    : options_(std::move(options)), session_(RandomSession()) {
+  watchdog_ = std::thread([this] { Watchdog(); });
+}
+
+Coordinator::~Coordinator() {
+  stop_.Notify();
+  watchdog_.join();
+  Fail("coordinator shut down");
+}
+
+absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(CoordinatorOptions options) {
+  if (options.expected_nodes < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("coordinator: node count must be >= 1, got ", options.expected_nodes));
+  }
+  if (options.peer_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("coordinator: peer timeout must be positive");
+  }
+  if (absl::Status s = ValidateName("job id", options.job_id); !s.ok()) return s;
+  return std::make_unique<Coordinator>(std::move(options));
+}
+
+absl::Status Coordinator::JobError() const {
+  if (state_ == JobState::kFailed) return absl::AbortedError(absl::StrCat("job failed: ", failure_));
+  if (state_ == JobState::kFinished) {
+    return absl::FailedPreconditionError(absl::StrCat("job finished: ", failure_));
+  }
+  return absl::OkStatus();
+}
+
+void Coordinator::FailLocked(const std::string& reason) {
+  if (state_ == JobState::kFailed || state_ == JobState::kFinished) return;
+  state_ = JobState::kFailed;
+  failure_ = reason;
+  store_.Fail(absl::AbortedError(absl::StrCat("job failed: ", reason)));
+  std::fprintf(stderr, "microd coordinator: job '%s' failed: %s\n", options_.job_id.c_str(),
+               reason.c_str());
+}
+
+void Coordinator::Fail(const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  FailLocked(reason);
+}
+
+absl::Status Coordinator::CheckMember(uint64_t session, int rank) {
+  if (state_ == JobState::kForming) {
+    return absl::FailedPreconditionError("the job has not formed yet: join first");
+  }
+  if (session != session_) {
+    return absl::PermissionDeniedError("unknown session: this node did not join this job");
+  }
+  if (rank < -1 || rank >= static_cast<int>(nodes_.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("node rank ", rank, " out of range [0, ", nodes_.size(), ")"));
+  }
+  if (rank >= 0) nodes_[rank].last_seen = absl::Now();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
+                                             const std::string& node_name, int local_size,
+                                             const std::string& token, int requested_rank,
+                                             absl::Time deadline) {
+  if (absl::Status s = ValidateName("job id", job_id); !s.ok()) return s;
+  if (absl::Status s = ValidateName("node name", node_name); !s.ok()) return s;
+  if (local_size < 1 || local_size > kMaxLocalSize) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("local size must be in [1, ", kMaxLocalSize, "], got ", local_size));
+  }
+  if (requested_rank < -1 || requested_rank >= options_.expected_nodes) {
+    return absl::InvalidArgumentError(absl::StrCat("requested rank ", requested_rank,
+                                                   " out of range [0, ", options_.expected_nodes,
+                                                   ") (or -1 for any)"));
+  }
+  if (!SameToken(token, options_.token)) {
+    std::fprintf(stderr, "microd coordinator: refused node '%s': wrong job token\n",
+                 node_name.c_str());
+    return absl::UnauthenticatedError("wrong job token");
+  }
+  if (job_id != options_.job_id) {
+    return absl::FailedPreconditionError(absl::StrCat("node '", node_name, "' belongs to job '",
+                                                      job_id, "' but this coordinator serves '",
+                                                      options_.job_id, "'"));
+  }
+
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = JobError(); !s.ok()) return s;
+  if (state_ != JobState::kForming) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job already has its ", options_.expected_nodes, " nodes"));
+  }
+  for (const Node& n : nodes_) {
+    if (n.name == node_name) {
+      return absl::AlreadyExistsError(absl::StrCat("node name '", node_name, "' already joined"));
+    }
+    if (requested_rank >= 0 && n.requested_rank == requested_rank) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("rank ", requested_rank, " already taken by node '", n.name, "'"));
+    }
+  }
+  Node self;
+  self.name = node_name;
+  self.local_size = local_size;
+  self.requested_rank = requested_rank;
+  nodes_.push_back(self);
+  if (static_cast<int>(nodes_.size()) == options_.expected_nodes) {
+    AssignRanks();
+    state_ = JobState::kRunning;
+  }
+  auto formed = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return state_ != JobState::kForming;
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&formed), deadline);
+  if (state_ == JobState::kForming) {
+    std::vector<std::string> names;
+    for (const Node& n : nodes_) names.push_back(n.name);
+    const std::string arrived = absl::StrJoin(names, ", ");
+    nodes_.erase(std::remove_if(nodes_.begin(), nodes_.end(),
+                                [&](const Node& n) { return n.name == node_name; }),
+                 nodes_.end());
+    return absl::DeadlineExceededError(absl::StrCat("join: ", names.size(), " of ",
+                                                    options_.expected_nodes,
+                                                    " nodes arrived before the deadline (",
+                                                    arrived, ")"));
+  }
+  if (absl::Status s = JobError(); !s.ok()) return s;
+  Membership m;
+  m.node_count = options_.expected_nodes;
+  m.session = session_;
+  for (const Node& n : nodes_) {
+    if (n.name == node_name) m.node_rank = n.rank;
+    m.local_sizes.push_back(n.local_size);
+    m.node_names.push_back(n.name);
+    m.world_size += n.local_size;
+  }
+  return m;
+}
+
+void Coordinator::AssignRanks() {
+  std::vector<bool> taken(nodes_.size(), false);
+  for (Node& n : nodes_) {
+    if (n.requested_rank >= 0) {
+      n.rank = n.requested_rank;
+      taken[n.rank] = true;
+    }
+  }
+  int next = 0;
+  for (Node& n : nodes_) {
+    if (n.rank >= 0) continue;
+    while (taken[next]) ++next;
+    n.rank = next;
+    taken[next] = true;
+  }
+  std::sort(nodes_.begin(), nodes_.end(), [](const Node& a, const Node& b) { return a.rank < b.rank; });
+  const absl::Time now = absl::Now();
+  for (Node& n : nodes_) n.last_seen = now;
+}
+
+absl::Status Coordinator::KeySet(uint64_t session, const std::string& key,
+                                 const std::string& value) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status s = CheckMember(session, -1); !s.ok()) return s;
+    if (absl::Status s = JobError(); !s.ok()) return s;
+  }
+  return store_.Set(key, value);
+}
+
+absl::StatusOr<std::vector<std::string>> Coordinator::KeyGet(uint64_t session,
+                                                             const std::vector<std::string>& keys,
+                                                             absl::Time deadline) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::Status s = CheckMember(session, -1); !s.ok()) return s;
+    if (absl::Status s = JobError(); !s.ok()) return s;
+  }
+  if (keys.empty()) return absl::InvalidArgumentError("key-value store: no keys requested");
+  return store_.Get(keys, deadline);
+}
+
+absl::StatusOr<NegotiationResult> Coordinator::Negotiate(uint64_t session, int rank,
+                                                         uint64_t cycle,
+                                                         const std::vector<BucketInfo>& ready,
+                                                         absl::Time deadline) {
+  if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("node rank ", rank, " is negative"));
+  if (ready.size() > kMaxBucketsPerCycle) {
+    return absl::InvalidArgumentError(absl::StrCat(ready.size(), " buckets in one cycle (limit ",
+                                                   kMaxBucketsPerCycle, ")"));
+  }
+  std::set<std::string> names;
+  for (const BucketInfo& b : ready) {
+    if (absl::Status s = ValidateName("bucket name", b.name); !s.ok()) return s;
+    if (b.dtype != kDataTypeFloat32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("bucket '", b.name, "': unsupported data type ", b.dtype));
+    }
+    if (b.count < 1 || b.count > kMaxBucketCount) {
+      return absl::InvalidArgumentError(absl::StrCat("bucket '", b.name, "': element count ",
+                                                     b.count, " out of range [1, 2^32)"));
+    }
+    if (!names.insert(b.name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("bucket '", b.name, "' reported twice"));
+    }
+  }
+
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = CheckMember(session, rank); !s.ok()) return s;
+  if (absl::Status s = JobError(); !s.ok()) return s;
+  Node& node = nodes_[rank];
+  if (cycle == node.next_cycle) {
+    for (const BucketInfo& b : ready) {
+      auto it = pending_.find(b.name);
+      if (it != pending_.end() && it->second.by_rank.count(rank) != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "bucket '", b.name, "' already reported by node ", rank, " and not scheduled yet"));
+      }
+    }
+    for (const BucketInfo& b : ready) {
+      Pending& p = pending_[b.name];
+      if (p.by_rank.empty()) p.order = report_order_++;
+      p.by_rank[rank] = b;
+    }
+    ++node.next_cycle;
+    if (++arrived_ == static_cast<int>(nodes_.size())) CompleteCycle();
+  } else if (cycle + 1 == node.next_cycle) {
+    if (!ready.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a retry of cycle ", cycle, " must not report buckets again"));
+    }
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("node ", rank, " sent negotiation cycle ", cycle,
+                                                   ", expected ", node.next_cycle));
+  }
+  auto done = [this, cycle]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return cycle_ > cycle || state_ == JobState::kFailed || state_ == JobState::kFinished;
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
+  if (auto it = results_.find(cycle); it != results_.end()) return it->second;
+  if (absl::Status s = JobError(); !s.ok()) return s;
+  if (cycle < cycle_) {
+    return absl::NotFoundError(absl::StrCat("negotiation cycle ", cycle, " is too old"));
+  }
+  std::vector<std::string> waiting;
+  for (const Node& n : nodes_) {
+    if (n.next_cycle <= cycle) waiting.push_back(absl::StrCat(n.rank, " (", n.name, ")"));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("negotiation cycle ", cycle,
+                                                  ": still waiting for node ",
+                                                  absl::StrJoin(waiting, ", ")));
+}
+
+void Coordinator::CompleteCycle() {
+  const int n = static_cast<int>(nodes_.size());
+  std::vector<std::pair<uint64_t, std::string>> complete;
+  for (const auto& [name, p] : pending_) {
+    if (static_cast<int>(p.by_rank.size()) == n) complete.push_back({p.order, name});
+  }
+  std::sort(complete.begin(), complete.end());
+  NegotiationResult result;
+  result.cycle = cycle_;
+  for (const auto& [order, name] : complete) {
+    const Pending& p = pending_[name];
+    const BucketInfo& first = p.by_rank.begin()->second;
+    bool agree = true;
+    for (const auto& [r, b] : p.by_rank) agree = agree && b.dtype == first.dtype && b.count == first.count;
+    if (agree) {
+      result.scheduled.push_back(first);
+    } else {
+      std::vector<std::string> parts;
+      for (const auto& [r, b] : p.by_rank) {
+        parts.push_back(absl::StrCat("node ", r, " (", nodes_[r].name, "): ", Describe(b)));
+      }
+      result.errors.push_back(
+          {name, absl::StrCat("bucket '", name, "' differs between nodes: ",
+                              absl::StrJoin(parts, "; "))});
+    }
+    pending_.erase(name);
+  }
+  results_[cycle_] = std::move(result);
+  while (!results_.empty() && results_.begin()->first + 4 < cycle_) results_.erase(results_.begin());
+  ++cycle_;
+  arrived_ = 0;
+}
+
+absl::StatusOr<std::pair<JobState, std::string>> Coordinator::Heartbeat(uint64_t session,
+                                                                        int rank) {
+  absl::MutexLock lock(&mu_);
+  if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("node rank ", rank, " is negative"));
+  if (absl::Status s = CheckMember(session, rank); !s.ok()) return s;
+  return std::make_pair(state_, failure_);
+}
+
+absl::Status Coordinator::Leave(uint64_t session, int rank) {
+  absl::MutexLock lock(&mu_);
+  if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("node rank ", rank, " is negative"));
+  if (absl::Status s = CheckMember(session, rank); !s.ok()) return s;
+  Node& node = nodes_[rank];
+  node.left = true;
+  if (state_ == JobState::kRunning) {
+    state_ = JobState::kFinished;
+    failure_ = absl::StrCat("node ", rank, " (", node.name, ") left the job");
+    store_.Fail(absl::FailedPreconditionError(absl::StrCat("job finished: ", failure_)));
+  }
+  return absl::OkStatus();
+}
+
+JobSnapshot Coordinator::Snapshot() const {
+  absl::MutexLock lock(&mu_);
+  JobSnapshot s;
+  s.state = state_;
+  s.failure = failure_;
+  s.expected_nodes = options_.expected_nodes;
+  const absl::Time now = absl::Now();
+  for (const Node& n : nodes_) {
+    NodeSnapshot ns;
+    ns.rank = n.rank;
+    ns.name = n.name;
+    ns.local_size = n.local_size;
+    ns.left = n.left;
+    ns.seconds_since_heartbeat =
+        state_ == JobState::kForming ? -1.0 : absl::ToDoubleSeconds(now - n.last_seen);
+    s.nodes.push_back(ns);
+  }
+  return s;
+}
+
+void Coordinator::Watchdog() {
+  const absl::Duration tick =
+      std::max(absl::Milliseconds(10), std::min(absl::Milliseconds(100), options_.peer_timeout / 10));
+  while (!stop_.WaitForNotificationWithTimeout(tick)) {
+    absl::MutexLock lock(&mu_);
+    if (state_ != JobState::kRunning) continue;
+    const absl::Time now = absl::Now();
+    for (const Node& n : nodes_) {
+      if (n.left) continue;
+      const absl::Duration silent = now - n.last_seen;
+      if (silent > options_.peer_timeout) {
+        FailLocked(absl::StrCat("node ", n.rank, " (", n.name, ") silent for ",
+                                absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))),
+                                " (peer timeout ", absl::FormatDuration(options_.peer_timeout),
+                                ")"));
+        break;
+      }
+    }
+  }
+}
+
+}  // namespace microd::control

@@ -1,0 +1,205 @@
+#include "daemon/control/coordinator_client.h"
+
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/common/grpc_status.h"
+
+namespace microd::control {
+
+CoordinatorClient::CoordinatorClient(CoordinatorClientOptions options)
+    : options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(
+    CoordinatorClientOptions options) {
+  if (options.address.empty()) return absl::InvalidArgumentError("no coordinator address");
+  if (options.node_name.empty()) return absl::InvalidArgumentError("empty node name");
+  if (options.peer_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("peer timeout must be positive");
+  }
+  std::unique_ptr<CoordinatorClient> c(new CoordinatorClient(std::move(options)));
+  grpc::ChannelArguments args;
+  // Detect a dead coordinator connection quickly.
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 1000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 1000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  c->channel_ =
+      grpc::CreateCustomChannel(c->options_.address, grpc::InsecureChannelCredentials(), args);
+  c->stub_ = microd::v1::Coordinator::NewStub(c->channel_);
+  return c;
+}
+
+CoordinatorClient::~CoordinatorClient() {
+  stop_.Notify();
+  if (heartbeat_.joinable()) heartbeat_.join();
+}
+
+std::unique_ptr<grpc::ClientContext> CoordinatorClient::Context(absl::Time deadline) const {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(absl::ToChronoTime(deadline));
+  // Wait for the coordinator to come up rather than failing at once.
+  ctx->set_wait_for_ready(true);
+  return ctx;
+}
+
+absl::Status CoordinatorClient::job_status() const {
+  absl::MutexLock lock(&mu_);
+  return failed_;
+}
+
+void CoordinatorClient::SetFailureCallback(std::function<void(const absl::Status&)> callback) {
+  absl::MutexLock lock(&mu_);
+  on_failure_ = std::move(callback);
+}
+
+void CoordinatorClient::MarkFailed(const absl::Status& status) {
+  std::function<void(const absl::Status&)> callback;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!failed_.ok()) return;
+    failed_ = status;
+    callback = on_failure_;
+  }
+  std::fprintf(stderr, "microd: node '%s': %s\n", options_.node_name.c_str(),
+               std::string(status.message()).c_str());
+  if (callback) callback(status);
+}
+
+absl::StatusOr<Membership> CoordinatorClient::Join(absl::Time deadline) {
+  if (absl::Status s = job_status(); !s.ok()) return s;
+  microd::v1::JoinRequest req;
+  req.set_job_id(options_.job_id);
+  req.set_node_name(options_.node_name);
+  req.set_local_size(options_.local_size);
+  req.set_token(options_.token);
+  req.set_requested_rank(options_.requested_rank);
+  microd::v1::JoinResponse resp;
+  auto ctx = Context(deadline);
+  grpc::Status s = stub_->Join(ctx.get(), req, &resp);
+  if (!s.ok()) {
+    absl::Status st = FromGrpcStatus(s);
+    return absl::Status(st.code(), absl::StrCat("join ", options_.address, ": ", st.message()));
+  }
+  membership_.node_rank = resp.node_rank();
+  membership_.node_count = resp.node_count();
+  membership_.local_sizes.assign(resp.local_sizes().begin(), resp.local_sizes().end());
+  membership_.node_names.assign(resp.node_names().begin(), resp.node_names().end());
+  membership_.world_size = resp.world_size();
+  membership_.session = resp.session();
+  if (membership_.node_rank < 0 || membership_.node_rank >= membership_.node_count ||
+      static_cast<int>(membership_.local_sizes.size()) != membership_.node_count) {
+    return absl::InternalError("join: inconsistent answer from the coordinator");
+  }
+  heartbeat_ = std::thread([this] { HeartbeatLoop(); });
+  return membership_;
+}
+
+void CoordinatorClient::HeartbeatLoop() {
+  const absl::Duration interval = options_.heartbeat_interval > absl::ZeroDuration()
+                                      ? options_.heartbeat_interval
+                                      : options_.peer_timeout / 10;
+  absl::Time last_ok = absl::Now();
+  do {
+    microd::v1::HeartbeatRequest req;
+    req.set_session(membership_.session);
+    req.set_node_rank(membership_.node_rank);
+    microd::v1::HeartbeatResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + std::max(interval, absl::Milliseconds(200))));
+    grpc::Status s = stub_->Heartbeat(&ctx, req, &resp);
+    const absl::Time now = absl::Now();
+    if (s.ok()) {
+      last_ok = now;
+      if (resp.state() == microd::v1::JOB_STATE_FAILED) {
+        MarkFailed(absl::AbortedError(absl::StrCat("job failed: ", resp.failure())));
+        return;
+      }
+      if (resp.state() == microd::v1::JOB_STATE_FINISHED) {
+        MarkFailed(absl::FailedPreconditionError(absl::StrCat("job finished: ", resp.failure())));
+        return;
+      }
+    } else if (s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED &&
+               s.error_code() != grpc::StatusCode::UNAVAILABLE) {
+      MarkFailed(absl::AbortedError(
+          absl::StrCat("job failed: coordinator refused heartbeat: ", s.error_message())));
+      return;
+    } else if (now - last_ok > options_.peer_timeout) {
+      MarkFailed(absl::UnavailableError(absl::StrCat(
+          "job failed: coordinator ", options_.address, " unreachable for ",
+          absl::FormatDuration(absl::Trunc(now - last_ok, absl::Milliseconds(1))),
+          " (peer timeout ", absl::FormatDuration(options_.peer_timeout), ")")));
+      return;
+    }
+  } while (!stop_.WaitForNotificationWithTimeout(interval));
+}
+
+absl::Status CoordinatorClient::Set(const std::string& key, const std::string& value) {
+  if (absl::Status s = job_status(); !s.ok()) return s;
+  microd::v1::KeySetRequest req;
+  req.set_session(membership_.session);
+  req.set_key(key);
+  req.set_value(value);
+  microd::v1::KeySetResponse resp;
+  auto ctx = Context(absl::Now() + options_.call_timeout);
+  return FromGrpcStatus(stub_->KeySet(ctx.get(), req, &resp));
+}
+
+absl::StatusOr<std::vector<std::string>> CoordinatorClient::Get(absl::Span<const std::string> keys,
+                                                                absl::Time deadline) {
+  if (absl::Status s = job_status(); !s.ok()) return s;
+  microd::v1::KeyGetRequest req;
+  req.set_session(membership_.session);
+  for (const auto& k : keys) req.add_keys(k);
+  const absl::Time now = absl::Now();
+  req.set_timeout_ms(deadline <= now ? 0 : std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - now)));
+  microd::v1::KeyGetResponse resp;
+  // The server bounds the wait; give the call a little more to answer.
+  auto ctx = Context(std::max(deadline, now) + absl::Seconds(2));
+  grpc::Status s = stub_->KeyGet(ctx.get(), req, &resp);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return std::vector<std::string>(resp.values().begin(), resp.values().end());
+}
+
+absl::StatusOr<NegotiationResult> CoordinatorClient::Negotiate(uint64_t cycle,
+                                                               const std::vector<BucketInfo>& ready,
+                                                               absl::Time deadline) {
+  if (absl::Status s = job_status(); !s.ok()) return s;
+  microd::v1::NegotiateRequest req;
+  req.set_session(membership_.session);
+  req.set_node_rank(membership_.node_rank);
+  req.set_cycle(cycle);
+  for (const BucketInfo& b : ready) {
+    auto* r = req.add_ready();
+    r->set_name(b.name);
+    r->set_dtype(static_cast<microd::v1::DataType>(b.dtype));
+    r->set_count(b.count);
+  }
+  microd::v1::NegotiateResponse resp;
+  auto ctx = Context(deadline);
+  grpc::Status s = stub_->Negotiate(ctx.get(), req, &resp);
+  if (!s.ok()) {
+    if (absl::Status failed = job_status(); !failed.ok()) return failed;
+    return FromGrpcStatus(s);
+  }
+  NegotiationResult r;
+  r.cycle = resp.cycle();
+  for (const auto& b : resp.scheduled()) r.scheduled.push_back({b.name(), b.dtype(), b.count()});
+  for (const auto& e : resp.errors()) r.errors.push_back({e.name(), e.message()});
+  return r;
+}
+
+absl::Status CoordinatorClient::Leave() {
+  stop_.Notify();
+  if (heartbeat_.joinable()) heartbeat_.join();
+  if (membership_.session == 0) return absl::OkStatus();
+  microd::v1::LeaveRequest req;
+  req.set_session(membership_.session);
+  req.set_node_rank(membership_.node_rank);
+  microd::v1::LeaveResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  return FromGrpcStatus(stub_->Leave(&ctx, req, &resp));
+}
+
+}  // namespace microd::control

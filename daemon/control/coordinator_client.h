@@ -1,0 +1,80 @@
+// A node's side of the control plane: joins the job, keeps the coordinator
+// informed that it is alive (and learns when the job failed), serves the
+// data plane's rendezvous as a KeyValueStore and runs negotiation cycles.
+// Every call has a deadline; once the job failed every call fails at once.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "daemon/control/coordinator.h"
+#include "daemon/control/kv_store.h"
+#include "microd/v1/coordinator.grpc.pb.h"
+
+namespace microd::control {
+
+struct CoordinatorClientOptions {
+  std::string address;  // host:port of the coordinator
+  std::string job_id = "microd";
+  std::string node_name;
+  std::string token;
+  int local_size = 1;
+  int requested_rank = -1;
+  absl::Duration call_timeout = absl::Seconds(30);  // calls that do not wait
+  absl::Duration peer_timeout = absl::Seconds(10);
+  absl::Duration heartbeat_interval = absl::ZeroDuration();  // zero: peer_timeout / 10
+};
+
+class CoordinatorClient final : public KeyValueStore {
+ public:
+  static absl::StatusOr<std::unique_ptr<CoordinatorClient>> Create(
+      CoordinatorClientOptions options);
+  ~CoordinatorClient() override;
+
+  // Joins (waiting for the other nodes until `deadline`) and starts heartbeats.
+  absl::StatusOr<Membership> Join(absl::Time deadline);
+
+  absl::Status Set(const std::string& key, const std::string& value) override;
+  absl::StatusOr<std::vector<std::string>> Get(absl::Span<const std::string> keys,
+                                               absl::Time deadline) override;
+
+  absl::StatusOr<NegotiationResult> Negotiate(uint64_t cycle, const std::vector<BucketInfo>& ready,
+                                              absl::Time deadline);
+  // Leaves cleanly and stops heartbeats.
+  absl::Status Leave();
+
+  // OK while the job runs; the failure once it failed or ended.
+  absl::Status job_status() const;
+  // Called once, from the heartbeat thread, when the job fails or ends.
+  void SetFailureCallback(std::function<void(const absl::Status&)> callback);
+  const Membership& membership() const { return membership_; }
+
+ private:
+  explicit CoordinatorClient(CoordinatorClientOptions options);
+  void MarkFailed(const absl::Status& status);
+  void HeartbeatLoop();
+  std::unique_ptr<grpc::ClientContext> Context(absl::Time deadline) const;
+
+  const CoordinatorClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<microd::v1::Coordinator::Stub> stub_;
+  Membership membership_;
+
+  mutable absl::Mutex mu_;
+  absl::Status failed_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const absl::Status&)> on_failure_ ABSL_GUARDED_BY(mu_);
+  absl::Notification stop_;
+  std::thread heartbeat_;
+};
+
+}  // namespace microd::control

@@ -1,0 +1,169 @@
+#include "daemon/control/services.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/common/grpc_status.h"
+
+namespace microd::control {
+namespace {
+
+// The server-side bound of a blocking call: the client's deadline, the
+// request's own timeout when given, and never more than kMaxServerWait.
+absl::Time Deadline(const grpc::ServerContext* ctx, int64_t timeout_ms = 0) {
+  const absl::Time now = absl::Now();
+  absl::Time d = now + kMaxServerWait;
+  const auto client = ctx->deadline();
+  if (client != std::chrono::system_clock::time_point::max()) {
+    d = std::min(d, absl::FromChrono(client));
+  }
+  if (timeout_ms > 0) d = std::min(d, now + absl::Milliseconds(timeout_ms));
+  return d;
+}
+
+}  // namespace
+
+microd::v1::JobState ToProto(JobState state) {
+  switch (state) {
+    case JobState::kForming:
+      return microd::v1::JOB_STATE_FORMING;
+    case JobState::kRunning:
+      return microd::v1::JOB_STATE_RUNNING;
+    case JobState::kFailed:
+      return microd::v1::JOB_STATE_FAILED;
+    case JobState::kFinished:
+      return microd::v1::JOB_STATE_FINISHED;
+  }
+  return microd::v1::JOB_STATE_UNSPECIFIED;
+}
+
+grpc::Status CoordinatorService::Join(grpc::ServerContext* ctx, const microd::v1::JoinRequest* req,
+                                      microd::v1::JoinResponse* resp) {
+  auto m = coordinator_->Join(req->job_id(), req->node_name(), req->local_size(), req->token(),
+                              req->requested_rank(), Deadline(ctx));
+  if (!m.ok()) return ToGrpcStatus(m.status());
+  resp->set_node_rank(m->node_rank);
+  resp->set_node_count(m->node_count);
+  for (int s : m->local_sizes) resp->add_local_sizes(s);
+  for (const auto& n : m->node_names) resp->add_node_names(n);
+  resp->set_world_size(m->world_size);
+  resp->set_session(m->session);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::KeySet(grpc::ServerContext*, const microd::v1::KeySetRequest* req,
+                                        microd::v1::KeySetResponse*) {
+  return ToGrpcStatus(coordinator_->KeySet(req->session(), req->key(), req->value()));
+}
+
+grpc::Status CoordinatorService::KeyGet(grpc::ServerContext* ctx,
+                                        const microd::v1::KeyGetRequest* req,
+                                        microd::v1::KeyGetResponse* resp) {
+  if (req->timeout_ms() < 0) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "timeout_ms is negative");
+  }
+  const std::vector<std::string> keys(req->keys().begin(), req->keys().end());
+  const absl::Time deadline = req->timeout_ms() == 0 ? absl::Now() : Deadline(ctx, req->timeout_ms());
+  auto values = coordinator_->KeyGet(req->session(), keys, deadline);
+  if (!values.ok()) return ToGrpcStatus(values.status());
+  for (auto& v : *values) resp->add_values(std::move(v));
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::Negotiate(grpc::ServerContext* ctx,
+                                           const microd::v1::NegotiateRequest* req,
+                                           microd::v1::NegotiateResponse* resp) {
+  if (req->timeout_ms() < 0) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "timeout_ms is negative");
+  }
+  std::vector<BucketInfo> ready;
+  ready.reserve(req->ready_size());
+  for (const auto& b : req->ready()) ready.push_back({b.name(), b.dtype(), b.count()});
+  auto r = coordinator_->Negotiate(req->session(), req->node_rank(), req->cycle(), ready,
+                                   Deadline(ctx, req->timeout_ms()));
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  resp->set_cycle(r->cycle);
+  for (const auto& b : r->scheduled) {
+    auto* s = resp->add_scheduled();
+    s->set_name(b.name);
+    s->set_dtype(static_cast<microd::v1::DataType>(b.dtype));
+    s->set_count(b.count);
+  }
+  for (const auto& [name, message] : r->errors) {
+    auto* e = resp->add_errors();
+    e->set_name(name);
+    e->set_message(message);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
+                                           const microd::v1::HeartbeatRequest* req,
+                                           microd::v1::HeartbeatResponse* resp) {
+  auto r = coordinator_->Heartbeat(req->session(), req->node_rank());
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  resp->set_state(ToProto(r->first));
+  resp->set_failure(r->second);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::Leave(grpc::ServerContext*, const microd::v1::LeaveRequest* req,
+                                       microd::v1::LeaveResponse*) {
+  return ToGrpcStatus(coordinator_->Leave(req->session(), req->node_rank()));
+}
+
+grpc::Status AdminService::GetStatus(grpc::ServerContext*, const microd::v1::GetStatusRequest*,
+                                     microd::v1::GetStatusResponse* resp) {
+  source_(resp);
+  return grpc::Status::OK;
+}
+
+void FillJobStatus(const JobSnapshot& job, microd::v1::GetStatusResponse* resp) {
+  resp->set_job_state(ToProto(job.state));
+  resp->set_failure(job.failure);
+  resp->set_is_coordinator(true);
+  for (const NodeSnapshot& n : job.nodes) {
+    auto* s = resp->add_nodes();
+    s->set_rank(n.rank);
+    s->set_name(n.name);
+    s->set_local_size(n.local_size);
+    s->set_seconds_since_heartbeat(n.seconds_since_heartbeat);
+    s->set_left(n.left);
+  }
+}
+
+absl::StatusOr<std::unique_ptr<ControlServer>> ControlServer::Start(
+    const std::string& address, std::vector<grpc::Service*> services) {
+  static const bool once = [] {
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    return true;
+  }();
+  (void)once;
+  auto server = std::unique_ptr<ControlServer>(new ControlServer());
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &server->port_);
+  for (grpc::Service* s : services) builder.RegisterService(s);
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+  }
+  const std::string host = address.substr(0, address.rfind(':'));
+  server->address_ = absl::StrCat(host, ":", server->port_);
+  return server;
+}
+
+ControlServer::~ControlServer() { Shutdown(absl::Now() + absl::Seconds(1)); }
+
+void ControlServer::Shutdown(absl::Time deadline) {
+  if (server_ == nullptr) return;
+  server_->Shutdown(absl::ToChronoTime(deadline));
+  server_->Wait();
+  server_.reset();
+}
+
+}  // namespace microd::control

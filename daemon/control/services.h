@@ -1,0 +1,77 @@
+// The gRPC services: thin translations between proto messages and the
+// Coordinator (coordinator.h), plus the Admin service and the server start-up.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "daemon/control/coordinator.h"
+#include "microd/v1/admin.grpc.pb.h"
+#include "microd/v1/coordinator.grpc.pb.h"
+
+namespace microd::control {
+
+// The longest a server-side wait lasts when the client set no deadline.
+constexpr absl::Duration kMaxServerWait = absl::Minutes(10);
+
+class CoordinatorService final : public microd::v1::Coordinator::Service {
+ public:
+  explicit CoordinatorService(Coordinator* coordinator) : coordinator_(coordinator) {}
+
+  grpc::Status Join(grpc::ServerContext* ctx, const microd::v1::JoinRequest* req,
+                    microd::v1::JoinResponse* resp) override;
+  grpc::Status KeySet(grpc::ServerContext* ctx, const microd::v1::KeySetRequest* req,
+                      microd::v1::KeySetResponse* resp) override;
+  grpc::Status KeyGet(grpc::ServerContext* ctx, const microd::v1::KeyGetRequest* req,
+                      microd::v1::KeyGetResponse* resp) override;
+  grpc::Status Negotiate(grpc::ServerContext* ctx, const microd::v1::NegotiateRequest* req,
+                         microd::v1::NegotiateResponse* resp) override;
+  grpc::Status Heartbeat(grpc::ServerContext* ctx, const microd::v1::HeartbeatRequest* req,
+                         microd::v1::HeartbeatResponse* resp) override;
+  grpc::Status Leave(grpc::ServerContext* ctx, const microd::v1::LeaveRequest* req,
+                     microd::v1::LeaveResponse* resp) override;
+
+ private:
+  Coordinator* const coordinator_;
+};
+
+// Admin: the daemon fills the status; the service only serves it.
+class AdminService final : public microd::v1::Admin::Service {
+ public:
+  using StatusSource = std::function<void(microd::v1::GetStatusResponse*)>;
+  explicit AdminService(StatusSource source) : source_(std::move(source)) {}
+  grpc::Status GetStatus(grpc::ServerContext* ctx, const microd::v1::GetStatusRequest* req,
+                         microd::v1::GetStatusResponse* resp) override;
+
+ private:
+  StatusSource source_;
+};
+
+microd::v1::JobState ToProto(JobState state);
+// Fills the coordinator's view of the job into an Admin status.
+void FillJobStatus(const JobSnapshot& job, microd::v1::GetStatusResponse* resp);
+
+// A gRPC server on `address` ("host:port"; port 0 picks one) serving the given
+// services, with gRPC health checking and reflection on.
+class ControlServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<ControlServer>> Start(
+      const std::string& address, std::vector<grpc::Service*> services);
+  ~ControlServer();
+  int port() const { return port_; }
+  std::string address() const { return address_; }
+  // Stops accepting calls and waits for running ones until `deadline`
+  // (then cancels them).
+  void Shutdown(absl::Time deadline);
+
+ private:
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  std::string address_;
+};
+
+}  // namespace microd::control

@@ -1,0 +1,31 @@
+// Gloo backend of transport.h (CPU, TCP). Only the factory is public.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "daemon/control/kv_store.h"
+#include "daemon/transport/transport.h"
+
+namespace microd::transport {
+
+struct GlooOptions {
+  int rank = 0;
+  int size = 1;
+  // Rendezvous medium (the coordinator's key-value store); must outlive the
+  // transport's creation.
+  control::KeyValueStore* store = nullptr;
+  // Keys are prefixed with this, so several groups can rendezvous at once.
+  std::string prefix = "gloo";
+  // Address to listen on for peers (this node's address as others reach it).
+  std::string hostname = "127.0.0.1";
+  // Bound for creating the full mesh, and for calls made without a deadline.
+  absl::Duration timeout = absl::Seconds(60);
+};
+
+// Connects the full mesh (blocking until every rank arrived or the timeout).
+absl::StatusOr<std::unique_ptr<Transport>> CreateGlooTransport(const GlooOptions& options);
+
+}  // namespace microd::transport
