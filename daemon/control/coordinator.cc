@@ -66,7 +66,8 @@ Coordinator::Coordinator(CoordinatorOptions options)
 Coordinator::~Coordinator() {
   stop_.Notify();
   watchdog_.join();
-  Fail("coordinator shut down");
+  absl::MutexLock lock(&mu_);
+  FailLocked("coordinator shut down", /*log=*/false);
 }
 
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(CoordinatorOptions options) {
@@ -89,11 +90,12 @@ absl::Status Coordinator::JobError() const {
   return absl::OkStatus();
 }
 
-void Coordinator::FailLocked(const std::string& reason) {
+void Coordinator::FailLocked(const std::string& reason, bool log) {
   if (state_ == JobState::kFailed || state_ == JobState::kFinished) return;
   state_ = JobState::kFailed;
   failure_ = reason;
   store_.Fail(absl::AbortedError(absl::StrCat("job failed: ", reason)));
+  if (!log) return;
   std::fprintf(stderr, "microd coordinator: job '%s' failed: %s\n", options_.job_id.c_str(),
                reason.c_str());
 }

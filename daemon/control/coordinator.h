@@ -120,7 +120,7 @@ class Coordinator {
 
   absl::Status CheckMember(uint64_t session, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status JobError() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FailLocked(const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailLocked(const std::string& reason, bool log = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AssignRanks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CompleteCycle() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Watchdog();

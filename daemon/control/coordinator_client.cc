@@ -7,6 +7,16 @@
 #include "daemon/common/grpc_status.h"
 
 namespace microd::control {
+namespace {
+
+constexpr absl::Duration kAnswerGrace = absl::Seconds(2);
+
+// A server-side wait bound in milliseconds (at least 1: 0 means "no wait").
+int64_t ServerTimeoutMs(absl::Time deadline) {
+  return std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - absl::Now()));
+}
+
+}  // namespace
 
 CoordinatorClient::CoordinatorClient(CoordinatorClientOptions options)
     : options_(std::move(options)) {}
@@ -74,8 +84,11 @@ absl::StatusOr<Membership> CoordinatorClient::Join(absl::Time deadline) {
   req.set_local_size(options_.local_size);
   req.set_token(options_.token);
   req.set_requested_rank(options_.requested_rank);
+  req.set_timeout_ms(ServerTimeoutMs(deadline));
   microd::v1::JoinResponse resp;
-  auto ctx = Context(deadline);
+  // The server answers by `deadline` with a precise error; the call itself
+  // gets a little longer so that answer is not lost to the transport deadline.
+  auto ctx = Context(deadline + kAnswerGrace);
   grpc::Status s = stub_->Join(ctx.get(), req, &resp);
   if (!s.ok()) {
     absl::Status st = FromGrpcStatus(s);
@@ -152,10 +165,9 @@ absl::StatusOr<std::vector<std::string>> CoordinatorClient::Get(absl::Span<const
   req.set_session(membership_.session);
   for (const auto& k : keys) req.add_keys(k);
   const absl::Time now = absl::Now();
-  req.set_timeout_ms(deadline <= now ? 0 : std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - now)));
+  req.set_timeout_ms(deadline <= now ? 0 : ServerTimeoutMs(deadline));
   microd::v1::KeyGetResponse resp;
-  // The server bounds the wait; give the call a little more to answer.
-  auto ctx = Context(std::max(deadline, now) + absl::Seconds(2));
+  auto ctx = Context(std::max(deadline, now) + kAnswerGrace);
   grpc::Status s = stub_->KeyGet(ctx.get(), req, &resp);
   if (!s.ok()) return FromGrpcStatus(s);
   return std::vector<std::string>(resp.values().begin(), resp.values().end());
@@ -175,8 +187,9 @@ absl::StatusOr<NegotiationResult> CoordinatorClient::Negotiate(uint64_t cycle,
     r->set_dtype(static_cast<microd::v1::DataType>(b.dtype));
     r->set_count(b.count);
   }
+  req.set_timeout_ms(ServerTimeoutMs(deadline));
   microd::v1::NegotiateResponse resp;
-  auto ctx = Context(deadline);
+  auto ctx = Context(deadline + kAnswerGrace);
   grpc::Status s = stub_->Negotiate(ctx.get(), req, &resp);
   if (!s.ok()) {
     if (absl::Status failed = job_status(); !failed.ok()) return failed;

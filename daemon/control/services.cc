@@ -43,8 +43,11 @@ microd::v1::JobState ToProto(JobState state) {
 
 grpc::Status CoordinatorService::Join(grpc::ServerContext* ctx, const microd::v1::JoinRequest* req,
                                       microd::v1::JoinResponse* resp) {
+  if (req->timeout_ms() < 0) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "timeout_ms is negative");
+  }
   auto m = coordinator_->Join(req->job_id(), req->node_name(), req->local_size(), req->token(),
-                              req->requested_rank(), Deadline(ctx));
+                              req->requested_rank(), Deadline(ctx, req->timeout_ms()));
   if (!m.ok()) return ToGrpcStatus(m.status());
   resp->set_node_rank(m->node_rank);
   resp->set_node_count(m->node_count);

@@ -1,0 +1,342 @@
+// The Coordinator and Admin services against a real gRPC server on port 0.
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "daemon/control/coordinator.h"
+#include "daemon/control/coordinator_client.h"
+#include "daemon/control/services.h"
+#include "gtest/gtest.h"
+#include "microd/v1/admin.grpc.pb.h"
+
+namespace microd::control {
+namespace {
+
+class CoordinatorTest : public ::testing::Test {
+ protected:
+  void Start(int nodes, absl::Duration peer_timeout = absl::Seconds(10),
+             std::string token = "secret") {
+    CoordinatorOptions o;
+    o.job_id = "job";
+    o.token = token;
+    o.expected_nodes = nodes;
+    o.peer_timeout = peer_timeout;
+    coordinator_ = *Coordinator::Create(o);
+    service_ = std::make_unique<CoordinatorService>(coordinator_.get());
+    admin_ = std::make_unique<AdminService>([this](microd::v1::GetStatusResponse* r) {
+      r->set_node_name("test");
+      FillJobStatus(coordinator_->Snapshot(), r);
+    });
+    auto server = ControlServer::Start("127.0.0.1:0", {service_.get(), admin_.get()});
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(server).value();
+    ASSERT_GT(server_->port(), 0);
+    channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+    stub_ = microd::v1::Coordinator::NewStub(channel_);
+  }
+
+  std::unique_ptr<CoordinatorClient> Client(const std::string& name, int local_size = 1,
+                                            int rank = -1, std::string token = "secret",
+                                            absl::Duration peer_timeout = absl::Seconds(10)) {
+    CoordinatorClientOptions o;
+    o.address = server_->address();
+    o.job_id = "job";
+    o.node_name = name;
+    o.token = token;
+    o.local_size = local_size;
+    o.requested_rank = rank;
+    o.peer_timeout = peer_timeout;
+    return *CoordinatorClient::Create(o);
+  }
+
+  // Joins all clients concurrently.
+  std::vector<absl::StatusOr<Membership>> JoinAll(
+      std::vector<std::unique_ptr<CoordinatorClient>>& clients) {
+    std::vector<absl::StatusOr<Membership>> out(clients.size(), absl::UnknownError(""));
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < clients.size(); ++i) {
+      threads.emplace_back([&, i] {
+        // Stagger so join order is deterministic.
+        std::this_thread::sleep_for(std::chrono::milliseconds(30 * i));
+        out[i] = clients[i]->Join(absl::Now() + absl::Seconds(10));
+      });
+    }
+    for (auto& t : threads) t.join();
+    return out;
+  }
+
+  std::unique_ptr<Coordinator> coordinator_;
+  std::unique_ptr<CoordinatorService> service_;
+  std::unique_ptr<AdminService> admin_;
+  std::unique_ptr<ControlServer> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<microd::v1::Coordinator::Stub> stub_;
+};
+
+TEST_F(CoordinatorTest, JoinAssignsRanksAndReportsTheJob) {
+  Start(3);
+  std::vector<std::unique_ptr<CoordinatorClient>> c;
+  c.push_back(Client("a", 1));
+  c.push_back(Client("b", 2, /*rank=*/0));
+  c.push_back(Client("c", 3));
+  auto m = JoinAll(c);
+  for (auto& r : m) ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(m[1]->node_rank, 0);  // requested
+  EXPECT_EQ(m[0]->node_rank, 1);  // first free, in join order
+  EXPECT_EQ(m[2]->node_rank, 2);
+  for (auto& r : m) {
+    EXPECT_EQ(r->node_count, 3);
+    EXPECT_EQ(r->world_size, 6);
+    EXPECT_EQ(r->local_sizes, (std::vector<int>{2, 1, 3}));
+    EXPECT_EQ(r->node_names, (std::vector<std::string>{"b", "a", "c"}));
+    EXPECT_EQ(r->session, m[0]->session);
+  }
+}
+
+TEST_F(CoordinatorTest, JoinTimesOutSayingHowManyArrivedAndCanBeRetried) {
+  Start(3);
+  auto a = Client("a");
+  auto m = a->Join(absl::Now() + absl::Milliseconds(300));
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(absl::StrContains(m.status().message(), "1 of 3")) << m.status();
+  // The timed-out node was removed: the same name may join again.
+  std::vector<std::unique_ptr<CoordinatorClient>> c;
+  c.push_back(Client("a"));
+  c.push_back(Client("b"));
+  c.push_back(Client("c"));
+  for (auto& r : JoinAll(c)) EXPECT_TRUE(r.ok()) << r.status();
+}
+
+TEST_F(CoordinatorTest, WrongTokenDuplicateNameAndTakenRankAreRefused) {
+  Start(2);
+  auto bad = Client("x", 1, -1, "wrong");
+  auto m = bad->Join(absl::Now() + absl::Seconds(2));
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kUnauthenticated) << m.status();
+
+  std::thread first([&] {
+    auto a = Client("a", 1, 1);
+    EXPECT_EQ(a->Join(absl::Now() + absl::Milliseconds(1500)).status().code(),
+              absl::StatusCode::kDeadlineExceeded);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto same_name = Client("a");
+  EXPECT_EQ(same_name->Join(absl::Now() + absl::Seconds(1)).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  auto same_rank = Client("b", 1, 1);
+  EXPECT_EQ(same_rank->Join(absl::Now() + absl::Seconds(1)).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  first.join();
+}
+
+TEST_F(CoordinatorTest, MalformedRequestsGetInvalidArgument) {
+  Start(1);
+  auto call_join = [&](const microd::v1::JoinRequest& req) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    microd::v1::JoinResponse resp;
+    return stub_->Join(&ctx, req, &resp).error_code();
+  };
+  microd::v1::JoinRequest req;
+  req.set_job_id("job");
+  req.set_token("secret");
+  req.set_local_size(1);
+  req.set_requested_rank(-1);
+  EXPECT_EQ(call_join(req), grpc::StatusCode::INVALID_ARGUMENT);  // empty name
+  req.set_node_name(std::string(300, 'n'));
+  EXPECT_EQ(call_join(req), grpc::StatusCode::INVALID_ARGUMENT);  // name too long
+  req.set_node_name("n");
+  req.set_local_size(-3);
+  EXPECT_EQ(call_join(req), grpc::StatusCode::INVALID_ARGUMENT);  // negative size
+  req.set_local_size(1);
+  req.set_requested_rank(5);
+  EXPECT_EQ(call_join(req), grpc::StatusCode::INVALID_ARGUMENT);  // rank out of range
+  req.set_requested_rank(-1);
+  req.set_job_id("");
+  EXPECT_EQ(call_join(req), grpc::StatusCode::INVALID_ARGUMENT);  // empty job
+
+  auto a = Client("a");
+  auto m = a->Join(absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(m.ok()) << m.status();
+  auto negotiate = [&](int64_t count, const std::string& name, uint64_t session, int rank) {
+    microd::v1::NegotiateRequest nr;
+    nr.set_session(session);
+    nr.set_node_rank(rank);
+    nr.set_cycle(0);
+    auto* b = nr.add_ready();
+    b->set_name(name);
+    b->set_dtype(microd::v1::DATA_TYPE_FLOAT32);
+    b->set_count(count);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    microd::v1::NegotiateResponse resp;
+    return stub_->Negotiate(&ctx, nr, &resp).error_code();
+  };
+  EXPECT_EQ(negotiate(-5, "w", m->session, 0), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(negotiate(0, "w", m->session, 0), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(negotiate(int64_t{1} << 32, "w", m->session, 0), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(negotiate(5, "", m->session, 0), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(negotiate(5, "w", m->session, 7), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(negotiate(5, "w", m->session, -1), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(negotiate(5, "w", m->session + 1, 0), grpc::StatusCode::PERMISSION_DENIED);
+  // Still serving: a well-formed cycle goes through.
+  auto r = a->Negotiate(0, {{"w", 1, 5}}, absl::Now() + absl::Seconds(2));
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->scheduled.size(), 1u);
+  // A cycle out of order is refused.
+  EXPECT_EQ(a->Negotiate(5, {}, absl::Now() + absl::Seconds(2)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(CoordinatorTest, KeyValueStoreSetGetWait) {
+  Start(2);
+  std::vector<std::unique_ptr<CoordinatorClient>> c;
+  c.push_back(Client("a"));
+  c.push_back(Client("b"));
+  for (auto& r : JoinAll(c)) ASSERT_TRUE(r.ok()) << r.status();
+  const std::string k1 = "k1", k2 = "k2";
+  ASSERT_TRUE(c[0]->Set(k1, std::string("v\0 1", 4)).ok());
+  auto v = c[1]->Get({&k1, 1}, absl::Now());
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ((*v)[0], std::string("v\0 1", 4));
+  EXPECT_EQ(c[1]->Get({&k2, 1}, absl::Now()).status().code(), absl::StatusCode::kNotFound);
+  std::thread later([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    EXPECT_TRUE(c[0]->Set(k2, "two").ok());
+  });
+  const std::vector<std::string> both = {k1, k2};
+  v = c[1]->Get(both, absl::Now() + absl::Seconds(5));
+  later.join();
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ((*v)[1], "two");
+  const std::string missing = "never";
+  auto t = c[1]->Get({&missing, 1}, absl::Now() + absl::Milliseconds(200));
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(absl::StrContains(t.status().message(), "never")) << t.status();
+  EXPECT_EQ(c[0]->Set("", "x").code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(CoordinatorTest, EveryNodeGetsTheSameScheduleAndMismatchErrors) {
+  Start(3);
+  std::vector<std::unique_ptr<CoordinatorClient>> c;
+  for (const char* n : {"a", "b", "c"}) c.push_back(Client(n));
+  for (auto& r : JoinAll(c)) ASSERT_TRUE(r.ok()) << r.status();
+  // By rank: what each node reports in cycles 0 and 1.
+  const std::vector<std::vector<std::vector<BucketInfo>>> reports = {
+      {{{"a", 1, 10}, {"b", 1, 20}, {"x", 1, 100}}, {}},
+      {{{"b", 1, 20}, {"x", 1, 200}}, {{"a", 1, 10}, {"c", 1, 5}}},
+      {{{"b", 1, 20}, {"a", 1, 10}, {"x", 1, 100}}, {}},
+  };
+  std::vector<std::vector<NegotiationResult>> got(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      const int rank = c[r]->membership().node_rank;
+      for (uint64_t cycle = 0; cycle < 2; ++cycle) {
+        auto res = c[r]->Negotiate(cycle, reports[rank][cycle], absl::Now() + absl::Seconds(10));
+        ASSERT_TRUE(res.ok()) << res.status();
+        got[rank].push_back(*res);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_EQ(got[r].size(), 2u);
+    // Cycle 0: only "b" is ready everywhere; "x" disagrees (node 1 says 200).
+    ASSERT_EQ(got[r][0].scheduled.size(), 1u);
+    EXPECT_EQ(got[r][0].scheduled[0].name, "b");
+    ASSERT_EQ(got[r][0].errors.size(), 1u);
+    EXPECT_EQ(got[r][0].errors[0].first, "x");
+    EXPECT_TRUE(absl::StrContains(got[r][0].errors[0].second, "node 1")) << got[r][0].errors[0].second;
+    // Cycle 1: "a" completes; "c" waits for the others.
+    ASSERT_EQ(got[r][1].scheduled.size(), 1u);
+    EXPECT_EQ(got[r][1].scheduled[0].name, "a");
+    EXPECT_TRUE(got[r][1].errors.empty());
+  }
+}
+
+TEST_F(CoordinatorTest, SilentNodeFailsTheJobForEveryoneWithinThePeerTimeout) {
+  Start(3, absl::Milliseconds(600));
+  std::vector<std::unique_ptr<CoordinatorClient>> c;
+  for (const char* n : {"a", "b", "c"}) c.push_back(Client(n, 1, -1, "secret", absl::Milliseconds(600)));
+  for (auto& r : JoinAll(c)) ASSERT_TRUE(r.ok()) << r.status();
+  const auto start = std::chrono::steady_clock::now();
+  // Node 0 waits in a negotiation that node 2 never joins.
+  std::thread waiter([&] {
+    auto r = c[0]->Negotiate(0, {}, absl::Now() + absl::Seconds(30));
+    EXPECT_FALSE(r.ok());
+    EXPECT_TRUE(absl::StrContains(r.status().message(), "node 2")) << r.status();
+  });
+  c[2].reset();  // node 2 dies: no more heartbeats
+  waiter.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  // The survivors learn it from their heartbeats.
+  for (int i = 0; i < 50 && c[1]->job_status().ok(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_FALSE(c[1]->job_status().ok());
+  EXPECT_TRUE(absl::StrContains(c[1]->job_status().message(), "silent")) << c[1]->job_status();
+  // Afterwards nothing blocks.
+  const std::string k = "k";
+  EXPECT_FALSE(c[1]->Get({&k, 1}, absl::Now() + absl::Seconds(30)).ok());
+}
+
+TEST_F(CoordinatorTest, AdminStatusAndHealthCheck) {
+  Start(1);
+  auto a = Client("solo", 4);
+  ASSERT_TRUE(a->Join(absl::Now() + absl::Seconds(5)).ok());
+  auto admin = microd::v1::Admin::NewStub(channel_);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  microd::v1::GetStatusResponse resp;
+  ASSERT_TRUE(admin->GetStatus(&ctx, {}, &resp).ok());
+  EXPECT_EQ(resp.job_state(), microd::v1::JOB_STATE_RUNNING);
+  ASSERT_EQ(resp.nodes_size(), 1);
+  EXPECT_EQ(resp.nodes(0).name(), "solo");
+  EXPECT_EQ(resp.nodes(0).local_size(), 4);
+
+  // grpc.health.v1.Health/Check with an empty request: SERVING is field 1 = 1.
+  grpc::GenericStub generic(channel_);
+  grpc::ClientContext hctx;
+  hctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  grpc::ByteBuffer request, response;
+  grpc::Slice empty;
+  request = grpc::ByteBuffer(&empty, 1);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status status;
+  generic.UnaryCall(&hctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
+                    &response, [&](grpc::Status s) {
+                      std::lock_guard<std::mutex> l(mu);
+                      status = s;
+                      done = true;
+                      cv.notify_all();
+                    });
+  std::unique_lock<std::mutex> l(mu);
+  ASSERT_TRUE(cv.wait_for(l, std::chrono::seconds(5), [&] { return done; }));
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(response.Dump(&slices).ok());
+  std::string bytes;
+  for (auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  EXPECT_EQ(bytes, std::string("\x08\x01", 2));
+}
+
+TEST_F(CoordinatorTest, LeaveEndsTheJobCleanly) {
+  Start(2);
+  std::vector<std::unique_ptr<CoordinatorClient>> c;
+  c.push_back(Client("a"));
+  c.push_back(Client("b"));
+  for (auto& r : JoinAll(c)) ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(c[1]->Leave().ok());
+  auto r = c[0]->Negotiate(0, {}, absl::Now() + absl::Seconds(10));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "left")) << r.status();
+}
+
+}  // namespace
+}  // namespace microd::control
