@@ -41,7 +41,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(
 }
 
 CoordinatorClient::~CoordinatorClient() {
-  stop_.Notify();
+  if (!stop_.HasBeenNotified()) stop_.Notify();
   if (heartbeat_.joinable()) heartbeat_.join();
 }
 
@@ -203,7 +203,7 @@ absl::StatusOr<NegotiationResult> CoordinatorClient::Negotiate(uint64_t cycle,
 }
 
 absl::Status CoordinatorClient::Leave() {
-  stop_.Notify();
+  if (!stop_.HasBeenNotified()) stop_.Notify();
   if (heartbeat_.joinable()) heartbeat_.join();
   if (membership_.session == 0) return absl::OkStatus();
   microd::v1::LeaveRequest req;
