@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "daemon/common/status_macros.h"
 
 namespace microd::sparsify {
@@ -203,11 +204,13 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, float* acc, float* update,
   o.tag = MakeTag(spec_.slot, TagKind::kValues);
   stats.bytes_sent += K * sizeof(float);
   RETURN_IF_ERROR(transport.AllreduceSum(values_.get(), K, DataType::kFloat32, o));
+  const absl::Time apply_start = absl::Now();
   RETURN_IF_ERROR(
       Check(ops_->ScatterAverage(values_.get(), global_index_.get(), K,
                                  static_cast<float>(job_.world_size), update, spec_.size, stream_),
             "scatter"));
   RETURN_IF_ERROR(Check(ops_->ZeroAt(acc, global_index_.get(), K, stream_), "zeroing"));
+  stats.apply_seconds = absl::ToDoubleSeconds(absl::Now() - apply_start);
   stats.selected = K;
   stats.cre = std::fabs(static_cast<double>(K) / static_cast<double>(k_) - 1.0);
   return absl::OkStatus();
@@ -216,6 +219,7 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, float* acc, float* update,
 absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* update,
                                                  transport::Transport& transport,
                                                  absl::Time deadline) {
+  const absl::Time start = absl::Now();
   StepStats stats;
   stats.step = step_;
   stats.budget = k_;
@@ -267,9 +271,12 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
     RETURN_IF_ERROR(transport.Allgather(&mine, sizeof(Header), headers.data(), options));
   }
   stats.threshold = threshold;
+  stats.select_seconds = absl::ToDoubleSeconds(absl::Now() - start);
 
   ASSIGN_OR_RETURN(const uint64_t K, GatherIndices(headers, transport, options, stats));
   RETURN_IF_ERROR(ReduceAndApply(K, acc, update, transport, options, stats));
+  stats.exchange_seconds = absl::ToDoubleSeconds(absl::Now() - start) - stats.select_seconds -
+                           stats.apply_seconds;
   current_ = 1 - current_;
   ++step_;
   controller_->Commit(K);
@@ -279,6 +286,7 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
 absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* update,
                                                  transport::Transport& transport,
                                                  absl::Time deadline) {
+  const absl::Time start = absl::Now();
   StepStats stats;
   stats.step = step_;
   stats.budget = k_;
@@ -309,6 +317,7 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
     ASSIGN_OR_RETURN(scalars, ReadScalars());
   }
   stats.threshold = hard ? lambda : 0.0;
+  stats.select_seconds = absl::ToDoubleSeconds(absl::Now() - start);
 
   CollectiveOptions options;
   options.deadline = deadline;
@@ -322,6 +331,8 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
       Check(ops_->SortUnique(global_index_.get(), total, scalars_.get(), stream_), "union"));
   ASSIGN_OR_RETURN(scalars, ReadScalars());
   RETURN_IF_ERROR(ReduceAndApply(scalars.count, acc, update, transport, options, stats));
+  stats.exchange_seconds = absl::ToDoubleSeconds(absl::Now() - start) - stats.select_seconds -
+                           stats.apply_seconds;
   current_ = 1 - current_;
   ++step_;
   return stats;
@@ -330,6 +341,7 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
 absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* update,
                                                  transport::Transport& transport,
                                                  absl::Time deadline) {
+  const absl::Time start = absl::Now();
   StepStats stats;
   stats.step = step_;
   stats.budget = spec_.size;  // dense reduces every element: no compression error
@@ -345,12 +357,15 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
   options.tag = MakeTag(spec_.slot, TagKind::kDense);
   stats.bytes_sent += spec_.size * sizeof(float);
   RETURN_IF_ERROR(transport.AllreduceSum(update, spec_.size, DataType::kFloat32, options));
+  const absl::Time apply_start = absl::Now();
+  stats.exchange_seconds = absl::ToDoubleSeconds(apply_start - start);
   RETURN_IF_ERROR(
       Check(ops_->Divide(update, spec_.size, static_cast<float>(job_.world_size), nullptr, stream_),
             "divide"));
   stats.selected = spec_.size;
   stats.sum_of_counts = spec_.size;
   stats.local_selected = spec_.size;
+  stats.apply_seconds = absl::ToDoubleSeconds(absl::Now() - apply_start);
   ++step_;
   return stats;
 }

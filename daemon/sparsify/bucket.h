@@ -37,6 +37,12 @@ struct StepStats {
   uint64_t bytes_sent = 0;  // payload bytes this node handed to collectives
   int rescans = 0;          // `hist` controller: extra passes over the partition
   bool dense = false;
+  // Where the time went: selection (fused pass, threshold control, trim),
+  // exchange (index allgather, gather, value allreduce or the dense
+  // allreduce), apply (scatter-average into the update, residual zeroing).
+  double select_seconds = 0;
+  double exchange_seconds = 0;
+  double apply_seconds = 0;
 };
 
 class BucketState {

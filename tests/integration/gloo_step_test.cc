@@ -198,7 +198,7 @@ TEST(GlooStep, KilledNodeFailsEveryOtherNodeWithinThePeerTimeout) {
   EXPECT_EQ(codes[2], -1);  // killed
   for (int r = 0; r < 2; ++r) {
     const auto lines = ReadLines(outs[r]);
-    ASSERT_FALSE(lines.empty());
+    ASSERT_FALSE(lines.empty()) << "node " << r << " exit code " << codes[r];
     EXPECT_EQ(codes[r], 3) << "node " << r << ": " << lines.back();
     EXPECT_TRUE(absl::StartsWith(lines.back(), "FAILED")) << lines.back();
     EXPECT_LE(lines.size(), 8u) << "node " << r << " kept running after the kill";

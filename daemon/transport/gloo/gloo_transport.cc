@@ -4,8 +4,10 @@
 // AllreduceSum is a reduce-scatter (alltoallv: rank j receives chunk j from
 // every rank) summed in rank order, then an allgatherv of the summed chunks:
 // the same bandwidth as a ring, and the same bits as the in-process backend,
-// so results do not depend on the backend.
+// so results do not depend on the backend. Small ones (histograms, a few
+// values) are an allgather and a rank-order sum on every rank: one round.
 #include "daemon/transport/gloo/gloo_transport.h"
+#include "daemon/transport/gloo/store_adapter.h"
 
 #include <gloo/allgather.h>
 #include <gloo/allgatherv.h>
@@ -15,6 +17,8 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
+
+#include <signal.h>
 
 #include <chrono>
 #include <cstring>
@@ -29,39 +33,6 @@
 namespace microd::transport {
 namespace {
 
-// gloo::rendezvous::Store over our KeyValueStore.
-class StoreAdapter final : public gloo::rendezvous::Store {
- public:
-  StoreAdapter(control::KeyValueStore* store, std::string prefix, absl::Duration timeout)
-      : store_(store), prefix_(std::move(prefix)), timeout_(timeout) {}
-
-  void set(const std::string& key, const std::vector<char>& data) override {
-    absl::Status s = store_->Set(Key(key), std::string(data.begin(), data.end()));
-    if (!s.ok()) throw gloo::IoException(std::string(s.message()));
-  }
-  std::vector<char> get(const std::string& key) override {
-    const std::string k = Key(key);
-    auto v = store_->Get({&k, 1}, absl::Now() + timeout_);
-    if (!v.ok()) throw gloo::IoException(std::string(v.status().message()));
-    return std::vector<char>((*v)[0].begin(), (*v)[0].end());
-  }
-  void wait(const std::vector<std::string>& keys) override {
-    wait(keys, std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
-  }
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
-    std::vector<std::string> full;
-    for (const auto& k : keys) full.push_back(Key(k));
-    auto v = store_->Get(full, absl::Now() + absl::FromChrono(timeout));
-    if (!v.ok()) throw gloo::IoException(std::string(v.status().message()));
-  }
-
- private:
-  std::string Key(const std::string& k) const { return absl::StrCat(prefix_, "/", k); }
-  control::KeyValueStore* const store_;
-  const std::string prefix_;
-  const absl::Duration timeout_;
-};
-
 absl::Status FromException(const std::exception& e, const char* op, uint32_t tag) {
   const std::string what = e.what();
   const std::string msg = absl::StrCat("gloo ", op, " tag ", tag, ": ", what);
@@ -71,6 +42,9 @@ absl::Status FromException(const std::exception& e, const char* op, uint32_t tag
   }
   return absl::UnavailableError(msg);
 }
+
+// Up to this many elements an allreduce is an allgather plus a local sum.
+constexpr size_t kSmallAllreduceElements = 4096;
 
 class GlooTransport final : public Transport {
  public:
@@ -214,6 +188,23 @@ class GlooTransport final : public Transport {
   void Reduce(T* data, size_t count, uint32_t tag, std::chrono::milliseconds timeout) {
     const int n = size();
     const int r = rank();
+    if (count <= kSmallAllreduceElements) {
+      // Small: one allgather, then every rank sums all contributions in rank
+      // order (one round instead of two).
+      std::vector<T> all(count * n);
+      gloo::AllgatherOptions opts(context_);
+      opts.setInput(data, count);
+      opts.setOutput(all.data(), count * n);
+      opts.setTag(tag);
+      opts.setTimeout(timeout);
+      gloo::allgather(opts);
+      std::memcpy(data, all.data(), count * sizeof(T));
+      for (int q = 1; q < n; ++q) {
+        const T* in = all.data() + q * count;
+        for (size_t i = 0; i < count; ++i) data[i] += in[i];
+      }
+      return;
+    }
     std::vector<size_t> chunk(n), offset(n);
     for (int j = 0; j < n; ++j) {
       chunk[j] = count / n + (static_cast<size_t>(j) < count % n ? 1 : 0);
@@ -250,6 +241,13 @@ class GlooTransport final : public Transport {
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
 };
 
+void IgnoreSigpipe() {
+  struct sigaction current {};
+  if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    signal(SIGPIPE, SIG_IGN);
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateGlooTransport(const GlooOptions& o) {
@@ -261,6 +259,9 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGlooTransport(const GlooOptions
   if (o.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("gloo: timeout must be positive");
   }
+  // Gloo writes to sockets without MSG_NOSIGNAL: a peer that died would kill
+  // this process with SIGPIPE instead of failing the call.
+  IgnoreSigpipe();
   try {
     gloo::transport::tcp::attr attr;
     attr.hostname = o.hostname;
@@ -268,7 +269,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGlooTransport(const GlooOptions
     auto context = std::make_shared<gloo::rendezvous::Context>(o.rank, o.size);
     context->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(o.timeout)));
     if (o.size > 1) {
-      StoreAdapter store(o.store, o.prefix, o.timeout);
+      GlooStoreAdapter store(o.store, o.prefix, o.timeout);
       context->connectFullMesh(store, device);
     }
     return std::unique_ptr<Transport>(new GlooTransport(context, o.timeout));

@@ -26,6 +26,8 @@ struct GlooOptions {
 };
 
 // Connects the full mesh (blocking until every rank arrived or the timeout).
+// Sets SIGPIPE to ignored if it still has its default action, so that a peer
+// that died makes calls fail instead of killing this process.
 absl::StatusOr<std::unique_ptr<Transport>> CreateGlooTransport(const GlooOptions& options);
 
 }  // namespace microd::transport

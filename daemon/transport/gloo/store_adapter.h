@@ -1,0 +1,51 @@
+// Inside the Gloo backend (and its benchmark): gloo::rendezvous::Store over
+// our KeyValueStore, so Gloo's rendezvous runs through the coordinator.
+// Errors become gloo::IoException, as Gloo expects from a store.
+#pragma once
+
+#include <gloo/common/error.h>
+#include <gloo/rendezvous/store.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/control/kv_store.h"
+
+namespace microd::transport {
+
+class GlooStoreAdapter final : public gloo::rendezvous::Store {
+ public:
+  GlooStoreAdapter(control::KeyValueStore* store, std::string prefix, absl::Duration timeout)
+      : store_(store), prefix_(std::move(prefix)), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    absl::Status s = store_->Set(Key(key), std::string(data.begin(), data.end()));
+    if (!s.ok()) throw gloo::IoException(std::string(s.message()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    const std::string k = Key(key);
+    auto v = store_->Get({&k, 1}, absl::Now() + timeout_);
+    if (!v.ok()) throw gloo::IoException(std::string(v.status().message()));
+    return std::vector<char>((*v)[0].begin(), (*v)[0].end());
+  }
+  void wait(const std::vector<std::string>& keys) override {
+    wait(keys, std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+  }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    std::vector<std::string> full;
+    for (const auto& k : keys) full.push_back(Key(k));
+    auto v = store_->Get(full, absl::Now() + absl::FromChrono(timeout));
+    if (!v.ok()) throw gloo::IoException(std::string(v.status().message()));
+  }
+
+ private:
+  std::string Key(const std::string& k) const { return absl::StrCat(prefix_, "/", k); }
+  control::KeyValueStore* const store_;
+  const std::string prefix_;
+  const absl::Duration timeout_;
+};
+
+}  // namespace microd::transport
