@@ -28,6 +28,7 @@ demo: build
 bench: build
 	mkdir -p results/bench
 	$(BUILD)/bench/microd-bench-kernels --json=results/bench/kernels.json
+	$(BUILD)/bench/microd-bench-transport --json=results/bench/transport.json
 
 clean:
 	rm -rf $(BUILD)
