@@ -1,0 +1,135 @@
+/* microd client library: hands gradient buffers of a training process to the
+ * node's microd daemon and waits for their averaged, sparsified update.
+ *
+ * Linked into frameworks: depends on libc only. Every function is
+ * thread-safe on a given handle unless it says otherwise. Statuses are
+ * returned, never raised; microd_last_error() gives the message of the last
+ * failure on a handle.
+ *
+ *   microd_options opt;
+ *   microd_options_init(&opt);             // socket from MICROD_SOCKET
+ *   microd_client* c;
+ *   if (microd_connect(&opt, &c) != MICROD_OK) ...
+ *   float* grads; int32_t buf;
+ *   microd_register_host_buffer(c, "layer1", n, &grads, &buf);
+ *   ... write gradients into grads ...
+ *   microd_allreduce(c, buf, 60000);       // grads now holds the update
+ *   microd_close(c);
+ */
+#ifndef MICROD_MICROD_H_
+#define MICROD_MICROD_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(MICROD_BUILDING_LIBRARY)
+#define MICROD_API __attribute__((visibility("default")))
+#else
+#define MICROD_API
+#endif
+
+#define MICROD_VERSION_MAJOR 0
+#define MICROD_VERSION_MINOR 1
+#define MICROD_VERSION_PATCH 0
+#define MICROD_VERSION_CODE \
+  (MICROD_VERSION_MAJOR * 10000 + MICROD_VERSION_MINOR * 100 + MICROD_VERSION_PATCH)
+
+/* Result of every call. 0 is success; values are only ever appended. */
+typedef enum microd_status {
+  MICROD_OK = 0,
+  MICROD_ERR_INVALID_ARGUMENT = 1, /* a bad argument; nothing was changed */
+  MICROD_ERR_UNAVAILABLE = 2,      /* the daemon cannot be reached or went away */
+  MICROD_ERR_TIMEOUT = 3,          /* the deadline passed; the operation may still complete */
+  MICROD_ERR_MISMATCH = 4,         /* buffers of one name differ between processes or nodes */
+  MICROD_ERR_JOB_FAILED = 5,       /* a node or process of the job failed; nothing more runs */
+  MICROD_ERR_UNSUPPORTED = 6,      /* not available in this build (e.g. CUDA buffers) */
+  MICROD_ERR_PROTOCOL = 7,         /* malformed message between library and daemon */
+  MICROD_ERR_RESOURCE = 8,         /* out of memory or over a daemon limit */
+  MICROD_ERR_PERMISSION = 9,       /* the daemon refused this process (uid/gid) */
+  MICROD_ERR_NONFINITE = 10,       /* NaN or Inf in a gradient; the step was not applied */
+  MICROD_ERR_INTERNAL = 11,        /* a bug: please report the message */
+  MICROD_ERR_CLOSED = 12           /* the handle was closed */
+} microd_status;
+
+/* Opaque connection to the daemon. */
+typedef struct microd_client microd_client;
+
+/* Connection options. Set struct_size = sizeof(microd_options) (done by
+ * microd_options_init) so that fields can be appended compatibly. */
+typedef struct microd_options {
+  size_t struct_size;
+  const char* socket_path; /* NULL: $MICROD_SOCKET, else /run/microd/microd.sock */
+  int32_t local_rank;      /* -1: $MICROD_LOCAL_RANK / $LOCAL_RANK, else any free one */
+  int32_t timeout_ms;      /* how long microd_connect waits for the daemon; <= 0: 60000 */
+} microd_options;
+
+typedef struct microd_job_info {
+  int32_t rank;       /* global rank: node offset + local rank */
+  int32_t world_size; /* training processes in the job */
+  int32_t local_rank;
+  int32_t local_size;
+  int32_t node_rank;
+  int32_t node_count;
+} microd_job_info;
+
+/* Library version as MICROD_VERSION_CODE. Never blocks. */
+MICROD_API int microd_version(void);
+
+/* Static description of a status ("MICROD_ERR_TIMEOUT: ..."). Never NULL. */
+MICROD_API const char* microd_status_string(microd_status status);
+
+/* Fills defaults. Never blocks. */
+MICROD_API void microd_options_init(microd_options* options);
+
+/* Connects to the daemon and introduces this process, retrying until the
+ * daemon's socket appears or options->timeout_ms passes. Blocks. On success
+ * *out owns a handle to pass to microd_close. On failure *out is NULL and
+ * the reason is returned (microd_last_error(NULL) gives its message). */
+MICROD_API microd_status microd_connect(const microd_options* options, microd_client** out);
+
+/* Message of the last failed call on `client` (or of the last failed
+ * microd_connect in this thread when client is NULL). The pointer stays
+ * valid until the next call on the handle. Never NULL. */
+MICROD_API const char* microd_last_error(const microd_client* client);
+
+/* Job shape as the daemon reported it at connect. Never blocks. */
+MICROD_API microd_status microd_job_info_get(const microd_client* client, microd_job_info* out);
+
+/* Allocates `count` fp32 elements in shared memory, registers them with the
+ * daemon under `name` (every process of the job registers the same names with
+ * the same counts) and returns the buffer to fill in *data and its id in
+ * *buffer_id. The memory belongs to the library until microd_close. Blocks
+ * until the daemon acknowledged. */
+MICROD_API microd_status microd_register_host_buffer(microd_client* client, const char* name,
+                                                     uint64_t count, float** data,
+                                                     int32_t* buffer_id);
+
+/* Submits the buffer's current contents for averaging and returns at once
+ * with a ticket. Do not touch the buffer until microd_wait reports the
+ * ticket done: the update is then in the buffer. One submission per buffer
+ * may be pending at a time. */
+MICROD_API microd_status microd_allreduce_async(microd_client* client, int32_t buffer_id,
+                                                uint64_t* ticket);
+
+/* Waits until the ticket completes or timeout_ms passes (< 0: no limit;
+ * 0: poll). Returns the operation's status. Blocks. */
+MICROD_API microd_status microd_wait(microd_client* client, uint64_t ticket, int32_t timeout_ms);
+
+/* microd_allreduce_async followed by microd_wait. Blocks. */
+MICROD_API microd_status microd_allreduce(microd_client* client, int32_t buffer_id,
+                                          int32_t timeout_ms);
+
+/* Says goodbye, unmaps the buffers and frees the handle (NULL is a no-op).
+ * Pending tickets are abandoned. No other thread may use the handle during
+ * or after this call. */
+MICROD_API microd_status microd_close(microd_client* client);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MICROD_MICROD_H_ */

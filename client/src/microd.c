@@ -1,0 +1,578 @@
+/* microd client library (libc only). See include/microd/microd.h. */
+#define _GNU_SOURCE
+#include "microd/microd.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "wire.h"
+
+#define CLIENT_MAGIC 0x6d636c69u /* "mcli" */
+#define DEFAULT_SOCKET "/run/microd/microd.sock"
+#define DEFAULT_TIMEOUT_MS 60000
+#define READ_SLICE_MS 20
+#define MAX_BUCKET_ELEMENTS 0xFFFFFFFFull
+
+typedef struct buffer {
+  char name[MICROD_WIRE_NAME_BYTES];
+  float* data;
+  uint64_t count;
+  size_t bytes;
+  int pending; /* a submission is in flight */
+} buffer;
+
+typedef struct ticket_entry {
+  uint64_t ticket;
+  int32_t buffer_id;
+  int done;
+  microd_status status;
+  char message[MICROD_WIRE_MESSAGE_BYTES];
+} ticket_entry;
+
+struct microd_client {
+  uint32_t magic;
+  int fd;
+  pthread_mutex_t mu;      /* guards everything below */
+  pthread_mutex_t read_mu; /* one thread reads the socket at a time */
+  microd_job_info info;
+  buffer* buffers;
+  int32_t nbuffers, buffers_cap;
+  ticket_entry* tickets;
+  size_t ntickets, tickets_cap;
+  uint64_t next_ticket;
+  /* The last REGISTER_ACK, handed from the reader to the registering thread. */
+  int have_register_ack;
+  microd_wire_register_ack register_ack;
+  microd_status broken; /* MICROD_OK while the connection is usable */
+  char broken_message[MICROD_WIRE_MESSAGE_BYTES];
+  char last_error[512];
+};
+
+static __thread char tls_error[512];
+
+static int64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* Records the message of a failure on the handle (or thread) and returns it. */
+static microd_status fail(microd_client* c, microd_status status, const char* fmt, ...) {
+  char* dst = c != NULL ? c->last_error : tls_error;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(dst, 512, fmt, ap);
+  va_end(ap);
+  return status;
+}
+
+/* dst has MICROD_WIRE_MESSAGE_BYTES; src is NUL-terminated. */
+static void copy_message(char* dst, const char* src) {
+  snprintf(dst, MICROD_WIRE_MESSAGE_BYTES, "%s", src);
+}
+
+static void fill_header(microd_wire_header* h, uint16_t type, uint32_t length) {
+  h->magic = MICROD_WIRE_MAGIC;
+  h->version = MICROD_WIRE_VERSION;
+  h->type = type;
+  h->length = length;
+  h->reserved = 0;
+}
+
+static int valid_status(int32_t s) { return s >= MICROD_OK && s <= MICROD_ERR_CLOSED; }
+
+/* Sends one message, optionally with a file descriptor. 0 on success. */
+static int send_message(int fd, const void* msg, size_t len, int pass_fd) {
+  struct iovec iov = {(void*)msg, len};
+  struct msghdr mh;
+  char control[CMSG_SPACE(sizeof(int))];
+  memset(&mh, 0, sizeof mh);
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  if (pass_fd >= 0) {
+    memset(control, 0, sizeof control);
+    mh.msg_control = control;
+    mh.msg_controllen = sizeof control;
+    struct cmsghdr* cm = CMSG_FIRSTHDR(&mh);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cm), &pass_fd, sizeof(int));
+  }
+  ssize_t n;
+  do {
+    n = sendmsg(fd, &mh, MSG_NOSIGNAL);
+  } while (n < 0 && errno == EINTR);
+  return n == (ssize_t)len ? 0 : -1;
+}
+
+/* Marks the connection unusable; every later call returns `status`. */
+static void break_connection(microd_client* c, microd_status status, const char* message) {
+  if (c->broken == MICROD_OK) {
+    c->broken = status;
+    copy_message(c->broken_message, message);
+  }
+}
+
+static ticket_entry* find_ticket(microd_client* c, uint64_t ticket) {
+  for (size_t i = 0; i < c->ntickets; ++i) {
+    if (c->tickets[i].ticket == ticket) return &c->tickets[i];
+  }
+  return NULL;
+}
+
+/* Reads at most one message within timeout_ms and dispatches it. Called with
+ * read_mu held, mu not held. */
+static void read_one(microd_client* c, int timeout_ms) {
+  struct pollfd p = {c->fd, POLLIN, 0};
+  int r = poll(&p, 1, timeout_ms);
+  if (r <= 0) return;
+  union {
+    microd_wire_header h;
+    microd_wire_hello_ack hello;
+    microd_wire_register_ack reg;
+    microd_wire_completion done;
+    microd_wire_error err;
+    char bytes[MICROD_WIRE_MAX_BYTES + 1];
+  } m;
+  ssize_t n;
+  do {
+    n = recv(c->fd, &m, sizeof m, 0);
+  } while (n < 0 && errno == EINTR);
+  pthread_mutex_lock(&c->mu);
+  if (n <= 0) {
+    break_connection(c, MICROD_ERR_UNAVAILABLE, n == 0 ? "the daemon closed the connection"
+                                                       : "reading from the daemon failed");
+  } else if ((size_t)n < sizeof(microd_wire_header) || m.h.magic != MICROD_WIRE_MAGIC ||
+             m.h.version != MICROD_WIRE_VERSION || m.h.length != (uint32_t)n) {
+    break_connection(c, MICROD_ERR_PROTOCOL, "malformed message from the daemon");
+  } else if (m.h.type == MICROD_MSG_COMPLETION && n == sizeof(microd_wire_completion)) {
+    ticket_entry* t = find_ticket(c, m.done.ticket);
+    m.done.message[MICROD_WIRE_MESSAGE_BYTES - 1] = '\0';
+    if (t != NULL && !t->done) {
+      t->done = 1;
+      t->status = valid_status(m.done.status) ? (microd_status)m.done.status : MICROD_ERR_PROTOCOL;
+      copy_message(t->message, m.done.message);
+      if (t->buffer_id >= 0 && t->buffer_id < c->nbuffers) c->buffers[t->buffer_id].pending = 0;
+    }
+  } else if (m.h.type == MICROD_MSG_REGISTER_ACK && n == sizeof(microd_wire_register_ack)) {
+    c->register_ack = m.reg;
+    c->have_register_ack = 1;
+  } else if (m.h.type == MICROD_MSG_ERROR && n == sizeof(microd_wire_error)) {
+    m.err.message[MICROD_WIRE_MESSAGE_BYTES - 1] = '\0';
+    break_connection(c, valid_status(m.err.status) ? (microd_status)m.err.status
+                                                   : MICROD_ERR_PROTOCOL,
+                     m.err.message);
+  } else {
+    break_connection(c, MICROD_ERR_PROTOCOL, "unexpected message from the daemon");
+  }
+  pthread_mutex_unlock(&c->mu);
+}
+
+static int check_handle(const microd_client* c) { return c != NULL && c->magic == CLIENT_MAGIC; }
+
+int microd_version(void) { return MICROD_VERSION_CODE; }
+
+const char* microd_status_string(microd_status status) {
+  switch (status) {
+    case MICROD_OK: return "MICROD_OK";
+    case MICROD_ERR_INVALID_ARGUMENT: return "MICROD_ERR_INVALID_ARGUMENT: bad argument";
+    case MICROD_ERR_UNAVAILABLE: return "MICROD_ERR_UNAVAILABLE: daemon not reachable";
+    case MICROD_ERR_TIMEOUT: return "MICROD_ERR_TIMEOUT: deadline passed";
+    case MICROD_ERR_MISMATCH: return "MICROD_ERR_MISMATCH: buffers differ between processes";
+    case MICROD_ERR_JOB_FAILED: return "MICROD_ERR_JOB_FAILED: the job failed";
+    case MICROD_ERR_UNSUPPORTED: return "MICROD_ERR_UNSUPPORTED: not supported by this build";
+    case MICROD_ERR_PROTOCOL: return "MICROD_ERR_PROTOCOL: malformed message";
+    case MICROD_ERR_RESOURCE: return "MICROD_ERR_RESOURCE: out of memory or over a limit";
+    case MICROD_ERR_PERMISSION: return "MICROD_ERR_PERMISSION: refused by the daemon";
+    case MICROD_ERR_NONFINITE: return "MICROD_ERR_NONFINITE: NaN or Inf in a gradient";
+    case MICROD_ERR_INTERNAL: return "MICROD_ERR_INTERNAL: internal error";
+    case MICROD_ERR_CLOSED: return "MICROD_ERR_CLOSED: handle closed";
+  }
+  return "MICROD_ERR_UNKNOWN: unknown status";
+}
+
+void microd_options_init(microd_options* options) {
+  if (options == NULL) return;
+  memset(options, 0, sizeof *options);
+  options->struct_size = sizeof *options;
+  options->socket_path = NULL;
+  options->local_rank = -1;
+  options->timeout_ms = DEFAULT_TIMEOUT_MS;
+}
+
+const char* microd_last_error(const microd_client* client) {
+  if (client == NULL) return tls_error;
+  if (!check_handle(client)) return "invalid or closed microd_client handle";
+  return client->last_error;
+}
+
+microd_status microd_connect(const microd_options* options, microd_client** out) {
+  tls_error[0] = '\0';
+  if (out == NULL) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "out is NULL");
+  *out = NULL;
+  microd_options o;
+  microd_options_init(&o);
+  if (options != NULL) {
+    if (options->struct_size < offsetof(microd_options, timeout_ms) + sizeof(int32_t) ||
+        options->struct_size > 4096) {
+      return fail(NULL, MICROD_ERR_INVALID_ARGUMENT,
+                  "options->struct_size is %zu: call microd_options_init first",
+                  options->struct_size);
+    }
+    o.socket_path = options->socket_path;
+    o.local_rank = options->local_rank;
+    o.timeout_ms = options->timeout_ms;
+  }
+  if (o.socket_path == NULL) o.socket_path = getenv("MICROD_SOCKET");
+  if (o.socket_path == NULL || o.socket_path[0] == '\0') o.socket_path = DEFAULT_SOCKET;
+  if (o.local_rank < 0) {
+    const char* env = getenv("MICROD_LOCAL_RANK");
+    if (env == NULL) env = getenv("LOCAL_RANK");
+    if (env != NULL && env[0] != '\0') {
+      char* end = NULL;
+      long v = strtol(env, &end, 10);
+      if (*end != '\0' || v < 0 || v > 65535) {
+        return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "bad local rank '%s' in the environment",
+                    env);
+      }
+      o.local_rank = (int32_t)v;
+    }
+  }
+  if (o.timeout_ms <= 0) o.timeout_ms = DEFAULT_TIMEOUT_MS;
+  struct sockaddr_un addr;
+  memset(&addr, 0, sizeof addr);
+  addr.sun_family = AF_UNIX;
+  if (strlen(o.socket_path) >= sizeof addr.sun_path) {
+    return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "socket path too long: %s", o.socket_path);
+  }
+  strcpy(addr.sun_path, o.socket_path);
+
+  const int64_t deadline = now_ms() + o.timeout_ms;
+  int fd = -1;
+  for (;;) {
+    fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (fd < 0) return fail(NULL, MICROD_ERR_RESOURCE, "socket: %s", strerror(errno));
+    if (connect(fd, (struct sockaddr*)&addr, sizeof addr) == 0) break;
+    const int err = errno;
+    close(fd);
+    fd = -1;
+    if ((err != ENOENT && err != ECONNREFUSED && err != EAGAIN) || now_ms() >= deadline) {
+      return fail(NULL, err == ENOENT || err == ECONNREFUSED ? MICROD_ERR_UNAVAILABLE
+                                                             : MICROD_ERR_UNAVAILABLE,
+                  "cannot connect to microd at %s: %s", o.socket_path, strerror(err));
+    }
+    usleep(10000);
+  }
+
+  microd_wire_hello hello;
+  memset(&hello, 0, sizeof hello);
+  fill_header(&hello.h, MICROD_MSG_HELLO, sizeof hello);
+  hello.local_rank = o.local_rank;
+  hello.pid = (uint32_t)getpid();
+  if (send_message(fd, &hello, sizeof hello, -1) != 0) {
+    close(fd);
+    return fail(NULL, MICROD_ERR_UNAVAILABLE, "sending hello: %s", strerror(errno));
+  }
+  microd_wire_hello_ack ack;
+  ssize_t n = -1;
+  for (;;) {
+    int left = (int)(deadline - now_ms());
+    struct pollfd p = {fd, POLLIN, 0};
+    if (left <= 0 || poll(&p, 1, left) <= 0) {
+      close(fd);
+      return fail(NULL, MICROD_ERR_TIMEOUT, "no answer from microd at %s", o.socket_path);
+    }
+    n = recv(fd, &ack, sizeof ack, 0);
+    if (n < 0 && errno == EINTR) continue;
+    break;
+  }
+  if (n == (ssize_t)sizeof(microd_wire_error) && ack.h.type == MICROD_MSG_ERROR) {
+    microd_wire_error* e = (microd_wire_error*)&ack;
+    e->message[MICROD_WIRE_MESSAGE_BYTES - 1] = '\0';
+    close(fd);
+    return fail(NULL, valid_status(e->status) ? (microd_status)e->status : MICROD_ERR_PROTOCOL,
+                "microd refused the connection: %s", e->message);
+  }
+  if (n != (ssize_t)sizeof ack || ack.h.magic != MICROD_WIRE_MAGIC ||
+      ack.h.version != MICROD_WIRE_VERSION || ack.h.type != MICROD_MSG_HELLO_ACK ||
+      ack.h.length != sizeof ack) {
+    close(fd);
+    return fail(NULL, MICROD_ERR_PROTOCOL, "malformed answer from microd at %s", o.socket_path);
+  }
+  ack.message[MICROD_WIRE_MESSAGE_BYTES - 1] = '\0';
+  if (ack.status != MICROD_OK) {
+    close(fd);
+    return fail(NULL, valid_status(ack.status) ? (microd_status)ack.status : MICROD_ERR_PROTOCOL,
+                "microd refused the connection: %s", ack.message);
+  }
+  microd_client* c = calloc(1, sizeof *c);
+  if (c == NULL) {
+    close(fd);
+    return fail(NULL, MICROD_ERR_RESOURCE, "out of memory");
+  }
+  c->magic = CLIENT_MAGIC;
+  c->fd = fd;
+  pthread_mutex_init(&c->mu, NULL);
+  pthread_mutex_init(&c->read_mu, NULL);
+  c->info.rank = ack.rank;
+  c->info.world_size = ack.world_size;
+  c->info.local_rank = ack.local_rank;
+  c->info.local_size = ack.local_size;
+  c->info.node_rank = ack.node_rank;
+  c->info.node_count = ack.node_count;
+  *out = c;
+  return MICROD_OK;
+}
+
+microd_status microd_job_info_get(const microd_client* client, microd_job_info* out) {
+  if (!check_handle(client)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
+  if (out == NULL) return MICROD_ERR_INVALID_ARGUMENT;
+  *out = client->info;
+  return MICROD_OK;
+}
+
+microd_status microd_register_host_buffer(microd_client* c, const char* name, uint64_t count,
+                                          float** data, int32_t* buffer_id) {
+  if (!check_handle(c)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
+  if (name == NULL || data == NULL || buffer_id == NULL) {
+    return fail(c, MICROD_ERR_INVALID_ARGUMENT, "name, data and buffer_id must not be NULL");
+  }
+  const size_t name_len = strnlen(name, MICROD_WIRE_NAME_BYTES);
+  if (name_len == 0 || name_len >= MICROD_WIRE_NAME_BYTES) {
+    return fail(c, MICROD_ERR_INVALID_ARGUMENT, "buffer name must have 1 to %d bytes",
+                MICROD_WIRE_NAME_BYTES - 1);
+  }
+  if (count == 0 || count > MAX_BUCKET_ELEMENTS) {
+    return fail(c, MICROD_ERR_INVALID_ARGUMENT,
+                "buffer '%s': count %llu out of range [1, 2^32)", name, (unsigned long long)count);
+  }
+  pthread_mutex_lock(&c->mu);
+  if (c->broken != MICROD_OK) {
+    microd_status s = fail(c, c->broken, "%s", c->broken_message);
+    pthread_mutex_unlock(&c->mu);
+    return s;
+  }
+  for (int32_t i = 0; i < c->nbuffers; ++i) {
+    if (strcmp(c->buffers[i].name, name) == 0) {
+      pthread_mutex_unlock(&c->mu);
+      return fail(c, MICROD_ERR_INVALID_ARGUMENT, "buffer '%s' is already registered", name);
+    }
+  }
+  if (c->nbuffers == c->buffers_cap) {
+    int32_t cap = c->buffers_cap ? 2 * c->buffers_cap : 16;
+    buffer* b = realloc(c->buffers, (size_t)cap * sizeof *b);
+    if (b == NULL) {
+      pthread_mutex_unlock(&c->mu);
+      return fail(c, MICROD_ERR_RESOURCE, "out of memory");
+    }
+    c->buffers = b;
+    c->buffers_cap = cap;
+  }
+  pthread_mutex_unlock(&c->mu);
+
+  const size_t bytes = (size_t)count * sizeof(float);
+  char memfd_name[MICROD_WIRE_NAME_BYTES + 8];
+  snprintf(memfd_name, sizeof memfd_name, "microd:%s", name);
+  int mfd = memfd_create(memfd_name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (mfd < 0) return fail(c, MICROD_ERR_RESOURCE, "memfd_create: %s", strerror(errno));
+  /* Sealed size: neither side can shrink the buffer under the other. */
+  if (ftruncate(mfd, (off_t)bytes) != 0 ||
+      fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    microd_status s = fail(c, MICROD_ERR_RESOURCE, "shared memory of %zu bytes: %s", bytes,
+                           strerror(errno));
+    close(mfd);
+    return s;
+  }
+  float* mem = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
+  if (mem == MAP_FAILED) {
+    microd_status s = fail(c, MICROD_ERR_RESOURCE, "mmap: %s", strerror(errno));
+    close(mfd);
+    return s;
+  }
+
+  pthread_mutex_lock(&c->read_mu);
+  pthread_mutex_lock(&c->mu);
+  const int32_t id = c->nbuffers;
+  microd_wire_register reg;
+  memset(&reg, 0, sizeof reg);
+  fill_header(&reg.h, MICROD_MSG_REGISTER, sizeof reg);
+  reg.buffer_id = (uint32_t)id;
+  reg.kind = MICROD_BUFFER_HOST;
+  reg.dtype = MICROD_DTYPE_FLOAT32;
+  reg.count = count;
+  memcpy(reg.name, name, name_len);
+  c->have_register_ack = 0;
+  int sent = send_message(c->fd, &reg, sizeof reg, mfd);
+  pthread_mutex_unlock(&c->mu);
+  close(mfd); /* the daemon holds its own copy now */
+  microd_status status = MICROD_OK;
+  if (sent != 0) {
+    pthread_mutex_lock(&c->mu);
+    break_connection(c, MICROD_ERR_UNAVAILABLE, "sending to the daemon failed");
+    status = fail(c, c->broken, "%s", c->broken_message);
+    pthread_mutex_unlock(&c->mu);
+  } else {
+    const int64_t deadline = now_ms() + DEFAULT_TIMEOUT_MS;
+    for (;;) {
+      pthread_mutex_lock(&c->mu);
+      const int have = c->have_register_ack;
+      const microd_status broken = c->broken;
+      pthread_mutex_unlock(&c->mu);
+      if (have || broken != MICROD_OK) break;
+      if (now_ms() >= deadline) {
+        status = fail(c, MICROD_ERR_TIMEOUT, "no answer to registering '%s'", name);
+        break;
+      }
+      read_one(c, READ_SLICE_MS);
+    }
+    pthread_mutex_lock(&c->mu);
+    if (status == MICROD_OK) {
+      if (c->broken != MICROD_OK) {
+        status = fail(c, c->broken, "%s", c->broken_message);
+      } else if (c->register_ack.buffer_id != (uint32_t)id) {
+        break_connection(c, MICROD_ERR_PROTOCOL, "register answer for another buffer");
+        status = fail(c, MICROD_ERR_PROTOCOL, "register answer for another buffer");
+      } else if (c->register_ack.status != MICROD_OK) {
+        c->register_ack.message[MICROD_WIRE_MESSAGE_BYTES - 1] = '\0';
+        status = fail(c,
+                      valid_status(c->register_ack.status) ? (microd_status)c->register_ack.status
+                                                           : MICROD_ERR_PROTOCOL,
+                      "%s", c->register_ack.message);
+      }
+    }
+    if (status == MICROD_OK) {
+      buffer* b = &c->buffers[id];
+      memset(b, 0, sizeof *b);
+      memcpy(b->name, name, name_len);
+      b->data = mem;
+      b->count = count;
+      b->bytes = bytes;
+      c->nbuffers++;
+      *data = mem;
+      *buffer_id = id;
+    }
+    pthread_mutex_unlock(&c->mu);
+  }
+  pthread_mutex_unlock(&c->read_mu);
+  if (status != MICROD_OK) munmap(mem, bytes);
+  return status;
+}
+
+microd_status microd_allreduce_async(microd_client* c, int32_t buffer_id, uint64_t* ticket) {
+  if (!check_handle(c)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
+  if (ticket == NULL) return fail(c, MICROD_ERR_INVALID_ARGUMENT, "ticket is NULL");
+  pthread_mutex_lock(&c->mu);
+  microd_status status = MICROD_OK;
+  if (c->broken != MICROD_OK) {
+    status = fail(c, c->broken, "%s", c->broken_message);
+  } else if (buffer_id < 0 || buffer_id >= c->nbuffers) {
+    status = fail(c, MICROD_ERR_INVALID_ARGUMENT, "unknown buffer id %d", buffer_id);
+  } else if (c->buffers[buffer_id].pending) {
+    status = fail(c, MICROD_ERR_INVALID_ARGUMENT,
+                  "buffer '%s' already has a submission in flight: wait for it first",
+                  c->buffers[buffer_id].name);
+  } else if (c->ntickets == c->tickets_cap) {
+    size_t cap = c->tickets_cap ? 2 * c->tickets_cap : 16;
+    ticket_entry* t = realloc(c->tickets, cap * sizeof *t);
+    if (t == NULL) {
+      status = fail(c, MICROD_ERR_RESOURCE, "out of memory");
+    } else {
+      c->tickets = t;
+      c->tickets_cap = cap;
+    }
+  }
+  if (status == MICROD_OK) {
+    microd_wire_submit sub;
+    memset(&sub, 0, sizeof sub);
+    fill_header(&sub.h, MICROD_MSG_SUBMIT, sizeof sub);
+    sub.buffer_id = (uint32_t)buffer_id;
+    sub.ticket = ++c->next_ticket;
+    if (send_message(c->fd, &sub, sizeof sub, -1) != 0) {
+      break_connection(c, MICROD_ERR_UNAVAILABLE, "sending to the daemon failed");
+      status = fail(c, c->broken, "%s", c->broken_message);
+    } else {
+      ticket_entry* t = &c->tickets[c->ntickets++];
+      memset(t, 0, sizeof *t);
+      t->ticket = sub.ticket;
+      t->buffer_id = buffer_id;
+      c->buffers[buffer_id].pending = 1;
+      *ticket = sub.ticket;
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+  return status;
+}
+
+microd_status microd_wait(microd_client* c, uint64_t ticket, int32_t timeout_ms) {
+  if (!check_handle(c)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
+  const int64_t deadline = timeout_ms < 0 ? INT64_MAX : now_ms() + timeout_ms;
+  for (;;) {
+    pthread_mutex_lock(&c->mu);
+    ticket_entry* t = find_ticket(c, ticket);
+    if (t == NULL) {
+      pthread_mutex_unlock(&c->mu);
+      return fail(c, MICROD_ERR_INVALID_ARGUMENT, "unknown ticket %llu",
+                  (unsigned long long)ticket);
+    }
+    if (t->done) {
+      microd_status s = t->status;
+      if (s != MICROD_OK) fail(c, s, "%s", t->message);
+      *t = c->tickets[--c->ntickets];
+      pthread_mutex_unlock(&c->mu);
+      return s;
+    }
+    if (c->broken != MICROD_OK) {
+      microd_status s = fail(c, c->broken, "%s", c->broken_message);
+      c->buffers[t->buffer_id].pending = 0;
+      *t = c->tickets[--c->ntickets];
+      pthread_mutex_unlock(&c->mu);
+      return s;
+    }
+    pthread_mutex_unlock(&c->mu);
+    const int64_t left = deadline - now_ms();
+    if (left <= 0) {
+      return fail(c, MICROD_ERR_TIMEOUT, "ticket %llu not complete after %d ms",
+                  (unsigned long long)ticket, timeout_ms);
+    }
+    pthread_mutex_lock(&c->read_mu);
+    read_one(c, (int)(left < READ_SLICE_MS ? left : READ_SLICE_MS));
+    pthread_mutex_unlock(&c->read_mu);
+  }
+}
+
+microd_status microd_allreduce(microd_client* c, int32_t buffer_id, int32_t timeout_ms) {
+  uint64_t ticket = 0;
+  microd_status s = microd_allreduce_async(c, buffer_id, &ticket);
+  if (s != MICROD_OK) return s;
+  return microd_wait(c, ticket, timeout_ms);
+}
+
+microd_status microd_close(microd_client* c) {
+  if (c == NULL) return MICROD_OK;
+  if (!check_handle(c)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
+  microd_wire_goodbye bye;
+  memset(&bye, 0, sizeof bye);
+  fill_header(&bye.h, MICROD_MSG_GOODBYE, sizeof bye);
+  if (c->broken == MICROD_OK) (void)send_message(c->fd, &bye, sizeof bye, -1);
+  close(c->fd);
+  for (int32_t i = 0; i < c->nbuffers; ++i) munmap(c->buffers[i].data, c->buffers[i].bytes);
+  free(c->buffers);
+  free(c->tickets);
+  pthread_mutex_destroy(&c->mu);
+  pthread_mutex_destroy(&c->read_mu);
+  c->magic = 0;
+  free(c);
+  return MICROD_OK;
+}

@@ -1,0 +1,115 @@
+/* The local protocol between the client library and the daemon: versioned,
+ * fixed-layout messages over a SOCK_SEQPACKET Unix socket, one message per
+ * packet; host buffers travel as memfd file descriptors (SCM_RIGHTS). Both
+ * sides validate every field. Shared by client/src (C) and daemon/local (C++).
+ */
+#ifndef MICROD_CLIENT_WIRE_H_
+#define MICROD_CLIENT_WIRE_H_
+
+#include <stdint.h>
+
+#define MICROD_WIRE_MAGIC 0x4452434Du /* "MCRD" */
+#define MICROD_WIRE_VERSION 1
+#define MICROD_WIRE_NAME_BYTES 128    /* bucket names, NUL-terminated */
+#define MICROD_WIRE_MESSAGE_BYTES 256 /* error text, NUL-terminated */
+#define MICROD_WIRE_MAX_BYTES 1024    /* no message is larger */
+
+enum microd_wire_type {
+  MICROD_MSG_HELLO = 1,        /* client -> daemon */
+  MICROD_MSG_HELLO_ACK = 2,    /* daemon -> client */
+  MICROD_MSG_REGISTER = 3,     /* client -> daemon, with the memfd */
+  MICROD_MSG_REGISTER_ACK = 4, /* daemon -> client */
+  MICROD_MSG_SUBMIT = 5,       /* client -> daemon */
+  MICROD_MSG_COMPLETION = 6,   /* daemon -> client */
+  MICROD_MSG_ERROR = 7,        /* daemon -> client, then the daemon disconnects */
+  MICROD_MSG_GOODBYE = 8       /* client -> daemon */
+};
+
+enum microd_wire_buffer_kind { MICROD_BUFFER_HOST = 1, MICROD_BUFFER_CUDA = 2 };
+enum microd_wire_dtype { MICROD_DTYPE_FLOAT32 = 1 };
+
+typedef struct microd_wire_header {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t type;
+  uint32_t length; /* whole message, header included; must equal the packet size */
+  uint32_t reserved;
+} microd_wire_header;
+
+typedef struct microd_wire_hello {
+  microd_wire_header h;
+  int32_t local_rank; /* -1: any */
+  uint32_t pid;
+} microd_wire_hello;
+
+typedef struct microd_wire_hello_ack {
+  microd_wire_header h;
+  int32_t status;
+  int32_t local_rank;
+  int32_t local_size;
+  int32_t node_rank;
+  int32_t node_count;
+  int32_t rank;
+  int32_t world_size;
+  uint32_t reserved;
+  char message[MICROD_WIRE_MESSAGE_BYTES];
+} microd_wire_hello_ack;
+
+typedef struct microd_wire_register {
+  microd_wire_header h;
+  uint32_t buffer_id;
+  uint32_t kind;  /* microd_wire_buffer_kind */
+  uint32_t dtype; /* microd_wire_dtype */
+  uint32_t reserved;
+  uint64_t count; /* elements */
+  char name[MICROD_WIRE_NAME_BYTES];
+  /* CUDA buffers (kind CUDA): the allocation's IPC handle and the offset of
+   * the buffer in it. A CPU-only daemon answers MICROD_ERR_UNSUPPORTED. */
+  uint8_t cuda_ipc_handle[64];
+  uint64_t cuda_offset;
+} microd_wire_register;
+
+typedef struct microd_wire_register_ack {
+  microd_wire_header h;
+  uint32_t buffer_id;
+  int32_t status;
+  char message[MICROD_WIRE_MESSAGE_BYTES];
+} microd_wire_register_ack;
+
+typedef struct microd_wire_submit {
+  microd_wire_header h;
+  uint32_t buffer_id;
+  uint32_t reserved;
+  uint64_t ticket;
+} microd_wire_submit;
+
+typedef struct microd_wire_completion {
+  microd_wire_header h;
+  uint64_t ticket;
+  uint32_t buffer_id;
+  int32_t status;
+  char message[MICROD_WIRE_MESSAGE_BYTES];
+} microd_wire_completion;
+
+typedef struct microd_wire_error {
+  microd_wire_header h;
+  int32_t status;
+  uint32_t reserved;
+  char message[MICROD_WIRE_MESSAGE_BYTES];
+} microd_wire_error;
+
+typedef struct microd_wire_goodbye {
+  microd_wire_header h;
+} microd_wire_goodbye;
+
+#ifdef __cplusplus
+static_assert(sizeof(microd_wire_header) == 16, "wire layout");
+static_assert(sizeof(microd_wire_register) == 240, "wire layout");
+static_assert(sizeof(microd_wire_completion) == 288, "wire layout");
+#else
+_Static_assert(sizeof(microd_wire_header) == 16, "wire layout");
+_Static_assert(sizeof(microd_wire_register) == 240, "wire layout");
+_Static_assert(sizeof(microd_wire_completion) == 288, "wire layout");
+#endif
+
+#endif /* MICROD_CLIENT_WIRE_H_ */
