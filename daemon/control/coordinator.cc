@@ -367,6 +367,15 @@ absl::Status Coordinator::Leave(uint64_t session, int rank) {
   return absl::OkStatus();
 }
 
+absl::Status Coordinator::ReportFailure(uint64_t session, int rank, const std::string& reason) {
+  if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("node rank ", rank, " is negative"));
+  if (reason.size() > 4096) return absl::InvalidArgumentError("failure reason over 4096 bytes");
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = CheckMember(session, rank); !s.ok()) return s;
+  FailLocked(absl::StrCat("node ", rank, " (", nodes_[rank].name, "): ", reason));
+  return absl::OkStatus();
+}
+
 JobSnapshot Coordinator::Snapshot() const {
   absl::MutexLock lock(&mu_);
   JobSnapshot s;

@@ -98,6 +98,8 @@ class Coordinator {
   // Records liveness; returns the job state (and the failure, if any).
   absl::StatusOr<std::pair<JobState, std::string>> Heartbeat(uint64_t session, int rank);
   absl::Status Leave(uint64_t session, int rank);
+  // A node reports that the job failed; the reason is kept with its name.
+  absl::Status ReportFailure(uint64_t session, int rank, const std::string& reason);
 
   // Ends the job: every pending and later call fails with `reason`.
   void Fail(const std::string& reason);

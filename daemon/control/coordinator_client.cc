@@ -216,3 +216,19 @@ absl::Status CoordinatorClient::Leave() {
 }
 
 }  // namespace microd::control
+
+namespace microd::control {
+
+absl::Status CoordinatorClient::ReportFailure(const std::string& reason) {
+  if (membership_.session == 0) return absl::FailedPreconditionError("not joined");
+  microd::v1::FailRequest req;
+  req.set_session(membership_.session);
+  req.set_node_rank(membership_.node_rank);
+  req.set_reason(reason);
+  microd::v1::FailResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  return FromGrpcStatus(stub_->Fail(&ctx, req, &resp));
+}
+
+}  // namespace microd::control

@@ -52,6 +52,8 @@ class CoordinatorClient final : public KeyValueStore {
                                               absl::Time deadline);
   // Leaves cleanly and stops heartbeats.
   absl::Status Leave();
+  // Tells the coordinator the job failed here (best effort, short deadline).
+  absl::Status ReportFailure(const std::string& reason);
 
   // OK while the job runs; the failure once it failed or ended.
   absl::Status job_status() const;

@@ -119,6 +119,11 @@ grpc::Status CoordinatorService::Leave(grpc::ServerContext*, const microd::v1::L
   return ToGrpcStatus(coordinator_->Leave(req->session(), req->node_rank()));
 }
 
+grpc::Status CoordinatorService::Fail(grpc::ServerContext*, const microd::v1::FailRequest* req,
+                                      microd::v1::FailResponse*) {
+  return ToGrpcStatus(coordinator_->ReportFailure(req->session(), req->node_rank(), req->reason()));
+}
+
 grpc::Status AdminService::GetStatus(grpc::ServerContext*, const microd::v1::GetStatusRequest*,
                                      microd::v1::GetStatusResponse* resp) {
   source_(resp);

@@ -34,6 +34,8 @@ class CoordinatorService final : public microd::v1::Coordinator::Service {
                          microd::v1::HeartbeatResponse* resp) override;
   grpc::Status Leave(grpc::ServerContext* ctx, const microd::v1::LeaveRequest* req,
                      microd::v1::LeaveResponse* resp) override;
+  grpc::Status Fail(grpc::ServerContext* ctx, const microd::v1::FailRequest* req,
+                    microd::v1::FailResponse* resp) override;
 
  private:
   Coordinator* const coordinator_;

@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/status_map.h"
 
 namespace microd::sparsify {
 
@@ -151,6 +152,7 @@ absl::StatusOr<std::vector<BucketState::Header>> BucketState::ExchangeHeaders(
     StepStats& stats) {
   std::vector<Header> headers(job_.num_nodes);
   stats.bytes_sent += sizeof(Header);
+  stats.bytes_received += (job_.num_nodes - 1) * sizeof(Header);
   RETURN_IF_ERROR(transport.Allgather(&mine, sizeof(Header), headers.data(), options));
   std::vector<std::string> bad;
   for (int r = 0; r < job_.num_nodes; ++r) {
@@ -185,6 +187,7 @@ absl::StatusOr<uint64_t> BucketState::GatherIndices(const std::vector<Header>& h
         absl::StrCat("bucket '", spec_.name, "': out of memory for ", total, " indices"));
   }
   stats.bytes_sent += bytes[job_.node_rank];
+  stats.bytes_received += total * sizeof(uint32_t) - bytes[job_.node_rank];
   CollectiveOptions o = options;
   o.tag = MakeTag(spec_.slot, TagKind::kIndices);
   RETURN_IF_ERROR(transport.AllgatherV(candidate_index_.get(), bytes, global_index_.get(), o));
@@ -203,6 +206,7 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, float* acc, float* update,
   CollectiveOptions o = options;
   o.tag = MakeTag(spec_.slot, TagKind::kValues);
   stats.bytes_sent += K * sizeof(float);
+  stats.bytes_received += K * sizeof(float);
   RETURN_IF_ERROR(transport.AllreduceSum(values_.get(), K, DataType::kFloat32, o));
   const absl::Time apply_start = absl::Now();
   RETURN_IF_ERROR(
@@ -259,6 +263,7 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
     ctx.options.tag = MakeTag(spec_.slot, TagKind::kHistogram);
     ctx.k = k_;
     ctx.bytes_sent = &stats.bytes_sent;
+    ctx.bytes_received = &stats.bytes_received;
     ctx.rescans = &stats.rescans;
     ASSIGN_OR_RETURN(threshold, controller_->Resolve(candidates, ctx));
     RETURN_IF_ERROR(Check(ops_->TrimBelow(candidate_index_.get(), candidate_value_.get(),
@@ -268,6 +273,7 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
     // Final per-node counts (the header's were candidate counts).
     const Header mine{scalars.count, 0};
     stats.bytes_sent += sizeof(Header);
+    stats.bytes_received += (n - 1) * sizeof(Header);
     RETURN_IF_ERROR(transport.Allgather(&mine, sizeof(Header), headers.data(), options));
   }
   stats.threshold = threshold;
@@ -356,6 +362,7 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
   RETURN_IF_ERROR(ExchangeHeaders({0, scalars.nonfinite}, transport, options, stats).status());
   options.tag = MakeTag(spec_.slot, TagKind::kDense);
   stats.bytes_sent += spec_.size * sizeof(float);
+  stats.bytes_received += spec_.size * sizeof(float);
   RETURN_IF_ERROR(transport.AllreduceSum(update, spec_.size, DataType::kFloat32, options));
   const absl::Time apply_start = absl::Now();
   stats.exchange_seconds = absl::ToDoubleSeconds(apply_start - start);

@@ -35,6 +35,7 @@ struct StepStats {
   double threshold = 0.0;   // threshold the selection used (0 for topk, dense)
   double cre = 0.0;         // |K / k - 1|
   uint64_t bytes_sent = 0;  // payload bytes this node handed to collectives
+  uint64_t bytes_received = 0;  // payload bytes the collectives delivered from other nodes
   int rescans = 0;          // `hist` controller: extra passes over the partition
   bool dense = false;
   // Where the time went: selection (fused pass, threshold control, trim),

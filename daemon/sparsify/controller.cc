@@ -73,6 +73,7 @@ absl::StatusOr<float> HistogramController::Resolve(CandidateSet& candidates,
       return absl::InternalError("histogram: copy to host failed");
     }
     if (ctx.bytes_sent != nullptr) *ctx.bytes_sent += (num + 1) * sizeof(int64_t);
+    if (ctx.bytes_received != nullptr) *ctx.bytes_received += (num + 1) * sizeof(int64_t);
     return ctx.transport->AllreduceSum(out.data(), num + 1, transport::DataType::kInt64,
                                        ctx.options);
   };

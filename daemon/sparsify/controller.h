@@ -38,6 +38,7 @@ struct ControllerContext {
   transport::CollectiveOptions options;  // deadline and the controller's tag
   uint64_t k = 1;                        // budget of the whole bucket
   uint64_t* bytes_sent = nullptr;        // payload accounting of the step
+  uint64_t* bytes_received = nullptr;
   int* rescans = nullptr;                // how many rescans the step needed
 };
 

@@ -1,0 +1,467 @@
+#include "daemon/engine/engine.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "daemon/common/status_map.h"
+
+namespace microd::engine {
+
+using transport::CollectiveOptions;
+using transport::MakeTag;
+using transport::TagKind;
+
+namespace {
+
+constexpr int kDtypeFloat32 = 1;  // microd.v1.DataType.DATA_TYPE_FLOAT32
+
+double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
+
+absl::Status JobFailed(const absl::Status& why) {
+  return WithClientStatus(absl::AbortedError(why.message()), ClientStatus::kJobFailed);
+}
+
+}  // namespace
+
+Engine::Engine(EngineOptions options, control::Membership membership,
+               control::CoordinatorClient* client, transport::Transport* transport,
+               kernels::SparseOps* ops)
+    : options_(std::move(options)),
+      membership_(std::move(membership)),
+      client_(client),
+      transport_(transport),
+      ops_(ops) {}
+
+Engine::~Engine() { Stop(absl::CancelledError("the daemon is shutting down")); }
+
+void Engine::Start() {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+void Engine::Stop(const absl::Status& reason) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_) return;
+    stop_ = true;
+  }
+  Fail(reason, /*report=*/false);
+  if (thread_.joinable()) thread_.join();
+}
+
+absl::Status Engine::FailedStatus() const { return failed_; }
+
+void Engine::Fail(const absl::Status& reason, bool report) {
+  std::vector<Work> pending;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!failed_.ok()) return;
+    failed_ = JobFailed(reason);
+    for (auto& [name, b] : buckets_) {
+      if (b.submitted > 0) pending.push_back(TakeWork(b));
+    }
+    newly_ready_.clear();
+  }
+  std::fprintf(stderr, "microd: node %d: %s: %s\n", membership_.node_rank,
+               reason.code() == absl::StatusCode::kFailedPrecondition ||
+                       reason.code() == absl::StatusCode::kCancelled
+                   ? "job ended"
+                   : "job failed",
+               std::string(reason.message()).c_str());
+  // Unblock a step in flight, here and (by closed connections) on the peers.
+  transport_->Abort(reason);
+  if (report && client_ != nullptr) (void)client_->ReportFailure(std::string(reason.message()));
+  const absl::Status status = JobFailed(reason);
+  for (const Work& w : pending) CompleteWork(w, status);
+}
+
+absl::StatusOr<local::ProcessInfo> Engine::OnHello(uint64_t client, int requested_local_rank,
+                                                   pid_t pid) {
+  absl::MutexLock lock(&mu_);
+  if (!failed_.ok()) return failed_;
+  const int L = options_.local_size;
+  std::vector<bool> taken(L, false);
+  for (const auto& [id, p] : processes_) taken[p.local_rank] = true;
+  int rank = -1;
+  if (requested_local_rank >= 0) {
+    if (requested_local_rank >= L) {
+      return absl::InvalidArgumentError(absl::StrCat("local rank ", requested_local_rank,
+                                                     " out of range: this node has ", L,
+                                                     " local processes"));
+    }
+    if (taken[requested_local_rank]) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("local rank ", requested_local_rank, " is already connected"));
+    }
+    rank = requested_local_rank;
+  } else {
+    for (int r = 0; r < L && rank < 0; ++r) {
+      if (!taken[r]) rank = r;
+    }
+    if (rank < 0) {
+      return WithClientStatus(
+          absl::ResourceExhaustedError(absl::StrCat("all ", L, " local ranks are connected")),
+          ClientStatus::kResource);
+    }
+  }
+  Process p;
+  p.local_rank = rank;
+  p.pid = pid;
+  processes_[client] = p;
+  local::ProcessInfo info;
+  info.local_rank = rank;
+  info.local_size = L;
+  info.node_rank = membership_.node_rank;
+  info.node_count = membership_.node_count;
+  info.world_size = membership_.world_size;
+  info.rank = std::accumulate(membership_.local_sizes.begin(),
+                              membership_.local_sizes.begin() + membership_.node_rank, 0) +
+              rank;
+  return info;
+}
+
+absl::Status Engine::OnRegister(uint64_t client, uint32_t buffer_id, const std::string& name,
+                                std::shared_ptr<local::HostBuffer> buffer) {
+  absl::MutexLock lock(&mu_);
+  if (!failed_.ok()) return failed_;
+  auto pit = processes_.find(client);
+  if (pit == processes_.end()) return absl::FailedPreconditionError("unknown process");
+  Process& p = pit->second;
+  const int L = options_.local_size;
+  Bucket& b = buckets_[name];
+  if (b.count == 0) {
+    b.name = name;
+    b.count = buffer->count();
+    b.buffers.resize(L);
+    b.clients.assign(L, 0);
+    b.buffer_ids.assign(L, 0);
+    b.tickets.assign(L, 0);
+    b.stats.name = name;
+    b.stats.count = b.count;
+    b.stats.dense = b.count < options_.dense_floor;
+  } else if (b.count != buffer->count()) {
+    int other = -1;
+    for (int r = 0; r < L; ++r) {
+      if (b.buffers[r] != nullptr) other = r;
+    }
+    return WithClientStatus(
+        absl::InvalidArgumentError(absl::StrCat("buffer '", name, "' has ", buffer->count(),
+                                                " elements on local rank ", p.local_rank,
+                                                " but ", b.count, " on local rank ", other)),
+        ClientStatus::kMismatch);
+  }
+  if (b.buffers[p.local_rank] != nullptr) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("buffer '", name, "' is already registered by local rank ", p.local_rank));
+  }
+  b.buffers[p.local_rank] = std::move(buffer);
+  b.clients[p.local_rank] = client;
+  b.buffer_ids[p.local_rank] = buffer_id;
+  p.buffers[buffer_id] = name;
+  return absl::OkStatus();
+}
+
+absl::Status Engine::OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket) {
+  absl::MutexLock lock(&mu_);
+  if (!failed_.ok()) return failed_;
+  auto pit = processes_.find(client);
+  if (pit == processes_.end()) return absl::FailedPreconditionError("unknown process");
+  auto nit = pit->second.buffers.find(buffer_id);
+  if (nit == pit->second.buffers.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown buffer id ", buffer_id));
+  }
+  Bucket& b = buckets_[nit->second];
+  const int lr = pit->second.local_rank;
+  if (b.tickets[lr] != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("buffer '", b.name, "' already has a submission in flight"));
+  }
+  b.tickets[lr] = ticket;
+  if (++b.submitted == options_.local_size) newly_ready_.push_back(b.name);
+  return absl::OkStatus();
+}
+
+void Engine::OnDisconnect(uint64_t client, bool clean, const std::string& why) {
+  std::string reason;
+  {
+    absl::MutexLock lock(&mu_);
+    auto pit = processes_.find(client);
+    if (pit == processes_.end()) return;
+    const Process p = pit->second;
+    processes_.erase(pit);
+    bool pending = false;
+    for (const auto& [id, name] : p.buffers) {
+      Bucket& b = buckets_[name];
+      pending = pending || b.tickets[p.local_rank] != 0 || b.submitted > 0;
+      b.buffers[p.local_rank].reset();
+      b.clients[p.local_rank] = 0;
+    }
+    if (clean && !pending) return;
+    reason = absl::StrCat("local process ", p.local_rank, " (pid ", p.pid, ") on node ",
+                          membership_.node_rank, " disconnected",
+                          clean ? " with work pending" : "", ": ", why);
+  }
+  Fail(absl::AbortedError(reason), /*report=*/true);
+}
+
+Engine::Work Engine::TakeWork(Bucket& b) {
+  Work w;
+  w.bucket = &b;
+  w.buffers = b.buffers;
+  w.clients = b.clients;
+  w.tickets = b.tickets;
+  w.buffer_ids = b.buffer_ids;
+  std::fill(b.tickets.begin(), b.tickets.end(), 0);
+  b.submitted = 0;
+  b.reported = false;
+  return w;
+}
+
+void Engine::CompleteWork(const Work& w, const absl::Status& status) {
+  if (server_ == nullptr) return;
+  for (size_t r = 0; r < w.tickets.size(); ++r) {
+    if (w.tickets[r] != 0) server_->Complete(w.clients[r], w.tickets[r], w.buffer_ids[r], status);
+  }
+}
+
+void Engine::Loop() {
+  uint64_t cycle = 0;
+  for (;;) {
+    std::vector<control::BucketInfo> report;
+    {
+      absl::MutexLock lock(&mu_);
+      auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || !newly_ready_.empty();
+      };
+      // Idle: wait a little for local work, then run a cycle anyway (the
+      // other nodes need this node in every cycle). Failed: only wait to stop.
+      mu_.AwaitWithTimeout(absl::Condition(&has_work),
+                           failed_.ok() ? options_.idle_wait : absl::Seconds(1));
+      if (stop_) return;
+      if (!failed_.ok()) continue;
+      for (const std::string& name : newly_ready_) {
+        Bucket& b = buckets_[name];
+        b.reported = true;
+        report.push_back({name, kDtypeFloat32, static_cast<int64_t>(b.count)});
+      }
+      newly_ready_.clear();
+    }
+    absl::StatusOr<control::NegotiationResult> result;
+    for (;;) {
+      result = client_->Negotiate(cycle, report, absl::Now() + options_.op_timeout);
+      // A long idle phase elsewhere (evaluation, checkpointing) is no failure:
+      // ask again for the same cycle.
+      if (result.ok() || result.status().code() != absl::StatusCode::kDeadlineExceeded) break;
+      report.clear();
+      absl::MutexLock lock(&mu_);
+      if (stop_ || !failed_.ok()) break;
+    }
+    if (!result.ok()) {
+      Fail(result.status(), /*report=*/false);
+      continue;
+    }
+    ++cycle;
+    std::vector<Work> dense, sparse;
+    std::vector<std::pair<Work, absl::Status>> refused;
+    {
+      absl::MutexLock lock(&mu_);
+      ++cycles_;
+      if (!failed_.ok()) continue;
+      for (const auto& [name, message] : result->errors) {
+        Bucket& b = buckets_[name];
+        ++b.stats.failures;
+        refused.push_back({TakeWork(b), WithClientStatus(absl::InvalidArgumentError(message),
+                                                         ClientStatus::kMismatch)});
+      }
+      for (const control::BucketInfo& info : result->scheduled) {
+        Bucket& b = buckets_[info.name];
+        (b.count < options_.dense_floor ? dense : sparse).push_back(TakeWork(b));
+      }
+    }
+    for (auto& [w, s] : refused) CompleteWork(w, s);
+    if (!dense.empty()) RunFusedDense(dense);
+    for (Work& w : sparse) RunSparse(w);
+  }
+}
+
+void Engine::RunSparse(Work& w) {
+  Bucket& b = *w.bucket;
+  const uint64_t d = b.count;
+  const int L = options_.local_size;
+  for (const auto& buf : w.buffers) {
+    if (buf == nullptr) {
+      CompleteWork(w, JobFailed(absl::AbortedError(
+                          absl::StrCat("bucket '", b.name, "': a local process is gone"))));
+      return;
+    }
+  }
+  if (b.state == nullptr) {
+    auto state = sparsify::BucketState::Create(
+        {b.name, d, next_slot_++},
+        {membership_.node_count, membership_.node_rank, membership_.world_size}, options_.sparsify,
+        ops_);
+    if (!state.ok()) {
+      CompleteWork(w, state.status());
+      Fail(state.status(), /*report=*/true);
+      return;
+    }
+    b.state = std::move(state).value();
+  }
+  if (!grad_.Reserve(ops_, d) || !update_.Reserve(ops_, d)) {
+    const absl::Status s = WithClientStatus(
+        absl::ResourceExhaustedError(absl::StrCat("bucket '", b.name, "': out of memory")),
+        ClientStatus::kResource);
+    CompleteWork(w, s);
+    Fail(s, /*report=*/true);
+    return;
+  }
+  // Step 1: the node's gradient. With one local process its buffer is g itself.
+  const absl::Time t0 = absl::Now();
+  const float* grad = w.buffers[0]->data();
+  if (L > 1) {
+    std::vector<const float*> inputs;
+    for (const auto& buf : w.buffers) inputs.push_back(buf->data());
+    ops_->LocalSum(inputs.data(), L, d, grad_.get(), nullptr, nullptr);
+    grad = grad_.get();
+  }
+  const double local_sum = Seconds(t0);
+  auto st = b.state->Step(grad, update_.get(), *transport_, absl::Now() + options_.op_timeout);
+  if (!st.ok()) {
+    absl::Status s = st.status();
+    {
+      absl::MutexLock lock(&mu_);
+      ++b.stats.failures;
+    }
+    if (ToClientStatus(s) == ClientStatus::kNonFinite) {
+      CompleteWork(w, s);  // this step only; the job goes on
+    } else {
+      CompleteWork(w, JobFailed(s));
+      Fail(s, /*report=*/true);
+    }
+    return;
+  }
+  const absl::Time t1 = absl::Now();
+  for (const auto& buf : w.buffers) std::memcpy(buf->data(), update_.get(), d * sizeof(float));
+  const double writeback = Seconds(t1);
+  {
+    absl::MutexLock lock(&mu_);
+    BucketStats& s = b.stats;
+    ++s.steps;
+    s.budget = st->budget;
+    s.last_selected = st->selected;
+    s.last_threshold = st->threshold;
+    s.last_cre = st->cre;
+    if (st->step >= 2) s.sum_cre += st->cre;
+    s.bytes_sent += st->bytes_sent;
+    s.bytes_received += st->bytes_received;
+    s.local_sum_seconds += local_sum;
+    s.select_seconds += st->select_seconds;
+    s.exchange_seconds += st->exchange_seconds;
+    s.writeback_seconds += st->apply_seconds + writeback;
+  }
+  CompleteWork(w, absl::OkStatus());
+}
+
+void Engine::RunFusedDense(std::vector<Work>& works) {
+  const int L = options_.local_size;
+  uint64_t total = 0;
+  for (const Work& w : works) total += w.bucket->count;
+  sparsify::DeviceBuffer<kernels::StepScalars> scalars(ops_, 1);
+  if (!fusion_.Reserve(ops_, total) || !scalars.ok()) {
+    const absl::Status s = WithClientStatus(
+        absl::ResourceExhaustedError("fused dense buffer: out of memory"), ClientStatus::kResource);
+    for (const Work& w : works) CompleteWork(w, s);
+    Fail(s, /*report=*/true);
+    return;
+  }
+  const absl::Time t0 = absl::Now();
+  uint64_t offset = 0, nonfinite = 0;
+  for (const Work& w : works) {
+    std::vector<const float*> inputs;
+    for (const auto& buf : w.buffers) {
+      if (buf == nullptr) {
+        const absl::Status s = JobFailed(absl::AbortedError("a local process is gone"));
+        for (const Work& x : works) CompleteWork(x, s);
+        return;
+      }
+      inputs.push_back(buf->data());
+    }
+    ops_->LocalSum(inputs.data(), L, w.bucket->count, fusion_.get() + offset, scalars.get(),
+                   nullptr);
+    kernels::StepScalars sc;
+    ops_->CopyToHost(&sc, scalars.get(), sizeof sc, nullptr);
+    nonfinite += sc.nonfinite;
+    offset += w.bucket->count;
+  }
+  const double local_sum = Seconds(t0);
+  const absl::Time t1 = absl::Now();
+  CollectiveOptions o;
+  o.deadline = absl::Now() + options_.op_timeout;
+  o.tag = MakeTag(0, TagKind::kHeader);
+  std::vector<uint64_t> flags(membership_.node_count);
+  absl::Status s = transport_->Allgather(&nonfinite, sizeof nonfinite, flags.data(), o);
+  if (s.ok()) {
+    std::vector<std::string> bad;
+    for (int r = 0; r < membership_.node_count; ++r) {
+      if (flags[r] != 0) bad.push_back(absl::StrCat("node ", r));
+    }
+    if (!bad.empty()) {
+      std::vector<std::string> names;
+      for (const Work& w : works) names.push_back(w.bucket->name);
+      const absl::Status nan = WithClientStatus(
+          absl::InvalidArgumentError(absl::StrCat(
+              "buckets '", absl::StrJoin(names, "', '"), "': NaN or Inf in the gradient on ",
+              absl::StrJoin(bad, ", "), "; step skipped")),
+          ClientStatus::kNonFinite);
+      for (const Work& w : works) CompleteWork(w, nan);
+      return;
+    }
+    o.tag = MakeTag(0, TagKind::kDense);
+    s = transport_->AllreduceSum(fusion_.get(), total, transport::DataType::kFloat32, o);
+  }
+  if (!s.ok()) {
+    for (const Work& w : works) CompleteWork(w, JobFailed(s));
+    Fail(s, /*report=*/true);
+    return;
+  }
+  const double exchange = Seconds(t1);
+  const absl::Time t2 = absl::Now();
+  ops_->Divide(fusion_.get(), total, static_cast<float>(membership_.world_size), nullptr, nullptr);
+  offset = 0;
+  for (const Work& w : works) {
+    for (const auto& buf : w.buffers) {
+      std::memcpy(buf->data(), fusion_.get() + offset, w.bucket->count * sizeof(float));
+    }
+    offset += w.bucket->count;
+  }
+  const double writeback = Seconds(t2);
+  {
+    absl::MutexLock lock(&mu_);
+    for (const Work& w : works) {
+      BucketStats& st = w.bucket->stats;
+      const double share = static_cast<double>(w.bucket->count) / static_cast<double>(total);
+      ++st.steps;
+      st.budget = st.last_selected = w.bucket->count;
+      st.bytes_sent += w.bucket->count * sizeof(float);
+      st.bytes_received += w.bucket->count * sizeof(float);
+      st.local_sum_seconds += local_sum * share;
+      st.exchange_seconds += exchange * share;
+      st.writeback_seconds += writeback * share;
+    }
+  }
+  for (const Work& w : works) CompleteWork(w, absl::OkStatus());
+}
+
+EngineSnapshot Engine::Snapshot() const {
+  absl::MutexLock lock(&mu_);
+  EngineSnapshot s;
+  s.failure = failed_.ok() ? "" : std::string(failed_.message());
+  s.cycles = cycles_;
+  for (const auto& [name, b] : buckets_) s.buckets.push_back(b.stats);
+  return s;
+}
+
+}  // namespace microd::engine

@@ -1,0 +1,148 @@
+// The daemon's background loop. A bucket is ready on this node when every
+// local process submitted it; ready buckets are reported to the coordinator
+// in negotiation cycles; the buckets every node reported run in the agreed
+// order: local sum, the sparsified step (or, below the size floor, one fused
+// dense allreduce), write-back into every local buffer, completions.
+//
+// Failure model: a process that vanishes, a step that breaks the transport,
+// or a failure the coordinator reports ends the job: every pending and later
+// submission completes with MICROD_ERR_JOB_FAILED and the reason. A NaN/Inf
+// in a gradient fails only that step (MICROD_ERR_NONFINITE on every node).
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "daemon/control/coordinator_client.h"
+#include "daemon/local/local_server.h"
+#include "daemon/sparsify/bucket.h"
+#include "daemon/transport/transport.h"
+#include "kernels/sparse_ops.h"
+
+namespace microd::engine {
+
+struct EngineOptions {
+  int local_size = 1;
+  sparsify::SparsifyOptions sparsify;
+  // Buckets with fewer elements go dense, fused into one allreduce per cycle.
+  uint64_t dense_floor = 65536;
+  absl::Duration op_timeout = absl::Seconds(60);
+  // How long an idle loop waits for local work before an empty negotiation cycle.
+  absl::Duration idle_wait = absl::Milliseconds(2);
+};
+
+// Per-bucket statistics (cumulative since start).
+struct BucketStats {
+  std::string name;
+  uint64_t count = 0;
+  bool dense = false;
+  uint64_t steps = 0;
+  uint64_t failures = 0;
+  uint64_t last_selected = 0;
+  uint64_t budget = 0;
+  double last_threshold = 0;
+  double last_cre = 0;
+  double sum_cre = 0;  // over steps >= 2
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
+  double local_sum_seconds = 0;
+  double select_seconds = 0;
+  double exchange_seconds = 0;
+  double writeback_seconds = 0;
+};
+
+struct EngineSnapshot {
+  std::string failure;  // empty while healthy
+  std::vector<BucketStats> buckets;
+  uint64_t cycles = 0;
+};
+
+class Engine final : public local::LocalHandler {
+ public:
+  // `client` (negotiation), `transport` and `ops` must outlive the engine.
+  Engine(EngineOptions options, control::Membership membership, control::CoordinatorClient* client,
+         transport::Transport* transport, kernels::SparseOps* ops);
+  ~Engine() override;
+
+  // Where completions go; set before Start.
+  void SetServer(local::LocalServer* server) { server_ = server; }
+  void Start();
+  // Fails everything pending and stops the loop.
+  void Stop(const absl::Status& reason);
+  // Ends the job on this node (and tells the coordinator when `report`).
+  void Fail(const absl::Status& reason, bool report);
+
+  absl::StatusOr<local::ProcessInfo> OnHello(uint64_t client, int requested_local_rank,
+                                             pid_t pid) override;
+  absl::Status OnRegister(uint64_t client, uint32_t buffer_id, const std::string& name,
+                          std::shared_ptr<local::HostBuffer> buffer) override;
+  absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket) override;
+  void OnDisconnect(uint64_t client, bool clean, const std::string& why) override;
+
+  EngineSnapshot Snapshot() const;
+
+ private:
+  struct Process {
+    int local_rank = -1;
+    pid_t pid = 0;
+    std::map<uint32_t, std::string> buffers;  // buffer id -> bucket name
+  };
+  struct Bucket {
+    std::string name;
+    uint64_t count = 0;
+    std::vector<std::shared_ptr<local::HostBuffer>> buffers;  // by local rank
+    std::vector<uint64_t> clients;                            // by local rank
+    std::vector<uint32_t> buffer_ids;                         // by local rank
+    std::vector<uint64_t> tickets;                            // by local rank, 0 = none
+    int submitted = 0;
+    bool reported = false;  // sent to the coordinator, waiting to be scheduled
+    uint32_t slot = 0;      // transport tag slot, assigned at first schedule
+    std::unique_ptr<sparsify::BucketState> state;
+    BucketStats stats;
+  };
+  // What a scheduled bucket needs while it runs (taken under the lock).
+  struct Work {
+    Bucket* bucket;
+    std::vector<std::shared_ptr<local::HostBuffer>> buffers;
+    std::vector<uint64_t> clients, tickets;
+    std::vector<uint32_t> buffer_ids;
+  };
+
+  void Loop();
+  void CompleteWork(const Work& w, const absl::Status& status);
+  void RunSparse(Work& w);
+  void RunFusedDense(std::vector<Work>& works);
+  Work TakeWork(Bucket& b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status FailedStatus() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const EngineOptions options_;
+  const control::Membership membership_;
+  control::CoordinatorClient* const client_;
+  transport::Transport* const transport_;
+  kernels::SparseOps* const ops_;
+  local::LocalServer* server_ = nullptr;
+
+  mutable absl::Mutex mu_;
+  absl::Status failed_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<uint64_t, Process> processes_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Bucket> buckets_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> newly_ready_ ABSL_GUARDED_BY(mu_);
+  uint64_t cycles_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t next_slot_ = 1;  // engine thread only; slot 0 is the fused dense buffer
+
+  // Engine-thread scratch buffers (device memory of ops_).
+  sparsify::DeviceBuffer<float> grad_, update_, fusion_;
+  std::thread thread_;
+};
+
+}  // namespace microd::engine

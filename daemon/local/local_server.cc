@@ -1,0 +1,477 @@
+#include "daemon/local/local_server.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/status_map.h"
+#include "wire.h"
+
+namespace microd::local {
+namespace {
+
+constexpr uint64_t kMaxElements = 0xFFFFFFFFull;
+
+size_t ExpectedSize(uint16_t type) {
+  switch (type) {
+    case MICROD_MSG_HELLO:
+      return sizeof(microd_wire_hello);
+    case MICROD_MSG_REGISTER:
+      return sizeof(microd_wire_register);
+    case MICROD_MSG_SUBMIT:
+      return sizeof(microd_wire_submit);
+    case MICROD_MSG_GOODBYE:
+      return sizeof(microd_wire_goodbye);
+    default:
+      return 0;  // not a client-to-daemon message
+  }
+}
+
+void FillHeader(microd_wire_header* h, uint16_t type, uint32_t length) {
+  h->magic = MICROD_WIRE_MAGIC;
+  h->version = MICROD_WIRE_VERSION;
+  h->type = type;
+  h->length = length;
+  h->reserved = 0;
+}
+
+void CopyMessage(char* dst, const std::string& src) {
+  const size_t n = std::min(src.size(), size_t{MICROD_WIRE_MESSAGE_BYTES - 1});
+  std::memcpy(dst, src.data(), n);
+  dst[n] = '\0';
+}
+
+absl::Status PrepareSocketPath(const std::string& path) {
+  if (path.empty()) return absl::InvalidArgumentError("no socket path");
+  if (path.size() >= sizeof(sockaddr_un::sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("socket path too long: ", path));
+  }
+  const std::string dir = path.find('/') == std::string::npos ? "." : path.substr(0, path.rfind('/'));
+  struct stat st;
+  if (!dir.empty() && stat(dir.c_str(), &st) != 0) {
+    if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("cannot create socket directory ", dir, ": ", std::strerror(errno)));
+    }
+  } else if (!dir.empty() && !S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(dir, " is not a directory"));
+  }
+  if (lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return absl::AlreadyExistsError(absl::StrCat(path, " exists and is not a socket"));
+    }
+    // A socket file: live daemon, or stale?
+    int probe = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strcpy(addr.sun_path, path.c_str());
+    const bool live = connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+    close(probe);
+    if (live) return absl::AlreadyExistsError(absl::StrCat("another microd serves ", path));
+    unlink(path.c_str());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+HostBuffer::~HostBuffer() { munmap(data_, mapped_bytes_); }
+
+LocalServer::LocalServer(LocalServerOptions options, LocalHandler* handler)
+    : options_(std::move(options)), handler_(handler) {}
+
+absl::StatusOr<std::unique_ptr<LocalServer>> LocalServer::Start(const LocalServerOptions& options,
+                                                                LocalHandler* handler) {
+  if (handler == nullptr) return absl::InvalidArgumentError("local server: no handler");
+  if (absl::Status s = PrepareSocketPath(options.socket_path); !s.ok()) return s;
+  std::unique_ptr<LocalServer> server(new LocalServer(options, handler));
+  server->listen_fd_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (server->listen_fd_ < 0) {
+    return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  }
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strcpy(addr.sun_path, options.socket_path.c_str());
+  const mode_t old = umask(options.allow_gid >= 0 ? 0117 : 0177);
+  const int bound = bind(server->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  umask(old);
+  if (bound != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("bind ", options.socket_path, ": ", std::strerror(errno)));
+  }
+  if (options.allow_gid >= 0 && chown(options.socket_path.c_str(), -1, options.allow_gid) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat("chown ", options.socket_path, " to gid ",
+                                                    options.allow_gid, ": ", std::strerror(errno)));
+  }
+  if (listen(server->listen_fd_, 128) != 0) {
+    return absl::UnavailableError(absl::StrCat("listen: ", std::strerror(errno)));
+  }
+  server->wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  server->thread_ = std::thread([s = server.get()] { s->Loop(); });
+  return server;
+}
+
+LocalServer::~LocalServer() { Stop(); }
+
+void LocalServer::Stop() {
+  if (stopped_) return;
+  stopped_ = true;
+  if (wake_fd_ >= 0) {
+    const uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof one);
+  }
+  if (thread_.joinable()) thread_.join();
+  std::vector<uint64_t> ids;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, c] : clients_) ids.push_back(id);
+  }
+  for (uint64_t id : ids) Drop(id, false, "the daemon is shutting down");
+  if (listen_fd_ >= 0) {
+    close(listen_fd_);
+    unlink(options_.socket_path.c_str());
+  }
+  if (wake_fd_ >= 0) close(wake_fd_);
+  listen_fd_ = wake_fd_ = -1;
+}
+
+bool LocalServer::Send(int fd, const void* msg, size_t len) {
+  // Never block on a client: one that does not read its completions is dropped.
+  const ssize_t n = send(fd, msg, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+  return n == static_cast<ssize_t>(len);
+}
+
+void LocalServer::Complete(uint64_t client, uint64_t ticket, uint32_t buffer_id,
+                           const absl::Status& status) {
+  microd_wire_completion m{};
+  FillHeader(&m.h, MICROD_MSG_COMPLETION, sizeof m);
+  m.ticket = ticket;
+  m.buffer_id = buffer_id;
+  m.status = static_cast<int32_t>(ToClientStatus(status));
+  CopyMessage(m.message, std::string(status.message()));
+  absl::MutexLock lock(&mu_);
+  auto it = clients_.find(client);
+  if (it == clients_.end()) return;
+  if (!Send(it->second.fd, &m, sizeof m)) {
+    // The server thread notices the dead or stuck connection; shut it down.
+    shutdown(it->second.fd, SHUT_RDWR);
+  }
+}
+
+std::vector<ClientSnapshot> LocalServer::Clients() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<ClientSnapshot> out;
+  for (const auto& [id, c] : clients_) {
+    out.push_back({id, c.pid, c.uid, c.local_rank, static_cast<int>(c.buffers.size()), c.bytes});
+  }
+  return out;
+}
+
+void LocalServer::Loop() {
+  std::vector<pollfd> fds;
+  std::vector<uint64_t> ids;
+  for (;;) {
+    fds.clear();
+    ids.clear();
+    fds.push_back({wake_fd_, POLLIN, 0});
+    fds.push_back({listen_fd_, POLLIN, 0});
+    {
+      absl::MutexLock lock(&mu_);
+      for (const auto& [id, c] : clients_) {
+        fds.push_back({c.fd, POLLIN, 0});
+        ids.push_back(id);
+      }
+    }
+    if (poll(fds.data(), fds.size(), 1000) < 0 && errno != EINTR) return;
+    if (fds[0].revents != 0) return;
+    if (fds[1].revents & POLLIN) Accept();
+    for (size_t i = 2; i < fds.size(); ++i) {
+      if (fds[i].revents == 0) continue;
+      const uint64_t id = ids[i - 2];
+      Client* c;
+      {
+        absl::MutexLock lock(&mu_);
+        auto it = clients_.find(id);
+        if (it == clients_.end()) continue;
+        c = &it->second;
+      }
+      // Only this thread erases clients, so `c` stays valid here.
+      if (!HandleMessage(id, *c)) continue;
+    }
+  }
+}
+
+void LocalServer::Accept() {
+  for (;;) {
+    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) return;
+    ucred cred{};
+    socklen_t len = sizeof cred;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+      close(fd);
+      continue;
+    }
+    const uint64_t id = next_id_++;
+    size_t count;
+    {
+      absl::MutexLock lock(&mu_);
+      Client c;
+      c.fd = fd;
+      c.pid = cred.pid;
+      c.uid = cred.uid;
+      clients_[id] = c;
+      count = clients_.size();
+    }
+    const bool same_user = cred.uid == geteuid();
+    const bool allowed_group = options_.allow_gid >= 0 && cred.gid == static_cast<gid_t>(options_.allow_gid);
+    if (!same_user && !allowed_group) {
+      Refuse(id, static_cast<int>(ClientStatus::kPermission),
+             absl::StrCat("process ", cred.pid, " of uid ", cred.uid,
+                          " may not use this daemon (uid ", geteuid(), ")"));
+    } else if (static_cast<int>(count) > options_.max_clients) {
+      Refuse(id, static_cast<int>(ClientStatus::kResource),
+             absl::StrCat("too many processes (limit ", options_.max_clients, ")"));
+    }
+  }
+}
+
+void LocalServer::Refuse(uint64_t id, int status, const std::string& why) {
+  microd_wire_error e{};
+  FillHeader(&e.h, MICROD_MSG_ERROR, sizeof e);
+  e.status = status;
+  CopyMessage(e.message, why);
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = clients_.find(id);
+    if (it != clients_.end()) Send(it->second.fd, &e, sizeof e);
+  }
+  Drop(id, false, why);
+}
+
+void LocalServer::Drop(uint64_t id, bool clean, const std::string& why) {
+  bool greeted = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = clients_.find(id);
+    if (it == clients_.end()) return;
+    greeted = it->second.greeted;
+    close(it->second.fd);
+    clients_.erase(it);
+  }
+  if (greeted) handler_->OnDisconnect(id, clean, why);
+}
+
+bool LocalServer::HandleMessage(uint64_t id, Client& c) {
+  union {
+    microd_wire_header h;
+    microd_wire_hello hello;
+    microd_wire_register reg;
+    microd_wire_submit submit;
+    char bytes[MICROD_WIRE_MAX_BYTES + 1];
+  } m;
+  alignas(cmsghdr) char control[CMSG_SPACE(4 * sizeof(int))];
+  iovec iov{&m, sizeof m};
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  mh.msg_control = control;
+  mh.msg_controllen = sizeof control;
+  ssize_t n;
+  do {
+    n = recvmsg(c.fd, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+  // Collect any descriptors first, so none leaks whatever happens next.
+  std::vector<int> fds;
+  for (cmsghdr* cm = CMSG_FIRSTHDR(&mh); cm != nullptr; cm = CMSG_NXTHDR(&mh, cm)) {
+    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+      const size_t k = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < k; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(cm) + i * sizeof(int), sizeof fd);
+        fds.push_back(fd);
+      }
+    }
+  }
+  struct FdCloser {
+    std::vector<int>& fds;
+    ~FdCloser() {
+      for (int fd : fds) close(fd);
+    }
+  } closer{fds};
+
+  if (n <= 0) {
+    Drop(id, false, n == 0 ? "connection closed without goodbye" : std::strerror(errno));
+    return false;
+  }
+  const int kProtocol = static_cast<int>(ClientStatus::kProtocol);
+  if ((mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0) {
+    Refuse(id, kProtocol, "message too large");
+    return false;
+  }
+  if (static_cast<size_t>(n) < sizeof(microd_wire_header) || m.h.magic != MICROD_WIRE_MAGIC) {
+    Refuse(id, kProtocol, "not a microd message (bad magic or size)");
+    return false;
+  }
+  if (m.h.version != MICROD_WIRE_VERSION) {
+    Refuse(id, kProtocol,
+           absl::StrCat("protocol version ", m.h.version, " not supported (daemon speaks ",
+                        MICROD_WIRE_VERSION, ")"));
+    return false;
+  }
+  const size_t expected = ExpectedSize(m.h.type);
+  if (expected == 0) {
+    Refuse(id, kProtocol, absl::StrCat("unknown message type ", m.h.type));
+    return false;
+  }
+  if (m.h.length != static_cast<uint32_t>(n) || static_cast<size_t>(n) != expected) {
+    Refuse(id, kProtocol,
+           absl::StrCat("message type ", m.h.type, " has ", n, " bytes (header says ",
+                        m.h.length, ", expected ", expected, ")"));
+    return false;
+  }
+  if (!fds.empty() && m.h.type != MICROD_MSG_REGISTER) {
+    Refuse(id, kProtocol, "unexpected file descriptor");
+    return false;
+  }
+  if (!c.greeted && m.h.type != MICROD_MSG_HELLO) {
+    Refuse(id, kProtocol, "the first message must be hello");
+    return false;
+  }
+
+  switch (m.h.type) {
+    case MICROD_MSG_HELLO: {
+      if (c.greeted) {
+        Refuse(id, kProtocol, "hello sent twice");
+        return false;
+      }
+      if (m.hello.local_rank < -1) {
+        Refuse(id, static_cast<int>(ClientStatus::kInvalidArgument),
+               absl::StrCat("local rank ", m.hello.local_rank, " is negative"));
+        return false;
+      }
+      auto info = handler_->OnHello(id, m.hello.local_rank, c.pid);
+      if (!info.ok()) {
+        Refuse(id, static_cast<int>(ToClientStatus(info.status())),
+               std::string(info.status().message()));
+        return false;
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        c.greeted = true;
+        c.local_rank = info->local_rank;
+      }
+      microd_wire_hello_ack ack{};
+      FillHeader(&ack.h, MICROD_MSG_HELLO_ACK, sizeof ack);
+      ack.status = 0;
+      ack.local_rank = info->local_rank;
+      ack.local_size = info->local_size;
+      ack.node_rank = info->node_rank;
+      ack.node_count = info->node_count;
+      ack.rank = info->rank;
+      ack.world_size = info->world_size;
+      absl::MutexLock lock(&mu_);
+      if (!Send(c.fd, &ack, sizeof ack)) shutdown(c.fd, SHUT_RDWR);
+      return true;
+    }
+    case MICROD_MSG_REGISTER: {
+      const microd_wire_register& r = m.reg;
+      microd_wire_register_ack ack{};
+      FillHeader(&ack.h, MICROD_MSG_REGISTER_ACK, sizeof ack);
+      ack.buffer_id = r.buffer_id;
+      auto answer = [&](const absl::Status& s) {
+        ack.status = static_cast<int32_t>(ToClientStatus(s));
+        CopyMessage(ack.message, std::string(s.message()));
+        absl::MutexLock lock(&mu_);
+        if (!Send(c.fd, &ack, sizeof ack)) shutdown(c.fd, SHUT_RDWR);
+        return true;
+      };
+      const size_t name_len = strnlen(r.name, MICROD_WIRE_NAME_BYTES);
+      if (name_len == 0 || name_len == MICROD_WIRE_NAME_BYTES) {
+        Refuse(id, kProtocol, "buffer name empty or not terminated");
+        return false;
+      }
+      const std::string name(r.name, name_len);
+      if (r.kind == MICROD_BUFFER_CUDA) {
+        return answer(WithClientStatus(
+            absl::UnimplementedError(absl::StrCat("buffer '", name,
+                                                  "': CUDA buffers need a CUDA build of microd")),
+            ClientStatus::kUnsupported));
+      }
+      if (r.kind != MICROD_BUFFER_HOST || r.dtype != MICROD_DTYPE_FLOAT32) {
+        Refuse(id, kProtocol, absl::StrCat("buffer '", name, "': unknown kind ", r.kind,
+                                           " or dtype ", r.dtype));
+        return false;
+      }
+      if (fds.size() != 1) {
+        Refuse(id, kProtocol, absl::StrCat("register of '", name, "' must carry one memfd"));
+        return false;
+      }
+      if (r.count == 0 || r.count > kMaxElements) {
+        return answer(absl::InvalidArgumentError(absl::StrCat(
+            "buffer '", name, "': element count ", r.count, " out of range [1, 2^32)")));
+      }
+      if (c.buffers.count(r.buffer_id) != 0) {
+        return answer(absl::InvalidArgumentError(
+            absl::StrCat("buffer id ", r.buffer_id, " is already registered")));
+      }
+      const uint64_t bytes = r.count * sizeof(float);
+      if (static_cast<int>(c.buffers.size()) >= options_.max_buffers_per_client ||
+          c.bytes + bytes > options_.max_bytes_per_client) {
+        return answer(WithClientStatus(
+            absl::ResourceExhaustedError(absl::StrCat(
+                "buffer '", name, "': over the per-process limit (", options_.max_buffers_per_client,
+                " buffers, ", options_.max_bytes_per_client, " bytes)")),
+            ClientStatus::kResource));
+      }
+      struct stat st;
+      const int seals = fcntl(fds[0], F_GET_SEALS);
+      if (fstat(fds[0], &st) != 0 || !S_ISREG(st.st_mode) ||
+          static_cast<uint64_t>(st.st_size) < bytes || seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+        return answer(absl::InvalidArgumentError(absl::StrCat(
+            "buffer '", name, "': the descriptor must be a memfd of at least ", bytes,
+            " bytes sealed against shrinking")));
+      }
+      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+      if (p == MAP_FAILED) {
+        return answer(WithClientStatus(
+            absl::ResourceExhaustedError(absl::StrCat("buffer '", name, "': mmap: ",
+                                                      std::strerror(errno))),
+            ClientStatus::kResource));
+      }
+      auto buffer = std::make_shared<HostBuffer>(static_cast<float*>(p), r.count, bytes);
+      absl::Status s = handler_->OnRegister(id, r.buffer_id, name, std::move(buffer));
+      if (s.ok()) {
+        absl::MutexLock lock(&mu_);
+        c.buffers[r.buffer_id] = bytes;
+        c.bytes += bytes;
+      }
+      return answer(s);
+    }
+    case MICROD_MSG_SUBMIT: {
+      if (c.buffers.count(m.submit.buffer_id) == 0) {
+        Refuse(id, static_cast<int>(ClientStatus::kInvalidArgument),
+               absl::StrCat("submit of unknown buffer id ", m.submit.buffer_id));
+        return false;
+      }
+      absl::Status s = handler_->OnSubmit(id, m.submit.buffer_id, m.submit.ticket);
+      if (!s.ok()) Complete(id, m.submit.ticket, m.submit.buffer_id, s);
+      return true;
+    }
+    case MICROD_MSG_GOODBYE:
+      Drop(id, true, "goodbye");
+      return false;
+  }
+  return true;
+}
+
+}  // namespace microd::local

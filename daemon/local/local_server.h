@@ -1,0 +1,128 @@
+// The daemon's side of the local protocol (client/src/wire.h): a
+// SOCK_SEQPACKET Unix socket for the training processes of this node, peers
+// checked with SO_PEERCRED, host buffers mapped from the memfds they send.
+// Every message is validated; a malformed one gets an ERROR reply and only
+// that client is disconnected. The server thread never blocks on a client.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+namespace microd::local {
+
+// A training process's buffer mapped into the daemon; unmapped when the last
+// reference goes (the engine may hold one while a step runs).
+class HostBuffer {
+ public:
+  HostBuffer(float* data, uint64_t count, size_t mapped_bytes)
+      : data_(data), count_(count), mapped_bytes_(mapped_bytes) {}
+  ~HostBuffer();
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  float* data() const { return data_; }
+  uint64_t count() const { return count_; }
+
+ private:
+  float* const data_;
+  const uint64_t count_;
+  const size_t mapped_bytes_;
+};
+
+struct ProcessInfo {
+  int local_rank = 0;
+  int local_size = 1;
+  int node_rank = 0;
+  int node_count = 1;
+  int rank = 0;
+  int world_size = 1;
+};
+
+// What the server asks of the engine. Called on the server thread; must not block.
+class LocalHandler {
+ public:
+  virtual ~LocalHandler() = default;
+  virtual absl::StatusOr<ProcessInfo> OnHello(uint64_t client, int requested_local_rank,
+                                              pid_t pid) = 0;
+  virtual absl::Status OnRegister(uint64_t client, uint32_t buffer_id, const std::string& name,
+                                  std::shared_ptr<HostBuffer> buffer) = 0;
+  // An error completes the ticket at once with that status.
+  virtual absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket) = 0;
+  // `clean`: the process said goodbye; otherwise it vanished or misbehaved.
+  virtual void OnDisconnect(uint64_t client, bool clean, const std::string& why) = 0;
+};
+
+struct LocalServerOptions {
+  std::string socket_path;
+  int allow_gid = -1;  // also accept peers of this group (socket mode 0660)
+  int max_clients = 256;
+  int max_buffers_per_client = 4096;
+  uint64_t max_bytes_per_client = uint64_t{1} << 40;
+};
+
+struct ClientSnapshot {
+  uint64_t id = 0;
+  pid_t pid = 0;
+  uid_t uid = 0;
+  int local_rank = -1;
+  int buffers = 0;
+  uint64_t bytes = 0;
+};
+
+class LocalServer {
+ public:
+  // Creates the socket (its directory 0700 if missing; a stale socket is
+  // replaced, a live one is an error) and starts the server thread.
+  static absl::StatusOr<std::unique_ptr<LocalServer>> Start(const LocalServerOptions& options,
+                                                            LocalHandler* handler);
+  ~LocalServer();
+
+  // Sends a completion to a client (thread-safe; dropped if the client left).
+  void Complete(uint64_t client, uint64_t ticket, uint32_t buffer_id, const absl::Status& status);
+  // Stops serving, closes every connection and removes the socket file.
+  void Stop();
+  std::vector<ClientSnapshot> Clients() const;
+  const std::string& socket_path() const { return options_.socket_path; }
+
+ private:
+  struct Client {
+    int fd = -1;
+    pid_t pid = 0;
+    uid_t uid = 0;
+    bool greeted = false;
+    int local_rank = -1;
+    std::map<uint32_t, uint64_t> buffers;  // id -> bytes
+    uint64_t bytes = 0;
+  };
+
+  LocalServer(LocalServerOptions options, LocalHandler* handler);
+  void Loop();
+  void Accept();
+  // Handles one message; false when the client must be dropped.
+  bool HandleMessage(uint64_t id, Client& c);
+  void Drop(uint64_t id, bool clean, const std::string& why);
+  // Sends an ERROR message (best effort) and drops the client.
+  void Refuse(uint64_t id, int status, const std::string& why);
+  bool Send(int fd, const void* msg, size_t len);
+
+  const LocalServerOptions options_;
+  LocalHandler* const handler_;
+  int listen_fd_ = -1;
+  int wake_fd_ = -1;  // eventfd: stop
+  uint64_t next_id_ = 1;
+  mutable absl::Mutex mu_;  // guards clients_ (sends happen from other threads)
+  std::map<uint64_t, Client> clients_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+  bool stopped_ = false;
+};
+
+}  // namespace microd::local

@@ -1,0 +1,138 @@
+// microctl: status of a microd daemon over its Admin service.
+//   microctl [--admin=host:port] [--json] status|buckets
+#include <grpcpp/grpcpp.h>
+#include <google/protobuf/util/json_util.h>
+
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_format.h"
+#include "microd/v1/admin.grpc.pb.h"
+
+ABSL_FLAG(std::string, admin, "", "daemon Admin address (default $MICROD_ADMIN or 127.0.0.1:7471)");
+ABSL_FLAG(bool, json, false, "print JSON instead of a table");
+ABSL_FLAG(int, timeout_ms, 5000, "deadline of the call");
+
+namespace {
+
+const char* JobStateName(microd::v1::JobState s) {
+  switch (s) {
+    case microd::v1::JOB_STATE_FORMING:
+      return "forming";
+    case microd::v1::JOB_STATE_RUNNING:
+      return "running";
+    case microd::v1::JOB_STATE_FAILED:
+      return "FAILED";
+    case microd::v1::JOB_STATE_FINISHED:
+      return "finished";
+    default:
+      return "unknown";
+  }
+}
+
+std::string Bytes(double b) {
+  const char* unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) {
+    b /= 1024;
+    ++u;
+  }
+  return absl::StrFormat(u == 0 ? "%.0f %s" : "%.1f %s", b, unit[u]);
+}
+
+void PrintStatus(const microd::v1::GetStatusResponse& r) {
+  std::printf("node        %s (rank %d of %d)%s\n", r.node_name().c_str(), r.node_rank(),
+              r.node_count(), r.is_coordinator() ? ", coordinator" : "");
+  std::printf("job         %s%s%s\n", JobStateName(r.job_state()),
+              r.failure().empty() ? "" : ": ", r.failure().c_str());
+  std::printf("world size  %d (%d local)\n", r.world_size(), r.local_size());
+  std::printf("sparsifier  %s / %s, density %g, transport %s\n", r.sparsifier().c_str(),
+              r.controller().c_str(), r.density(), r.transport().c_str());
+  std::printf("socket      %s\n", r.socket().c_str());
+  std::printf("version     %s, up %.0f s, %llu negotiation cycles\n", r.version().c_str(),
+              r.uptime_seconds(), static_cast<unsigned long long>(r.cycles()));
+  if (r.processes_size() > 0) {
+    std::printf("\n%-11s %8s %8s %12s\n", "local rank", "pid", "buffers", "memory");
+    for (const auto& p : r.processes()) {
+      std::printf("%-11d %8d %8d %12s\n", p.local_rank(), p.pid(), p.buffers(),
+                  Bytes(static_cast<double>(p.bytes())).c_str());
+    }
+  }
+  if (r.nodes_size() > 0) {
+    std::printf("\n%-5s %-24s %6s %16s\n", "rank", "node", "local", "last heartbeat");
+    for (const auto& n : r.nodes()) {
+      std::printf("%-5d %-24s %6d %15.1fs%s\n", n.rank(), n.name().c_str(), n.local_size(),
+                  n.seconds_since_heartbeat(), n.left() ? " (left)" : "");
+    }
+  }
+}
+
+void PrintBuckets(const microd::v1::GetStatusResponse& r) {
+  std::printf("%-24s %11s %6s %7s %10s %10s %8s %9s %11s %11s %11s %24s\n", "bucket", "elements",
+              "mode", "steps", "K", "k", "CRE", "mean CRE", "threshold", "sent", "received",
+              "sum/select/xchg/write s");
+  for (const auto& b : r.buckets()) {
+    std::printf("%-24s %11llu %6s %7llu %10llu %10llu %7.2f%% %8.2f%% %11.4g %11s %11s %24s\n",
+                b.name().c_str(), static_cast<unsigned long long>(b.count()),
+                b.dense() ? "dense" : "sparse", static_cast<unsigned long long>(b.steps()),
+                static_cast<unsigned long long>(b.last_selected()),
+                static_cast<unsigned long long>(b.budget()), 100 * b.last_cre(),
+                100 * b.mean_cre(), b.last_threshold(),
+                Bytes(static_cast<double>(b.bytes_sent())).c_str(),
+                Bytes(static_cast<double>(b.bytes_received())).c_str(),
+                absl::StrFormat("%.2f/%.2f/%.2f/%.2f", b.local_sum_seconds(), b.select_seconds(),
+                                b.exchange_seconds(), b.writeback_seconds())
+                    .c_str());
+    if (b.failures() > 0) {
+      std::printf("%-24s failed steps: %llu\n", "", static_cast<unsigned long long>(b.failures()));
+    }
+  }
+  if (r.buckets_size() == 0) std::printf("(no buckets yet)\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("microctl [--admin=host:port] [--json] status|buckets");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  const std::string command = args.size() > 1 ? args[1] : "status";
+  if (args.size() > 2 || (command != "status" && command != "buckets")) {
+    std::fprintf(stderr, "usage: microctl [--admin=host:port] [--json] status|buckets\n");
+    return 2;
+  }
+  std::string address = absl::GetFlag(FLAGS_admin);
+  if (address.empty()) {
+    const char* env = std::getenv("MICROD_ADMIN");
+    address = env != nullptr && env[0] != '\0' ? env : "127.0.0.1:7471";
+  }
+  auto stub =
+      microd::v1::Admin::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));
+  microd::v1::GetStatusResponse resp;
+  grpc::Status s = stub->GetStatus(&ctx, {}, &resp);
+  if (!s.ok()) {
+    std::fprintf(stderr, "microctl: cannot reach microd at %s: %s\n", address.c_str(),
+                 s.error_message().c_str());
+    return 1;
+  }
+  if (absl::GetFlag(FLAGS_json)) {
+    std::string json;
+    google::protobuf::util::JsonPrintOptions opts;
+    opts.add_whitespace = true;
+    opts.always_print_primitive_fields = true;
+    (void)google::protobuf::util::MessageToJsonString(resp, &json, opts);
+    std::printf("%s", json.c_str());
+    return 0;
+  }
+  if (command == "status") {
+    PrintStatus(resp);
+  } else {
+    PrintBuckets(resp);
+  }
+  return 0;
+}

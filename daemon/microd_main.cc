@@ -1,0 +1,325 @@
+// microd: the per-node sidecar. Joins the job through the coordinator (and
+// serves it on node 0), connects the data plane, serves the training
+// processes of this node on a Unix socket and the Admin service over gRPC.
+// Every flag can also come from MICROD_<FLAG> in the environment (the
+// command line wins).
+#include <signal.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/control/coordinator.h"
+#include "daemon/control/coordinator_client.h"
+#include "daemon/control/services.h"
+#include "daemon/engine/engine.h"
+#include "daemon/local/local_server.h"
+#include "daemon/transport/gloo/gloo_transport.h"
+#include "microd/config.h"
+
+ABSL_FLAG(std::string, socket, "/run/microd/microd.sock", "Unix socket for the training processes");
+ABSL_FLAG(int, local_size, 1, "training processes on this node");
+ABSL_FLAG(std::string, node_name, "", "this node's name (default: the host name)");
+ABSL_FLAG(int, node_rank, -1, "node rank to take (-1: any free one)");
+ABSL_FLAG(int, nodes, 1, "nodes in the job (used by the coordinator)");
+ABSL_FLAG(std::string, coordinator, "", "address of the coordinator (host:port)");
+ABSL_FLAG(std::string, coordinator_listen, "",
+          "serve the coordinator on this address (node 0 only)");
+ABSL_FLAG(std::string, admin, "127.0.0.1:7471", "Admin service address (port 0: any)");
+ABSL_FLAG(std::string, admin_port_file, "", "write the Admin port to this file once listening");
+ABSL_FLAG(std::string, transport, "gloo", "data plane: gloo (nccl needs a CUDA build)");
+ABSL_FLAG(std::string, hostname, "127.0.0.1", "address peers reach this node's data plane on");
+ABSL_FLAG(std::string, sparsifier, "micro", "micro, topk, hard or dense");
+ABSL_FLAG(std::string, controller, "hist", "micro threshold controller: hist or paper");
+ABSL_FLAG(double, density, 0.01, "target density in (0, 1]");
+ABSL_FLAG(double, hard_threshold, 0.0, "hard sparsifier threshold (0: 1/(2 sqrt(k)))");
+ABSL_FLAG(uint64_t, dense_floor, 65536, "buckets with fewer elements are reduced dense, fused");
+ABSL_FLAG(int, timeout_ms, 60000, "deadline of one operation (a step, a negotiation)");
+ABSL_FLAG(int, peer_timeout_ms, 10000, "a node silent this long fails the job");
+ABSL_FLAG(int, join_timeout_ms, 300000, "how long to wait for all nodes to join");
+ABSL_FLAG(std::string, job_id, "microd", "job identifier (all nodes must agree)");
+ABSL_FLAG(std::string, token_file, "", "file holding the job token (all nodes must agree)");
+ABSL_FLAG(int, allow_gid, -1, "also accept training processes of this group id");
+
+namespace {
+
+// Environment fallbacks: MICROD_<FLAG NAME IN UPPER CASE>.
+bool ApplyEnvironment() {
+  const char* names[] = {"socket",         "local_size",   "node_name",   "node_rank",
+                         "nodes",          "coordinator",  "coordinator_listen",
+                         "admin",          "admin_port_file", "transport", "hostname",
+                         "sparsifier",     "controller",   "density",     "hard_threshold",
+                         "dense_floor",    "timeout_ms",   "peer_timeout_ms", "join_timeout_ms",
+                         "job_id",         "token_file",   "allow_gid"};
+  for (const char* name : names) {
+    const std::string env = "MICROD_" + absl::AsciiStrToUpper(name);
+    const char* value = std::getenv(env.c_str());
+    if (value == nullptr) continue;
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    std::string error;
+    if (flag == nullptr || !flag->ParseFrom(value, &error)) {
+      std::fprintf(stderr, "microd: bad value '%s' in %s: %s\n", value, env.c_str(),
+                   error.c_str());
+      return false;
+    }
+  }
+  return true;
+}
+
+int Fatal(const std::string& what, const absl::Status& s) {
+  std::fprintf(stderr, "microd: %s: %s\n", what.c_str(), s.ToString().c_str());
+  return 1;
+}
+
+std::string HostName() {
+  char buf[256] = {0};
+  if (gethostname(buf, sizeof buf - 1) != 0) return "node";
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "microd: sidecar daemon averaging gradients with MiCRO sparsification.\n"
+      "  node 0: microd --coordinator_listen=0.0.0.0:7470 --nodes=4 --local_size=1\n"
+      "  others: microd --coordinator=node0:7470 --local_size=1");
+  if (!ApplyEnvironment()) return 2;
+  absl::ParseCommandLine(argc, argv);
+  const absl::Time started = absl::Now();
+
+  // Block the stop signals in every thread; the main thread waits for them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  // Options.
+  microd::sparsify::SparsifyOptions sparsify;
+  auto sp = microd::sparsify::ParseSparsifier(absl::GetFlag(FLAGS_sparsifier));
+  if (!sp.ok()) return Fatal("--sparsifier", sp.status());
+  auto ct = microd::sparsify::ParseController(absl::GetFlag(FLAGS_controller));
+  if (!ct.ok()) return Fatal("--controller", ct.status());
+  sparsify.sparsifier = *sp;
+  sparsify.controller = *ct;
+  sparsify.density = absl::GetFlag(FLAGS_density);
+  sparsify.hard_threshold = absl::GetFlag(FLAGS_hard_threshold);
+  if (absl::Status s = sparsify.Validate(); !s.ok()) return Fatal("options", s);
+  const int local_size = absl::GetFlag(FLAGS_local_size);
+  if (local_size < 1 || local_size > microd::control::kMaxLocalSize) {
+    return Fatal("--local_size", absl::InvalidArgumentError(absl::StrCat(
+                                     "must be in [1, ", microd::control::kMaxLocalSize, "]")));
+  }
+  if (absl::GetFlag(FLAGS_transport) != "gloo") {
+    return Fatal("--transport",
+                 absl::UnimplementedError(absl::StrCat("'", absl::GetFlag(FLAGS_transport),
+                                                       "' is not available in this build (gloo)")));
+  }
+  const absl::Duration op_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
+  const absl::Duration peer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_peer_timeout_ms));
+  if (op_timeout <= absl::ZeroDuration() || peer_timeout <= absl::ZeroDuration()) {
+    return Fatal("timeouts", absl::InvalidArgumentError("timeouts must be positive"));
+  }
+  std::string token;
+  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    std::ifstream in(path);
+    if (!in) return Fatal("--token_file", absl::NotFoundError(absl::StrCat("cannot read ", path)));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    token = std::string(absl::StripTrailingAsciiWhitespace(ss.str()));
+  }
+  std::string node_name = absl::GetFlag(FLAGS_node_name);
+  if (node_name.empty()) node_name = HostName();
+
+  // The coordinator (node 0).
+  std::unique_ptr<microd::control::Coordinator> coordinator;
+  std::unique_ptr<microd::control::CoordinatorService> coordinator_service;
+  std::unique_ptr<microd::control::ControlServer> coordinator_server;
+  std::string coordinator_address = absl::GetFlag(FLAGS_coordinator);
+  if (const std::string listen = absl::GetFlag(FLAGS_coordinator_listen); !listen.empty()) {
+    microd::control::CoordinatorOptions co;
+    co.job_id = absl::GetFlag(FLAGS_job_id);
+    co.token = token;
+    co.expected_nodes = absl::GetFlag(FLAGS_nodes);
+    co.peer_timeout = peer_timeout;
+    auto c = microd::control::Coordinator::Create(co);
+    if (!c.ok()) return Fatal("coordinator", c.status());
+    coordinator = std::move(c).value();
+    coordinator_service = std::make_unique<microd::control::CoordinatorService>(coordinator.get());
+    auto server = microd::control::ControlServer::Start(listen, {coordinator_service.get()});
+    if (!server.ok()) return Fatal("coordinator", server.status());
+    coordinator_server = std::move(server).value();
+    if (coordinator_address.empty()) {
+      coordinator_address = absl::StrCat("127.0.0.1:", coordinator_server->port());
+    }
+    std::fprintf(stderr, "microd: coordinator listening on %s for %d nodes\n",
+                 coordinator_server->address().c_str(), co.expected_nodes);
+  }
+  if (coordinator_address.empty()) {
+    return Fatal("--coordinator",
+                 absl::InvalidArgumentError("give --coordinator or --coordinator_listen"));
+  }
+
+  // State the Admin service reports; filled in as start-up proceeds.
+  microd::control::Membership membership;
+  std::unique_ptr<microd::engine::Engine> engine;
+  std::unique_ptr<microd::local::LocalServer> local_server;
+  std::unique_ptr<microd::control::CoordinatorClient> client;
+  absl::Mutex state_mu;  // guards the pointers above against the Admin thread
+  microd::control::AdminService admin_service([&](microd::v1::GetStatusResponse* r) {
+    r->set_version(MICROD_VERSION_STRING);
+    r->set_node_name(node_name);
+    r->set_transport(absl::GetFlag(FLAGS_transport));
+    r->set_sparsifier(microd::sparsify::SparsifierName(sparsify.sparsifier));
+    r->set_controller(microd::sparsify::ControllerName(sparsify.controller));
+    r->set_density(sparsify.density);
+    r->set_local_size(local_size);
+    r->set_socket(absl::GetFlag(FLAGS_socket));
+    r->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started));
+    r->set_node_rank(-1);
+    r->set_job_state(microd::v1::JOB_STATE_FORMING);
+    if (coordinator != nullptr) microd::control::FillJobStatus(coordinator->Snapshot(), r);
+    absl::MutexLock lock(&state_mu);
+    if (membership.session != 0) {
+      r->set_node_rank(membership.node_rank);
+      r->set_node_count(membership.node_count);
+      r->set_world_size(membership.world_size);
+      if (coordinator == nullptr) r->set_job_state(microd::v1::JOB_STATE_RUNNING);
+    }
+    if (client != nullptr && !client->job_status().ok()) {
+      r->set_job_state(client->job_status().code() == absl::StatusCode::kFailedPrecondition
+                           ? microd::v1::JOB_STATE_FINISHED
+                           : microd::v1::JOB_STATE_FAILED);
+      if (r->failure().empty()) r->set_failure(std::string(client->job_status().message()));
+    }
+    if (local_server != nullptr) {
+      for (const auto& c : local_server->Clients()) {
+        auto* p = r->add_processes();
+        p->set_local_rank(c.local_rank);
+        p->set_pid(c.pid);
+        p->set_buffers(c.buffers);
+        p->set_bytes(c.bytes);
+      }
+    }
+    if (engine != nullptr) {
+      const auto snap = engine->Snapshot();
+      r->set_cycles(snap.cycles);
+      if (!snap.failure.empty()) {
+        r->set_job_state(microd::v1::JOB_STATE_FAILED);
+        if (r->failure().empty()) r->set_failure(snap.failure);
+      }
+      for (const auto& b : snap.buckets) {
+        auto* s = r->add_buckets();
+        s->set_name(b.name);
+        s->set_count(b.count);
+        s->set_dense(b.dense);
+        s->set_steps(b.steps);
+        s->set_failures(b.failures);
+        s->set_last_selected(b.last_selected);
+        s->set_budget(b.budget);
+        s->set_last_threshold(b.last_threshold);
+        s->set_last_cre(b.last_cre);
+        s->set_mean_cre(b.steps > 2 ? b.sum_cre / static_cast<double>(b.steps - 2) : 0.0);
+        s->set_bytes_sent(b.bytes_sent);
+        s->set_bytes_received(b.bytes_received);
+        s->set_local_sum_seconds(b.local_sum_seconds);
+        s->set_select_seconds(b.select_seconds);
+        s->set_exchange_seconds(b.exchange_seconds);
+        s->set_writeback_seconds(b.writeback_seconds);
+      }
+    }
+  });
+  auto admin = microd::control::ControlServer::Start(absl::GetFlag(FLAGS_admin), {&admin_service});
+  if (!admin.ok()) return Fatal("--admin", admin.status());
+  std::fprintf(stderr, "microd: admin listening on %s\n", (*admin)->address().c_str());
+  if (const std::string f = absl::GetFlag(FLAGS_admin_port_file); !f.empty()) {
+    std::ofstream(f) << (*admin)->port() << "\n";
+  }
+
+  // Join the job.
+  microd::control::CoordinatorClientOptions cco;
+  cco.address = coordinator_address;
+  cco.job_id = absl::GetFlag(FLAGS_job_id);
+  cco.node_name = node_name;
+  cco.token = token;
+  cco.local_size = local_size;
+  cco.requested_rank = absl::GetFlag(FLAGS_node_rank);
+  cco.peer_timeout = peer_timeout;
+  auto created = microd::control::CoordinatorClient::Create(cco);
+  if (!created.ok()) return Fatal("coordinator client", created.status());
+  {
+    absl::MutexLock lock(&state_mu);
+    client = std::move(created).value();
+  }
+  auto joined = client->Join(absl::Now() + absl::Milliseconds(absl::GetFlag(FLAGS_join_timeout_ms)));
+  if (!joined.ok()) return Fatal("join", joined.status());
+  {
+    absl::MutexLock lock(&state_mu);
+    membership = *joined;
+  }
+  std::fprintf(stderr, "microd: node '%s' is rank %d of %d (world size %d)\n", node_name.c_str(),
+               membership.node_rank, membership.node_count, membership.world_size);
+
+  microd::transport::GlooOptions go;
+  go.rank = membership.node_rank;
+  go.size = membership.node_count;
+  go.store = client.get();
+  go.hostname = absl::GetFlag(FLAGS_hostname);
+  go.timeout = op_timeout;
+  auto transport = microd::transport::CreateGlooTransport(go);
+  if (!transport.ok()) return Fatal("transport", transport.status());
+
+  auto ops = microd::kernels::CreateCpuSparseOps();
+  microd::engine::EngineOptions eo;
+  eo.local_size = local_size;
+  eo.sparsify = sparsify;
+  eo.dense_floor = absl::GetFlag(FLAGS_dense_floor);
+  eo.op_timeout = op_timeout;
+  {
+    absl::MutexLock lock(&state_mu);
+    engine = std::make_unique<microd::engine::Engine>(eo, membership, client.get(),
+                                                      transport->get(), ops.get());
+  }
+  microd::local::LocalServerOptions lo;
+  lo.socket_path = absl::GetFlag(FLAGS_socket);
+  lo.allow_gid = absl::GetFlag(FLAGS_allow_gid);
+  auto server = microd::local::LocalServer::Start(lo, engine.get());
+  if (!server.ok()) return Fatal("--socket", server.status());
+  {
+    absl::MutexLock lock(&state_mu);
+    local_server = std::move(server).value();
+  }
+  engine->SetServer(local_server.get());
+  client->SetFailureCallback([e = engine.get()](const absl::Status& s) { e->Fail(s, false); });
+  engine->Start();
+  std::fprintf(stderr, "microd: serving %d local process(es) on %s\n", local_size,
+               lo.socket_path.c_str());
+
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  std::fprintf(stderr, "microd: %s: shutting down\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  local_server->Stop();  // no new work; removes the socket
+  engine->Stop(absl::CancelledError(absl::StrCat("microd on node ", membership.node_rank,
+                                                 " is shutting down")));
+  (void)client->Leave();
+  (*admin)->Shutdown(absl::Now() + absl::Seconds(1));
+  if (coordinator_server != nullptr) coordinator_server->Shutdown(absl::Now() + absl::Seconds(1));
+  {
+    absl::MutexLock lock(&state_mu);
+    engine.reset();
+    local_server.reset();
+  }
+  return 0;
+}
