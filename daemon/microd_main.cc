@@ -35,6 +35,8 @@ ABSL_FLAG(int, nodes, 1, "nodes in the job (used by the coordinator)");
 ABSL_FLAG(std::string, coordinator, "", "address of the coordinator (host:port)");
 ABSL_FLAG(std::string, coordinator_listen, "",
           "serve the coordinator on this address (node 0 only)");
+ABSL_FLAG(std::string, coordinator_port_file, "",
+          "write the coordinator's port to this file once listening");
 ABSL_FLAG(std::string, admin, "127.0.0.1:7471", "Admin service address (port 0: any)");
 ABSL_FLAG(std::string, admin_port_file, "", "write the Admin port to this file once listening");
 ABSL_FLAG(std::string, transport, "gloo", "data plane: gloo (nccl needs a CUDA build)");
@@ -56,7 +58,7 @@ namespace {
 // Environment fallbacks: MICROD_<FLAG NAME IN UPPER CASE>.
 bool ApplyEnvironment() {
   const char* names[] = {"socket",         "local_size",   "node_name",   "node_rank",
-                         "nodes",          "coordinator",  "coordinator_listen",
+                         "nodes",          "coordinator",  "coordinator_listen", "coordinator_port_file",
                          "admin",          "admin_port_file", "transport", "hostname",
                          "sparsifier",     "controller",   "density",     "hard_threshold",
                          "dense_floor",    "timeout_ms",   "peer_timeout_ms", "join_timeout_ms",
@@ -166,6 +168,9 @@ int main(int argc, char** argv) {
     }
     std::fprintf(stderr, "microd: coordinator listening on %s for %d nodes\n",
                  coordinator_server->address().c_str(), co.expected_nodes);
+    if (const std::string f = absl::GetFlag(FLAGS_coordinator_port_file); !f.empty()) {
+      std::ofstream(f) << coordinator_server->port() << "\n";
+    }
   }
   if (coordinator_address.empty()) {
     return Fatal("--coordinator",

@@ -281,22 +281,28 @@ microd_status microd_connect(const microd_options* options, microd_client** out)
   fill_header(&hello.h, MICROD_MSG_HELLO, sizeof hello);
   hello.local_rank = o.local_rank;
   hello.pid = (uint32_t)getpid();
-  if (send_message(fd, &hello, sizeof hello, -1) != 0) {
-    close(fd);
-    return fail(NULL, MICROD_ERR_UNAVAILABLE, "sending hello: %s", strerror(errno));
-  }
+  /* A daemon that refuses this process answers with an ERROR and closes at
+   * once: the hello may fail to send, but the answer is still there to read. */
+  const int hello_errno = send_message(fd, &hello, sizeof hello, -1) != 0 ? errno : 0;
   microd_wire_hello_ack ack;
   ssize_t n = -1;
   for (;;) {
-    int left = (int)(deadline - now_ms());
+    int left = hello_errno != 0 ? 100 : (int)(deadline - now_ms());
     struct pollfd p = {fd, POLLIN, 0};
     if (left <= 0 || poll(&p, 1, left) <= 0) {
       close(fd);
+      if (hello_errno != 0) {
+        return fail(NULL, MICROD_ERR_UNAVAILABLE, "sending hello: %s", strerror(hello_errno));
+      }
       return fail(NULL, MICROD_ERR_TIMEOUT, "no answer from microd at %s", o.socket_path);
     }
     n = recv(fd, &ack, sizeof ack, 0);
     if (n < 0 && errno == EINTR) continue;
     break;
+  }
+  if (n <= 0 && hello_errno != 0) {
+    close(fd);
+    return fail(NULL, MICROD_ERR_UNAVAILABLE, "sending hello: %s", strerror(hello_errno));
   }
   if (n == (ssize_t)sizeof(microd_wire_error) && ack.h.type == MICROD_MSG_ERROR) {
     microd_wire_error* e = (microd_wire_error*)&ack;

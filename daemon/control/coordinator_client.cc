@@ -108,36 +108,46 @@ absl::StatusOr<Membership> CoordinatorClient::Join(absl::Time deadline) {
   return membership_;
 }
 
+bool CoordinatorClient::HeartbeatOnce(absl::Duration timeout) {
+  microd::v1::HeartbeatRequest req;
+  req.set_session(membership_.session);
+  req.set_node_rank(membership_.node_rank);
+  microd::v1::HeartbeatResponse resp;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  grpc::Status s = stub_->Heartbeat(&ctx, req, &resp);
+  if (s.ok()) {
+    if (resp.state() == microd::v1::JOB_STATE_FAILED) {
+      MarkFailed(absl::AbortedError(absl::StrCat("job failed: ", resp.failure())));
+    } else if (resp.state() == microd::v1::JOB_STATE_FINISHED) {
+      MarkFailed(absl::FailedPreconditionError(absl::StrCat("job finished: ", resp.failure())));
+    }
+    return true;
+  }
+  if (s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED &&
+      s.error_code() != grpc::StatusCode::UNAVAILABLE) {
+    MarkFailed(absl::AbortedError(
+        absl::StrCat("job failed: coordinator refused heartbeat: ", s.error_message())));
+  }
+  return false;
+}
+
+absl::Status CoordinatorClient::RefreshJobStatus() {
+  if (membership_.session != 0 && job_status().ok()) HeartbeatOnce(absl::Seconds(1));
+  return job_status();
+}
+
 void CoordinatorClient::HeartbeatLoop() {
   const absl::Duration interval = options_.heartbeat_interval > absl::ZeroDuration()
                                       ? options_.heartbeat_interval
                                       : options_.peer_timeout / 10;
   absl::Time last_ok = absl::Now();
   do {
-    microd::v1::HeartbeatRequest req;
-    req.set_session(membership_.session);
-    req.set_node_rank(membership_.node_rank);
-    microd::v1::HeartbeatResponse resp;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + std::max(interval, absl::Milliseconds(200))));
-    grpc::Status s = stub_->Heartbeat(&ctx, req, &resp);
+    const bool ok = HeartbeatOnce(std::max(interval, absl::Milliseconds(200)));
     const absl::Time now = absl::Now();
-    if (s.ok()) {
-      last_ok = now;
-      if (resp.state() == microd::v1::JOB_STATE_FAILED) {
-        MarkFailed(absl::AbortedError(absl::StrCat("job failed: ", resp.failure())));
-        return;
-      }
-      if (resp.state() == microd::v1::JOB_STATE_FINISHED) {
-        MarkFailed(absl::FailedPreconditionError(absl::StrCat("job finished: ", resp.failure())));
-        return;
-      }
-    } else if (s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED &&
-               s.error_code() != grpc::StatusCode::UNAVAILABLE) {
-      MarkFailed(absl::AbortedError(
-          absl::StrCat("job failed: coordinator refused heartbeat: ", s.error_message())));
-      return;
-    } else if (now - last_ok > options_.peer_timeout) {
+    if (ok) last_ok = now;
+    if (!job_status().ok()) return;
+    if (!ok && now - last_ok > options_.peer_timeout) {
       MarkFailed(absl::UnavailableError(absl::StrCat(
           "job failed: coordinator ", options_.address, " unreachable for ",
           absl::FormatDuration(absl::Trunc(now - last_ok, absl::Milliseconds(1))),

@@ -57,6 +57,9 @@ class CoordinatorClient final : public KeyValueStore {
 
   // OK while the job runs; the failure once it failed or ended.
   absl::Status job_status() const;
+  // Asks the coordinator now (one heartbeat) and returns job_status(): after a
+  // local error, this finds the root cause another node reported.
+  absl::Status RefreshJobStatus();
   // Called once, from the heartbeat thread, when the job fails or ends.
   void SetFailureCallback(std::function<void(const absl::Status&)> callback);
   const Membership& membership() const { return membership_; }
@@ -65,6 +68,8 @@ class CoordinatorClient final : public KeyValueStore {
   explicit CoordinatorClient(CoordinatorClientOptions options);
   void MarkFailed(const absl::Status& status);
   void HeartbeatLoop();
+  // One heartbeat; updates the failure state. False when the RPC failed.
+  bool HeartbeatOnce(absl::Duration timeout);
   std::unique_ptr<grpc::ClientContext> Context(absl::Time deadline) const;
 
   const CoordinatorClientOptions options_;

@@ -71,9 +71,11 @@ void Engine::Fail(const absl::Status& reason, bool report) {
                    ? "job ended"
                    : "job failed",
                std::string(reason.message()).c_str());
+  // Tell the coordinator first, so that peers whose steps break when this
+  // node aborts its transport find the root cause there.
+  if (report && client_ != nullptr) (void)client_->ReportFailure(std::string(reason.message()));
   // Unblock a step in flight, here and (by closed connections) on the peers.
   transport_->Abort(reason);
-  if (report && client_ != nullptr) (void)client_->ReportFailure(std::string(reason.message()));
   const absl::Status status = JobFailed(reason);
   for (const Work& w : pending) CompleteWork(w, status);
 }
@@ -125,6 +127,15 @@ absl::StatusOr<local::ProcessInfo> Engine::OnHello(uint64_t client, int requeste
 
 absl::Status Engine::OnRegister(uint64_t client, uint32_t buffer_id, const std::string& name,
                                 std::shared_ptr<local::HostBuffer> buffer) {
+  std::vector<Work> refused;
+  absl::Status result = RegisterBuffer(client, buffer_id, name, std::move(buffer), &refused);
+  for (const Work& w : refused) CompleteWork(w, result);
+  return result;
+}
+
+absl::Status Engine::RegisterBuffer(uint64_t client, uint32_t buffer_id, const std::string& name,
+                                    std::shared_ptr<local::HostBuffer> buffer,
+                                    std::vector<Work>* refused) {
   absl::MutexLock lock(&mu_);
   if (!failed_.ok()) return failed_;
   auto pit = processes_.find(client);
@@ -147,11 +158,14 @@ absl::Status Engine::OnRegister(uint64_t client, uint32_t buffer_id, const std::
     for (int r = 0; r < L; ++r) {
       if (b.buffers[r] != nullptr) other = r;
     }
-    return WithClientStatus(
+    // The bucket can never run: fail it for every local process, now and later.
+    b.poisoned = WithClientStatus(
         absl::InvalidArgumentError(absl::StrCat("buffer '", name, "' has ", buffer->count(),
                                                 " elements on local rank ", p.local_rank,
                                                 " but ", b.count, " on local rank ", other)),
         ClientStatus::kMismatch);
+    if (b.submitted > 0) refused->push_back(TakeWork(b));
+    return b.poisoned;
   }
   if (b.buffers[p.local_rank] != nullptr) {
     return absl::AlreadyExistsError(
@@ -175,6 +189,7 @@ absl::Status Engine::OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t tick
   }
   Bucket& b = buckets_[nit->second];
   const int lr = pit->second.local_rank;
+  if (!b.poisoned.ok()) return b.poisoned;
   if (b.tickets[lr] != 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("buffer '", b.name, "' already has a submission in flight"));
@@ -199,7 +214,9 @@ void Engine::OnDisconnect(uint64_t client, bool clean, const std::string& why) {
       b.buffers[p.local_rank].reset();
       b.clients[p.local_rank] = 0;
     }
-    if (clean && !pending) return;
+    // A process that registered nothing was never part of the training: drop
+    // it quietly. One that leaves cleanly with nothing in flight is done.
+    if (p.buffers.empty() || (clean && !pending)) return;
     reason = absl::StrCat("local process ", p.local_rank, " (pid ", p.pid, ") on node ",
                           membership_.node_rank, " disconnected",
                           clean ? " with work pending" : "", ": ", why);
@@ -218,6 +235,13 @@ Engine::Work Engine::TakeWork(Bucket& b) {
   b.submitted = 0;
   b.reported = false;
   return w;
+}
+
+absl::Status Engine::WithRootCause(const absl::Status& local) {
+  if (client_ == nullptr) return local;
+  const absl::Status job = client_->RefreshJobStatus();
+  if (job.ok()) return local;
+  return absl::Status(local.code(), absl::StrCat(job.message(), " (here: ", local.message(), ")"));
 }
 
 void Engine::CompleteWork(const Work& w, const absl::Status& status) {
@@ -338,6 +362,7 @@ void Engine::RunSparse(Work& w) {
     if (ToClientStatus(s) == ClientStatus::kNonFinite) {
       CompleteWork(w, s);  // this step only; the job goes on
     } else {
+      s = WithRootCause(s);
       CompleteWork(w, JobFailed(s));
       Fail(s, /*report=*/true);
     }
@@ -423,6 +448,7 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
     s = transport_->AllreduceSum(fusion_.get(), total, transport::DataType::kFloat32, o);
   }
   if (!s.ok()) {
+    s = WithRootCause(s);
     for (const Work& w : works) CompleteWork(w, JobFailed(s));
     Fail(s, /*report=*/true);
     return;

@@ -105,6 +105,7 @@ class Engine final : public local::LocalHandler {
     std::vector<uint64_t> tickets;                            // by local rank, 0 = none
     int submitted = 0;
     bool reported = false;  // sent to the coordinator, waiting to be scheduled
+    absl::Status poisoned;  // local processes disagree on it: every submission fails
     uint32_t slot = 0;      // transport tag slot, assigned at first schedule
     std::unique_ptr<sparsify::BucketState> state;
     BucketStats stats;
@@ -117,8 +118,12 @@ class Engine final : public local::LocalHandler {
     std::vector<uint32_t> buffer_ids;
   };
 
+  absl::Status RegisterBuffer(uint64_t client, uint32_t buffer_id, const std::string& name,
+                              std::shared_ptr<local::HostBuffer> buffer, std::vector<Work>* refused);
   void Loop();
   void CompleteWork(const Work& w, const absl::Status& status);
+  // A step failed here: prefer the reason another node gave the coordinator.
+  absl::Status WithRootCause(const absl::Status& local);
   void RunSparse(Work& w);
   void RunFusedDense(std::vector<Work>& works);
   Work TakeWork(Bucket& b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

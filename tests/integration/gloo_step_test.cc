@@ -2,11 +2,6 @@
 // over Gloo: every node's outputs, residuals and thresholds equal, bit for
 // bit, those of the same nodes over the in-process transport. A node killed
 // mid-run makes every other node fail within the peer timeout.
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <fstream>
 #include <thread>
@@ -17,9 +12,8 @@
 #include "daemon/control/services.h"
 #include "daemon/transport/inproc/inproc_transport.h"
 #include "gtest/gtest.h"
+#include "tests/integration/process_util.h"
 #include "tests/integration/step_record.h"
-
-extern char** environ;
 
 namespace microd::testing {
 namespace {
@@ -52,49 +46,6 @@ struct Cluster {
 std::string TempPath(const std::string& name) {
   const char* dir = std::getenv("TMPDIR");
   return absl::StrCat(dir ? dir : "/tmp", "/microd-", getpid(), "-", name);
-}
-
-pid_t Spawn(const std::vector<std::string>& args) {
-  std::vector<char*> argv;
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  EXPECT_EQ(posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ), 0);
-  return pid;
-}
-
-// Waits for every process until `deadline`; kills the rest then. Returns exit codes
-// (-1 for killed / signalled).
-std::vector<int> WaitAll(const std::vector<pid_t>& pids, std::chrono::seconds limit) {
-  std::vector<int> codes(pids.size(), -2);
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  size_t left = pids.size();
-  while (left > 0 && std::chrono::steady_clock::now() < deadline) {
-    for (size_t i = 0; i < pids.size(); ++i) {
-      if (codes[i] != -2) continue;
-      int status = 0;
-      if (waitpid(pids[i], &status, WNOHANG) == pids[i]) {
-        codes[i] = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-        --left;
-      }
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  for (size_t i = 0; i < pids.size(); ++i) {
-    if (codes[i] == -2) {
-      kill(pids[i], SIGKILL);
-      waitpid(pids[i], nullptr, 0);
-      ADD_FAILURE() << "worker " << i << " did not finish in time (killed)";
-    }
-  }
-  return codes;
-}
-
-std::vector<std::string> ReadLines(const std::string& path) {
-  std::ifstream in(path);
-  std::vector<std::string> lines;
-  for (std::string l; std::getline(in, l);) lines.push_back(l);
-  return lines;
 }
 
 std::vector<std::vector<StepRecord>> RunInproc(int n, const Config& c) {

@@ -1,0 +1,420 @@
+// microd end to end: daemons on loopback, training processes written against
+// the C API, every result compared with the reference of issue A computed in
+// this process; and the faults a deployment meets.
+#include <grpcpp/grpcpp.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "daemon/sparsify/bucket.h"
+#include "daemon/transport/inproc/inproc_transport.h"
+#include "gtest/gtest.h"
+#include "microd/v1/admin.grpc.pb.h"
+#include "tests/integration/process_util.h"
+#include "wire.h"
+extern "C" {
+#include "tests/integration/e2e_grad.h"
+}
+
+namespace microd::testing {
+namespace {
+
+constexpr uint64_t kDenseFloor = 65536;
+
+struct BucketSpec {
+  std::string name;
+  uint64_t count;
+};
+
+std::string SpecString(const std::vector<BucketSpec>& buckets) {
+  std::vector<std::string> parts;
+  for (const auto& b : buckets) parts.push_back(absl::StrCat(b.name, ":", b.count));
+  return absl::StrJoin(parts, ",");
+}
+
+class DaemonCluster {
+ public:
+  DaemonCluster(int nodes, int local, std::vector<std::string> extra = {})
+      : n_(nodes), L_(local), dir_(MakeTempDir("e2e")) {
+    for (int r = 0; r < nodes; ++r) {
+      std::vector<std::string> args = {MICROD_DAEMON,
+                                       "--socket=" + socket(r),
+                                       absl::StrCat("--local_size=", local),
+                                       absl::StrCat("--nodes=", nodes),
+                                       absl::StrCat("--node_rank=", r),
+                                       absl::StrCat("--node_name=node", r),
+                                       "--admin=127.0.0.1:0",
+                                       absl::StrCat("--admin_port_file=", dir_, "/admin", r),
+                                       "--peer_timeout_ms=3000",
+                                       "--timeout_ms=20000",
+                                       absl::StrCat("--dense_floor=", kDenseFloor)};
+      if (r == 0) {
+        args.push_back("--coordinator_listen=127.0.0.1:0");
+        args.push_back(absl::StrCat("--coordinator_port_file=", dir_, "/coordinator"));
+      } else {
+        args.push_back(absl::StrCat("--coordinator=127.0.0.1:", coordinator_port_));
+      }
+      for (const auto& e : extra) args.push_back(e);
+      pids_.push_back(Spawn(args, absl::StrCat(dir_, "/daemon", r, ".log")));
+      if (r == 0) coordinator_port_ = ReadPortFile(dir_ + "/coordinator", std::chrono::seconds(20));
+      admin_ports_.push_back(ReadPortFile(absl::StrCat(dir_, "/admin", r), std::chrono::seconds(20)));
+    }
+  }
+  ~DaemonCluster() {
+    for (pid_t p : pids_) {
+      if (p > 0) kill(p, SIGTERM);
+    }
+    std::vector<pid_t> live;
+    for (pid_t p : pids_) {
+      if (p > 0) live.push_back(p);
+    }
+    WaitAll(live, std::chrono::seconds(20));
+  }
+
+  std::string socket(int r) const { return absl::StrCat(dir_, "/node", r, "/microd.sock"); }
+  const std::string& dir() const { return dir_; }
+  void Kill(int r) {
+    kill(pids_[r], SIGKILL);
+    waitpid(pids_[r], nullptr, 0);
+    pids_[r] = -1;
+  }
+
+  absl::StatusOr<microd::v1::GetStatusResponse> Status(int r) {
+    auto stub = microd::v1::Admin::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", admin_ports_[r]), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    microd::v1::GetStatusResponse resp;
+    grpc::Status s = stub->GetStatus(&ctx, {}, &resp);
+    if (!s.ok()) return absl::UnavailableError(s.error_message());
+    return resp;
+  }
+
+  // Starts one training process per (node, local rank); returns pids and output files.
+  void StartClients(const std::vector<BucketSpec>& buckets, long steps, long die_at = -1,
+                    int die_node = -1, int die_local = -1) {
+    for (int r = 0; r < n_; ++r) {
+      for (int l = 0; l < L_; ++l) {
+        const std::string out = absl::StrCat(dir_, "/client", r, "_", l);
+        outs_.push_back(out);
+        const bool dies = r == die_node && l == die_local;
+        clients_.push_back(Spawn({MICROD_TEST_CLIENT, socket(r), SpecString(buckets),
+                                  std::to_string(steps), out, std::to_string(dies ? die_at : -1),
+                                  "20000", std::to_string(l)},
+                                 out + ".log"));
+      }
+    }
+  }
+  std::vector<int> WaitClients(std::chrono::seconds limit) { return WaitAll(clients_, limit); }
+  const std::vector<std::string>& outs() const { return outs_; }
+  const std::vector<pid_t>& clients() const { return clients_; }
+
+ private:
+  const int n_, L_;
+  const std::string dir_;
+  int coordinator_port_ = 0;
+  std::vector<pid_t> pids_;
+  std::vector<int> admin_ports_;
+  std::vector<pid_t> clients_;
+  std::vector<std::string> outs_;
+};
+
+// Reference: per node, the local sum of its processes' gradients, the step of
+// issue A over the in-process transport, the hash of the update every local
+// process receives. ref[node][step][bucket].
+std::vector<std::vector<std::vector<uint64_t>>> Reference(int n, int L,
+                                                          const std::vector<BucketSpec>& buckets,
+                                                          long steps) {
+  auto ops = kernels::CreateCpuSparseOps();
+  auto group = transport::CreateInprocGroup(n);
+  std::vector<std::vector<std::vector<uint64_t>>> ref(
+      n, std::vector<std::vector<uint64_t>>(steps, std::vector<uint64_t>(buckets.size())));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      std::vector<std::unique_ptr<sparsify::BucketState>> state;
+      for (size_t b = 0; b < buckets.size(); ++b) {
+        sparsify::SparsifyOptions o;
+        o.density = 0.01;
+        if (buckets[b].count < kDenseFloor) o.sparsifier = sparsify::SparsifierKind::kDense;
+        state.push_back(*sparsify::BucketState::Create(
+            {buckets[b].name, buckets[b].count, static_cast<uint32_t>(b + 1)}, {n, r, n * L}, o,
+            ops.get()));
+      }
+      for (long t = 0; t < steps; ++t) {
+        for (size_t b = 0; b < buckets.size(); ++b) {
+          const uint64_t d = buckets[b].count;
+          std::vector<std::vector<float>> local(L, std::vector<float>(d));
+          std::vector<const float*> ptr;
+          for (int l = 0; l < L; ++l) {
+            e2e_fill(local[l].data(), d, r * L + l, static_cast<int>(b), t);
+            ptr.push_back(local[l].data());
+          }
+          std::vector<float> grad(d), update(d);
+          ops->LocalSum(ptr.data(), L, d, grad.data(), nullptr, nullptr);
+          auto s = state[b]->Step(grad.data(), update.data(), *group[r],
+                                  absl::Now() + absl::Seconds(60));
+          ASSERT_TRUE(s.ok()) << s.status();
+          ref[r][t][b] = e2e_hash(update.data(), d * sizeof(float));
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return ref;
+}
+
+void RunAndCompare(int n, int L) {
+  SCOPED_TRACE(absl::StrCat(n, " daemons x ", L, " processes"));
+  const std::vector<BucketSpec> buckets = {{"embed", 1000}, {"conv", 70001}, {"fc", 200003}};
+  const long steps = 50;
+  DaemonCluster cluster(n, L);
+  cluster.StartClients(buckets, steps);
+  const auto codes = cluster.WaitClients(std::chrono::seconds(240));
+  const auto ref = Reference(n, L, buckets, steps);
+  for (int r = 0; r < n; ++r) {
+    for (int l = 0; l < L; ++l) {
+      const auto lines = ReadLines(cluster.outs()[r * L + l]);
+      ASSERT_EQ(codes[r * L + l], 0) << "node " << r << " local " << l << ": "
+                                     << (lines.empty() ? "no output" : lines.back());
+      ASSERT_EQ(lines.size(), steps * buckets.size());
+      for (const std::string& line : lines) {
+        std::vector<std::string> f = absl::StrSplit(line, ' ');
+        ASSERT_EQ(f.size(), 3u) << line;
+        const long t = std::stol(f[0]);
+        const int b = std::stoi(f[1]);
+        const uint64_t h = std::stoull(f[2], nullptr, 16);
+        ASSERT_EQ(h, ref[r][t][b]) << "node " << r << " local " << l << " step " << t
+                                   << " bucket " << buckets[b].name;
+      }
+    }
+  }
+  // The daemons report what they did.
+  auto status = cluster.Status(0);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->job_state(), microd::v1::JOB_STATE_RUNNING);
+  ASSERT_EQ(status->buckets_size(), 3);
+  for (const auto& b : status->buckets()) {
+    EXPECT_EQ(b.steps(), static_cast<uint64_t>(steps)) << b.name();
+    EXPECT_EQ(b.dense(), b.count() < kDenseFloor) << b.name();
+    if (!b.dense()) EXPECT_LE(b.mean_cre(), 0.05) << b.name();
+  }
+}
+
+TEST(DaemonEndToEnd, ThreeDaemonsOneProcessEach) { RunAndCompare(3, 1); }
+TEST(DaemonEndToEnd, ThreeDaemonsTwoProcessesEach) { RunAndCompare(3, 2); }
+TEST(DaemonEndToEnd, FourDaemonsOneProcessEach) { RunAndCompare(4, 1); }
+TEST(DaemonEndToEnd, FourDaemonsTwoProcessesEach) { RunAndCompare(4, 2); }
+
+// Last line of a client's output, and its status code when it failed.
+int FailedStatus(const std::string& out, std::string* line) {
+  const auto lines = ReadLines(out);
+  *line = lines.empty() ? "" : lines.back();
+  int code = -1;
+  if (std::sscanf(line->c_str(), "FAILED %d", &code) != 1) return -1;
+  return code;
+}
+
+TEST(DaemonFaults, KilledTrainingProcessFailsTheOthersAndTheDaemonStaysUp) {
+  DaemonCluster cluster(3, 2);
+  cluster.StartClients({{"fc", 100003}}, 100000, /*die_at=*/3, /*node=*/1, /*local=*/1);
+  const auto start = std::chrono::steady_clock::now();
+  const auto codes = cluster.WaitClients(std::chrono::seconds(60));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(40));
+  for (size_t i = 0; i < codes.size(); ++i) {
+    if (i == 3) {
+      EXPECT_EQ(codes[i], -1);  // the one that was killed
+      continue;
+    }
+    std::string line;
+    EXPECT_EQ(codes[i], 3) << line;
+    EXPECT_EQ(FailedStatus(cluster.outs()[i], &line), 5) << line;  // MICROD_ERR_JOB_FAILED
+    EXPECT_TRUE(absl::StrContains(line, "local process 1")) << line;
+  }
+  for (int r = 0; r < 3; ++r) {
+    auto status = cluster.Status(r);
+    ASSERT_TRUE(status.ok()) << "node " << r << ": " << status.status();
+    EXPECT_EQ(status->job_state(), microd::v1::JOB_STATE_FAILED) << "node " << r;
+  }
+}
+
+TEST(DaemonFaults, KilledDaemonFailsEveryOtherNode) {
+  DaemonCluster cluster(3, 1);
+  cluster.StartClients({{"fc", 100003}, {"b", 1000}}, 100000);
+  // Let them run a few steps, then kill node 2's daemon.
+  for (int i = 0; i < 500 && ReadLines(cluster.outs()[0]).size() < 6; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_GE(ReadLines(cluster.outs()[0]).size(), 6u);
+  const auto start = std::chrono::steady_clock::now();
+  cluster.Kill(2);
+  const auto codes = cluster.WaitClients(std::chrono::seconds(60));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
+  for (int r = 0; r < 3; ++r) {
+    std::string line;
+    const int status = FailedStatus(cluster.outs()[r], &line);
+    EXPECT_EQ(codes[r], 3) << "node " << r << ": " << line;
+    // Its own daemon gone: UNAVAILABLE; the others: the job failed.
+    EXPECT_EQ(status, r == 2 ? 2 : 5) << "node " << r << ": " << line;
+  }
+}
+
+TEST(DaemonFaults, SizeMismatchBetweenNodesIsReportedEverywhere) {
+  DaemonCluster cluster(2, 1);
+  // Different counts for the same bucket name on the two nodes.
+  const std::string out0 = cluster.dir() + "/m0", out1 = cluster.dir() + "/m1";
+  std::vector<pid_t> pids = {
+      Spawn({MICROD_TEST_CLIENT, cluster.socket(0), "w:1000", "3", out0}),
+      Spawn({MICROD_TEST_CLIENT, cluster.socket(1), "w:2000", "3", out1})};
+  const auto codes = WaitAll(pids, std::chrono::seconds(60));
+  for (const std::string& out : {out0, out1}) {
+    std::string line;
+    EXPECT_EQ(FailedStatus(out, &line), 4) << line;  // MICROD_ERR_MISMATCH
+    EXPECT_TRUE(absl::StrContains(line, "'w'")) << line;
+  }
+  EXPECT_EQ(codes, (std::vector<int>{3, 3}));
+}
+
+TEST(DaemonFaults, SizeMismatchWithinANodeIsReportedToBothProcesses) {
+  DaemonCluster cluster(1, 2);
+  const std::string out0 = cluster.dir() + "/m0", out1 = cluster.dir() + "/m1";
+  std::vector<pid_t> pids = {
+      Spawn({MICROD_TEST_CLIENT, cluster.socket(0), "w:1000", "3", out0, "-1", "20000", "0"}),
+      Spawn({MICROD_TEST_CLIENT, cluster.socket(0), "w:1001", "3", out1, "-1", "20000", "1"})};
+  const auto codes = WaitAll(pids, std::chrono::seconds(60));
+  for (const std::string& out : {out0, out1}) {
+    std::string line;
+    EXPECT_EQ(FailedStatus(out, &line), 4) << line;
+  }
+  EXPECT_EQ(codes, (std::vector<int>{3, 3}));
+}
+
+// Raw packets on the daemon's socket.
+int RawConnect(const std::string& path) {
+  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strcpy(addr.sun_path, path.c_str());
+  for (int i = 0; i < 200; ++i) {
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) return fd;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  return -1;
+}
+
+// Sends `bytes`; returns the status of the ERROR reply, or 0 when the daemon
+// just closed the connection, or -1 when it answered nothing within 5 s.
+int SendAndExpectRefusal(const std::string& path, const void* bytes, size_t len) {
+  const int fd = RawConnect(path);
+  EXPECT_GE(fd, 0);
+  if (fd < 0) return -1;
+  EXPECT_EQ(send(fd, bytes, len, MSG_NOSIGNAL), static_cast<ssize_t>(len));
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  microd_wire_error e{};
+  const ssize_t n = recv(fd, &e, sizeof e, 0);
+  close(fd);
+  if (n == static_cast<ssize_t>(sizeof e) && e.h.type == MICROD_MSG_ERROR) return e.status;
+  return n == 0 ? 0 : -1;
+}
+
+microd_wire_header Header(uint16_t type, uint32_t length) {
+  microd_wire_header h{};
+  h.magic = MICROD_WIRE_MAGIC;
+  h.version = MICROD_WIRE_VERSION;
+  h.type = type;
+  h.length = length;
+  return h;
+}
+
+TEST(DaemonFaults, MalformedMessagesLeaveTheDaemonServing) {
+  DaemonCluster cluster(1, 1);
+  const std::string path = cluster.socket(0);
+  constexpr int kProtocol = 7;
+  const char garbage[] = "this is not a microd message at all";
+  EXPECT_EQ(SendAndExpectRefusal(path, garbage, sizeof garbage), kProtocol);
+  const char truncated[8] = {'M', 'C', 'R', 'D'};
+  EXPECT_EQ(SendAndExpectRefusal(path, truncated, sizeof truncated), kProtocol);
+  std::vector<char> oversized(4096, 0);
+  auto h = Header(MICROD_MSG_HELLO, 4096);
+  std::memcpy(oversized.data(), &h, sizeof h);
+  EXPECT_EQ(SendAndExpectRefusal(path, oversized.data(), oversized.size()), kProtocol);
+  microd_wire_submit early{};
+  early.h = Header(MICROD_MSG_SUBMIT, sizeof early);
+  EXPECT_EQ(SendAndExpectRefusal(path, &early, sizeof early), kProtocol);  // before hello
+  microd_wire_hello hello{};
+  hello.h = Header(MICROD_MSG_HELLO, sizeof hello);
+  hello.h.version = 99;
+  EXPECT_EQ(SendAndExpectRefusal(path, &hello, sizeof hello), kProtocol);
+  hello.h = Header(MICROD_MSG_HELLO, sizeof hello + 4);  // length lies
+  EXPECT_EQ(SendAndExpectRefusal(path, &hello, sizeof hello), kProtocol);
+  hello.h = Header(42, sizeof hello);  // unknown type
+  EXPECT_EQ(SendAndExpectRefusal(path, &hello, sizeof hello), kProtocol);
+  {
+    // Hello, then a register without its memfd, then a second hello.
+    const int fd = RawConnect(path);
+    ASSERT_GE(fd, 0);
+    hello.h = Header(MICROD_MSG_HELLO, sizeof hello);
+    hello.local_rank = -1;
+    ASSERT_EQ(send(fd, &hello, sizeof hello, 0), static_cast<ssize_t>(sizeof hello));
+    microd_wire_hello_ack ack{};
+    ASSERT_EQ(recv(fd, &ack, sizeof ack, 0), static_cast<ssize_t>(sizeof ack));
+    EXPECT_EQ(ack.status, 0);
+    microd_wire_register reg{};
+    reg.h = Header(MICROD_MSG_REGISTER, sizeof reg);
+    reg.kind = MICROD_BUFFER_HOST;
+    reg.dtype = MICROD_DTYPE_FLOAT32;
+    reg.count = 10;
+    std::strcpy(reg.name, "x");
+    ASSERT_EQ(send(fd, &reg, sizeof reg, 0), static_cast<ssize_t>(sizeof reg));
+    microd_wire_error e{};
+    ASSERT_EQ(recv(fd, &e, sizeof e, 0), static_cast<ssize_t>(sizeof e));
+    EXPECT_EQ(e.h.type, MICROD_MSG_ERROR);
+    EXPECT_EQ(e.status, kProtocol);
+    close(fd);
+  }
+  // Still serving: a real training process runs its steps.
+  const std::string out = cluster.dir() + "/ok";
+  auto codes = WaitAll({Spawn({MICROD_TEST_CLIENT, path, "w:70001,v:100", "5", out})},
+                       std::chrono::seconds(60));
+  EXPECT_EQ(codes[0], 0) << ReadLines(out).back();
+  EXPECT_EQ(ReadLines(out).size(), 10u);
+  auto status = cluster.Status(0);
+  ASSERT_TRUE(status.ok());
+  EXPECT_EQ(status->job_state(), microd::v1::JOB_STATE_RUNNING);
+}
+
+TEST(DaemonFaults, ProcessOfAnotherUidIsRefused) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run a process as another uid";
+  DaemonCluster cluster(1, 1);
+  const std::string path = cluster.socket(0);
+  ASSERT_GE(RawConnect(path), 0);  // the daemon is up
+  // Open the path's permissions so that only the daemon's peer check stands
+  // between the other user and the daemon.
+  chmod(cluster.dir().c_str(), 0755);
+  chmod((cluster.dir() + "/node0").c_str(), 0755);
+  chmod(path.c_str(), 0666);
+  const std::string out = cluster.dir() + "/nobody";
+  int fd = open(out.c_str(), O_CREAT | O_WRONLY, 0666);
+  close(fd);
+  chmod(out.c_str(), 0666);
+  auto codes = WaitAll({Spawn({"/usr/bin/setpriv", "--reuid=65534", "--regid=65534",
+                               "--clear-groups", MICROD_TEST_CLIENT, path, "w:10", "1", out})},
+                       std::chrono::seconds(30));
+  std::string line;
+  EXPECT_EQ(codes[0], 3);
+  EXPECT_EQ(FailedStatus(out, &line), 9) << line;  // MICROD_ERR_PERMISSION
+  EXPECT_TRUE(absl::StrContains(line, "uid 65534")) << line;
+}
+
+}  // namespace
+}  // namespace microd::testing

@@ -1,0 +1,94 @@
+/* microd-test-client: a training process of the end-to-end tests, written
+ * against the C API only (C99). Registers the buckets given as
+ * name:count,..., then for each step fills every bucket with its
+ * deterministic gradient, submits them all and waits for them all, and
+ * writes "step bucket hash" per result to --out. On a failure it writes
+ * "FAILED <status> <message>" and exits 3. Options (in this order):
+ *   socket buckets steps out [die_at_step] [wait_timeout_ms] [local_rank] */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "e2e_grad.h"
+#include "microd/microd.h"
+
+#define MAX_BUCKETS 16
+
+int main(int argc, char** argv) {
+  if (argc < 5) {
+    fprintf(stderr, "usage: %s socket name:count,... steps out [die_at_step] [timeout_ms] [local_rank]\n", argv[0]);
+    return 2;
+  }
+  const char* socket_path = argv[1];
+  const long steps = atol(argv[3]);
+  FILE* out = fopen(argv[4], "w");
+  const long die_at = argc > 5 ? atol(argv[5]) : -1;
+  const int timeout_ms = argc > 6 ? atoi(argv[6]) : 60000;
+  if (out == NULL) return 2;
+
+  microd_options opt;
+  microd_options_init(&opt);
+  opt.socket_path = socket_path;
+  opt.timeout_ms = 30000;
+  if (argc > 7) opt.local_rank = atoi(argv[7]);
+  microd_client* c = NULL;
+  microd_status s = microd_connect(&opt, &c);
+  if (s != MICROD_OK) {
+    fprintf(out, "FAILED %d connect: %s\n", (int)s, microd_last_error(NULL));
+    fclose(out);
+    return 3;
+  }
+  microd_job_info job;
+  microd_job_info_get(c, &job);
+
+  char names[MAX_BUCKETS][128];
+  uint64_t counts[MAX_BUCKETS];
+  float* data[MAX_BUCKETS];
+  int32_t ids[MAX_BUCKETS];
+  int nb = 0;
+  char spec[1024];
+  snprintf(spec, sizeof spec, "%s", argv[2]);
+  for (char* tok = strtok(spec, ","); tok != NULL && nb < MAX_BUCKETS; tok = strtok(NULL, ",")) {
+    char* colon = strchr(tok, ':');
+    if (colon == NULL) return 2;
+    *colon = '\0';
+    snprintf(names[nb], sizeof names[nb], "%s", tok);
+    counts[nb] = strtoull(colon + 1, NULL, 10);
+    s = microd_register_host_buffer(c, names[nb], counts[nb], &data[nb], &ids[nb]);
+    if (s != MICROD_OK) {
+      fprintf(out, "FAILED %d register %s: %s\n", (int)s, names[nb], microd_last_error(c));
+      fclose(out);
+      return 3;
+    }
+    ++nb;
+  }
+  for (long t = 0; t < steps; ++t) {
+    uint64_t tickets[MAX_BUCKETS];
+    for (int b = 0; b < nb; ++b) {
+      e2e_fill(data[b], counts[b], job.rank, b, (uint64_t)t);
+      s = microd_allreduce_async(c, ids[b], &tickets[b]);
+      if (s != MICROD_OK) {
+        fprintf(out, "FAILED %d submit: %s\n", (int)s, microd_last_error(c));
+        fclose(out);
+        return 3;
+      }
+    }
+    if (t == die_at) raise(SIGKILL);
+    for (int b = 0; b < nb; ++b) {
+      s = microd_wait(c, tickets[b], timeout_ms);
+      if (s != MICROD_OK) {
+        fprintf(out, "FAILED %d step %ld bucket %s: %s\n", (int)s, t, names[b],
+                microd_last_error(c));
+        fclose(out);
+        return 3;
+      }
+      fprintf(out, "%ld %d %016llx\n", t, b,
+              (unsigned long long)e2e_hash(data[b], counts[b] * sizeof(float)));
+    }
+    fflush(out);
+  }
+  fclose(out);
+  microd_close(c);
+  return 0;
+}
