@@ -264,7 +264,14 @@ void LocalServer::Drop(uint64_t id, bool clean, const std::string& why) {
     auto it = clients_.find(id);
     if (it == clients_.end()) return;
     greeted = it->second.greeted;
-    close(it->second.fd);
+    // Close without unread input: a Unix socket closed with data still queued
+    // resets the peer, which would then lose the ERROR just sent to it.
+    const int fd = it->second.fd;
+    shutdown(fd, SHUT_RDWR);
+    char sink[MICROD_WIRE_MAX_BYTES + 1];
+    while (recv(fd, sink, sizeof sink, MSG_DONTWAIT) > 0) {
+    }
+    close(fd);
     clients_.erase(it);
   }
   if (greeted) handler_->OnDisconnect(id, clean, why);
