@@ -52,8 +52,8 @@ void PrintStatus(const microd::v1::GetStatusResponse& r) {
   std::printf("sparsifier  %s / %s, density %g, transport %s\n", r.sparsifier().c_str(),
               r.controller().c_str(), r.density(), r.transport().c_str());
   std::printf("socket      %s\n", r.socket().c_str());
-  std::printf("version     %s, up %.0f s, %llu negotiation cycles\n", r.version().c_str(),
-              r.uptime_seconds(), static_cast<unsigned long long>(r.cycles()));
+  std::printf("version     %s, up %.0f s, %llu schedule batches run\n", r.version().c_str(),
+              r.uptime_seconds(), static_cast<unsigned long long>(r.batches()));
   if (r.processes_size() > 0) {
     std::printf("\n%-11s %8s %8s %12s\n", "local rank", "pid", "buffers", "memory");
     for (const auto& p : r.processes()) {

@@ -46,7 +46,7 @@ ABSL_FLAG(std::string, controller, "hist", "micro threshold controller: hist or 
 ABSL_FLAG(double, density, 0.01, "target density in (0, 1]");
 ABSL_FLAG(double, hard_threshold, 0.0, "hard sparsifier threshold (0: 1/(2 sqrt(k)))");
 ABSL_FLAG(uint64_t, dense_floor, 65536, "buckets with fewer elements are reduced dense, fused");
-ABSL_FLAG(int, timeout_ms, 60000, "deadline of one operation (a step, a negotiation)");
+ABSL_FLAG(int, timeout_ms, 60000, "deadline of one operation (a step, a report)");
 ABSL_FLAG(int, peer_timeout_ms, 10000, "a node silent this long fails the job");
 ABSL_FLAG(int, join_timeout_ms, 300000, "how long to wait for all nodes to join");
 ABSL_FLAG(std::string, job_id, "microd", "job identifier (all nodes must agree)");
@@ -220,7 +220,7 @@ int main(int argc, char** argv) {
     }
     if (engine != nullptr) {
       const auto snap = engine->Snapshot();
-      r->set_cycles(snap.cycles);
+      r->set_batches(snap.batches);
       if (!snap.failure.empty()) {
         r->set_job_state(microd::v1::JOB_STATE_FAILED);
         if (r->failure().empty()) r->set_failure(snap.failure);

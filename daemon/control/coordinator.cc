@@ -241,14 +241,12 @@ absl::StatusOr<std::vector<std::string>> Coordinator::KeyGet(uint64_t session,
   return store_.Get(keys, deadline);
 }
 
-absl::StatusOr<NegotiationResult> Coordinator::Negotiate(uint64_t session, int rank,
-                                                         uint64_t cycle,
-                                                         const std::vector<BucketInfo>& ready,
-                                                         absl::Time deadline) {
+absl::Status Coordinator::Report(uint64_t session, int rank,
+                                const std::vector<BucketInfo>& ready) {
   if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("node rank ", rank, " is negative"));
-  if (ready.size() > kMaxBucketsPerCycle) {
-    return absl::InvalidArgumentError(absl::StrCat(ready.size(), " buckets in one cycle (limit ",
-                                                   kMaxBucketsPerCycle, ")"));
+  if (ready.size() > kMaxBucketsPerReport) {
+    return absl::InvalidArgumentError(absl::StrCat(ready.size(), " buckets in one report (limit ",
+                                                   kMaxBucketsPerReport, ")"));
   }
   std::set<std::string> names;
   for (const BucketInfo& b : ready) {
@@ -269,80 +267,87 @@ absl::StatusOr<NegotiationResult> Coordinator::Negotiate(uint64_t session, int r
   absl::MutexLock lock(&mu_);
   if (absl::Status s = CheckMember(session, rank); !s.ok()) return s;
   if (absl::Status s = JobError(); !s.ok()) return s;
-  Node& node = nodes_[rank];
-  if (cycle == node.next_cycle) {
-    for (const BucketInfo& b : ready) {
-      auto it = pending_.find(b.name);
-      if (it != pending_.end() && it->second.by_rank.count(rank) != 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "bucket '", b.name, "' already reported by node ", rank, " and not scheduled yet"));
-      }
+  for (const BucketInfo& b : ready) {
+    auto it = pending_.find(b.name);
+    if (it != pending_.end() && it->second.by_rank.count(rank) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "bucket '", b.name, "' already reported by node ", rank, " and not scheduled yet"));
     }
-    for (const BucketInfo& b : ready) {
-      Pending& p = pending_[b.name];
-      if (p.by_rank.empty()) p.order = report_order_++;
-      p.by_rank[rank] = b;
-    }
-    ++node.next_cycle;
-    if (++arrived_ == static_cast<int>(nodes_.size())) CompleteCycle();
-  } else if (cycle + 1 == node.next_cycle) {
-    if (!ready.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("a retry of cycle ", cycle, " must not report buckets again"));
-    }
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat("node ", rank, " sent negotiation cycle ", cycle,
-                                                   ", expected ", node.next_cycle));
   }
-  auto done = [this, cycle]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return cycle_ > cycle || state_ == JobState::kFailed || state_ == JobState::kFinished;
-  };
-  mu_.AwaitWithDeadline(absl::Condition(&done), deadline);
-  if (auto it = results_.find(cycle); it != results_.end()) return it->second;
-  if (absl::Status s = JobError(); !s.ok()) return s;
-  if (cycle < cycle_) {
-    return absl::NotFoundError(absl::StrCat("negotiation cycle ", cycle, " is too old"));
-  }
-  std::vector<std::string> waiting;
-  for (const Node& n : nodes_) {
-    if (n.next_cycle <= cycle) waiting.push_back(absl::StrCat(n.rank, " (", n.name, ")"));
-  }
-  return absl::DeadlineExceededError(absl::StrCat("negotiation cycle ", cycle,
-                                                  ": still waiting for node ",
-                                                  absl::StrJoin(waiting, ", ")));
-}
-
-void Coordinator::CompleteCycle() {
   const int n = static_cast<int>(nodes_.size());
   std::vector<std::pair<uint64_t, std::string>> complete;
-  for (const auto& [name, p] : pending_) {
-    if (static_cast<int>(p.by_rank.size()) == n) complete.push_back({p.order, name});
+  for (const BucketInfo& b : ready) {
+    Pending& p = pending_[b.name];
+    if (p.by_rank.empty()) p.order = report_order_++;
+    p.by_rank[rank] = b;
+    if (static_cast<int>(p.by_rank.size()) == n) complete.push_back({p.order, b.name});
   }
+  if (complete.empty()) return absl::OkStatus();
+  // Everything this report completed is one batch, in first-report order.
   std::sort(complete.begin(), complete.end());
-  NegotiationResult result;
-  result.cycle = cycle_;
+  ScheduleBatch batch;
+  batch.index = schedule_base_ + schedule_.size();
   for (const auto& [order, name] : complete) {
     const Pending& p = pending_[name];
     const BucketInfo& first = p.by_rank.begin()->second;
     bool agree = true;
-    for (const auto& [r, b] : p.by_rank) agree = agree && b.dtype == first.dtype && b.count == first.count;
+    for (const auto& [r, b] : p.by_rank) {
+      agree = agree && b.dtype == first.dtype && b.count == first.count;
+    }
     if (agree) {
-      result.scheduled.push_back(first);
+      batch.scheduled.push_back(first);
     } else {
       std::vector<std::string> parts;
       for (const auto& [r, b] : p.by_rank) {
         parts.push_back(absl::StrCat("node ", r, " (", nodes_[r].name, "): ", Describe(b)));
       }
-      result.errors.push_back(
-          {name, absl::StrCat("bucket '", name, "' differs between nodes: ",
-                              absl::StrJoin(parts, "; "))});
+      batch.errors.push_back({name, absl::StrCat("bucket '", name, "' differs between nodes: ",
+                                                 absl::StrJoin(parts, "; "))});
     }
     pending_.erase(name);
   }
-  results_[cycle_] = std::move(result);
-  while (!results_.empty() && results_.begin()->first + 4 < cycle_) results_.erase(results_.begin());
-  ++cycle_;
-  arrived_ = 0;
+  schedule_.push_back(std::move(batch));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<ScheduleBatch>> Coordinator::Poll(uint64_t session, int rank,
+                                                             uint64_t next, absl::Time deadline) {
+  if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("node rank ", rank, " is negative"));
+  absl::MutexLock lock(&mu_);
+  if (absl::Status s = CheckMember(session, rank); !s.ok()) return s;
+  if (absl::Status s = JobError(); !s.ok()) return s;
+  if (next < nodes_[rank].polled) {
+    return absl::InvalidArgumentError(absl::StrCat("node ", rank, " asked for batch ", next,
+                                                   " after having seen up to ",
+                                                   nodes_[rank].polled));
+  }
+  if (next > schedule_base_ + schedule_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("batch ", next, " does not exist yet (next is ",
+                                                   schedule_base_ + schedule_.size(), ")"));
+  }
+  nodes_[rank].polled = next;
+  TrimSchedule();
+  auto ready = [this, next]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return schedule_base_ + schedule_.size() > next || state_ == JobState::kFailed ||
+           state_ == JobState::kFinished;
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+  if (absl::Status s = JobError(); !s.ok()) return s;
+  std::vector<ScheduleBatch> out;
+  for (uint64_t i = next; i < schedule_base_ + schedule_.size() && out.size() < kMaxBatchesPerPoll;
+       ++i) {
+    out.push_back(schedule_[i - schedule_base_]);
+  }
+  return out;
+}
+
+void Coordinator::TrimSchedule() {
+  uint64_t seen_by_all = UINT64_MAX;
+  for (const Node& n : nodes_) seen_by_all = std::min(seen_by_all, n.polled);
+  while (!schedule_.empty() && schedule_base_ < seen_by_all) {
+    schedule_.pop_front();
+    ++schedule_base_;
+  }
 }
 
 absl::StatusOr<std::pair<JobState, std::string>> Coordinator::Heartbeat(uint64_t session,

@@ -1,10 +1,11 @@
 // The coordinator's logic, independent of gRPC: membership (join), the
-// rendezvous key-value store, negotiation cycles and liveness. Served by
+// rendezvous key-value store, the schedule log (negotiation) and liveness. Served by
 // node 0's daemon through CoordinatorService. Thread-safe; every blocking
 // call takes a deadline, and a job failure wakes every waiter at once.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <string>
 #include <thread>
@@ -44,9 +45,10 @@ struct BucketInfo {
   int64_t count = 0;
 };
 
-struct NegotiationResult {
-  uint64_t cycle = 0;
-  std::vector<BucketInfo> scheduled;  // same list, same order, on every node
+// One entry of the schedule log: every node runs the same batches in order.
+struct ScheduleBatch {
+  uint64_t index = 0;
+  std::vector<BucketInfo> scheduled;  // ready on every node, in execution order
   std::vector<std::pair<std::string, std::string>> errors;  // bucket, message
 };
 
@@ -68,7 +70,8 @@ struct JobSnapshot {
 // Limits on what a request may carry.
 constexpr size_t kMaxNameBytes = 256;
 constexpr int kMaxLocalSize = 4096;
-constexpr size_t kMaxBucketsPerCycle = 65536;
+constexpr size_t kMaxBucketsPerReport = 65536;
+constexpr size_t kMaxBatchesPerPoll = 1024;
 
 class Coordinator {
  public:
@@ -89,12 +92,13 @@ class Coordinator {
   absl::StatusOr<std::vector<std::string>> KeyGet(uint64_t session,
                                                   const std::vector<std::string>& keys,
                                                   absl::Time deadline);
-  // One negotiation cycle of node `rank`: cycles are numbered 0, 1, ... per
-  // node and every node takes part in each. Repeating the last cycle (a
-  // retry after a deadline) waits for, or returns, its result again.
-  absl::StatusOr<NegotiationResult> Negotiate(uint64_t session, int rank, uint64_t cycle,
-                                              const std::vector<BucketInfo>& ready,
-                                              absl::Time deadline);
+  // Node `rank` has these buckets ready. Buckets every node has now
+  // reported are appended to the schedule as one batch. Never blocks.
+  absl::Status Report(uint64_t session, int rank, const std::vector<BucketInfo>& ready);
+  // The batches from index `next` on, waiting until there is one or
+  // `deadline` (then an empty list). Fails at once when the job failed.
+  absl::StatusOr<std::vector<ScheduleBatch>> Poll(uint64_t session, int rank, uint64_t next,
+                                                  absl::Time deadline);
   // Records liveness; returns the job state (and the failure, if any).
   absl::StatusOr<std::pair<JobState, std::string>> Heartbeat(uint64_t session, int rank);
   absl::Status Leave(uint64_t session, int rank);
@@ -113,7 +117,7 @@ class Coordinator {
     int rank = -1;
     absl::Time last_seen;
     bool left = false;
-    uint64_t next_cycle = 0;
+    uint64_t polled = 0;  // the node has seen every batch below this index
   };
   struct Pending {
     uint64_t order = 0;                  // first report, for a stable schedule
@@ -124,7 +128,7 @@ class Coordinator {
   absl::Status JobError() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailLocked(const std::string& reason, bool log = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AssignRanks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void CompleteCycle() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TrimSchedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Watchdog();
 
   const CoordinatorOptions options_;
@@ -135,12 +139,12 @@ class Coordinator {
   JobState state_ ABSL_GUARDED_BY(mu_) = JobState::kForming;
   std::string failure_ ABSL_GUARDED_BY(mu_);
   std::vector<Node> nodes_ ABSL_GUARDED_BY(mu_);  // join order; by rank once running
-  // Negotiation.
-  uint64_t cycle_ ABSL_GUARDED_BY(mu_) = 0;  // the cycle being collected
-  int arrived_ ABSL_GUARDED_BY(mu_) = 0;
+  // Negotiation: buckets reported by some nodes, and the schedule log
+  // (batches [schedule_base_, schedule_base_ + schedule_.size())).
   uint64_t report_order_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);
-  std::map<uint64_t, NegotiationResult> results_ ABSL_GUARDED_BY(mu_);  // recent cycles
+  std::deque<ScheduleBatch> schedule_ ABSL_GUARDED_BY(mu_);
+  uint64_t schedule_base_ ABSL_GUARDED_BY(mu_) = 0;
 
   absl::Notification stop_;
   std::thread watchdog_;

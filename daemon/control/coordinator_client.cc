@@ -29,11 +29,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(
     return absl::InvalidArgumentError("peer timeout must be positive");
   }
   std::unique_ptr<CoordinatorClient> c(new CoordinatorClient(std::move(options)));
+  // No gRPC keepalive: heartbeats detect a dead coordinator, and pings more
+  // frequent than the server allows make it close the connection.
   grpc::ChannelArguments args;
-  // Detect a dead coordinator connection quickly.
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 1000);
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 1000);
-  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   c->channel_ =
       grpc::CreateCustomChannel(c->options_.address, grpc::InsecureChannelCredentials(), args);
   c->stub_ = microd::v1::Coordinator::NewStub(c->channel_);
@@ -183,33 +181,54 @@ absl::StatusOr<std::vector<std::string>> CoordinatorClient::Get(absl::Span<const
   return std::vector<std::string>(resp.values().begin(), resp.values().end());
 }
 
-absl::StatusOr<NegotiationResult> CoordinatorClient::Negotiate(uint64_t cycle,
-                                                               const std::vector<BucketInfo>& ready,
-                                                               absl::Time deadline) {
+absl::Status CoordinatorClient::Report(const std::vector<BucketInfo>& ready) {
   if (absl::Status s = job_status(); !s.ok()) return s;
-  microd::v1::NegotiateRequest req;
+  microd::v1::ReportRequest req;
   req.set_session(membership_.session);
   req.set_node_rank(membership_.node_rank);
-  req.set_cycle(cycle);
   for (const BucketInfo& b : ready) {
     auto* r = req.add_ready();
     r->set_name(b.name);
     r->set_dtype(static_cast<microd::v1::DataType>(b.dtype));
     r->set_count(b.count);
   }
-  req.set_timeout_ms(ServerTimeoutMs(deadline));
-  microd::v1::NegotiateResponse resp;
-  auto ctx = Context(deadline + kAnswerGrace);
-  grpc::Status s = stub_->Negotiate(ctx.get(), req, &resp);
+  microd::v1::ReportResponse resp;
+  auto ctx = Context(absl::Now() + options_.call_timeout);
+  grpc::Status s = stub_->Report(ctx.get(), req, &resp);
   if (!s.ok()) {
     if (absl::Status failed = job_status(); !failed.ok()) return failed;
     return FromGrpcStatus(s);
   }
-  NegotiationResult r;
-  r.cycle = resp.cycle();
-  for (const auto& b : resp.scheduled()) r.scheduled.push_back({b.name(), b.dtype(), b.count()});
-  for (const auto& e : resp.errors()) r.errors.push_back({e.name(), e.message()});
-  return r;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<ScheduleBatch>> CoordinatorClient::Poll(uint64_t next,
+                                                                   absl::Time deadline) {
+  if (absl::Status s = job_status(); !s.ok()) return s;
+  microd::v1::PollRequest req;
+  req.set_session(membership_.session);
+  req.set_node_rank(membership_.node_rank);
+  req.set_next(next);
+  req.set_timeout_ms(ServerTimeoutMs(deadline));
+  microd::v1::PollResponse resp;
+  auto ctx = Context(deadline + kAnswerGrace);
+  grpc::Status s = stub_->Poll(ctx.get(), req, &resp);
+  if (!s.ok()) {
+    if (absl::Status failed = job_status(); !failed.ok()) return failed;
+    return FromGrpcStatus(s);
+  }
+  std::vector<ScheduleBatch> out;
+  uint64_t expect = next;
+  for (const auto& b : resp.batches()) {
+    if (b.index() != expect) return absl::InternalError("poll: batches out of order");
+    ScheduleBatch batch;
+    batch.index = b.index();
+    for (const auto& r : b.scheduled()) batch.scheduled.push_back({r.name(), r.dtype(), r.count()});
+    for (const auto& e : b.errors()) batch.errors.push_back({e.name(), e.message()});
+    out.push_back(std::move(batch));
+    ++expect;
+  }
+  return out;
 }
 
 absl::Status CoordinatorClient::Leave() {

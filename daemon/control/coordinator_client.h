@@ -1,6 +1,6 @@
 // A node's side of the control plane: joins the job, keeps the coordinator
 // informed that it is alive (and learns when the job failed), serves the
-// data plane's rendezvous as a KeyValueStore and runs negotiation cycles.
+// data plane's rendezvous as a KeyValueStore and reads the schedule log.
 // Every call has a deadline; once the job failed every call fails at once.
 #pragma once
 
@@ -48,8 +48,11 @@ class CoordinatorClient final : public KeyValueStore {
   absl::StatusOr<std::vector<std::string>> Get(absl::Span<const std::string> keys,
                                                absl::Time deadline) override;
 
-  absl::StatusOr<NegotiationResult> Negotiate(uint64_t cycle, const std::vector<BucketInfo>& ready,
-                                              absl::Time deadline);
+  // This node's newly ready buckets (returns at once).
+  absl::Status Report(const std::vector<BucketInfo>& ready);
+  // Schedule batches from index `next` on; an empty list when `deadline`
+  // passed without news.
+  absl::StatusOr<std::vector<ScheduleBatch>> Poll(uint64_t next, absl::Time deadline);
   // Leaves cleanly and stops heartbeats.
   absl::Status Leave();
   // Tells the coordinator the job failed here (best effort, short deadline).

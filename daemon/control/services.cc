@@ -77,30 +77,41 @@ grpc::Status CoordinatorService::KeyGet(grpc::ServerContext* ctx,
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::Negotiate(grpc::ServerContext* ctx,
-                                           const microd::v1::NegotiateRequest* req,
-                                           microd::v1::NegotiateResponse* resp) {
-  if (req->timeout_ms() < 0) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "timeout_ms is negative");
-  }
+grpc::Status CoordinatorService::Report(grpc::ServerContext*,
+                                        const microd::v1::ReportRequest* req,
+                                        microd::v1::ReportResponse*) {
   std::vector<BucketInfo> ready;
   ready.reserve(req->ready_size());
   for (const auto& b : req->ready()) ready.push_back({b.name(), b.dtype(), b.count()});
-  auto r = coordinator_->Negotiate(req->session(), req->node_rank(), req->cycle(), ready,
-                                   Deadline(ctx, req->timeout_ms()));
-  if (!r.ok()) return ToGrpcStatus(r.status());
-  resp->set_cycle(r->cycle);
-  for (const auto& b : r->scheduled) {
-    auto* s = resp->add_scheduled();
-    s->set_name(b.name);
-    s->set_dtype(static_cast<microd::v1::DataType>(b.dtype));
-    s->set_count(b.count);
+  return ToGrpcStatus(coordinator_->Report(req->session(), req->node_rank(), ready));
+}
+
+grpc::Status CoordinatorService::Poll(grpc::ServerContext* ctx, const microd::v1::PollRequest* req,
+                                      microd::v1::PollResponse* resp) {
+  if (req->timeout_ms() < 0) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "timeout_ms is negative");
   }
-  for (const auto& [name, message] : r->errors) {
-    auto* e = resp->add_errors();
-    e->set_name(name);
-    e->set_message(message);
+  auto batches = coordinator_->Poll(req->session(), req->node_rank(), req->next(),
+                                    Deadline(ctx, req->timeout_ms()));
+  if (!batches.ok()) return ToGrpcStatus(batches.status());
+  uint64_t next = req->next();
+  for (const ScheduleBatch& b : *batches) {
+    auto* out = resp->add_batches();
+    out->set_index(b.index);
+    for (const auto& info : b.scheduled) {
+      auto* s = out->add_scheduled();
+      s->set_name(info.name);
+      s->set_dtype(static_cast<microd::v1::DataType>(info.dtype));
+      s->set_count(info.count);
+    }
+    for (const auto& [name, message] : b.errors) {
+      auto* e = out->add_errors();
+      e->set_name(name);
+      e->set_message(message);
+    }
+    next = b.index + 1;
   }
+  resp->set_next(next);
   return grpc::Status::OK;
 }
 
@@ -154,6 +165,10 @@ absl::StatusOr<std::unique_ptr<ControlServer>> ControlServer::Start(
   (void)once;
   auto server = std::unique_ptr<ControlServer>(new ControlServer());
   grpc::ServerBuilder builder;
+  // Long polls hold a server thread each; keep enough polling threads around
+  // that a new call never waits for one to be created.
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 4);
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, 64);
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &server->port_);
   for (grpc::Service* s : services) builder.RegisterService(s);
   server->server_ = builder.BuildAndStart();

@@ -28,8 +28,10 @@ class CoordinatorService final : public microd::v1::Coordinator::Service {
                       microd::v1::KeySetResponse* resp) override;
   grpc::Status KeyGet(grpc::ServerContext* ctx, const microd::v1::KeyGetRequest* req,
                       microd::v1::KeyGetResponse* resp) override;
-  grpc::Status Negotiate(grpc::ServerContext* ctx, const microd::v1::NegotiateRequest* req,
-                         microd::v1::NegotiateResponse* resp) override;
+  grpc::Status Report(grpc::ServerContext* ctx, const microd::v1::ReportRequest* req,
+                      microd::v1::ReportResponse* resp) override;
+  grpc::Status Poll(grpc::ServerContext* ctx, const microd::v1::PollRequest* req,
+                    microd::v1::PollResponse* resp) override;
   grpc::Status Heartbeat(grpc::ServerContext* ctx, const microd::v1::HeartbeatRequest* req,
                          microd::v1::HeartbeatResponse* resp) override;
   grpc::Status Leave(grpc::ServerContext* ctx, const microd::v1::LeaveRequest* req,

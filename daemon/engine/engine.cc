@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -18,6 +19,7 @@ using transport::TagKind;
 namespace {
 
 constexpr int kDtypeFloat32 = 1;  // microd.v1.DataType.DATA_TYPE_FLOAT32
+constexpr absl::Duration kPollSlice = absl::Seconds(1);
 
 double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
 
@@ -40,6 +42,7 @@ Engine::~Engine() { Stop(absl::CancelledError("the daemon is shutting down")); }
 
 void Engine::Start() {
   thread_ = std::thread([this] { Loop(); });
+  poll_thread_ = std::thread([this] { PollLoop(); });
 }
 
 void Engine::Stop(const absl::Status& reason) {
@@ -50,6 +53,7 @@ void Engine::Stop(const absl::Status& reason) {
   }
   Fail(reason, /*report=*/false);
   if (thread_.joinable()) thread_.join();
+  if (poll_thread_.joinable()) poll_thread_.join();
 }
 
 absl::Status Engine::FailedStatus() const { return failed_; }
@@ -251,64 +255,88 @@ void Engine::CompleteWork(const Work& w, const absl::Status& status) {
   }
 }
 
+void Engine::PollLoop() {
+  uint64_t next = 0;
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_ || !failed_.ok()) return;
+    }
+    // Short polls, so that a stopping engine is never held up for long.
+    auto batches = client_->Poll(next, absl::Now() + std::min(options_.op_timeout, kPollSlice));
+    if (!batches.ok()) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (stop_) return;
+      }
+      Fail(batches.status(), /*report=*/false);
+      return;
+    }
+    if (batches->empty()) continue;
+    next = batches->back().index + 1;
+    absl::MutexLock lock(&mu_);
+    for (auto& b : *batches) schedule_.push_back(std::move(b));
+  }
+}
+
 void Engine::Loop() {
-  uint64_t cycle = 0;
   for (;;) {
     std::vector<control::BucketInfo> report;
+    std::optional<control::ScheduleBatch> batch;
     {
       absl::MutexLock lock(&mu_);
       auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stop_ || !newly_ready_.empty();
+        return stop_ || !newly_ready_.empty() || !schedule_.empty();
       };
-      // Idle: wait a little for local work, then run a cycle anyway (the
-      // other nodes need this node in every cycle). Failed: only wait to stop.
-      mu_.AwaitWithTimeout(absl::Condition(&has_work),
-                           failed_.ok() ? options_.idle_wait : absl::Seconds(1));
+      mu_.AwaitWithTimeout(absl::Condition(&has_work), absl::Seconds(1));
       if (stop_) return;
-      if (!failed_.ok()) continue;
+      if (!failed_.ok()) {
+        newly_ready_.clear();
+        schedule_.clear();
+        continue;
+      }
       for (const std::string& name : newly_ready_) {
         Bucket& b = buckets_[name];
         b.reported = true;
         report.push_back({name, kDtypeFloat32, static_cast<int64_t>(b.count)});
       }
       newly_ready_.clear();
-    }
-    absl::StatusOr<control::NegotiationResult> result;
-    for (;;) {
-      result = client_->Negotiate(cycle, report, absl::Now() + options_.op_timeout);
-      // A long idle phase elsewhere (evaluation, checkpointing) is no failure:
-      // ask again for the same cycle.
-      if (result.ok() || result.status().code() != absl::StatusCode::kDeadlineExceeded) break;
-      report.clear();
-      absl::MutexLock lock(&mu_);
-      if (stop_ || !failed_.ok()) break;
-    }
-    if (!result.ok()) {
-      Fail(result.status(), /*report=*/false);
-      continue;
-    }
-    ++cycle;
-    std::vector<Work> dense, sparse;
-    std::vector<std::pair<Work, absl::Status>> refused;
-    {
-      absl::MutexLock lock(&mu_);
-      ++cycles_;
-      if (!failed_.ok()) continue;
-      for (const auto& [name, message] : result->errors) {
-        Bucket& b = buckets_[name];
-        ++b.stats.failures;
-        refused.push_back({TakeWork(b), WithClientStatus(absl::InvalidArgumentError(message),
-                                                         ClientStatus::kMismatch)});
-      }
-      for (const control::BucketInfo& info : result->scheduled) {
-        Bucket& b = buckets_[info.name];
-        (b.count < options_.dense_floor ? dense : sparse).push_back(TakeWork(b));
+      if (!schedule_.empty()) {
+        batch = std::move(schedule_.front());
+        schedule_.pop_front();
       }
     }
-    for (auto& [w, s] : refused) CompleteWork(w, s);
-    if (!dense.empty()) RunFusedDense(dense);
-    for (Work& w : sparse) RunSparse(w);
+    if (!report.empty()) {
+      if (absl::Status s = client_->Report(report); !s.ok()) {
+        Fail(s, /*report=*/false);
+        continue;
+      }
+    }
+    if (batch.has_value()) RunBatch(*batch);
   }
+}
+
+void Engine::RunBatch(const control::ScheduleBatch& batch) {
+  std::vector<Work> dense, sparse;
+  std::vector<std::pair<Work, absl::Status>> refused;
+  {
+    absl::MutexLock lock(&mu_);
+    ++batches_;
+    if (!failed_.ok()) return;
+    for (const auto& [name, message] : batch.errors) {
+      Bucket& b = buckets_[name];
+      ++b.stats.failures;
+      refused.push_back({TakeWork(b), WithClientStatus(absl::InvalidArgumentError(message),
+                                                       ClientStatus::kMismatch)});
+    }
+    for (const control::BucketInfo& info : batch.scheduled) {
+      Bucket& b = buckets_[info.name];
+      (b.count < options_.dense_floor ? dense : sparse).push_back(TakeWork(b));
+    }
+  }
+  for (auto& [w, s] : refused) CompleteWork(w, s);
+  if (!dense.empty()) RunFusedDense(dense);
+  for (Work& w : sparse) RunSparse(w);
 }
 
 void Engine::RunSparse(Work& w) {
@@ -395,7 +423,7 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
   uint64_t total = 0;
   for (const Work& w : works) total += w.bucket->count;
   sparsify::DeviceBuffer<kernels::StepScalars> scalars(ops_, 1);
-  if (!fusion_.Reserve(ops_, total) || !scalars.ok()) {
+  if (!fusion_.Reserve(ops_, total + 1) || !scalars.ok()) {
     const absl::Status s = WithClientStatus(
         absl::ResourceExhaustedError("fused dense buffer: out of memory"), ClientStatus::kResource);
     for (const Work& w : works) CompleteWork(w, s);
@@ -423,18 +451,23 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
   }
   const double local_sum = Seconds(t0);
   const absl::Time t1 = absl::Now();
+  // One allreduce carries the values and, in a last element, how many nodes
+  // saw a NaN/Inf; only then does a second collective name them.
+  fusion_.get()[total] = nonfinite != 0 ? 1.0f : 0.0f;
   CollectiveOptions o;
   o.deadline = absl::Now() + options_.op_timeout;
-  o.tag = MakeTag(0, TagKind::kHeader);
-  std::vector<uint64_t> flags(membership_.node_count);
-  absl::Status s = transport_->Allgather(&nonfinite, sizeof nonfinite, flags.data(), o);
-  if (s.ok()) {
-    std::vector<std::string> bad;
-    for (int r = 0; r < membership_.node_count; ++r) {
-      if (flags[r] != 0) bad.push_back(absl::StrCat("node ", r));
-    }
-    if (!bad.empty()) {
-      std::vector<std::string> names;
+  o.tag = MakeTag(0, TagKind::kDense);
+  absl::Status s =
+      transport_->AllreduceSum(fusion_.get(), total + 1, transport::DataType::kFloat32, o);
+  if (s.ok() && fusion_.get()[total] != 0.0f) {
+    o.tag = MakeTag(0, TagKind::kHeader);
+    std::vector<uint64_t> flags(membership_.node_count);
+    s = transport_->Allgather(&nonfinite, sizeof nonfinite, flags.data(), o);
+    if (s.ok()) {
+      std::vector<std::string> bad, names;
+      for (int r = 0; r < membership_.node_count; ++r) {
+        if (flags[r] != 0) bad.push_back(absl::StrCat("node ", r));
+      }
       for (const Work& w : works) names.push_back(w.bucket->name);
       const absl::Status nan = WithClientStatus(
           absl::InvalidArgumentError(absl::StrCat(
@@ -444,8 +477,6 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
       for (const Work& w : works) CompleteWork(w, nan);
       return;
     }
-    o.tag = MakeTag(0, TagKind::kDense);
-    s = transport_->AllreduceSum(fusion_.get(), total, transport::DataType::kFloat32, o);
   }
   if (!s.ok()) {
     s = WithRootCause(s);
@@ -485,7 +516,7 @@ EngineSnapshot Engine::Snapshot() const {
   absl::MutexLock lock(&mu_);
   EngineSnapshot s;
   s.failure = failed_.ok() ? "" : std::string(failed_.message());
-  s.cycles = cycles_;
+  s.batches = batches_;
   for (const auto& [name, b] : buckets_) s.buckets.push_back(b.stats);
   return s;
 }

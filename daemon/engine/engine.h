@@ -1,7 +1,8 @@
 // The daemon's background loop. A bucket is ready on this node when every
-// local process submitted it; ready buckets are reported to the coordinator
-// in negotiation cycles; the buckets every node reported run in the agreed
-// order: local sum, the sparsified step (or, below the size floor, one fused
+// local process submitted it; ready buckets are reported to the coordinator,
+// which appends the buckets every node reported to a schedule log; a second
+// thread reads that log, and the batches run in log order on every node:
+// local sum, the sparsified step (the small buckets of a batch fused into one
 // dense allreduce), write-back into every local buffer, completions.
 //
 // Failure model: a process that vanishes, a step that breaks the transport,
@@ -13,6 +14,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -33,11 +35,9 @@ namespace microd::engine {
 struct EngineOptions {
   int local_size = 1;
   sparsify::SparsifyOptions sparsify;
-  // Buckets with fewer elements go dense, fused into one allreduce per cycle.
+  // Buckets with fewer elements go dense, fused into one allreduce per batch.
   uint64_t dense_floor = 65536;
   absl::Duration op_timeout = absl::Seconds(60);
-  // How long an idle loop waits for local work before an empty negotiation cycle.
-  absl::Duration idle_wait = absl::Milliseconds(2);
 };
 
 // Per-bucket statistics (cumulative since start).
@@ -63,7 +63,7 @@ struct BucketStats {
 struct EngineSnapshot {
   std::string failure;  // empty while healthy
   std::vector<BucketStats> buckets;
-  uint64_t cycles = 0;
+  uint64_t batches = 0;  // schedule batches run
 };
 
 class Engine final : public local::LocalHandler {
@@ -121,6 +121,8 @@ class Engine final : public local::LocalHandler {
   absl::Status RegisterBuffer(uint64_t client, uint32_t buffer_id, const std::string& name,
                               std::shared_ptr<local::HostBuffer> buffer, std::vector<Work>* refused);
   void Loop();
+  void PollLoop();
+  void RunBatch(const control::ScheduleBatch& batch);
   void CompleteWork(const Work& w, const absl::Status& status);
   // A step failed here: prefer the reason another node gave the coordinator.
   absl::Status WithRootCause(const absl::Status& local);
@@ -142,12 +144,14 @@ class Engine final : public local::LocalHandler {
   std::map<uint64_t, Process> processes_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Bucket> buckets_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> newly_ready_ ABSL_GUARDED_BY(mu_);
-  uint64_t cycles_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<control::ScheduleBatch> schedule_ ABSL_GUARDED_BY(mu_);  // read, not yet run
+  uint64_t batches_ ABSL_GUARDED_BY(mu_) = 0;
   uint32_t next_slot_ = 1;  // engine thread only; slot 0 is the fused dense buffer
 
   // Engine-thread scratch buffers (device memory of ops_).
   sparsify::DeviceBuffer<float> grad_, update_, fusion_;
   std::thread thread_;
+  std::thread poll_thread_;
 };
 
 }  // namespace microd::engine

@@ -161,34 +161,41 @@ TEST_F(CoordinatorTest, MalformedRequestsGetInvalidArgument) {
   auto a = Client("a");
   auto m = a->Join(absl::Now() + absl::Seconds(5));
   ASSERT_TRUE(m.ok()) << m.status();
-  auto negotiate = [&](int64_t count, const std::string& name, uint64_t session, int rank) {
-    microd::v1::NegotiateRequest nr;
-    nr.set_session(session);
-    nr.set_node_rank(rank);
-    nr.set_cycle(0);
-    auto* b = nr.add_ready();
+  auto report = [&](int64_t count, const std::string& name, uint64_t session, int rank) {
+    microd::v1::ReportRequest rr;
+    rr.set_session(session);
+    rr.set_node_rank(rank);
+    auto* b = rr.add_ready();
     b->set_name(name);
     b->set_dtype(microd::v1::DATA_TYPE_FLOAT32);
     b->set_count(count);
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    microd::v1::NegotiateResponse resp;
-    return stub_->Negotiate(&ctx, nr, &resp).error_code();
+    microd::v1::ReportResponse resp;
+    return stub_->Report(&ctx, rr, &resp).error_code();
   };
-  EXPECT_EQ(negotiate(-5, "w", m->session, 0), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(negotiate(0, "w", m->session, 0), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(negotiate(int64_t{1} << 32, "w", m->session, 0), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(negotiate(5, "", m->session, 0), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(negotiate(5, "w", m->session, 7), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(negotiate(5, "w", m->session, -1), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(negotiate(5, "w", m->session + 1, 0), grpc::StatusCode::PERMISSION_DENIED);
-  // Still serving: a well-formed cycle goes through.
-  auto r = a->Negotiate(0, {{"w", 1, 5}}, absl::Now() + absl::Seconds(2));
+  EXPECT_EQ(report(-5, "w", m->session, 0), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(report(0, "w", m->session, 0), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(report(int64_t{1} << 32, "w", m->session, 0), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(report(5, "", m->session, 0), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(report(5, "w", m->session, 7), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(report(5, "w", m->session, -1), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(report(5, "w", m->session + 1, 0), grpc::StatusCode::PERMISSION_DENIED);
+  // Still serving: a well-formed report is scheduled.
+  ASSERT_TRUE(a->Report({{"w", 1, 5}}).ok());
+  auto r = a->Poll(0, absl::Now() + absl::Seconds(2));
   ASSERT_TRUE(r.ok()) << r.status();
-  ASSERT_EQ(r->scheduled.size(), 1u);
-  // A cycle out of order is refused.
-  EXPECT_EQ(a->Negotiate(5, {}, absl::Now() + absl::Seconds(2)).status().code(),
+  ASSERT_EQ(r->size(), 1u);
+  ASSERT_EQ((*r)[0].scheduled.size(), 1u);
+  // Reporting it again before it ran, or polling a batch that does not exist, is refused.
+  ASSERT_TRUE(a->Report({{"v", 1, 5}, {"v2", 1, 5}}).ok());
+  EXPECT_EQ(a->Report({{"u", 1, 5}, {"u", 1, 5}}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(a->Poll(99, absl::Now() + absl::Seconds(2)).status().code(),
             absl::StatusCode::kInvalidArgument);
+  // Nothing new: the poll waits until its deadline and returns empty.
+  r = a->Poll(2, absl::Now() + absl::Milliseconds(100));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->empty());
 }
 
 TEST_F(CoordinatorTest, KeyValueStoreSetGetWait) {
@@ -224,34 +231,38 @@ TEST_F(CoordinatorTest, EveryNodeGetsTheSameScheduleAndMismatchErrors) {
   std::vector<std::unique_ptr<CoordinatorClient>> c;
   for (const char* n : {"a", "b", "c"}) c.push_back(Client(n));
   for (auto& r : JoinAll(c)) ASSERT_TRUE(r.ok()) << r.status();
-  // By rank: what each node reports in cycles 0 and 1.
-  const std::vector<std::vector<std::vector<BucketInfo>>> reports = {
-      {{{"a", 1, 10}, {"b", 1, 20}, {"x", 1, 100}}, {}},
-      {{{"b", 1, 20}, {"x", 1, 200}}, {{"a", 1, 10}, {"c", 1, 5}}},
-      {{{"b", 1, 20}, {"a", 1, 10}, {"x", 1, 100}}, {}},
-  };
-  std::vector<std::vector<NegotiationResult>> got(3);
+  std::vector<CoordinatorClient*> by_rank(3);
+  for (auto& cl : c) by_rank[cl->membership().node_rank] = cl.get();
+  // Node 0 and 2 report a, b, x; node 1 reports b and x with another size.
+  ASSERT_TRUE(by_rank[0]->Report({{"a", 1, 10}, {"b", 1, 20}, {"x", 1, 100}}).ok());
+  ASSERT_TRUE(by_rank[1]->Report({{"b", 1, 20}, {"x", 1, 200}}).ok());
+  ASSERT_TRUE(by_rank[2]->Report({{"b", 1, 20}, {"a", 1, 10}, {"x", 1, 100}}).ok());
+  // Later node 1 reports a and c: a completes, c waits for the others.
+  ASSERT_TRUE(by_rank[1]->Report({{"a", 1, 10}, {"c", 1, 5}}).ok());
+  std::vector<std::vector<ScheduleBatch>> got(3);
   std::vector<std::thread> threads;
   for (int r = 0; r < 3; ++r) {
     threads.emplace_back([&, r] {
-      const int rank = c[r]->membership().node_rank;
-      for (uint64_t cycle = 0; cycle < 2; ++cycle) {
-        auto res = c[r]->Negotiate(cycle, reports[rank][cycle], absl::Now() + absl::Seconds(10));
-        ASSERT_TRUE(res.ok()) << res.status();
-        got[rank].push_back(*res);
+      uint64_t next = 0;
+      while (got[r].size() < 2) {
+        auto b = by_rank[r]->Poll(next, absl::Now() + absl::Seconds(10));
+        ASSERT_TRUE(b.ok()) << b.status();
+        for (auto& x : *b) got[r].push_back(x);
+        next = got[r].size();
       }
     });
   }
   for (auto& t : threads) t.join();
   for (int r = 0; r < 3; ++r) {
     ASSERT_EQ(got[r].size(), 2u);
-    // Cycle 0: only "b" is ready everywhere; "x" disagrees (node 1 says 200).
+    // Batch 0: "b" ready everywhere; "x" disagrees (node 1 says 200).
     ASSERT_EQ(got[r][0].scheduled.size(), 1u);
     EXPECT_EQ(got[r][0].scheduled[0].name, "b");
     ASSERT_EQ(got[r][0].errors.size(), 1u);
     EXPECT_EQ(got[r][0].errors[0].first, "x");
-    EXPECT_TRUE(absl::StrContains(got[r][0].errors[0].second, "node 1")) << got[r][0].errors[0].second;
-    // Cycle 1: "a" completes; "c" waits for the others.
+    EXPECT_TRUE(absl::StrContains(got[r][0].errors[0].second, "node 1"))
+        << got[r][0].errors[0].second;
+    // Batch 1: "a".
     ASSERT_EQ(got[r][1].scheduled.size(), 1u);
     EXPECT_EQ(got[r][1].scheduled[0].name, "a");
     EXPECT_TRUE(got[r][1].errors.empty());
@@ -264,9 +275,10 @@ TEST_F(CoordinatorTest, SilentNodeFailsTheJobForEveryoneWithinThePeerTimeout) {
   for (const char* n : {"a", "b", "c"}) c.push_back(Client(n, 1, -1, "secret", absl::Milliseconds(600)));
   for (auto& r : JoinAll(c)) ASSERT_TRUE(r.ok()) << r.status();
   const auto start = std::chrono::steady_clock::now();
-  // Node 0 waits in a negotiation that node 2 never joins.
+  // Node 0 waits for a batch that node 2 never completes.
   std::thread waiter([&] {
-    auto r = c[0]->Negotiate(0, {}, absl::Now() + absl::Seconds(30));
+    ASSERT_TRUE(c[0]->Report({{"w", 1, 10}}).ok());
+    auto r = c[0]->Poll(0, absl::Now() + absl::Seconds(30));
     EXPECT_FALSE(r.ok());
     EXPECT_TRUE(absl::StrContains(r.status().message(), "node 2")) << r.status();
   });
@@ -333,7 +345,7 @@ TEST_F(CoordinatorTest, LeaveEndsTheJobCleanly) {
   c.push_back(Client("b"));
   for (auto& r : JoinAll(c)) ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_TRUE(c[1]->Leave().ok());
-  auto r = c[0]->Negotiate(0, {}, absl::Now() + absl::Seconds(10));
+  auto r = c[0]->Poll(0, absl::Now() + absl::Seconds(10));
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
   EXPECT_TRUE(absl::StrContains(r.status().message(), "left")) << r.status();
 }

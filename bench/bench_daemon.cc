@@ -1,0 +1,262 @@
+// microd-bench-daemon: 4 daemons on loopback with one training process each
+// (written against the C API). (a) Round trip of a 1,024-element bucket
+// through the whole path, submit to completion: median and p99. (b) A
+// 25,557,032-element bucket at 0.1 %: time per step through the daemons,
+// beside the raw MiCRO step over Gloo (microd-bench-transport) measured in
+// the same run. Writes JSON.
+//
+// The program launches itself: the launcher starts the daemons and the
+// client processes (--client_rank=r), which write their timings to files.
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "daemon/sim/synthetic.h"
+#include "microd/microd.h"
+
+extern char** environ;
+
+ABSL_FLAG(int, nodes, 4, "daemons (one training process each)");
+ABSL_FLAG(uint64_t, size, 25557032, "large bucket size (fp32 elements)");
+ABSL_FLAG(int, latency_iters, 1000, "round trips of the small bucket");
+ABSL_FLAG(int, warmup, 3, "warm-up steps of the large bucket");
+ABSL_FLAG(int, reps, 5, "timed steps of the large bucket");
+ABSL_FLAG(std::string, json, "", "write results as JSON to this file");
+ABSL_FLAG(std::string, daemon, "", "microd binary (default: next to this one)");
+ABSL_FLAG(std::string, transport_bench, "", "microd-bench-transport binary (default: next to this)");
+// Client mode (set by the launcher).
+ABSL_FLAG(int, client_rank, -1, "internal: run as the client of this node");
+ABSL_FLAG(std::string, socket, "", "internal: daemon socket");
+ABSL_FLAG(std::string, result, "", "internal: where to write timings");
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
+}
+
+std::string Sibling(const char* self, const std::string& name) {
+  std::string s = self;
+  const size_t slash = s.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : s.substr(0, slash);
+  return dir + "/" + name;
+}
+
+int Client() {
+  microd_options o;
+  microd_options_init(&o);
+  const std::string sock = absl::GetFlag(FLAGS_socket);
+  o.socket_path = sock.c_str();
+  o.timeout_ms = 120000;
+  microd_client* c = nullptr;
+  if (microd_connect(&o, &c) != MICROD_OK) {
+    std::fprintf(stderr, "client: %s\n", microd_last_error(nullptr));
+    return 2;
+  }
+  const uint64_t d = absl::GetFlag(FLAGS_size);
+  float* small;
+  float* big;
+  int32_t small_id, big_id;
+  if (microd_register_host_buffer(c, "small", 1024, &small, &small_id) != MICROD_OK ||
+      microd_register_host_buffer(c, "big", d, &big, &big_id) != MICROD_OK) {
+    std::fprintf(stderr, "client: %s\n", microd_last_error(c));
+    return 2;
+  }
+  std::vector<double> latency_us;
+  for (int i = 0; i < absl::GetFlag(FLAGS_latency_iters) + 20; ++i) {
+    for (int j = 0; j < 1024; ++j) small[j] = static_cast<float>(j);
+    const auto t0 = Clock::now();
+    if (microd_allreduce(c, small_id, 60000) != MICROD_OK) {
+      std::fprintf(stderr, "client: %s\n", microd_last_error(c));
+      return 3;
+    }
+    if (i >= 20) {
+      latency_us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+  }
+  microd::sim::SyntheticOptions so;
+  so.size = d;
+  microd::sim::SyntheticGradients stream(so, absl::GetFlag(FLAGS_client_rank));
+  std::vector<float> g0(d), g1(d);
+  stream.Next(g0.data());
+  stream.Next(g1.data());
+  std::vector<double> step_ms;
+  for (int s = 0; s < absl::GetFlag(FLAGS_warmup) + absl::GetFlag(FLAGS_reps); ++s) {
+    std::copy((s % 2 ? g1 : g0).begin(), (s % 2 ? g1 : g0).end(), big);
+    // Line the processes up with a small-bucket round trip before timing.
+    if (microd_allreduce(c, small_id, 60000) != MICROD_OK) return 3;
+    const auto t0 = Clock::now();
+    if (microd_allreduce(c, big_id, 120000) != MICROD_OK) {
+      std::fprintf(stderr, "client: %s\n", microd_last_error(c));
+      return 3;
+    }
+    if (s >= absl::GetFlag(FLAGS_warmup)) {
+      step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    }
+  }
+  std::ofstream out(absl::GetFlag(FLAGS_result));
+  out << Percentile(latency_us, 0.5) << " " << Percentile(latency_us, 0.99) << " "
+      << Percentile(step_ms, 0.5) << "\n";
+  microd_close(c);
+  return 0;
+}
+
+pid_t Spawn(const std::vector<std::string>& args, const std::string& log) {
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  pid_t pid = -1;
+  if (posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ) != 0) pid = -1;
+  posix_spawn_file_actions_destroy(&fa);
+  return pid;
+}
+
+bool WaitFor(pid_t pid, std::chrono::seconds limit) {
+  const auto deadline = Clock::now() + limit;
+  int status = 0;
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if (Clock::now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+int ReadPort(const std::string& path) {
+  for (int i = 0; i < 1000; ++i) {
+    std::ifstream in(path);
+    int port = 0;
+    if (in >> port && port > 0) return port;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return 0;
+}
+
+int Launcher(char* self) {
+  const int n = absl::GetFlag(FLAGS_nodes);
+  const uint64_t d = absl::GetFlag(FLAGS_size);
+  std::string tmpl = "/tmp/microd-bench-daemon-XXXXXX";
+  const std::string dir = mkdtemp(tmpl.data());
+  const std::string daemon =
+      absl::GetFlag(FLAGS_daemon).empty() ? Sibling(self, "../daemon/microd") : absl::GetFlag(FLAGS_daemon);
+  std::vector<pid_t> daemons, clients;
+  int coordinator_port = 0;
+  for (int r = 0; r < n; ++r) {
+    std::vector<std::string> args = {daemon,
+                                     absl::StrCat("--socket=", dir, "/n", r, "/sock"),
+                                     absl::StrCat("--nodes=", n),
+                                     absl::StrCat("--node_rank=", r),
+                                     absl::StrCat("--node_name=bench", r),
+                                     "--admin=127.0.0.1:0",
+                                     "--density=0.001",
+                                     "--timeout_ms=120000"};
+    if (r == 0) {
+      args.push_back("--coordinator_listen=127.0.0.1:0");
+      args.push_back(absl::StrCat("--coordinator_port_file=", dir, "/coordinator"));
+    } else {
+      args.push_back(absl::StrCat("--coordinator=127.0.0.1:", coordinator_port));
+    }
+    daemons.push_back(Spawn(args, absl::StrCat(dir, "/daemon", r, ".log")));
+    if (r == 0 && (coordinator_port = ReadPort(dir + "/coordinator")) == 0) {
+      std::fprintf(stderr, "microd-bench-daemon: node 0 did not start (see %s)\n", dir.c_str());
+      return 1;
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    clients.push_back(Spawn({self, absl::StrCat("--client_rank=", r),
+                             absl::StrCat("--socket=", dir, "/n", r, "/sock"),
+                             absl::StrCat("--result=", dir, "/client", r),
+                             absl::StrCat("--size=", d),
+                             absl::StrCat("--latency_iters=", absl::GetFlag(FLAGS_latency_iters)),
+                             absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)),
+                             absl::StrCat("--reps=", absl::GetFlag(FLAGS_reps))},
+                            absl::StrCat(dir, "/client", r, ".log")));
+  }
+  std::printf("microd-bench-daemon: %d daemons x 1 process on loopback (logs in %s)\n", n,
+              dir.c_str());
+  bool ok = true;
+  for (pid_t p : clients) ok = WaitFor(p, std::chrono::minutes(8)) && ok;
+  for (pid_t p : daemons) kill(p, SIGTERM);
+  for (pid_t p : daemons) WaitFor(p, std::chrono::seconds(20));
+  if (!ok) {
+    std::fprintf(stderr, "microd-bench-daemon: a client failed (see %s)\n", dir.c_str());
+    return 1;
+  }
+  double p50 = 0, p99 = 0, step = 0;
+  std::ifstream(dir + "/client0") >> p50 >> p99 >> step;
+
+  // The raw transport step, same machine, same run.
+  const std::string tb = absl::GetFlag(FLAGS_transport_bench).empty()
+                             ? Sibling(self, "microd-bench-transport")
+                             : absl::GetFlag(FLAGS_transport_bench);
+  const std::string tjson = dir + "/transport.json";
+  const pid_t t = Spawn({tb, absl::StrCat("--nodes=", n), absl::StrCat("--size=", d),
+                         absl::StrCat("--reps=", absl::GetFlag(FLAGS_reps)),
+                         absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)),
+                         "--json=" + tjson},
+                        dir + "/transport.log");
+  double raw = 0;
+  if (WaitFor(t, std::chrono::minutes(9))) {
+    std::stringstream ss;
+    ss << std::ifstream(tjson).rdbuf();
+    const std::string js = ss.str();
+    // The "micro (hist)" entry at density 0.001.
+    const size_t at = js.find("\"method\":\"micro (hist)\",\"density\":0.001");
+    if (at != std::string::npos) {
+      const size_t ms = js.find("\"ms_per_step\":", at);
+      raw = std::stod(js.substr(ms + 14));
+    }
+  }
+  std::printf("\n(a) 1,024-element bucket, submit to completion (%d round trips)\n",
+              absl::GetFlag(FLAGS_latency_iters));
+  std::printf("    median %8.0f us   p99 %8.0f us   target median <= 200 us\n", p50, p99);
+  std::printf("(b) %llu elements at 0.1 %%, time per step\n", static_cast<unsigned long long>(d));
+  std::printf("    through the daemons %8.1f ms\n", step);
+  if (raw > 0) {
+    std::printf("    raw MiCRO step      %8.1f ms   overhead %+.0f %%   target <= 10 %%\n", raw,
+                100 * (step / raw - 1));
+  } else {
+    std::printf("    raw MiCRO step: microd-bench-transport failed (see %s)\n", dir.c_str());
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
+    std::ofstream(path) << absl::StrFormat(
+        "{\"nodes\":%d,\"latency_1024_median_us\":%.1f,\"latency_1024_p99_us\":%.1f,"
+        "\"size\":%d,\"daemon_step_ms\":%.3f,\"raw_step_ms\":%.3f,\"overhead\":%.4f}\n",
+        n, p50, p99, d, step, raw, raw > 0 ? step / raw - 1 : 0.0);
+    std::printf("JSON: %s\n", path.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_client_rank) >= 0) return Client();
+  return Launcher(argv[0]);
+}
