@@ -3,6 +3,8 @@
 // processes of this node on a Unix socket and the Admin service over gRPC.
 // Every flag can also come from MICROD_<FLAG> in the environment (the
 // command line wins).
+#include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -78,6 +80,14 @@ bool ApplyEnvironment() {
   return true;
 }
 
+int g_stop_pipe[2] = {-1, -1};
+
+void OnStopSignal(int sig) {
+  const int saved = errno;
+  (void)!write(g_stop_pipe[1], &sig, sizeof sig);
+  errno = saved;
+}
+
 int Fatal(const std::string& what, const absl::Status& s) {
   std::fprintf(stderr, "microd: %s: %s\n", what.c_str(), s.ToString().c_str());
   return 1;
@@ -100,12 +110,14 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const absl::Time started = absl::Now();
 
-  // Block the stop signals in every thread; the main thread waits for them.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGTERM);
-  sigaddset(&stop_signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  // SIGTERM/SIGINT only write to a pipe the main thread waits on (whichever
+  // thread the kernel delivers them to).
+  if (pipe2(g_stop_pipe, O_CLOEXEC) != 0) return Fatal("pipe", absl::InternalError("pipe2"));
+  struct sigaction sa {};
+  sa.sa_handler = OnStopSignal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
   // Options.
@@ -177,11 +189,16 @@ int main(int argc, char** argv) {
                  absl::InvalidArgumentError("give --coordinator or --coordinator_listen"));
   }
 
-  // State the Admin service reports; filled in as start-up proceeds.
+  // The parts of the daemon, declared so that they are destroyed in the
+  // right order (the local server before the engine before the transport
+  // before the coordinator client) on every return path. The Admin service,
+  // declared after them, stops first.
   microd::control::Membership membership;
+  std::unique_ptr<microd::control::CoordinatorClient> client;
+  std::unique_ptr<microd::transport::Transport> transport;
+  std::unique_ptr<microd::kernels::SparseOps> ops;
   std::unique_ptr<microd::engine::Engine> engine;
   std::unique_ptr<microd::local::LocalServer> local_server;
-  std::unique_ptr<microd::control::CoordinatorClient> client;
   absl::Mutex state_mu;  // guards the pointers above against the Admin thread
   microd::control::AdminService admin_service([&](microd::v1::GetStatusResponse* r) {
     r->set_version(MICROD_VERSION_STRING);
@@ -283,10 +300,10 @@ int main(int argc, char** argv) {
   go.store = client.get();
   go.hostname = absl::GetFlag(FLAGS_hostname);
   go.timeout = op_timeout;
-  auto transport = microd::transport::CreateGlooTransport(go);
-  if (!transport.ok()) return Fatal("transport", transport.status());
-
-  auto ops = microd::kernels::CreateCpuSparseOps();
+  auto created_transport = microd::transport::CreateGlooTransport(go);
+  if (!created_transport.ok()) return Fatal("transport", created_transport.status());
+  transport = std::move(created_transport).value();
+  ops = microd::kernels::CreateCpuSparseOps();
   microd::engine::EngineOptions eo;
   eo.local_size = local_size;
   eo.sparsify = sparsify;
@@ -295,7 +312,7 @@ int main(int argc, char** argv) {
   {
     absl::MutexLock lock(&state_mu);
     engine = std::make_unique<microd::engine::Engine>(eo, membership, client.get(),
-                                                      transport->get(), ops.get());
+                                                      transport.get(), ops.get());
   }
   microd::local::LocalServerOptions lo;
   lo.socket_path = absl::GetFlag(FLAGS_socket);
@@ -313,7 +330,8 @@ int main(int argc, char** argv) {
                lo.socket_path.c_str());
 
   int sig = 0;
-  sigwait(&stop_signals, &sig);
+  while (read(g_stop_pipe[0], &sig, sizeof sig) < 0 && errno == EINTR) {
+  }
   std::fprintf(stderr, "microd: %s: shutting down\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   local_server->Stop();  // no new work; removes the socket
   engine->Stop(absl::CancelledError(absl::StrCat("microd on node ", membership.node_rank,

@@ -58,6 +58,15 @@ absl::Status PrepareSocketPath(const std::string& path) {
   const std::string dir = path.find('/') == std::string::npos ? "." : path.substr(0, path.rfind('/'));
   struct stat st;
   if (!dir.empty() && stat(dir.c_str(), &st) != 0) {
+    // Missing parents are created like `mkdir -p`; the socket's own directory
+    // is the daemon's, mode 0700.
+    for (size_t pos = dir.find('/', 1); pos != std::string::npos; pos = dir.find('/', pos + 1)) {
+      const std::string parent = dir.substr(0, pos);
+      if (mkdir(parent.c_str(), 0755) != 0 && errno != EEXIST) {
+        return absl::PermissionDeniedError(
+            absl::StrCat("cannot create directory ", parent, ": ", std::strerror(errno)));
+      }
+    }
     if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
       return absl::PermissionDeniedError(
           absl::StrCat("cannot create socket directory ", dir, ": ", std::strerror(errno)));

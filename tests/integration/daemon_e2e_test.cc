@@ -69,6 +69,8 @@ class DaemonCluster {
       admin_ports_.push_back(ReadPortFile(absl::StrCat(dir_, "/admin", r), std::chrono::seconds(20)));
     }
   }
+  pid_t pid(int r) const { return pids_[r]; }
+  void Forget(int r) { pids_[r] = -1; }
   ~DaemonCluster() {
     for (pid_t p : pids_) {
       if (p > 0) kill(p, SIGTERM);
@@ -414,6 +416,27 @@ TEST(DaemonFaults, ProcessOfAnotherUidIsRefused) {
   EXPECT_EQ(codes[0], 3);
   EXPECT_EQ(FailedStatus(out, &line), 9) << line;  // MICROD_ERR_PERMISSION
   EXPECT_TRUE(absl::StrContains(line, "uid 65534")) << line;
+}
+
+TEST(DaemonFaults, SigtermEndsPendingWorkCleanlyAndRemovesTheSocket) {
+  DaemonCluster cluster(2, 1);
+  // Only node 0 has a training process: its bucket can never complete.
+  const std::string out = cluster.dir() + "/pending";
+  const pid_t client = Spawn({MICROD_TEST_CLIENT, cluster.socket(0), "w:1000", "1", out});
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // it submitted and waits
+  const auto start = std::chrono::steady_clock::now();
+  kill(cluster.pid(0), SIGTERM);
+  const auto daemon_code = WaitAll({cluster.pid(0)}, std::chrono::seconds(20));
+  cluster.Forget(0);
+  EXPECT_EQ(daemon_code[0], 0);
+  struct stat st;
+  EXPECT_NE(stat(cluster.socket(0).c_str(), &st), 0) << "socket file left behind";
+  const auto codes = WaitAll({client}, std::chrono::seconds(20));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  std::string line;
+  const int status = FailedStatus(out, &line);
+  EXPECT_EQ(codes[0], 3);
+  EXPECT_TRUE(status == 5 || status == 2) << line;  // the job ended, or the daemon went away
 }
 
 }  // namespace

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Starts a local microd cluster on this machine and runs a training program
+# under it: N daemons (node 0 also serves the coordinator, ports chosen free),
+# L copies of the program per node with MICROD_SOCKET / MICROD_LOCAL_RANK set.
+# Logs go to one file per process. Everything is stopped when the program
+# copies finish, on Ctrl-C, or on any error; the exit status is the first
+# failing copy's.
+#
+#   deploy/local/launch.sh [--nodes N] [--local L] [--logs DIR] [--microd PATH]
+#                          [--daemon-arg ARG]... -- PROGRAM [ARGS...]
+set -euo pipefail
+
+NODES=4
+LOCAL=1
+LOGS=""
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+MICROD=${MICROD_BIN:-$ROOT/build/daemon/microd}
+DAEMON_ARGS=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --nodes) NODES=$2; shift 2 ;;
+    --local) LOCAL=$2; shift 2 ;;
+    --logs) LOGS=$2; shift 2 ;;
+    --microd) MICROD=$2; shift 2 ;;
+    --daemon-arg) DAEMON_ARGS+=("$2"); shift 2 ;;
+    --) shift; break ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "launch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+[[ $# -gt 0 ]] || { echo "launch.sh: no program given after --" >&2; exit 2; }
+[[ "$NODES" =~ ^[1-9][0-9]*$ && "$LOCAL" =~ ^[1-9][0-9]*$ ]] || {
+  echo "launch.sh: --nodes and --local must be positive integers" >&2; exit 2; }
+[[ -x "$MICROD" ]] || { echo "launch.sh: no microd at $MICROD (build first)" >&2; exit 2; }
+
+RUN=$(mktemp -d "${TMPDIR:-/tmp}/microd-local-XXXXXX")
+[[ -n "$LOGS" ]] || LOGS=$RUN/logs
+mkdir -p "$LOGS"
+DAEMONS=()
+PROGRAMS=()
+
+cleanup() {
+  local code=$?
+  for p in "${PROGRAMS[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${DAEMONS[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for _ in $(seq 50); do
+    local alive=0
+    for p in "${DAEMONS[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [[ $alive -eq 0 ]] && break
+    sleep 0.1
+  done
+  for p in "${DAEMONS[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
+  rm -rf "$RUN/sock"
+  exit $code
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+wait_file() {  # wait_file PATH: until it holds a port, 30 s at most
+  for _ in $(seq 300); do
+    [[ -s "$1" ]] && { cat "$1"; return 0; }
+    sleep 0.1
+  done
+  echo "launch.sh: timed out waiting for $1 (see $LOGS)" >&2
+  return 1
+}
+
+for ((r = 0; r < NODES; r++)); do
+  args=("--socket=$RUN/sock/node$r/microd.sock" "--local_size=$LOCAL" "--nodes=$NODES"
+        "--node_rank=$r" "--node_name=node$r" "--admin=127.0.0.1:0"
+        "--admin_port_file=$RUN/admin$r")
+  if [[ $r -eq 0 ]]; then
+    args+=("--coordinator_listen=127.0.0.1:0" "--coordinator_port_file=$RUN/coordinator")
+  else
+    args+=("--coordinator=127.0.0.1:$COORDINATOR_PORT")
+  fi
+  "$MICROD" "${args[@]}" "${DAEMON_ARGS[@]}" > "$LOGS/microd-node$r.log" 2>&1 &
+  DAEMONS+=($!)
+  [[ $r -eq 0 ]] && COORDINATOR_PORT=$(wait_file "$RUN/coordinator")
+done
+ADMIN_PORTS=()
+for ((r = 0; r < NODES; r++)); do ADMIN_PORTS+=("$(wait_file "$RUN/admin$r")"); done
+# Serving once the socket exists; a daemon that exited instead is an error.
+for ((r = 0; r < NODES; r++)); do
+  for _ in $(seq 600); do
+    [[ -S "$RUN/sock/node$r/microd.sock" ]] && break
+    if ! kill -0 "${DAEMONS[$r]}" 2>/dev/null; then
+      echo "launch.sh: microd of node $r exited:" >&2
+      tail -n 5 "$LOGS/microd-node$r.log" >&2
+      exit 1
+    fi
+    sleep 0.1
+  done
+  [[ -S "$RUN/sock/node$r/microd.sock" ]] || {
+    echo "launch.sh: node $r never opened its socket (see $LOGS)" >&2; exit 1; }
+done
+echo "launch.sh: $NODES daemons up (admin ports ${ADMIN_PORTS[*]}; logs in $LOGS)" >&2
+
+for ((r = 0; r < NODES; r++)); do
+  for ((l = 0; l < LOCAL; l++)); do
+    MICROD_SOCKET=$RUN/sock/node$r/microd.sock MICROD_LOCAL_RANK=$l \
+      MICROD_ADMIN=127.0.0.1:${ADMIN_PORTS[$r]} \
+      "$@" > "$LOGS/program-node$r-local$l.log" 2>&1 &
+    PROGRAMS+=($!)
+  done
+done
+
+status=0
+for p in "${PROGRAMS[@]}"; do
+  code=0
+  wait "$p" || code=$?
+  [[ $status -eq 0 && $code -ne 0 ]] && status=$code
+done
+PROGRAMS=()
+if [[ $status -ne 0 ]]; then
+  echo "launch.sh: a program copy failed (status $status); logs in $LOGS" >&2
+fi
+exit $status
