@@ -29,6 +29,7 @@ bench: build
 	mkdir -p results/bench
 	$(BUILD)/bench/microd-bench-kernels --json=results/bench/kernels.json
 	$(BUILD)/bench/microd-bench-transport --json=results/bench/transport.json
+	$(BUILD)/bench/microd-bench-daemon --json=results/bench/daemon.json
 
 clean:
 	rm -rf $(BUILD)

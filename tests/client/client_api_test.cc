@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 
 #include <chrono>
+#include <filesystem>
 #include <cstring>
 #include <string>
 
@@ -131,6 +132,8 @@ TEST(ClientApi, ArgumentChecksAndADeadDaemon) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
   EXPECT_TRUE(absl::StrContains(microd_last_error(c), "daemon")) << microd_last_error(c);
   EXPECT_EQ(microd_close(c), MICROD_OK);
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
 }
 
 }  // namespace

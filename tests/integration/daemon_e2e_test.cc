@@ -7,6 +7,7 @@
 #include <sys/un.h>
 
 #include <chrono>
+#include <filesystem>
 #include <cstring>
 #include <map>
 #include <thread>
@@ -80,6 +81,8 @@ class DaemonCluster {
       if (p > 0) live.push_back(p);
     }
     WaitAll(live, std::chrono::seconds(20));
+    std::error_code ignored;
+    std::filesystem::remove_all(dir_, ignored);
   }
 
   std::string socket(int r) const { return absl::StrCat(dir_, "/node", r, "/microd.sock"); }
