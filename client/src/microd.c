@@ -349,9 +349,34 @@ microd_status microd_job_info_get(const microd_client* client, microd_job_info* 
   return MICROD_OK;
 }
 
+void microd_buffer_options_init(microd_buffer_options* options) {
+  if (options == NULL) return;
+  memset(options, 0, sizeof *options);
+  options->struct_size = sizeof *options;
+}
+
 microd_status microd_register_host_buffer(microd_client* c, const char* name, uint64_t count,
                                           float** data, int32_t* buffer_id) {
+  return microd_register_buffer(c, name, count, NULL, data, buffer_id);
+}
+
+microd_status microd_register_buffer(microd_client* c, const char* name, uint64_t count,
+                                     const microd_buffer_options* options, float** data,
+                                     int32_t* buffer_id) {
   if (!check_handle(c)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
+  uint32_t flags = 0;
+  if (options != NULL) {
+    if (options->struct_size < offsetof(microd_buffer_options, flags) + sizeof(uint32_t) ||
+        options->struct_size > 4096) {
+      return fail(c, MICROD_ERR_INVALID_ARGUMENT,
+                  "options->struct_size is %zu: call microd_buffer_options_init first",
+                  options->struct_size);
+    }
+    if ((options->flags & ~MICROD_BUFFER_DENSE) != 0) {
+      return fail(c, MICROD_ERR_INVALID_ARGUMENT, "unknown buffer flags 0x%x", options->flags);
+    }
+    flags = options->flags;
+  }
   if (name == NULL || data == NULL || buffer_id == NULL) {
     return fail(c, MICROD_ERR_INVALID_ARGUMENT, "name, data and buffer_id must not be NULL");
   }
@@ -417,6 +442,7 @@ microd_status microd_register_host_buffer(microd_client* c, const char* name, ui
   reg.buffer_id = (uint32_t)id;
   reg.kind = MICROD_BUFFER_HOST;
   reg.dtype = MICROD_DTYPE_FLOAT32;
+  reg.flags = flags;
   reg.count = count;
   memcpy(reg.name, name, name_len);
   c->have_register_ack = 0;

@@ -60,7 +60,7 @@ typedef struct microd_wire_register {
   uint32_t buffer_id;
   uint32_t kind;  /* microd_wire_buffer_kind */
   uint32_t dtype; /* microd_wire_dtype */
-  uint32_t reserved;
+  uint32_t flags; /* MICROD_BUFFER_* flags of microd.h */
   uint64_t count; /* elements */
   char name[MICROD_WIRE_NAME_BYTES];
   /* CUDA buffers (kind CUDA): the allocation's IPC handle and the offset of

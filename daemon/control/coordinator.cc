@@ -39,7 +39,7 @@ absl::Status ValidateName(const std::string& what, const std::string& name) {
 
 std::string Describe(const BucketInfo& b) {
   return absl::StrCat(b.dtype == kDataTypeFloat32 ? "float32" : "dtype " + std::to_string(b.dtype),
-                      " x ", b.count);
+                      " x ", b.count, b.dense ? " dense" : "");
 }
 
 }  // namespace
@@ -292,7 +292,7 @@ absl::Status Coordinator::Report(uint64_t session, int rank,
     const BucketInfo& first = p.by_rank.begin()->second;
     bool agree = true;
     for (const auto& [r, b] : p.by_rank) {
-      agree = agree && b.dtype == first.dtype && b.count == first.count;
+      agree = agree && b.dtype == first.dtype && b.count == first.count && b.dense == first.dense;
     }
     if (agree) {
       batch.scheduled.push_back(first);

@@ -43,6 +43,7 @@ struct BucketInfo {
   std::string name;
   int dtype = 0;  // proto DataType value
   int64_t count = 0;
+  bool dense = false;  // reduced without sparsification
 };
 
 // One entry of the schedule log: every node runs the same batches in order.

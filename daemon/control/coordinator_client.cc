@@ -191,6 +191,7 @@ absl::Status CoordinatorClient::Report(const std::vector<BucketInfo>& ready) {
     r->set_name(b.name);
     r->set_dtype(static_cast<microd::v1::DataType>(b.dtype));
     r->set_count(b.count);
+    r->set_dense(b.dense);
   }
   microd::v1::ReportResponse resp;
   auto ctx = Context(absl::Now() + options_.call_timeout);
@@ -223,7 +224,9 @@ absl::StatusOr<std::vector<ScheduleBatch>> CoordinatorClient::Poll(uint64_t next
     if (b.index() != expect) return absl::InternalError("poll: batches out of order");
     ScheduleBatch batch;
     batch.index = b.index();
-    for (const auto& r : b.scheduled()) batch.scheduled.push_back({r.name(), r.dtype(), r.count()});
+    for (const auto& r : b.scheduled()) {
+      batch.scheduled.push_back({r.name(), r.dtype(), r.count(), r.dense()});
+    }
     for (const auto& e : b.errors()) batch.errors.push_back({e.name(), e.message()});
     out.push_back(std::move(batch));
     ++expect;

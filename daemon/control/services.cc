@@ -82,7 +82,7 @@ grpc::Status CoordinatorService::Report(grpc::ServerContext*,
                                         microd::v1::ReportResponse*) {
   std::vector<BucketInfo> ready;
   ready.reserve(req->ready_size());
-  for (const auto& b : req->ready()) ready.push_back({b.name(), b.dtype(), b.count()});
+  for (const auto& b : req->ready()) ready.push_back({b.name(), b.dtype(), b.count(), b.dense()});
   return ToGrpcStatus(coordinator_->Report(req->session(), req->node_rank(), ready));
 }
 
@@ -103,6 +103,7 @@ grpc::Status CoordinatorService::Poll(grpc::ServerContext* ctx, const microd::v1
       s->set_name(info.name);
       s->set_dtype(static_cast<microd::v1::DataType>(info.dtype));
       s->set_count(info.count);
+      s->set_dense(info.dense);
     }
     for (const auto& [name, message] : b.errors) {
       auto* e = out->add_errors();

@@ -67,6 +67,8 @@ void Engine::Fail(const absl::Status& reason, bool report) {
     for (auto& [name, b] : buckets_) {
       if (b.submitted > 0) pending.push_back(TakeWork(b));
     }
+    for (Work& w : in_flight_) pending.push_back(std::move(w));
+    in_flight_.clear();
     newly_ready_.clear();
   }
   std::fprintf(stderr, "microd: node %d: %s: %s\n", membership_.node_rank,
@@ -130,15 +132,15 @@ absl::StatusOr<local::ProcessInfo> Engine::OnHello(uint64_t client, int requeste
 }
 
 absl::Status Engine::OnRegister(uint64_t client, uint32_t buffer_id, const std::string& name,
-                                std::shared_ptr<local::HostBuffer> buffer) {
+                                bool dense, std::shared_ptr<local::HostBuffer> buffer) {
   std::vector<Work> refused;
-  absl::Status result = RegisterBuffer(client, buffer_id, name, std::move(buffer), &refused);
+  absl::Status result = RegisterBuffer(client, buffer_id, name, dense, std::move(buffer), &refused);
   for (const Work& w : refused) CompleteWork(w, result);
   return result;
 }
 
 absl::Status Engine::RegisterBuffer(uint64_t client, uint32_t buffer_id, const std::string& name,
-                                    std::shared_ptr<local::HostBuffer> buffer,
+                                    bool dense, std::shared_ptr<local::HostBuffer> buffer,
                                     std::vector<Work>* refused) {
   absl::MutexLock lock(&mu_);
   if (!failed_.ok()) return failed_;
@@ -156,17 +158,20 @@ absl::Status Engine::RegisterBuffer(uint64_t client, uint32_t buffer_id, const s
     b.tickets.assign(L, 0);
     b.stats.name = name;
     b.stats.count = b.count;
-    b.stats.dense = b.count < options_.dense_floor;
-  } else if (b.count != buffer->count()) {
+    b.dense = dense || b.count < options_.dense_floor;
+    b.stats.dense = b.dense;
+    b.requested_dense = dense;
+  } else if (b.count != buffer->count() || b.requested_dense != dense) {
     int other = -1;
     for (int r = 0; r < L; ++r) {
       if (b.buffers[r] != nullptr) other = r;
     }
     // The bucket can never run: fail it for every local process, now and later.
     b.poisoned = WithClientStatus(
-        absl::InvalidArgumentError(absl::StrCat("buffer '", name, "' has ", buffer->count(),
-                                                " elements on local rank ", p.local_rank,
-                                                " but ", b.count, " on local rank ", other)),
+        absl::InvalidArgumentError(absl::StrCat(
+            "buffer '", name, "' has ", buffer->count(), dense ? " elements (dense)" : " elements",
+            " on local rank ", p.local_rank, " but ", b.count,
+            b.requested_dense ? " (dense)" : "", " on local rank ", other)),
         ClientStatus::kMismatch);
     if (b.submitted > 0) refused->push_back(TakeWork(b));
     return b.poisoned;
@@ -298,7 +303,7 @@ void Engine::Loop() {
       for (const std::string& name : newly_ready_) {
         Bucket& b = buckets_[name];
         b.reported = true;
-        report.push_back({name, kDtypeFloat32, static_cast<int64_t>(b.count)});
+        report.push_back({name, kDtypeFloat32, static_cast<int64_t>(b.count), b.requested_dense});
       }
       newly_ready_.clear();
       if (!schedule_.empty()) {
@@ -331,12 +336,30 @@ void Engine::RunBatch(const control::ScheduleBatch& batch) {
     }
     for (const control::BucketInfo& info : batch.scheduled) {
       Bucket& b = buckets_[info.name];
-      (b.count < options_.dense_floor ? dense : sparse).push_back(TakeWork(b));
+      (b.dense ? dense : sparse).push_back(TakeWork(b));
     }
   }
   for (auto& [w, s] : refused) CompleteWork(w, s);
+  {
+    // While they run, Fail() can answer them (a collective blocked on a peer
+    // that failed may only return at its timeout).
+    absl::MutexLock lock(&mu_);
+    in_flight_.insert(in_flight_.end(), dense.begin(), dense.end());
+    in_flight_.insert(in_flight_.end(), sparse.begin(), sparse.end());
+  }
   if (!dense.empty()) RunFusedDense(dense);
   for (Work& w : sparse) RunSparse(w);
+}
+
+void Engine::FinishWork(const Work& w, const absl::Status& status) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = std::find_if(in_flight_.begin(), in_flight_.end(),
+                           [&](const Work& x) { return x.bucket == w.bucket; });
+    if (it == in_flight_.end()) return;  // Fail() answered it already
+    in_flight_.erase(it);
+  }
+  CompleteWork(w, status);
 }
 
 void Engine::RunSparse(Work& w) {
@@ -345,7 +368,7 @@ void Engine::RunSparse(Work& w) {
   const int L = options_.local_size;
   for (const auto& buf : w.buffers) {
     if (buf == nullptr) {
-      CompleteWork(w, JobFailed(absl::AbortedError(
+      FinishWork(w, JobFailed(absl::AbortedError(
                           absl::StrCat("bucket '", b.name, "': a local process is gone"))));
       return;
     }
@@ -356,7 +379,7 @@ void Engine::RunSparse(Work& w) {
         {membership_.node_count, membership_.node_rank, membership_.world_size}, options_.sparsify,
         ops_);
     if (!state.ok()) {
-      CompleteWork(w, state.status());
+      FinishWork(w, state.status());
       Fail(state.status(), /*report=*/true);
       return;
     }
@@ -366,7 +389,7 @@ void Engine::RunSparse(Work& w) {
     const absl::Status s = WithClientStatus(
         absl::ResourceExhaustedError(absl::StrCat("bucket '", b.name, "': out of memory")),
         ClientStatus::kResource);
-    CompleteWork(w, s);
+    FinishWork(w, s);
     Fail(s, /*report=*/true);
     return;
   }
@@ -388,15 +411,19 @@ void Engine::RunSparse(Work& w) {
       ++b.stats.failures;
     }
     if (ToClientStatus(s) == ClientStatus::kNonFinite) {
-      CompleteWork(w, s);  // this step only; the job goes on
+      FinishWork(w, s);  // this step only; the job goes on
     } else {
       s = WithRootCause(s);
-      CompleteWork(w, JobFailed(s));
+      FinishWork(w, JobFailed(s));
       Fail(s, /*report=*/true);
     }
     return;
   }
   const absl::Time t1 = absl::Now();
+  {
+    absl::MutexLock lock(&mu_);
+    if (!failed_.ok()) return;  // the job failed meanwhile; Fail() answered this work
+  }
   for (const auto& buf : w.buffers) std::memcpy(buf->data(), update_.get(), d * sizeof(float));
   const double writeback = Seconds(t1);
   {
@@ -415,7 +442,7 @@ void Engine::RunSparse(Work& w) {
     s.exchange_seconds += st->exchange_seconds;
     s.writeback_seconds += st->apply_seconds + writeback;
   }
-  CompleteWork(w, absl::OkStatus());
+  FinishWork(w, absl::OkStatus());
 }
 
 void Engine::RunFusedDense(std::vector<Work>& works) {
@@ -426,7 +453,7 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
   if (!fusion_.Reserve(ops_, total + 1) || !scalars.ok()) {
     const absl::Status s = WithClientStatus(
         absl::ResourceExhaustedError("fused dense buffer: out of memory"), ClientStatus::kResource);
-    for (const Work& w : works) CompleteWork(w, s);
+    for (const Work& w : works) FinishWork(w, s);
     Fail(s, /*report=*/true);
     return;
   }
@@ -437,7 +464,7 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
     for (const auto& buf : w.buffers) {
       if (buf == nullptr) {
         const absl::Status s = JobFailed(absl::AbortedError("a local process is gone"));
-        for (const Work& x : works) CompleteWork(x, s);
+        for (const Work& x : works) FinishWork(x, s);
         return;
       }
       inputs.push_back(buf->data());
@@ -474,18 +501,22 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
               "buckets '", absl::StrJoin(names, "', '"), "': NaN or Inf in the gradient on ",
               absl::StrJoin(bad, ", "), "; step skipped")),
           ClientStatus::kNonFinite);
-      for (const Work& w : works) CompleteWork(w, nan);
+      for (const Work& w : works) FinishWork(w, nan);
       return;
     }
   }
   if (!s.ok()) {
     s = WithRootCause(s);
-    for (const Work& w : works) CompleteWork(w, JobFailed(s));
+    for (const Work& w : works) FinishWork(w, JobFailed(s));
     Fail(s, /*report=*/true);
     return;
   }
   const double exchange = Seconds(t1);
   const absl::Time t2 = absl::Now();
+  {
+    absl::MutexLock lock(&mu_);
+    if (!failed_.ok()) return;  // the job failed meanwhile; Fail() answered this work
+  }
   ops_->Divide(fusion_.get(), total, static_cast<float>(membership_.world_size), nullptr, nullptr);
   offset = 0;
   for (const Work& w : works) {
@@ -509,7 +540,7 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
       st.writeback_seconds += writeback * share;
     }
   }
-  for (const Work& w : works) CompleteWork(w, absl::OkStatus());
+  for (const Work& w : works) FinishWork(w, absl::OkStatus());
 }
 
 EngineSnapshot Engine::Snapshot() const {

@@ -83,7 +83,7 @@ class Engine final : public local::LocalHandler {
 
   absl::StatusOr<local::ProcessInfo> OnHello(uint64_t client, int requested_local_rank,
                                              pid_t pid) override;
-  absl::Status OnRegister(uint64_t client, uint32_t buffer_id, const std::string& name,
+  absl::Status OnRegister(uint64_t client, uint32_t buffer_id, const std::string& name, bool dense,
                           std::shared_ptr<local::HostBuffer> buffer) override;
   absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket) override;
   void OnDisconnect(uint64_t client, bool clean, const std::string& why) override;
@@ -99,6 +99,8 @@ class Engine final : public local::LocalHandler {
   struct Bucket {
     std::string name;
     uint64_t count = 0;
+    bool dense = false;            // below the size floor, or asked for by the processes
+    bool requested_dense = false;  // the processes registered it with MICROD_BUFFER_DENSE
     std::vector<std::shared_ptr<local::HostBuffer>> buffers;  // by local rank
     std::vector<uint64_t> clients;                            // by local rank
     std::vector<uint32_t> buffer_ids;                         // by local rank
@@ -119,11 +121,14 @@ class Engine final : public local::LocalHandler {
   };
 
   absl::Status RegisterBuffer(uint64_t client, uint32_t buffer_id, const std::string& name,
-                              std::shared_ptr<local::HostBuffer> buffer, std::vector<Work>* refused);
+                              bool dense, std::shared_ptr<local::HostBuffer> buffer,
+                              std::vector<Work>* refused);
   void Loop();
   void PollLoop();
   void RunBatch(const control::ScheduleBatch& batch);
   void CompleteWork(const Work& w, const absl::Status& status);
+  // Completes work of the running batch unless Fail() already did.
+  void FinishWork(const Work& w, const absl::Status& status);
   // A step failed here: prefer the reason another node gave the coordinator.
   absl::Status WithRootCause(const absl::Status& local);
   void RunSparse(Work& w);
@@ -145,6 +150,7 @@ class Engine final : public local::LocalHandler {
   std::map<std::string, Bucket> buckets_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> newly_ready_ ABSL_GUARDED_BY(mu_);
   std::deque<control::ScheduleBatch> schedule_ ABSL_GUARDED_BY(mu_);  // read, not yet run
+  std::vector<Work> in_flight_ ABSL_GUARDED_BY(mu_);  // the running batch, not yet answered
   uint64_t batches_ ABSL_GUARDED_BY(mu_) = 0;
   uint32_t next_slot_ = 1;  // engine thread only; slot 0 is the fused dense buffer
 

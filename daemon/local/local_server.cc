@@ -423,9 +423,9 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
                                                   "': CUDA buffers need a CUDA build of microd")),
             ClientStatus::kUnsupported));
       }
-      if (r.kind != MICROD_BUFFER_HOST || r.dtype != MICROD_DTYPE_FLOAT32) {
+      if (r.kind != MICROD_BUFFER_HOST || r.dtype != MICROD_DTYPE_FLOAT32 || (r.flags & ~1u) != 0) {
         Refuse(id, kProtocol, absl::StrCat("buffer '", name, "': unknown kind ", r.kind,
-                                           " or dtype ", r.dtype));
+                                           ", dtype ", r.dtype, " or flags ", r.flags));
         return false;
       }
       if (fds.size() != 1) {
@@ -465,7 +465,8 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
             ClientStatus::kResource));
       }
       auto buffer = std::make_shared<HostBuffer>(static_cast<float*>(p), r.count, bytes);
-      absl::Status s = handler_->OnRegister(id, r.buffer_id, name, std::move(buffer));
+      absl::Status s =
+          handler_->OnRegister(id, r.buffer_id, name, (r.flags & 1u) != 0, std::move(buffer));
       if (s.ok()) {
         absl::MutexLock lock(&mu_);
         c.buffers[r.buffer_id] = bytes;

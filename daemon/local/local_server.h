@@ -53,8 +53,9 @@ class LocalHandler {
   virtual ~LocalHandler() = default;
   virtual absl::StatusOr<ProcessInfo> OnHello(uint64_t client, int requested_local_rank,
                                               pid_t pid) = 0;
+  // `dense`: the process asked for this buffer to be reduced without sparsification.
   virtual absl::Status OnRegister(uint64_t client, uint32_t buffer_id, const std::string& name,
-                                  std::shared_ptr<HostBuffer> buffer) = 0;
+                                  bool dense, std::shared_ptr<HostBuffer> buffer) = 0;
   // An error completes the ticket at once with that status.
   virtual absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket) = 0;
   // `clean`: the process said goodbye; otherwise it vanished or misbehaved.

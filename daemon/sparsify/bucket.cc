@@ -65,7 +65,7 @@ absl::StatusOr<std::unique_ptr<BucketState>> BucketState::Create(const BucketSpe
         absl::StrCat("bucket '", spec.name, "' has ", spec.size,
                      " elements; a bucket holds fewer than 2^32 (indices are uint32): split it"));
   }
-  if (spec.slot > 0xFFFFFF) {
+  if (spec.slot >= transport::kMaxTagSlots) {
     return absl::InvalidArgumentError(absl::StrCat("bucket slot ", spec.slot, " out of range"));
   }
   RETURN_IF_ERROR(options.Validate());

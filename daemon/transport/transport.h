@@ -41,6 +41,8 @@ enum class TagKind : uint32_t {
   kHistogram = 4,  // threshold controller histograms
   kDense = 5,      // dense allreduce of a whole bucket
 };
+// Bucket slots are below this (tags stay unique in 32 bits in every backend).
+constexpr uint32_t kMaxTagSlots = 1u << 20;
 constexpr uint32_t MakeTag(uint32_t bucket_slot, TagKind kind) {
   return (bucket_slot << 8) | static_cast<uint32_t>(kind);
 }

@@ -99,6 +99,17 @@ MICROD_API const char* microd_last_error(const microd_client* client);
 /* Job shape as the daemon reported it at connect. Never blocks. */
 MICROD_API microd_status microd_job_info_get(const microd_client* client, microd_job_info* out);
 
+/* Per-buffer options. Set struct_size = sizeof(microd_buffer_options)
+ * (microd_buffer_options_init does) so that fields can be appended. */
+#define MICROD_BUFFER_DENSE 1u /* always reduce this buffer dense (no sparsification) */
+typedef struct microd_buffer_options {
+  size_t struct_size;
+  uint32_t flags; /* MICROD_BUFFER_* */
+} microd_buffer_options;
+
+/* Fills defaults (no flags). Never blocks. */
+MICROD_API void microd_buffer_options_init(microd_buffer_options* options);
+
 /* Allocates `count` fp32 elements in shared memory, registers them with the
  * daemon under `name` (every process of the job registers the same names with
  * the same counts) and returns the buffer to fill in *data and its id in
@@ -107,6 +118,13 @@ MICROD_API microd_status microd_job_info_get(const microd_client* client, microd
 MICROD_API microd_status microd_register_host_buffer(microd_client* client, const char* name,
                                                      uint64_t count, float** data,
                                                      int32_t* buffer_id);
+
+/* microd_register_host_buffer with options (NULL: defaults). Every process
+ * must register a name with the same flags. Blocks. */
+MICROD_API microd_status microd_register_buffer(microd_client* client, const char* name,
+                                                uint64_t count,
+                                                const microd_buffer_options* options,
+                                                float** data, int32_t* buffer_id);
 
 /* Submits the buffer's current contents for averaging and returns at once
  * with a ticket. Do not touch the buffer until microd_wait reports the

@@ -12,7 +12,7 @@
 #include <gloo/allgather.h>
 #include <gloo/allgatherv.h>
 #include <gloo/alltoallv.h>
-#include <gloo/barrier.h>
+#include <gloo/transport/unbound_buffer.h>
 #include <gloo/common/error.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
@@ -46,6 +46,13 @@ absl::Status FromException(const std::exception& e, const char* op, uint32_t tag
 // Up to this many elements an allreduce is an allgather plus a local sum.
 constexpr size_t kSmallAllreduceElements = 4096;
 
+// Gloo matches operations by tag alone and aborts the process when two
+// ranks use one tag for buffers of different sizes. The kind of collective
+// is folded into the Gloo tag, so that ranks calling different collectives
+// (a contract violation) time out instead.
+enum class GlooKind : uint32_t { kAllgather = 1, kAllgatherV = 2, kAlltoallV = 3, kBarrier = 4 };
+uint32_t GlooTag(uint32_t tag, GlooKind kind) { return tag * 8 + static_cast<uint32_t>(kind); }
+
 class GlooTransport final : public Transport {
  public:
   GlooTransport(std::shared_ptr<gloo::Context> context, absl::Duration default_timeout)
@@ -66,12 +73,7 @@ class GlooTransport final : public Transport {
         std::memmove(out, in, bytes);
         return;
       }
-      gloo::AllgatherOptions opts(context_);
-      opts.setInput(static_cast<char*>(const_cast<void*>(in)), bytes);
-      opts.setOutput(static_cast<char*>(out), bytes * size());
-      opts.setTag(o.tag);
-      opts.setTimeout(timeout);
-      gloo::allgather(opts);
+      GatherFixed(const_cast<void*>(in), bytes, out, GlooTag(o.tag, GlooKind::kAllgather), timeout);
     });
   }
 
@@ -87,7 +89,8 @@ class GlooTransport final : public Transport {
       return absl::InvalidArgumentError("AllgatherV: null buffer");
     }
     return Run("AllgatherV", o, [&](std::chrono::milliseconds timeout) {
-      GatherV(in, std::vector<size_t>(recv_bytes.begin(), recv_bytes.end()), out, o.tag, timeout);
+      GatherV(in, std::vector<size_t>(recv_bytes.begin(), recv_bytes.end()), out,
+              GlooTag(o.tag, GlooKind::kAllgatherV), timeout);
     });
   }
 
@@ -110,13 +113,13 @@ class GlooTransport final : public Transport {
     });
   }
 
+  // An allgather of one byte: unlike gloo::barrier it can be aborted.
   absl::Status Barrier(const CollectiveOptions& o) override {
     return Run("Barrier", o, [&](std::chrono::milliseconds timeout) {
       if (size() == 1) return;
-      gloo::BarrierOptions opts(context_);
-      opts.setTag(o.tag);
-      opts.setTimeout(timeout);
-      gloo::barrier(opts);
+      char mine = 1;
+      std::vector<char> all(size());
+      GatherFixed(&mine, 1, all.data(), GlooTag(o.tag, GlooKind::kBarrier), timeout);
     });
   }
 
@@ -125,6 +128,15 @@ class GlooTransport final : public Transport {
       absl::MutexLock lock(&mu_);
       if (broken_.ok()) {
         broken_ = absl::AbortedError(absl::StrCat("gloo transport aborted: ", reason.message()));
+      }
+    }
+    // Wake a collective blocked on this rank.
+    {
+      absl::MutexLock lock(&active_mu_);
+      aborted_ = true;
+      for (gloo::transport::UnboundBuffer* b : active_) {
+        b->abortWaitRecv();
+        b->abortWaitSend();
       }
     }
     // Closing the connections makes a blocked call on this rank fail, and
@@ -156,7 +168,41 @@ class GlooTransport final : public Transport {
     } catch (const std::exception& e) {
       return Break(FromException(e, op, o.tag));
     }
-    return absl::OkStatus();
+    absl::MutexLock lock(&mu_);
+    return broken_;  // an abort during the call fails it even if Gloo returned
+  }
+
+  // Buffers of the collective in flight are tracked so that Abort can wake
+  // it: gloo has no cancellation, but its buffers' waits can be aborted.
+  // Declare an ActiveScope after the collective's options object, so that the
+  // buffers are untracked before the options free them.
+  struct ActiveScope {
+    GlooTransport* t;
+    ~ActiveScope() {
+      absl::MutexLock lock(&t->active_mu_);
+      t->active_.clear();
+    }
+  };
+  std::unique_ptr<gloo::transport::UnboundBuffer> Track(void* ptr, size_t bytes) {
+    auto b = context_->createUnboundBuffer(ptr, bytes);
+    absl::MutexLock lock(&active_mu_);
+    active_.push_back(b.get());
+    if (aborted_) {
+      b->abortWaitRecv();
+      b->abortWaitSend();
+    }
+    return b;
+  }
+
+  void GatherFixed(void* in, size_t bytes, void* out, uint32_t tag,
+                   std::chrono::milliseconds timeout) {
+    gloo::AllgatherOptions opts(context_);
+    ActiveScope scope{this};
+    opts.setInput<char>(Track(in, bytes));
+    opts.setOutput<char>(Track(out, bytes * size()));
+    opts.setTag(tag);
+    opts.setTimeout(timeout);
+    gloo::allgather(opts);
   }
 
   absl::Status Break(absl::Status status) {
@@ -175,10 +221,10 @@ class GlooTransport final : public Transport {
       return;
     }
     gloo::AllgathervOptions opts(context_);
+    ActiveScope scope{this};
     char dummy = 0;
-    opts.setInput(bytes[rank()] > 0 ? static_cast<char*>(const_cast<void*>(in)) : &dummy,
-                  bytes[rank()]);
-    opts.setOutput(static_cast<char*>(out), std::move(bytes));
+    opts.setInput<char>(Track(bytes[rank()] > 0 ? const_cast<void*>(in) : &dummy, bytes[rank()]));
+    opts.setOutput<char>(Track(out, total), std::move(bytes));
     opts.setTag(tag);
     opts.setTimeout(timeout);
     gloo::allgatherv(opts);
@@ -192,12 +238,7 @@ class GlooTransport final : public Transport {
       // Small: one allgather, then every rank sums all contributions in rank
       // order (one round instead of two).
       std::vector<T> all(count * n);
-      gloo::AllgatherOptions opts(context_);
-      opts.setInput(data, count);
-      opts.setOutput(all.data(), count * n);
-      opts.setTag(tag);
-      opts.setTimeout(timeout);
-      gloo::allgather(opts);
+      GatherFixed(data, count * sizeof(T), all.data(), GlooTag(tag, GlooKind::kAllgather), timeout);
       std::memcpy(data, all.data(), count * sizeof(T));
       for (int q = 1; q < n; ++q) {
         const T* in = all.data() + q * count;
@@ -216,9 +257,10 @@ class GlooTransport final : public Transport {
       std::vector<int64_t> send_counts(chunk.begin(), chunk.end());
       std::vector<int64_t> recv_counts(n, static_cast<int64_t>(chunk[r]));
       gloo::AlltoallvOptions opts(context_);
-      opts.setInput(data, send_counts);
-      opts.setOutput(recv.data(), recv_counts);
-      opts.setTag(tag);
+      ActiveScope scope{this};
+      opts.setInput<T>(Track(data, count * sizeof(T)), send_counts);
+      opts.setOutput<T>(Track(recv.data(), chunk[r] * n * sizeof(T)), recv_counts);
+      opts.setTag(GlooTag(tag, GlooKind::kAlltoallV));
       opts.setTimeout(timeout);
       gloo::alltoallv(opts);
     }
@@ -232,13 +274,16 @@ class GlooTransport final : public Transport {
     }
     std::vector<size_t> bytes(n);
     for (int j = 0; j < n; ++j) bytes[j] = chunk[j] * sizeof(T);
-    GatherV(sum.data(), std::move(bytes), data, tag, timeout);
+    GatherV(sum.data(), std::move(bytes), data, GlooTag(tag, GlooKind::kAllgatherV), timeout);
   }
 
   std::shared_ptr<gloo::Context> context_;
   const absl::Duration default_timeout_;
   absl::Mutex mu_;
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex active_mu_;
+  std::vector<gloo::transport::UnboundBuffer*> active_ ABSL_GUARDED_BY(active_mu_);
+  bool aborted_ ABSL_GUARDED_BY(active_mu_) = false;
 };
 
 void IgnoreSigpipe() {
