@@ -12,14 +12,11 @@ PACKAGES=(
   libprotobuf-dev protobuf-compiler
   libgrpc++-dev protobuf-compiler-grpc
   libgloo-dev
+  # Python side: the binding's tests, the PyTorch integration and the demo
+  # (Debian's interpreter, /usr/bin/python3).
+  python3 python3-numpy python3-torch python3-matplotlib python3-pytest
+  dataset-fashion-mnist
 )
-
-# Optional groups, selected with flags, so that `make test` on CI does not pull
-# what only the demo needs until the demo needs it.
-if [[ "${1:-}" == "--python" || "${MICROD_DEPS_PYTHON:-0}" == "1" ]]; then
-  PACKAGES+=(python3 python3-numpy python3-torch python3-matplotlib python3-pytest
-             dataset-fashion-mnist)
-fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -1,0 +1,280 @@
+"""microd: hand gradient buffers to the node's microd daemon (ctypes binding).
+
+    import microd
+    with microd.Client() as c:                 # socket from $MICROD_SOCKET
+        buf = c.register("grads", 1000)        # shared memory, zero copy
+        buf.array[:] = gradients               # numpy view (buf.tensor(): torch)
+        c.allreduce(buf)                       # buf.array now holds the update
+
+Every non-OK status of the C library raises the MicrodError subclass of its
+code, carrying the daemon's message.
+"""
+import ctypes
+import ctypes.util
+import enum
+import os
+
+import numpy as np
+
+__all__ = [
+    "Status", "MicrodError", "InvalidArgumentError", "UnavailableError", "TimeoutError",
+    "MismatchError", "JobFailedError", "UnsupportedError", "ProtocolError", "ResourceError",
+    "PermissionDeniedError", "NonFiniteError", "InternalError", "ClosedError",
+    "Client", "Buffer", "JobInfo", "library_path",
+]
+
+
+class Status(enum.IntEnum):
+    """Values of microd_status (client/include/microd/microd.h)."""
+    OK = 0
+    INVALID_ARGUMENT = 1
+    UNAVAILABLE = 2
+    TIMEOUT = 3
+    MISMATCH = 4
+    JOB_FAILED = 5
+    UNSUPPORTED = 6
+    PROTOCOL = 7
+    RESOURCE = 8
+    PERMISSION = 9
+    NONFINITE = 10
+    INTERNAL = 11
+    CLOSED = 12
+
+
+class MicrodError(Exception):
+    """A microd call failed; `status` is the Status, `message` the daemon's text."""
+    status = None
+
+    def __init__(self, status, message):
+        super().__init__(f"{Status(status).name if status in Status._value2member_map_ else status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class InvalidArgumentError(MicrodError): pass
+class UnavailableError(MicrodError): pass
+class TimeoutError(MicrodError): pass  # noqa: A001 (mirrors the C name)
+class MismatchError(MicrodError): pass
+class JobFailedError(MicrodError): pass
+class UnsupportedError(MicrodError): pass
+class ProtocolError(MicrodError): pass
+class ResourceError(MicrodError): pass
+class PermissionDeniedError(MicrodError): pass
+class NonFiniteError(MicrodError): pass
+class InternalError(MicrodError): pass
+class ClosedError(MicrodError): pass
+
+
+_ERRORS = {
+    Status.INVALID_ARGUMENT: InvalidArgumentError,
+    Status.UNAVAILABLE: UnavailableError,
+    Status.TIMEOUT: TimeoutError,
+    Status.MISMATCH: MismatchError,
+    Status.JOB_FAILED: JobFailedError,
+    Status.UNSUPPORTED: UnsupportedError,
+    Status.PROTOCOL: ProtocolError,
+    Status.RESOURCE: ResourceError,
+    Status.PERMISSION: PermissionDeniedError,
+    Status.NONFINITE: NonFiniteError,
+    Status.INTERNAL: InternalError,
+    Status.CLOSED: ClosedError,
+}
+
+BUFFER_DENSE = 1
+
+
+class _Options(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("socket_path", ctypes.c_char_p),
+                ("local_rank", ctypes.c_int32), ("timeout_ms", ctypes.c_int32)]
+
+
+class _BufferOptions(ctypes.Structure):
+    _fields_ = [("struct_size", ctypes.c_size_t), ("flags", ctypes.c_uint32)]
+
+
+class _JobInfo(ctypes.Structure):
+    _fields_ = [("rank", ctypes.c_int32), ("world_size", ctypes.c_int32),
+                ("local_rank", ctypes.c_int32), ("local_size", ctypes.c_int32),
+                ("node_rank", ctypes.c_int32), ("node_count", ctypes.c_int32)]
+
+
+def library_path():
+    """Where libmicrod is loaded from (first match wins)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    candidates = [os.environ.get("MICROD_LIBRARY", ""),
+                  os.path.join(here, "libmicrod.so"),
+                  os.path.join(here, "..", "..", "..", "build", "client", "libmicrod.so"),
+                  os.path.join(here, "..", "..", "..", "lib", "libmicrod.so")]
+    for c in candidates:
+        if c and os.path.exists(c):
+            return os.path.abspath(c)
+    found = ctypes.util.find_library("microd")
+    if found:
+        return found
+    raise OSError("libmicrod not found: build it (make test) or set MICROD_LIBRARY")
+
+
+_lib = None
+
+
+def _library():
+    global _lib
+    if _lib is None:
+        lib = ctypes.CDLL(library_path())
+        c = ctypes
+        lib.microd_version.restype = c.c_int
+        lib.microd_status_string.restype = c.c_char_p
+        lib.microd_status_string.argtypes = [c.c_int]
+        lib.microd_options_init.argtypes = [c.POINTER(_Options)]
+        lib.microd_connect.argtypes = [c.POINTER(_Options), c.POINTER(c.c_void_p)]
+        lib.microd_last_error.restype = c.c_char_p
+        lib.microd_last_error.argtypes = [c.c_void_p]
+        lib.microd_job_info_get.argtypes = [c.c_void_p, c.POINTER(_JobInfo)]
+        lib.microd_buffer_options_init.argtypes = [c.POINTER(_BufferOptions)]
+        lib.microd_register_buffer.argtypes = [c.c_void_p, c.c_char_p, c.c_uint64,
+                                               c.POINTER(_BufferOptions),
+                                               c.POINTER(c.POINTER(c.c_float)),
+                                               c.POINTER(c.c_int32)]
+        lib.microd_allreduce_async.argtypes = [c.c_void_p, c.c_int32, c.POINTER(c.c_uint64)]
+        lib.microd_wait.argtypes = [c.c_void_p, c.c_uint64, c.c_int32]
+        lib.microd_close.argtypes = [c.c_void_p]
+        _lib = lib
+    return _lib
+
+
+def version():
+    return _library().microd_version()
+
+
+class JobInfo:
+    def __init__(self, info):
+        self.rank = info.rank
+        self.world_size = info.world_size
+        self.local_rank = info.local_rank
+        self.local_size = info.local_size
+        self.node_rank = info.node_rank
+        self.node_count = info.node_count
+
+    def __repr__(self):
+        return (f"JobInfo(rank={self.rank}, world_size={self.world_size}, "
+                f"local_rank={self.local_rank}, local_size={self.local_size}, "
+                f"node_rank={self.node_rank}, node_count={self.node_count})")
+
+
+class Buffer:
+    """A registered buffer: `array` is a float32 numpy view of the shared
+    memory (valid until the client closes); `tensor()` a torch view of it."""
+
+    def __init__(self, client, name, buffer_id, array, dense):
+        self.client = client
+        self.name = name
+        self.id = buffer_id
+        self.array = array
+        self.dense = dense
+
+    @property
+    def count(self):
+        return self.array.shape[0]
+
+    def tensor(self):
+        import torch
+        return torch.from_numpy(self.array)
+
+    def __repr__(self):
+        return f"Buffer({self.name!r}, count={self.count}, id={self.id})"
+
+
+class Client:
+    """A connection to this node's microd (one per training process)."""
+
+    def __init__(self, socket_path=None, local_rank=-1, timeout_ms=60000):
+        lib = _library()
+        opts = _Options()
+        lib.microd_options_init(ctypes.byref(opts))
+        self._socket = socket_path.encode() if socket_path else None
+        opts.socket_path = self._socket
+        opts.local_rank = local_rank
+        opts.timeout_ms = timeout_ms
+        handle = ctypes.c_void_p()
+        status = lib.microd_connect(ctypes.byref(opts), ctypes.byref(handle))
+        if status != Status.OK:
+            raise _error(status, lib.microd_last_error(None))
+        self._handle = handle
+        info = _JobInfo()
+        self._check(lib.microd_job_info_get(handle, ctypes.byref(info)))
+        self.job = JobInfo(info)
+        self.buffers = {}
+
+    # Job shape.
+    rank = property(lambda self: self.job.rank)
+    world_size = property(lambda self: self.job.world_size)
+    local_rank = property(lambda self: self.job.local_rank)
+    local_size = property(lambda self: self.job.local_size)
+    node_rank = property(lambda self: self.job.node_rank)
+    node_count = property(lambda self: self.job.node_count)
+
+    def _check(self, status):
+        if status != Status.OK:
+            raise _error(status, _library().microd_last_error(self._live()))
+
+    def _live(self):
+        if self._handle is None:
+            raise ClosedError(Status.CLOSED, "the client is closed")
+        return self._handle
+
+    def register(self, name, count, dense=False):
+        """Allocates `count` float32 elements in shared memory and registers
+        them under `name` (the same on every process). `dense`: never sparsify."""
+        if name in self.buffers:
+            raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"buffer '{name}' already registered")
+        lib = _library()
+        opts = _BufferOptions()
+        lib.microd_buffer_options_init(ctypes.byref(opts))
+        opts.flags = BUFFER_DENSE if dense else 0
+        data = ctypes.POINTER(ctypes.c_float)()
+        buffer_id = ctypes.c_int32(-1)
+        self._check(lib.microd_register_buffer(self._live(), name.encode(), int(count),
+                                               ctypes.byref(opts), ctypes.byref(data),
+                                               ctypes.byref(buffer_id)))
+        array = np.ctypeslib.as_array(data, shape=(int(count),))
+        buf = Buffer(self, name, buffer_id.value, array, dense)
+        self.buffers[name] = buf
+        return buf
+
+    def allreduce_async(self, buffer):
+        """Submits the buffer; returns a ticket for wait()."""
+        ticket = ctypes.c_uint64(0)
+        self._check(_library().microd_allreduce_async(self._live(), buffer.id, ctypes.byref(ticket)))
+        return ticket.value
+
+    def wait(self, ticket, timeout_ms=-1):
+        """Waits for a ticket (timeout_ms < 0: no limit). Releases the GIL."""
+        self._check(_library().microd_wait(self._live(), ticket, int(timeout_ms)))
+
+    def allreduce(self, buffer, timeout_ms=-1):
+        self.wait(self.allreduce_async(buffer), timeout_ms)
+
+    def close(self):
+        if self._handle is not None:
+            for b in self.buffers.values():
+                b.array = None
+            _library().microd_close(self._handle)
+            self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _error(status, message):
+    text = message.decode(errors="replace") if isinstance(message, bytes) else str(message)
+    cls = _ERRORS.get(status, MicrodError)
+    return cls(status, text)

@@ -1,0 +1,208 @@
+"""PyTorch integration: a Horovod-like DistributedOptimizer, parameter
+broadcast, and a communication hook for DistributedDataParallel.
+
+    import microd.torch as mt
+    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                  model.named_parameters())
+    mt.broadcast_parameters(model.state_dict(), root_rank=0)
+    ...
+    loss.backward()      # buckets are submitted as backward produces them
+    opt.step()           # waits for the averaged (sparsified) gradients
+
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(mt.MicrodHookState(), mt.comm_hook)
+"""
+import concurrent.futures
+import threading
+
+import torch
+
+import microd
+
+__all__ = ["DistributedOptimizer", "broadcast_parameters", "MicrodHookState", "comm_hook",
+           "default_client"]
+
+_default = None
+_default_lock = threading.Lock()
+
+
+def default_client():
+    """One Client per process, connected on first use ($MICROD_SOCKET)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = microd.Client()
+        return _default
+
+
+class _Bucket:
+    def __init__(self, client, name, params):
+        self.params = params
+        self.offsets = []
+        total = 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.buffer = client.register(name, total)
+        self.flat = self.buffer.tensor()
+        self.ready = set()
+        self.ticket = None
+
+    def slice(self, i):
+        p = self.params[i]
+        return self.flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+
+
+class DistributedOptimizer:
+    """Wraps an optimizer: gradients are grouped into buckets in registered
+    shared memory (in reverse parameter order, about the order backward
+    produces them), each bucket is submitted to microd as soon as backward
+    has produced all of its gradients, and step() waits for them, writes the
+    averaged sparse update into .grad and runs the wrapped optimizer."""
+
+    def __init__(self, optimizer, named_parameters, client=None, bucket_cap_mb=25,
+                 timeout_ms=600000, prefix="grads"):
+        self.optimizer = optimizer
+        self.client = client or default_client()
+        self.timeout_ms = timeout_ms
+        named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        if not named:
+            raise ValueError("DistributedOptimizer: no parameters that require gradients")
+        cap = max(1, int(bucket_cap_mb * 1024 * 1024 / 4))
+        groups, current, size = [], [], 0
+        for _, p in reversed(named):
+            if current and size + p.numel() > cap:
+                groups.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += p.numel()
+        groups.append(current)
+        self.buckets = [_Bucket(self.client, f"{prefix}.{i}", g) for i, g in enumerate(groups)]
+        self._where = {}
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                self._where[p] = (b, i)
+                p.register_hook(self._make_hook(p))
+        self._lock = threading.Lock()
+
+    def _make_hook(self, p):
+        def hook(grad):
+            b, i = self._where[p]
+            b.slice(i).copy_(grad)
+            with self._lock:
+                b.ready.add(i)
+                if len(b.ready) == len(b.params) and b.ticket is None:
+                    b.ticket = self.client.allreduce_async(b.buffer)
+            return grad
+        return hook
+
+    def synchronize(self):
+        """Submits what backward did not (parameters without gradients count
+        as zero), waits for every bucket and writes the updates into .grad."""
+        for b in self.buckets:
+            with self._lock:
+                if b.ticket is None:
+                    for i in range(len(b.params)):
+                        if i not in b.ready:
+                            b.slice(i).zero_()
+                    b.ticket = self.client.allreduce_async(b.buffer)
+        try:
+            for b in self.buckets:
+                self.client.wait(b.ticket, self.timeout_ms)
+        finally:
+            for b in self.buckets:
+                b.ticket = None
+                b.ready.clear()
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                if p.grad is None:
+                    p.grad = b.slice(i).clone()
+                else:
+                    p.grad.copy_(b.slice(i))
+
+    def step(self, closure=None):
+        self.synchronize()
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none=False):
+        return self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name):
+        return getattr(self.optimizer, name)
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        return self.optimizer.load_state_dict(state)
+
+
+def broadcast_parameters(params, root_rank=0, client=None, timeout_ms=600000):
+    """Makes every process hold root_rank's values of `params` (a state_dict
+    or an iterable of (name, tensor)), through one dense allreduce in which
+    only the root contributes. Every process ends with identical values."""
+    client = client or default_client()
+    items = sorted(params.items()) if isinstance(params, dict) else sorted(params)
+    tensors = [t for _, t in items if torch.is_tensor(t) and t.is_floating_point()]
+    total = sum(t.numel() for t in tensors)
+    if total == 0:
+        return
+    name = f"microd.broadcast.{total}"
+    buf = client.buffers.get(name) or client.register(name, total, dense=True)
+    flat = buf.tensor()
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        if client.rank == root_rank:
+            flat[offset:offset + n].copy_(t.detach().reshape(-1).float())
+        else:
+            flat[offset:offset + n].zero_()
+        offset += n
+    client.allreduce(buf, timeout_ms)
+    flat.mul_(client.world_size)  # the daemon averages: undo the 1 / W
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view_as(t))
+            offset += n
+
+
+class MicrodHookState:
+    """State of comm_hook: the client and one registered buffer per DDP bucket."""
+
+    def __init__(self, client=None, prefix="ddp", timeout_ms=600000):
+        self.client = client or default_client()
+        self.prefix = prefix
+        self.timeout_ms = timeout_ms
+        self.buffers = {}
+        self.waiter = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                            thread_name_prefix="microd-hook")
+
+
+def comm_hook(state, bucket):
+    """DistributedDataParallel communication hook: averages the bucket through
+    microd (sparsified as the daemons are configured) and returns a future of
+    the averaged tensor."""
+    tensor = bucket.buffer() if hasattr(bucket, "buffer") else bucket.get_tensor()
+    # DDP may rebuild its buckets after the first iteration: key by size too.
+    key = (bucket.index(), tensor.numel())
+    buf = state.buffers.get(key)
+    if buf is None:
+        buf = state.client.register(f"{state.prefix}.{key[0]}.{key[1]}", key[1])
+        state.buffers[key] = buf
+    flat = buf.tensor()
+    flat.copy_(tensor.detach().reshape(-1))
+    ticket = state.client.allreduce_async(buf)
+    fut = torch.futures.Future()
+
+    def wait():
+        try:
+            state.client.wait(ticket, state.timeout_ms)
+            tensor.copy_(flat.view_as(tensor))
+            fut.set_result(tensor)
+        except Exception as e:  # delivered to DDP through the future
+            fut.set_exception(e)
+
+    state.waiter.submit(wait)
+    return fut

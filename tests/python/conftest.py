@@ -1,0 +1,115 @@
+"""Fixtures for the Python tests: a local cluster of microd daemons."""
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+BUILD = os.environ.get("MICROD_BUILD_DIR", os.path.join(ROOT, "build"))
+MICROD = os.path.join(BUILD, "daemon", "microd")
+PYTHON = "/usr/bin/python3"
+sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+os.environ.setdefault("MICROD_LIBRARY", os.path.join(BUILD, "client", "libmicrod.so"))
+
+
+def _wait_file(path, proc, timeout=30.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if os.path.exists(path) and os.path.getsize(path) > 0:
+            return open(path).read().strip()
+        if proc.poll() is not None:
+            raise RuntimeError(f"microd exited with {proc.returncode}")
+        time.sleep(0.02)
+    raise RuntimeError(f"timed out waiting for {path}")
+
+
+class Cluster:
+    """`nodes` daemons on loopback, `local` training processes each."""
+
+    def __init__(self, nodes, local=1, args=()):
+        self.nodes, self.local = nodes, local
+        self.dir = tempfile.mkdtemp(prefix="microd-py-")
+        self.procs = []
+        coordinator = None
+        for r in range(nodes):
+            cmd = [MICROD, f"--socket={self.socket(r)}", f"--local_size={local}",
+                   f"--nodes={nodes}", f"--node_rank={r}", f"--node_name=node{r}",
+                   "--admin=127.0.0.1:0", f"--admin_port_file={self.dir}/admin{r}",
+                   "--peer_timeout_ms=3000", "--timeout_ms=30000", *args]
+            if r == 0:
+                cmd += ["--coordinator_listen=127.0.0.1:0",
+                        f"--coordinator_port_file={self.dir}/coordinator"]
+            else:
+                cmd += [f"--coordinator=127.0.0.1:{coordinator}"]
+            log = open(os.path.join(self.dir, f"microd{r}.log"), "w")
+            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+            if r == 0:
+                coordinator = _wait_file(f"{self.dir}/coordinator", self.procs[0])
+        for r in range(nodes):
+            _wait_file(f"{self.dir}/admin{r}", self.procs[r])
+        deadline = time.time() + 30
+        while not all(os.path.exists(self.socket(r)) for r in range(nodes)):
+            if time.time() > deadline:
+                raise RuntimeError("daemons did not open their sockets")
+            time.sleep(0.02)
+
+    def socket(self, r):
+        return os.path.join(self.dir, f"node{r}", "microd.sock")
+
+    def env(self, node, local_rank):
+        env = dict(os.environ)
+        env["MICROD_SOCKET"] = self.socket(node)
+        env["MICROD_LOCAL_RANK"] = str(local_rank)
+        env["PYTHONPATH"] = os.path.join(ROOT, "client", "python")
+        env["OMP_NUM_THREADS"] = "1"
+        return env
+
+    def run(self, script, args, timeout=300):
+        """Runs one copy of a Python script per training process; returns outputs."""
+        procs = []
+        for r in range(self.nodes):
+            for l in range(self.local):
+                rank = r * self.local + l
+                procs.append(subprocess.Popen(
+                    [PYTHON, script, *[a.format(rank=rank) for a in args]],
+                    env=self.env(r, l), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    text=True))
+        outputs = []
+        deadline = time.time() + timeout
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=max(1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise
+            outputs.append((p.returncode, out))
+        return outputs
+
+    def stop(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture
+def make_cluster():
+    made = []
+
+    def make(nodes, local=1, args=()):
+        c = Cluster(nodes, local, args)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()

@@ -1,0 +1,73 @@
+"""The ctypes binding: statuses map to exceptions, buffers are zero-copy
+views, and a dead daemon gives a clear error instead of a hang."""
+import math
+import time
+
+import numpy as np
+import pytest
+
+import microd
+
+
+def test_every_status_has_its_exception_class():
+    for status in microd.Status:
+        if status == microd.Status.OK:
+            continue
+        err = microd._error(int(status), b"message")
+        assert isinstance(err, microd.MicrodError)
+        assert err.status == status
+        assert err.message == "message"
+        assert type(err) is not microd.MicrodError
+    assert isinstance(microd._error(5, b"x"), microd.JobFailedError)
+    assert isinstance(microd._error(4, b"x"), microd.MismatchError)
+
+
+def test_no_daemon_is_unavailable_quickly():
+    start = time.time()
+    with pytest.raises(microd.UnavailableError) as info:
+        microd.Client(socket_path="/nonexistent/microd.sock", timeout_ms=200)
+    assert time.time() - start < 3
+    assert "/nonexistent/microd.sock" in str(info.value)
+
+
+def test_register_allreduce_and_errors(make_cluster):
+    cluster = make_cluster(1)
+    with microd.Client(socket_path=cluster.socket(0)) as c:
+        assert (c.rank, c.world_size, c.local_size) == (0, 1, 1)
+        with pytest.raises(microd.InvalidArgumentError):
+            c.register("empty", 0)
+        with pytest.raises(microd.InvalidArgumentError):
+            c.register("huge", 1 << 32)
+        buf = c.register("w", 1000)
+        with pytest.raises(microd.InvalidArgumentError):
+            c.register("w", 1000)
+        buf.array[:] = np.arange(1000, dtype=np.float32)
+        c.allreduce(buf, 30000)
+        np.testing.assert_array_equal(buf.array, np.arange(1000, dtype=np.float32))
+        # The torch view shares the memory.
+        t = buf.tensor()
+        t[0] = 42.0
+        assert buf.array[0] == 42.0
+        buf.array[5] = math.nan
+        with pytest.raises(microd.NonFiniteError) as info:
+            c.allreduce(buf, 30000)
+        assert "'w'" in str(info.value)
+        buf.array[5] = 1.0
+        c.allreduce(buf, 30000)
+
+
+def test_dead_daemon_is_a_clear_error_not_a_hang(make_cluster):
+    cluster = make_cluster(1)
+    c = microd.Client(socket_path=cluster.socket(0))
+    buf = c.register("w", 100)
+    c.allreduce(buf, 30000)
+    cluster.procs[0].kill()
+    cluster.procs[0].wait()
+    start = time.time()
+    with pytest.raises(microd.UnavailableError) as info:
+        c.allreduce(buf, 30000)
+    assert time.time() - start < 5
+    assert "daemon" in str(info.value)
+    c.close()
+    with pytest.raises(microd.ClosedError):
+        c.allreduce(buf)

@@ -1,0 +1,87 @@
+"""One training process of the PyTorch tests.
+
+    torch_worker.py MODE OUT [STEPS] [DENSITY]
+MODE: ddp-gloo (plain DDP, Gloo allreduce), ddp-microd (DDP + microd.torch.comm_hook),
+optimizer (microd.torch.DistributedOptimizer), train (a short real training run).
+Writes the final parameters (and, for `optimizer`, each step's local gradient
+and received update) to OUT as .npz."""
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import microd
+import microd.torch as mt
+
+mode, out = sys.argv[1], sys.argv[2]
+steps = int(sys.argv[3]) if len(sys.argv) > 3 else 5
+torch.set_num_threads(1)
+
+client = mt.default_client()
+rank, world = client.rank, client.world_size
+
+
+def model_and_data(seed_data):
+    torch.manual_seed(0)  # same initial model everywhere
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(1000 + seed_data)
+    x = torch.randn(steps * 16, 20, generator=g)
+    y = torch.randint(0, 4, (steps * 16,), generator=g)
+    return model, x, y
+
+
+if mode in ("ddp-gloo", "ddp-microd"):
+    store = dist.FileStore(os.environ["TEST_STORE"], world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    model, x, y = model_and_data(rank)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if mode == "ddp-microd":
+        ddp.register_comm_hook(mt.MicrodHookState(client), mt.comm_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for s in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ddp(x[s * 16:(s + 1) * 16]), y[s * 16:(s + 1) * 16])
+        loss.backward()
+        opt.step()
+    np.savez(out, *[p.detach().numpy() for p in model.parameters()])
+    dist.destroy_process_group()
+elif mode == "optimizer":
+    model, x, y = model_and_data(rank)
+    mt.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  model.named_parameters())
+    grads, updates = [], []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[s * 16:(s + 1) * 16]), y[s * 16:(s + 1) * 16])
+        loss.backward()
+        bucket = opt.buckets[0]
+        grads.append(torch.cat([p.grad.reshape(-1) for p in bucket.params]).numpy().copy())
+        opt.step()
+        updates.append(torch.cat([p.grad.reshape(-1) for p in bucket.params]).numpy().copy())
+    np.savez(out, grads=np.stack(grads), updates=np.stack(updates),
+             params=np.concatenate([p.detach().reshape(-1).numpy() for p in model.parameters()]))
+elif mode == "train":
+    # A learnable problem: 8 Gaussian blobs in 32 dimensions, each process its own shard.
+    torch.manual_seed(0)
+    centers = torch.randn(8, 32) * 2
+    g = torch.Generator().manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    mt.broadcast_parameters(model.state_dict())
+    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                  model.named_parameters())
+    losses = []
+    for s in range(steps):
+        yb = torch.randint(0, 8, (32,), generator=g)
+        xb = centers[yb] + torch.randn(32, 32, generator=g)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(xb), yb)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    np.savez(out, losses=np.array(losses))
+else:
+    sys.exit(f"unknown mode {mode}")
+client.close()
