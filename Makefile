@@ -1,6 +1,7 @@
 # Thin wrapper: everything real lives in CMake and scripts/.
 #   make test   installs what is missing, configures, builds and runs every test
-#   make demo   the main job (today: the MiCRO simulator, paper vs ours)
+#   make demo   the main job: Fashion-MNIST through a local cluster, MiCRO vs dense
+#               (DEMO_ARGS="--epochs 5 --density 0.001" etc.)
 #   make bench  benchmark programs (figures printed beside their baselines)
 BUILD ?= build
 JOBS ?= $(shell nproc)
@@ -23,7 +24,7 @@ test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
 
 demo: build
-	bash scripts/demo.sh $(BUILD)
+	bash scripts/demo.sh $(BUILD) $(DEMO_ARGS)
 
 bench: build
 	mkdir -p results/bench

@@ -7,7 +7,8 @@
 # failing copy's.
 #
 #   deploy/local/launch.sh [--nodes N] [--local L] [--logs DIR] [--microd PATH]
-#                          [--daemon-arg ARG]... -- PROGRAM [ARGS...]
+#                          [--daemon-arg ARG]... [--show-first] -- PROGRAM [ARGS...]
+# --show-first also shows the first copy's output (node 0, local rank 0).
 set -euo pipefail
 
 NODES=4
@@ -16,6 +17,7 @@ LOGS=""
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 MICROD=${MICROD_BIN:-$ROOT/build/daemon/microd}
 DAEMON_ARGS=()
+SHOW_FIRST=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --nodes) NODES=$2; shift 2 ;;
@@ -23,8 +25,9 @@ while [[ $# -gt 0 ]]; do
     --logs) LOGS=$2; shift 2 ;;
     --microd) MICROD=$2; shift 2 ;;
     --daemon-arg) DAEMON_ARGS+=("$2"); shift 2 ;;
+    --show-first) SHOW_FIRST=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -98,9 +101,14 @@ echo "launch.sh: $NODES daemons up (admin ports ${ADMIN_PORTS[*]}; logs in $LOGS
 
 for ((r = 0; r < NODES; r++)); do
   for ((l = 0; l < LOCAL; l++)); do
-    MICROD_SOCKET=$RUN/sock/node$r/microd.sock MICROD_LOCAL_RANK=$l \
-      MICROD_ADMIN=127.0.0.1:${ADMIN_PORTS[$r]} \
-      "$@" > "$LOGS/program-node$r-local$l.log" 2>&1 &
+    log="$LOGS/program-node$r-local$l.log"
+    if [[ $SHOW_FIRST -eq 1 && $r -eq 0 && $l -eq 0 ]]; then
+      MICROD_SOCKET=$RUN/sock/node$r/microd.sock MICROD_LOCAL_RANK=$l \
+        MICROD_ADMIN=127.0.0.1:${ADMIN_PORTS[$r]} "$@" > >(tee "$log" >&2) 2>&1 &
+    else
+      MICROD_SOCKET=$RUN/sock/node$r/microd.sock MICROD_LOCAL_RANK=$l \
+        MICROD_ADMIN=127.0.0.1:${ADMIN_PORTS[$r]} "$@" > "$log" 2>&1 &
+    fi
     PROGRAMS+=($!)
   done
 done
