@@ -107,6 +107,11 @@ class SparseOps {
                                     uint32_t first_bin, uint32_t num_bins, int64_t* bins,
                                     void* stream) = 0;
 
+  // Momentum correction: velocity_out = beta * velocity_in + grad (may alias
+  // velocity_in; not grad).
+  virtual KernelStatus Momentum(const float* grad, const float* velocity_in, float beta,
+                                float* velocity_out, uint64_t size, void* stream) = 0;
+
   // out[j] = acc[index[j]] for j in [0, count).
   virtual KernelStatus Gather(const float* acc, const uint32_t* index, uint64_t count, float* out,
                               void* stream) = 0;

@@ -100,6 +100,11 @@ absl::Status BucketState::Allocate() {
     candidate_value_.Reset(ops_, std::max<uint64_t>(capacity, 1));
     ok = ok && residual_[0].ok() && residual_[1].ok() && candidate_index_.ok() &&
          candidate_value_.ok();
+    if (options_.momentum > 0) {
+      velocity_[0].Reset(ops_, d);
+      velocity_[1].Reset(ops_, d);
+      ok = ok && velocity_[0].ok() && velocity_[1].ok();
+    }
   }
   if (!ok) {
     return absl::ResourceExhaustedError(
@@ -220,6 +225,22 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, float* acc, float* update,
   return absl::OkStatus();
 }
 
+absl::StatusOr<const float*> BucketState::Accumulated(const float* grad) {
+  if (options_.momentum <= 0) return grad;
+  float* next = velocity_[1 - current_].get();
+  RETURN_IF_ERROR(Check(ops_->Momentum(grad, velocity_[current_].get(),
+                                       static_cast<float>(options_.momentum), next, spec_.size,
+                                       stream_),
+                        "momentum"));
+  return next;
+}
+
+absl::Status BucketState::MaskVelocity(uint64_t K) {
+  if (options_.momentum <= 0) return absl::OkStatus();
+  return Check(ops_->ZeroAt(velocity_[1 - current_].get(), global_index_.get(), K, stream_),
+               "velocity masking");
+}
+
 absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* update,
                                                  transport::Transport& transport,
                                                  absl::Time deadline) {
@@ -231,9 +252,10 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
   const Range part = PartitionRange(spec_.size, n, OwnedPartition(job_.node_rank, step_, n));
   float* acc = residual_[1 - current_].get();
   const float pass_threshold = controller_->PassThreshold();
+  ASSIGN_OR_RETURN(const float* accumulated, Accumulated(grad));
 
   kernels::FusedSelectArgs args;
-  args.grad = grad;
+  args.grad = accumulated;
   args.residual = residual_[current_].get();
   args.acc = acc;
   args.size = spec_.size;
@@ -281,6 +303,7 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
 
   ASSIGN_OR_RETURN(const uint64_t K, GatherIndices(headers, transport, options, stats));
   RETURN_IF_ERROR(ReduceAndApply(K, acc, update, transport, options, stats));
+  RETURN_IF_ERROR(MaskVelocity(K));
   stats.exchange_seconds = absl::ToDoubleSeconds(absl::Now() - start) - stats.select_seconds -
                            stats.apply_seconds;
   current_ = 1 - current_;
@@ -301,9 +324,10 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
                                               ? options_.hard_threshold
                                               : 1.0 / (2.0 * std::sqrt(static_cast<double>(k_))));
   float* acc = residual_[1 - current_].get();
+  ASSIGN_OR_RETURN(const float* accumulated, Accumulated(grad));
 
   kernels::FusedSelectArgs args;
-  args.grad = grad;
+  args.grad = accumulated;
   args.residual = residual_[current_].get();
   args.acc = acc;
   args.size = spec_.size;
@@ -337,6 +361,7 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
       Check(ops_->SortUnique(global_index_.get(), total, scalars_.get(), stream_), "union"));
   ASSIGN_OR_RETURN(scalars, ReadScalars());
   RETURN_IF_ERROR(ReduceAndApply(scalars.count, acc, update, transport, options, stats));
+  RETURN_IF_ERROR(MaskVelocity(scalars.count));
   stats.exchange_seconds = absl::ToDoubleSeconds(absl::Now() - start) - stats.select_seconds -
                            stats.apply_seconds;
   current_ = 1 - current_;

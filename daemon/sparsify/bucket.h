@@ -103,6 +103,11 @@ class BucketState {
                                       absl::Time deadline);
   absl::StatusOr<StepStats> StepUnion(const float* grad, float* update, transport::Transport& t,
                                       absl::Time deadline);
+  // The gradient the step accumulates: g, or the new velocity with
+  // momentum correction (written to the idle velocity buffer).
+  absl::StatusOr<const float*> Accumulated(const float* grad);
+  // Momentum factor masking: the new velocity is zeroed at global_index_[0..K).
+  absl::Status MaskVelocity(uint64_t K);
   absl::StatusOr<StepStats> StepDense(const float* grad, float* update, transport::Transport& t,
                                       absl::Time deadline);
 
@@ -118,6 +123,7 @@ class BucketState {
   // Double-buffered residual: a step writes acc into the other buffer and
   // flips only when it succeeds, so a failed step leaves e untouched.
   DeviceBuffer<float> residual_[2];
+  DeviceBuffer<float> velocity_[2];  // momentum correction, flipped with the residual
   int current_ = 0;
   DeviceBuffer<uint32_t> candidate_index_;
   DeviceBuffer<float> candidate_value_;

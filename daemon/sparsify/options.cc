@@ -50,6 +50,10 @@ absl::Status SparsifyOptions::Validate() const {
   if (!(density > 0.0 && density <= 1.0)) {
     return absl::InvalidArgumentError(absl::StrCat("density must be in (0, 1], got ", density));
   }
+  if (!(momentum >= 0.0 && momentum < 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("momentum correction must be in [0, 1), got ", momentum));
+  }
   if (!(hard_threshold >= 0.0) || std::isinf(hard_threshold)) {
     return absl::InvalidArgumentError(
         absl::StrCat("hard threshold must be finite and >= 0, got ", hard_threshold));

@@ -30,6 +30,11 @@ struct SparsifyOptions {
   double density = 0.01;
   // `hard` sparsifier's constant threshold; 0 means 1 / (2 sqrt(k)).
   double hard_threshold = 0.0;
+  // Momentum correction (Deep Gradient Compression): a velocity
+  // m = momentum * m + g per bucket is accumulated instead of g, and zeroed
+  // where selected. 0 turns it off; the training side then must not apply
+  // momentum again. Not used by `dense`.
+  double momentum = 0.0;
 
   absl::Status Validate() const;
 };

@@ -121,6 +121,16 @@ class CpuSparseOps final : public SparseOps {
     return KernelStatus::kOk;
   }
 
+  KernelStatus Momentum(const float* grad, const float* velocity_in, float beta,
+                        float* velocity_out, uint64_t size, void*) override {
+    if (size > 0 && (grad == nullptr || velocity_in == nullptr || velocity_out == nullptr ||
+                     velocity_out == grad)) {
+      return KernelStatus::kInvalidArgument;
+    }
+    for (uint64_t i = 0; i < size; ++i) velocity_out[i] = beta * velocity_in[i] + grad[i];
+    return KernelStatus::kOk;
+  }
+
   KernelStatus Gather(const float* acc, const uint32_t* index, uint64_t count, float* out,
                       void*) override {
     if (count > 0 && (acc == nullptr || index == nullptr || out == nullptr)) {

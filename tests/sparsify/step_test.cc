@@ -59,7 +59,8 @@ std::vector<Vec> MakeGrads(int n, uint64_t d, uint64_t t, uint32_t seed) {
 class Reference {
  public:
   Reference(int n, int W, uint64_t d, SparsifyOptions o)
-      : n_(n), W_(W), d_(d), o_(o), k_(Budget(o.density, d)), e_(n, Vec(d, 0.0f)) {
+      : n_(n), W_(W), d_(d), o_(o), k_(Budget(o.density, d)), e_(n, Vec(d, 0.0f)),
+        m_(n, Vec(d, 0.0f)) {
     tau_ = 1.0 / (2.0 * std::sqrt(double(k_)));
   }
 
@@ -67,8 +68,15 @@ class Reference {
   // micro when the controller is not `paper`.
   Vec Step(const std::vector<Vec>& g, float micro_threshold, uint64_t* K_out) {
     std::vector<Vec> acc(n_, Vec(d_));
+    const bool momentum = o_.momentum > 0 && o_.sparsifier != SparsifierKind::kDense;
+    const float beta = static_cast<float>(o_.momentum);
     for (int r = 0; r < n_; ++r) {
-      for (uint64_t i = 0; i < d_; ++i) acc[r][i] = e_[r][i] + g[r][i];
+      for (uint64_t i = 0; i < d_; ++i) {
+        // Momentum correction: accumulate the velocity instead of g.
+        const float m = momentum ? beta * m_[r][i] + g[r][i] : g[r][i];
+        if (momentum) m_[r][i] = m;
+        acc[r][i] = e_[r][i] + m;
+      }
     }
     std::vector<uint32_t> I;
     Vec u(d_, 0.0f);
@@ -118,7 +126,10 @@ class Reference {
     }
     for (int r = 0; r < n_; ++r) {
       e_[r] = acc[r];
-      for (uint32_t i : I) e_[r][i] = 0.0f;
+      for (uint32_t i : I) {
+        e_[r][i] = 0.0f;
+        m_[r][i] = 0.0f;  // momentum factor masking
+      }
     }
     const uint64_t K = I.size();
     const double x = double(K) / double(k_);
@@ -137,6 +148,7 @@ class Reference {
   const SparsifyOptions o_;
   const uint64_t k_;
   std::vector<Vec> e_;
+  std::vector<Vec> m_;  // velocities (momentum correction)
   double tau_;
   uint64_t t_ = 0;
 };
@@ -193,9 +205,11 @@ class Cluster {
 struct Case {
   SparsifierKind sparsifier;
   ControllerKind controller;
+  double momentum = 0.0;
 };
 void PrintTo(const Case& c, std::ostream* os) {
-  *os << SparsifierName(c.sparsifier) << "/" << ControllerName(c.controller);
+  *os << SparsifierName(c.sparsifier) << "/" << ControllerName(c.controller) << "/m"
+      << c.momentum;
 }
 
 class StepTest : public ::testing::TestWithParam<Case> {};
@@ -210,6 +224,7 @@ TEST_P(StepTest, MatchesReferenceBitForBit) {
         o.sparsifier = c.sparsifier;
         o.controller = c.controller;
         o.density = density;
+        o.momentum = c.momentum;
         const int W = 2 * n;  // two training processes per node
         Cluster cluster(n, W, d, o);
         Reference ref(n, W, d, o);
@@ -245,17 +260,21 @@ TEST_P(StepTest, MatchesReferenceBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Sparsifiers, StepTest,
-                         ::testing::Values(Case{SparsifierKind::kMicro, ControllerKind::kPaper},
-                                           Case{SparsifierKind::kMicro, ControllerKind::kHistogram},
-                                           Case{SparsifierKind::kTopK, ControllerKind::kHistogram},
-                                           Case{SparsifierKind::kHard, ControllerKind::kHistogram},
-                                           Case{SparsifierKind::kDense,
-                                                ControllerKind::kHistogram}),
-                         [](const auto& info) {
-                           return std::string(SparsifierName(info.param.sparsifier)) + "_" +
-                                  ControllerName(info.param.controller);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Sparsifiers, StepTest,
+    ::testing::Values(Case{SparsifierKind::kMicro, ControllerKind::kPaper},
+                      Case{SparsifierKind::kMicro, ControllerKind::kHistogram},
+                      Case{SparsifierKind::kTopK, ControllerKind::kHistogram},
+                      Case{SparsifierKind::kHard, ControllerKind::kHistogram},
+                      Case{SparsifierKind::kDense, ControllerKind::kHistogram},
+                      Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9},
+                      Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.9},
+                      Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.5}),
+    [](const auto& info) {
+      return std::string(SparsifierName(info.param.sparsifier)) + "_" +
+             ControllerName(info.param.controller) +
+             (info.param.momentum > 0 ? "_momentum" : "");
+    });
 
 TEST(StepBuildUp, TopKAndHardBuildUpMicroDoesNot) {
   const int n = 4;
@@ -292,6 +311,10 @@ TEST(StepBadInput, InvalidConfigurationIsRefused) {
   auto ops = kernels::CreateCpuSparseOps();
   SparsifyOptions o;
   const JobShape job{4, 0, 4};
+  o.momentum = 1.0;
+  EXPECT_EQ(BucketState::Create({"b", 100, 0}, job, o, ops.get()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  o.momentum = 0.0;
   for (double density : {0.0, -0.5, 1.5, std::nan("")}) {
     o.density = density;
     auto b = BucketState::Create({"b", 100, 0}, job, o, ops.get());
@@ -341,6 +364,7 @@ TEST_P(StepTest, NonFiniteGradientFailsEveryNodeAndChangesNothing) {
   o.sparsifier = c.sparsifier;
   o.controller = c.controller;
   o.density = 0.01;
+  o.momentum = c.momentum;
   Cluster cluster(n, n, d, o);
   Reference ref(n, n, d, o);
   std::vector<Vec> updates;
