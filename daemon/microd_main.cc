@@ -47,6 +47,9 @@ ABSL_FLAG(std::string, sparsifier, "micro", "micro, topk, hard or dense");
 ABSL_FLAG(std::string, controller, "hist", "micro threshold controller: hist or paper");
 ABSL_FLAG(double, density, 0.01, "target density in (0, 1]");
 ABSL_FLAG(double, hard_threshold, 0.0, "hard sparsifier threshold (0: 1/(2 sqrt(k)))");
+ABSL_FLAG(double, momentum_correction, 0.0,
+          "momentum correction factor (DGC) in [0, 1); 0: off. With it on, the training side "
+          "must not apply momentum (microd.torch.DistributedOptimizer switches SGD's off)");
 ABSL_FLAG(uint64_t, dense_floor, 65536, "buckets with fewer elements are reduced dense, fused");
 ABSL_FLAG(int, timeout_ms, 60000, "deadline of one operation (a step, a report)");
 ABSL_FLAG(int, peer_timeout_ms, 10000, "a node silent this long fails the job");
@@ -62,7 +65,7 @@ bool ApplyEnvironment() {
   const char* names[] = {"socket",         "local_size",   "node_name",   "node_rank",
                          "nodes",          "coordinator",  "coordinator_listen", "coordinator_port_file",
                          "admin",          "admin_port_file", "transport", "hostname",
-                         "sparsifier",     "controller",   "density",     "hard_threshold",
+                         "sparsifier",     "controller",   "density",     "hard_threshold", "momentum_correction",
                          "dense_floor",    "timeout_ms",   "peer_timeout_ms", "join_timeout_ms",
                          "job_id",         "token_file",   "allow_gid"};
   for (const char* name : names) {
@@ -130,6 +133,9 @@ int main(int argc, char** argv) {
   sparsify.controller = *ct;
   sparsify.density = absl::GetFlag(FLAGS_density);
   sparsify.hard_threshold = absl::GetFlag(FLAGS_hard_threshold);
+  sparsify.momentum = sparsify.sparsifier == microd::sparsify::SparsifierKind::kDense
+                          ? 0.0
+                          : absl::GetFlag(FLAGS_momentum_correction);
   if (absl::Status s = sparsify.Validate(); !s.ok()) return Fatal("options", s);
   const int local_size = absl::GetFlag(FLAGS_local_size);
   if (local_size < 1 || local_size > microd::control::kMaxLocalSize) {
@@ -207,6 +213,7 @@ int main(int argc, char** argv) {
     r->set_sparsifier(microd::sparsify::SparsifierName(sparsify.sparsifier));
     r->set_controller(microd::sparsify::ControllerName(sparsify.controller));
     r->set_density(sparsify.density);
+    r->set_momentum_correction(sparsify.momentum);
     r->set_local_size(local_size);
     r->set_socket(absl::GetFlag(FLAGS_socket));
     r->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started));

@@ -3,12 +3,15 @@
 # small CNN on Fashion-MNIST through microd, with MiCRO at 1 % density and
 # then with dense averaging, and reports them side by side (results/).
 #   scripts/demo.sh BUILD [--nodes N] [--local L] [--density D] [--sparsifier S]
-#                         [--controller C] [--epochs E]
+#                         [--controller C] [--epochs E] [--momentum-correction B]
+# The sparse run uses momentum correction B (default 0.9, DGC): the daemon
+# accumulates the velocity and the optimizer runs without momentum. B = 0
+# applies SGD momentum 0.9 after the reduce instead.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=$(cd "${1:-$ROOT/build}" && pwd)
 shift || true
-NODES=4 LOCAL=1 DENSITY=0.01 SPARSIFIER=micro CONTROLLER=hist EPOCHS=2
+NODES=4 LOCAL=1 DENSITY=0.01 SPARSIFIER=micro CONTROLLER=hist EPOCHS=2 MOMENTUM=0.9
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --nodes) NODES=$2; shift 2 ;;
@@ -17,6 +20,7 @@ while [[ $# -gt 0 ]]; do
     --sparsifier) SPARSIFIER=$2; shift 2 ;;
     --controller) CONTROLLER=$2; shift 2 ;;
     --epochs) EPOCHS=$2; shift 2 ;;
+    --momentum-correction) MOMENTUM=$2; shift 2 ;;
     *) echo "demo.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -32,8 +36,10 @@ launch() {  # launch LABEL DAEMON-ARGS...
   "$ROOT/deploy/local/launch.sh" --nodes "$NODES" --local "$LOCAL" --microd "$BUILD/daemon/microd" \
     --show-first "${args[@]}" -- "${TRAIN[@]}" --label "$label" --out "results/$label.json"
 }
-echo "== $NODES nodes x $LOCAL process(es): $SPARSIFIER ($CONTROLLER) at density $DENSITY, $EPOCHS epoch(s)"
-launch "$SPARSIFIER" "--sparsifier=$SPARSIFIER" "--controller=$CONTROLLER" "--density=$DENSITY"
+echo "== $NODES nodes x $LOCAL process(es): $SPARSIFIER ($CONTROLLER) at density $DENSITY," \
+  "momentum correction $MOMENTUM, $EPOCHS epoch(s)"
+launch "$SPARSIFIER" "--sparsifier=$SPARSIFIER" "--controller=$CONTROLLER" "--density=$DENSITY" \
+  "--momentum_correction=$MOMENTUM"
 echo "== the same with dense averaging"
 launch dense --sparsifier=dense
 echo

@@ -46,6 +46,7 @@ struct microd_client {
   pthread_mutex_t mu;      /* guards everything below */
   pthread_mutex_t read_mu; /* one thread reads the socket at a time */
   microd_job_info info;
+  float momentum_correction;
   buffer* buffers;
   int32_t nbuffers, buffers_cap;
   ticket_entry* tickets;
@@ -338,6 +339,7 @@ microd_status microd_connect(const microd_options* options, microd_client** out)
   c->info.local_size = ack.local_size;
   c->info.node_rank = ack.node_rank;
   c->info.node_count = ack.node_count;
+  c->momentum_correction = ack.momentum_correction;
   *out = c;
   return MICROD_OK;
 }
@@ -353,6 +355,13 @@ void microd_buffer_options_init(microd_buffer_options* options) {
   if (options == NULL) return;
   memset(options, 0, sizeof *options);
   options->struct_size = sizeof *options;
+}
+
+microd_status microd_momentum_correction(const microd_client* client, float* beta) {
+  if (!check_handle(client)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
+  if (beta == NULL) return MICROD_ERR_INVALID_ARGUMENT;
+  *beta = client->momentum_correction;
+  return MICROD_OK;
 }
 
 microd_status microd_register_host_buffer(microd_client* c, const char* name, uint64_t count,

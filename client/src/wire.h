@@ -51,7 +51,7 @@ typedef struct microd_wire_hello_ack {
   int32_t node_count;
   int32_t rank;
   int32_t world_size;
-  uint32_t reserved;
+  float momentum_correction; /* > 0: the daemon applies momentum; the trainer must not */
   char message[MICROD_WIRE_MESSAGE_BYTES];
 } microd_wire_hello_ack;
 

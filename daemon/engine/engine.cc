@@ -125,6 +125,7 @@ absl::StatusOr<local::ProcessInfo> Engine::OnHello(uint64_t client, int requeste
   info.node_rank = membership_.node_rank;
   info.node_count = membership_.node_count;
   info.world_size = membership_.world_size;
+  info.momentum_correction = static_cast<float>(options_.sparsify.momentum);
   info.rank = std::accumulate(membership_.local_sizes.begin(),
                               membership_.local_sizes.begin() + membership_.node_rank, 0) +
               rank;

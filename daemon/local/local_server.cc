@@ -395,6 +395,7 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
       ack.node_count = info->node_count;
       ack.rank = info->rank;
       ack.world_size = info->world_size;
+      ack.momentum_correction = info->momentum_correction;
       absl::MutexLock lock(&mu_);
       if (!Send(c.fd, &ack, sizeof ack)) shutdown(c.fd, SHUT_RDWR);
       return true;

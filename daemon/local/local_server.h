@@ -45,6 +45,7 @@ struct ProcessInfo {
   int node_count = 1;
   int rank = 0;
   int world_size = 1;
+  float momentum_correction = 0.0f;
 };
 
 // What the server asks of the engine. Called on the server thread; must not block.

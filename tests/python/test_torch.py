@@ -40,19 +40,26 @@ def test_dense_hook_and_optimizer_match_plain_ddp(make_cluster, nodes):
         np.testing.assert_allclose(opt[r]["params"], flat_plain, rtol=0, atol=1e-6)
 
 
-def micro_paper_reference(grads, density):
+def micro_paper_reference(grads, density, momentum=0.0):
     """ARCHITECTURE section 1 with the `paper` controller, in float32, one
-    process per node: grads[r][t] -> the update every node receives at t."""
+    process per node: grads[r][t] -> the update every node receives at t.
+    With momentum correction the velocity is accumulated and masked."""
     n = len(grads)
     steps, d = grads[0].shape
     W = np.float32(n)
     k = max(1, int(np.floor(density * d)))
     tau = 1.0 / (2.0 * np.sqrt(k))
     e = [np.zeros(d, np.float32) for _ in range(n)]
+    m = [np.zeros(d, np.float32) for _ in range(n)]
+    beta = np.float32(momentum)
     updates = []
     q, rem = divmod(d, n)
     for t in range(steps):
-        acc = [e[r] + grads[r][t] for r in range(n)]
+        if momentum > 0:
+            m = [beta * m[r] + grads[r][t] for r in range(n)]
+            acc = [e[r] + m[r] for r in range(n)]
+        else:
+            acc = [e[r] + grads[r][t] for r in range(n)]
         idx = []
         for r in range(n):
             p = (t + r) % n
@@ -70,18 +77,22 @@ def micro_paper_reference(grads, density):
         for r in range(n):
             e[r] = acc[r]
             e[r][I] = 0
+            m[r][I] = 0
         x = len(I) / k
         tau *= 1.005 if x > 1.1 else (1.00125 if x > 0.909 else 0.995)
     return updates
 
 
-@pytest.mark.parametrize("nodes", [2, 3])
-def test_micro_optimizer_update_equals_the_reference(make_cluster, nodes):
+@pytest.mark.parametrize("nodes,momentum", [(2, 0.0), (3, 0.0), (3, 0.9)])
+def test_micro_optimizer_update_equals_the_reference(make_cluster, nodes, momentum):
     density = 0.05
     cluster = make_cluster(nodes, 1, ["--sparsifier=micro", "--controller=paper", "--dense_floor=1",
-                                      f"--density={density}"])
+                                      f"--density={density}", f"--momentum_correction={momentum}"])
     out = run(cluster, "optimizer", steps=6)
-    want = micro_paper_reference([o["grads"] for o in out], density)
+    for o in out:
+        assert float(o["daemon_momentum"]) == pytest.approx(momentum)
+        assert float(o["sgd_momentum"]) == 0.0  # switched off when the daemon has it
+    want = micro_paper_reference([o["grads"] for o in out], density, momentum)
     for r in range(nodes):
         for t, u in enumerate(want):
             np.testing.assert_array_equal(out[r]["updates"][t], u, err_msg=f"node {r} step {t}")

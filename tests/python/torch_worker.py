@@ -50,7 +50,9 @@ if mode in ("ddp-gloo", "ddp-microd"):
 elif mode == "optimizer":
     model, x, y = model_and_data(rank)
     mt.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+    # With momentum correction in the daemon, the optimizer must switch its own off.
+    momentum = 0.9 if client.momentum_correction > 0 else 0.0
+    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum),
                                   model.named_parameters())
     grads, updates = [], []
     for s in range(steps):
@@ -62,6 +64,8 @@ elif mode == "optimizer":
         opt.step()
         updates.append(torch.cat([p.grad.reshape(-1) for p in bucket.params]).numpy().copy())
     np.savez(out, grads=np.stack(grads), updates=np.stack(updates),
+             sgd_momentum=np.array(opt.param_groups[0]["momentum"]),
+             daemon_momentum=np.array(client.momentum_correction),
              params=np.concatenate([p.detach().reshape(-1).numpy() for p in model.parameters()]))
 elif mode == "train":
     # A learnable problem: 8 Gaussian blobs in 32 dimensions, each process its own shard.

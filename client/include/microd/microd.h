@@ -96,6 +96,11 @@ MICROD_API microd_status microd_connect(const microd_options* options, microd_cl
  * valid until the next call on the handle. Never NULL. */
 MICROD_API const char* microd_last_error(const microd_client* client);
 
+/* The daemon's momentum correction factor (0: off). When it is on, the
+ * daemon accumulates momentum itself and the training process must apply
+ * plain SGD without momentum. Never blocks. */
+MICROD_API microd_status microd_momentum_correction(const microd_client* client, float* beta);
+
 /* Job shape as the daemon reported it at connect. Never blocks. */
 MICROD_API microd_status microd_job_info_get(const microd_client* client, microd_job_info* out);
 

@@ -130,6 +130,7 @@ def _library():
         lib.microd_last_error.restype = c.c_char_p
         lib.microd_last_error.argtypes = [c.c_void_p]
         lib.microd_job_info_get.argtypes = [c.c_void_p, c.POINTER(_JobInfo)]
+        lib.microd_momentum_correction.argtypes = [c.c_void_p, c.POINTER(c.c_float)]
         lib.microd_buffer_options_init.argtypes = [c.POINTER(_BufferOptions)]
         lib.microd_register_buffer.argtypes = [c.c_void_p, c.c_char_p, c.c_uint64,
                                                c.POINTER(_BufferOptions),
@@ -203,6 +204,11 @@ class Client:
         info = _JobInfo()
         self._check(lib.microd_job_info_get(handle, ctypes.byref(info)))
         self.job = JobInfo(info)
+        beta = ctypes.c_float(0)
+        self._check(lib.microd_momentum_correction(handle, ctypes.byref(beta)))
+        #: The daemon's momentum correction factor (0: off): when set, the
+        #: daemon applies momentum and the optimizer must not.
+        self.momentum_correction = float(beta.value)
         self.buffers = {}
 
     # Job shape.

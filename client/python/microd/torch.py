@@ -13,7 +13,9 @@ broadcast, and a communication hook for DistributedDataParallel.
     ddp.register_comm_hook(mt.MicrodHookState(), mt.comm_hook)
 """
 import concurrent.futures
+import sys
 import threading
+import warnings
 
 import torch
 
@@ -65,6 +67,7 @@ class DistributedOptimizer:
         self.optimizer = optimizer
         self.client = client or default_client()
         self.timeout_ms = timeout_ms
+        self._switch_momentum_off()
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         if not named:
             raise ValueError("DistributedOptimizer: no parameters that require gradients")
@@ -84,6 +87,24 @@ class DistributedOptimizer:
                 self._where[p] = (b, i)
                 p.register_hook(self._make_hook(p))
         self._lock = threading.Lock()
+
+    def _switch_momentum_off(self):
+        # With momentum correction the daemon accumulates the velocity; SGD
+        # applying momentum again would square it.
+        beta = self.client.momentum_correction
+        if beta <= 0:
+            return
+        switched = False
+        for group in self.optimizer.param_groups:
+            if group.get("momentum", 0) > 0:
+                if abs(group["momentum"] - beta) > 1e-6:
+                    warnings.warn(f"microd: the optimizer's momentum {group['momentum']} differs "
+                                  f"from the daemon's momentum correction {beta}; using the daemon's")
+                group["momentum"] = 0.0
+                switched = True
+        if switched and self.client.rank == 0:
+            print(f"microd: momentum correction {beta:g} is on in the daemon: the optimizer "
+                  f"now runs without momentum", file=sys.stderr)
 
     def _make_hook(self, p):
         def hook(grad):
