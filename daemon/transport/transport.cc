@@ -1,6 +1,8 @@
 // Shared helpers of the transport interface.
 #include "daemon/transport/transport.h"
 
+#include "absl/strings/str_cat.h"
+
 namespace microd::transport {
 
 size_t DataTypeSize(DataType type) {
@@ -24,6 +26,27 @@ const char* DataTypeName(DataType type) {
       return "int64";
   }
   return "unknown";
+}
+
+absl::Status CheckAllgatherV(int rank, int size, const void* in,
+                             absl::Span<const size_t> recv_bytes, const void* out) {
+  if (recv_bytes.size() != static_cast<size_t>(size)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("AllgatherV: ", recv_bytes.size(), " counts for ", size, " ranks"));
+  }
+  size_t total = 0;
+  for (size_t b : recv_bytes) total += b;
+  if ((recv_bytes[rank] > 0 && in == nullptr) || (total > 0 && out == nullptr)) {
+    return absl::InvalidArgumentError("AllgatherV: null buffer");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckBuffers(const char* op, size_t bytes, const void* in, const void* out) {
+  if (bytes > 0 && (in == nullptr || out == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": null buffer"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace microd::transport

@@ -52,6 +52,11 @@ struct CollectiveOptions {
   uint32_t tag = 0;
 };
 
+// Argument checks every backend makes before a collective.
+absl::Status CheckAllgatherV(int rank, int size, const void* in,
+                             absl::Span<const size_t> recv_bytes, const void* out);
+absl::Status CheckBuffers(const char* op, size_t bytes, const void* in, const void* out);
+
 class Transport {
  public:
   virtual ~Transport() = default;

@@ -64,9 +64,7 @@ class GlooTransport final : public Transport {
 
   absl::Status Allgather(const void* in, size_t bytes, void* out,
                          const CollectiveOptions& o) override {
-    if (bytes > 0 && (in == nullptr || out == nullptr)) {
-      return absl::InvalidArgumentError("Allgather: null buffer");
-    }
+    if (absl::Status s = CheckBuffers("Allgather", bytes, in, out); !s.ok()) return s;
     return Run("Allgather", o, [&](std::chrono::milliseconds timeout) {
       if (bytes == 0) return;
       if (size() == 1) {
@@ -79,15 +77,7 @@ class GlooTransport final : public Transport {
 
   absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv_bytes, void* out,
                           const CollectiveOptions& o) override {
-    if (recv_bytes.size() != static_cast<size_t>(size())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("AllgatherV: ", recv_bytes.size(), " counts for ", size(), " ranks"));
-    }
-    size_t total = 0;
-    for (size_t b : recv_bytes) total += b;
-    if ((recv_bytes[rank()] > 0 && in == nullptr) || (total > 0 && out == nullptr)) {
-      return absl::InvalidArgumentError("AllgatherV: null buffer");
-    }
+    if (absl::Status s = CheckAllgatherV(rank(), size(), in, recv_bytes, out); !s.ok()) return s;
     return Run("AllgatherV", o, [&](std::chrono::milliseconds timeout) {
       GatherV(in, std::vector<size_t>(recv_bytes.begin(), recv_bytes.end()), out,
               GlooTag(o.tag, GlooKind::kAllgatherV), timeout);

@@ -111,9 +111,7 @@ class InprocTransport final : public Transport {
 
   absl::Status Allgather(const void* in, size_t bytes, void* out,
                          const CollectiveOptions& o) override {
-    if (bytes > 0 && (in == nullptr || out == nullptr)) {
-      return absl::InvalidArgumentError("Allgather: null buffer");
-    }
+    if (absl::Status s = CheckBuffers("Allgather", bytes, in, out); !s.ok()) return s;
     Post p{OpKind::kAllgather, o.tag, in, bytes};
     return Run(p, o, [&]() -> absl::Status {
       for (int r = 0; r < size(); ++r) {
@@ -125,15 +123,7 @@ class InprocTransport final : public Transport {
 
   absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv_bytes, void* out,
                           const CollectiveOptions& o) override {
-    if (recv_bytes.size() != static_cast<size_t>(size())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("AllgatherV: ", recv_bytes.size(), " counts for ", size(), " ranks"));
-    }
-    size_t total = 0;
-    for (size_t b : recv_bytes) total += b;
-    if ((recv_bytes[rank_] > 0 && in == nullptr) || (total > 0 && out == nullptr)) {
-      return absl::InvalidArgumentError("AllgatherV: null buffer");
-    }
+    if (absl::Status s = CheckAllgatherV(rank_, size(), in, recv_bytes, out); !s.ok()) return s;
     Post p{OpKind::kAllgatherV, o.tag, in, recv_bytes[rank_]};
     p.recv = recv_bytes;
     return Run(p, o, [&]() -> absl::Status {
