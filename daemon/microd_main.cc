@@ -50,6 +50,10 @@ ABSL_FLAG(double, hard_threshold, 0.0, "hard sparsifier threshold (0: 1/(2 sqrt(
 ABSL_FLAG(double, momentum_correction, 0.0,
           "momentum correction factor (DGC) in [0, 1); 0: off. With it on, the training side "
           "must not apply momentum (microd.torch.DistributedOptimizer switches SGD's off)");
+ABSL_FLAG(uint64_t, warmup_steps, 0, "the first N steps of every bucket are dense");
+ABSL_FLAG(double, warmup_density, 0.0,
+          "then decay the density exponentially from this to --density (0: no decay)");
+ABSL_FLAG(uint64_t, warmup_decay_steps, 0, "length of the density decay, in steps");
 ABSL_FLAG(uint64_t, dense_floor, 65536, "buckets with fewer elements are reduced dense, fused");
 ABSL_FLAG(int, timeout_ms, 60000, "deadline of one operation (a step, a report)");
 ABSL_FLAG(int, peer_timeout_ms, 10000, "a node silent this long fails the job");
@@ -66,6 +70,7 @@ bool ApplyEnvironment() {
                          "nodes",          "coordinator",  "coordinator_listen", "coordinator_port_file",
                          "admin",          "admin_port_file", "transport", "hostname",
                          "sparsifier",     "controller",   "density",     "hard_threshold", "momentum_correction",
+                         "warmup_steps", "warmup_density", "warmup_decay_steps",
                          "dense_floor",    "timeout_ms",   "peer_timeout_ms", "join_timeout_ms",
                          "job_id",         "token_file",   "allow_gid"};
   for (const char* name : names) {
@@ -133,6 +138,9 @@ int main(int argc, char** argv) {
   sparsify.controller = *ct;
   sparsify.density = absl::GetFlag(FLAGS_density);
   sparsify.hard_threshold = absl::GetFlag(FLAGS_hard_threshold);
+  sparsify.warmup_steps = absl::GetFlag(FLAGS_warmup_steps);
+  sparsify.warmup_density = absl::GetFlag(FLAGS_warmup_density);
+  sparsify.warmup_decay_steps = absl::GetFlag(FLAGS_warmup_decay_steps);
   sparsify.momentum = sparsify.sparsifier == microd::sparsify::SparsifierKind::kDense
                           ? 0.0
                           : absl::GetFlag(FLAGS_momentum_correction);
@@ -214,6 +222,9 @@ int main(int argc, char** argv) {
     r->set_controller(microd::sparsify::ControllerName(sparsify.controller));
     r->set_density(sparsify.density);
     r->set_momentum_correction(sparsify.momentum);
+    r->set_warmup_steps(sparsify.warmup_steps);
+    r->set_warmup_density(sparsify.warmup_density);
+    r->set_warmup_decay_steps(sparsify.warmup_decay_steps);
     r->set_local_size(local_size);
     r->set_socket(absl::GetFlag(FLAGS_socket));
     r->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started));

@@ -4,6 +4,7 @@
 # then with dense averaging, and reports them side by side (results/).
 #   scripts/demo.sh BUILD [--nodes N] [--local L] [--density D] [--sparsifier S]
 #                         [--controller C] [--epochs E] [--momentum-correction B]
+#                         [--warmup-steps N]
 # The sparse run uses momentum correction B (default 0.9, DGC): the daemon
 # accumulates the velocity and the optimizer runs without momentum. B = 0
 # applies SGD momentum 0.9 after the reduce instead.
@@ -11,7 +12,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=$(cd "${1:-$ROOT/build}" && pwd)
 shift || true
-NODES=4 LOCAL=1 DENSITY=0.01 SPARSIFIER=micro CONTROLLER=hist EPOCHS=2 MOMENTUM=0.9
+NODES=4 LOCAL=1 DENSITY=0.01 SPARSIFIER=micro CONTROLLER=hist EPOCHS=2 MOMENTUM=0.9 WARMUP=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --nodes) NODES=$2; shift 2 ;;
@@ -21,6 +22,7 @@ while [[ $# -gt 0 ]]; do
     --controller) CONTROLLER=$2; shift 2 ;;
     --epochs) EPOCHS=$2; shift 2 ;;
     --momentum-correction) MOMENTUM=$2; shift 2 ;;
+    --warmup-steps) WARMUP=$2; shift 2 ;;
     *) echo "demo.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -39,7 +41,7 @@ launch() {  # launch LABEL DAEMON-ARGS...
 echo "== $NODES nodes x $LOCAL process(es): $SPARSIFIER ($CONTROLLER) at density $DENSITY," \
   "momentum correction $MOMENTUM, $EPOCHS epoch(s)"
 launch "$SPARSIFIER" "--sparsifier=$SPARSIFIER" "--controller=$CONTROLLER" "--density=$DENSITY" \
-  "--momentum_correction=$MOMENTUM"
+  "--momentum_correction=$MOMENTUM" "--warmup_steps=$WARMUP"
 echo "== the same with dense averaging"
 launch dense --sparsifier=dense
 echo

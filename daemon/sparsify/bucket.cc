@@ -86,7 +86,8 @@ absl::Status BucketState::Allocate() {
       capacity = d;
       break;
     case SparsifierKind::kTopK:
-      capacity = std::min(k_, d);
+      // The largest budget of the schedule.
+      capacity = std::min(Budget(std::max(options_.density, options_.warmup_density), d), d);
       break;
     case SparsifierKind::kDense:
       break;
@@ -140,6 +141,7 @@ absl::StatusOr<StepStats> BucketState::Step(const float* grad, float* update,
         "bucket '", spec_.name, "': transport is rank ", transport.rank(), " of ", transport.size(),
         " but the job says node ", job_.node_rank, " of ", job_.num_nodes));
   }
+  if (step_ < options_.warmup_steps) return StepDense(grad, update, transport, deadline);
   switch (options_.sparsifier) {
     case SparsifierKind::kMicro:
       return StepMicro(grad, update, transport, deadline);
@@ -221,7 +223,7 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, float* acc, float* update,
   RETURN_IF_ERROR(Check(ops_->ZeroAt(acc, global_index_.get(), K, stream_), "zeroing"));
   stats.apply_seconds = absl::ToDoubleSeconds(absl::Now() - apply_start);
   stats.selected = K;
-  stats.cre = std::fabs(static_cast<double>(K) / static_cast<double>(k_) - 1.0);
+  stats.cre = std::fabs(static_cast<double>(K) / static_cast<double>(stats.budget) - 1.0);
   return absl::OkStatus();
 }
 
@@ -247,7 +249,7 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
   const absl::Time start = absl::Now();
   StepStats stats;
   stats.step = step_;
-  stats.budget = k_;
+  stats.budget = Budget(options_.DensityAt(step_), spec_.size);
   const int n = job_.num_nodes;
   const Range part = PartitionRange(spec_.size, n, OwnedPartition(job_.node_rank, step_, n));
   float* acc = residual_[1 - current_].get();
@@ -283,7 +285,7 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
     ctx.transport = &transport;
     ctx.options = options;
     ctx.options.tag = MakeTag(spec_.slot, TagKind::kHistogram);
-    ctx.k = k_;
+    ctx.k = stats.budget;
     ctx.bytes_sent = &stats.bytes_sent;
     ctx.bytes_received = &stats.bytes_received;
     ctx.rescans = &stats.rescans;
@@ -308,7 +310,7 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
                            stats.apply_seconds;
   current_ = 1 - current_;
   ++step_;
-  controller_->Commit(K);
+  controller_->Commit(K, stats.budget);
   return stats;
 }
 
@@ -318,7 +320,7 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
   const absl::Time start = absl::Now();
   StepStats stats;
   stats.step = step_;
-  stats.budget = k_;
+  stats.budget = Budget(options_.DensityAt(step_), spec_.size);
   const bool hard = options_.sparsifier == SparsifierKind::kHard;
   const float lambda = static_cast<float>(options_.hard_threshold > 0
                                               ? options_.hard_threshold
@@ -341,7 +343,7 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
   ASSIGN_OR_RETURN(kernels::StepScalars scalars, ReadScalars());
   const uint64_t nonfinite = scalars.nonfinite;
   if (!hard && nonfinite == 0) {
-    RETURN_IF_ERROR(Check(ops_->TopK(acc, spec_.size, k_, candidate_index_.get(),
+    RETURN_IF_ERROR(Check(ops_->TopK(acc, spec_.size, stats.budget, candidate_index_.get(),
                                      candidate_value_.get(), scalars_.get(), stream_),
                           "top-k"));
     ASSIGN_OR_RETURN(scalars, ReadScalars());

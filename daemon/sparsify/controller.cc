@@ -29,10 +29,10 @@ float FromBits(uint32_t b) {
 }  // namespace
 
 PaperController::PaperController(uint64_t k)
-    : k_(k), tau_(1.0 / (2.0 * std::sqrt(static_cast<double>(k)))) {}
+    : tau_(1.0 / (2.0 * std::sqrt(static_cast<double>(k)))) {}
 
-void PaperController::Commit(uint64_t selected) {
-  const double x = static_cast<double>(selected) / static_cast<double>(k_);
+void PaperController::Commit(uint64_t selected, uint64_t budget) {
+  const double x = static_cast<double>(selected) / static_cast<double>(budget);
   double s;
   if (x > 1.1) {
     s = 1.005;
@@ -44,15 +44,15 @@ void PaperController::Commit(uint64_t selected) {
   tau_ *= s;
 }
 
-HistogramController::HistogramController(uint64_t k)
-    : k_(k), lower_bound_(kSmallestPositive), pending_lower_bound_(kSmallestPositive) {}
+HistogramController::HistogramController()
+    : lower_bound_(kSmallestPositive), pending_lower_bound_(kSmallestPositive) {}
 
-void HistogramController::Commit(uint64_t) { lower_bound_ = pending_lower_bound_; }
+void HistogramController::Commit(uint64_t, uint64_t) { lower_bound_ = pending_lower_bound_; }
 
 absl::StatusOr<float> HistogramController::Resolve(CandidateSet& candidates,
                                                    const ControllerContext& ctx) {
   kernels::SparseOps& ops = *ctx.ops;
-  const uint64_t k = k_;
+  const uint64_t k = ctx.k;
   DeviceBuffer<int64_t> device_bins(&ops, std::max(kCoarseBins, kFineBins) + 1);
   if (!device_bins.ok()) return absl::ResourceExhaustedError("histogram: out of device memory");
   std::vector<int64_t> coarse(kCoarseBins + 1);
@@ -158,7 +158,7 @@ std::unique_ptr<ThresholdController> CreateController(ControllerKind kind, uint6
     case ControllerKind::kPaper:
       return std::make_unique<PaperController>(k);
     case ControllerKind::kHistogram:
-      return std::make_unique<HistogramController>(k);
+      return std::make_unique<HistogramController>();
   }
   return nullptr;
 }

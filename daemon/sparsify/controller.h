@@ -47,7 +47,8 @@ class ThresholdController {
   virtual ~ThresholdController() = default;
   virtual float PassThreshold() const = 0;
   virtual absl::StatusOr<float> Resolve(CandidateSet& candidates, const ControllerContext& ctx) = 0;
-  virtual void Commit(uint64_t selected) = 0;
+  // `budget`: the step's k (it changes during a density warm-up).
+  virtual void Commit(uint64_t selected, uint64_t budget) = 0;
   // True when Resolve may return a threshold above PassThreshold (the step
   // then trims its candidates and gathers the final counts).
   virtual bool Refines() const = 0;
@@ -58,17 +59,16 @@ class ThresholdController {
 // compared in float.
 class PaperController final : public ThresholdController {
  public:
-  explicit PaperController(uint64_t k);
+  explicit PaperController(uint64_t k);  // tau_0 from the target budget
   float PassThreshold() const override { return static_cast<float>(tau_); }
   absl::StatusOr<float> Resolve(CandidateSet&, const ControllerContext&) override {
     return PassThreshold();
   }
-  void Commit(uint64_t selected) override;
+  void Commit(uint64_t selected, uint64_t budget) override;
   bool Refines() const override { return false; }
   double tau() const { return tau_; }
 
  private:
-  const uint64_t k_;
   double tau_;
 };
 
@@ -90,14 +90,13 @@ class HistogramController final : public ThresholdController {
   static constexpr uint32_t kFineBins = 1u << (kCoarseShift - kFineShift);
   static constexpr uint64_t kCandidateMargin = 4;
 
-  explicit HistogramController(uint64_t k);
+  HistogramController();
   float PassThreshold() const override { return lower_bound_; }
   absl::StatusOr<float> Resolve(CandidateSet& candidates, const ControllerContext& ctx) override;
-  void Commit(uint64_t selected) override;
+  void Commit(uint64_t selected, uint64_t budget) override;
   bool Refines() const override { return true; }
 
  private:
-  const uint64_t k_;
   float lower_bound_;          // tau_lo of the coming step
   float pending_lower_bound_;  // set by Resolve, taken by Commit
 };

@@ -54,11 +54,25 @@ absl::Status SparsifyOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("momentum correction must be in [0, 1), got ", momentum));
   }
+  if (warmup_density != 0.0 &&
+      !(warmup_density >= density && warmup_density <= 1.0 && warmup_decay_steps > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "warm-up density must be in [density, 1] with a positive decay length, got ",
+        warmup_density, " over ", warmup_decay_steps, " steps"));
+  }
   if (!(hard_threshold >= 0.0) || std::isinf(hard_threshold)) {
     return absl::InvalidArgumentError(
         absl::StrCat("hard threshold must be finite and >= 0, got ", hard_threshold));
   }
   return absl::OkStatus();
+}
+
+double SparsifyOptions::DensityAt(uint64_t t) const {
+  if (t < warmup_steps) return 1.0;
+  const uint64_t since = t - warmup_steps;
+  if (warmup_density <= 0.0 || since >= warmup_decay_steps) return density;
+  const double f = static_cast<double>(since) / static_cast<double>(warmup_decay_steps);
+  return warmup_density * std::pow(density / warmup_density, f);
 }
 
 absl::Status JobShape::Validate() const {

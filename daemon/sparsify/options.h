@@ -35,6 +35,16 @@ struct SparsifyOptions {
   // where selected. 0 turns it off; the training side then must not apply
   // momentum again. Not used by `dense`.
   double momentum = 0.0;
+  // Warm-up (identical on every node: it depends only on the bucket's step
+  // counter). The first `warmup_steps` steps of a bucket are dense. Then, if
+  // warmup_density > 0, the density decays exponentially from it to
+  // `density` over `warmup_decay_steps` steps (as Deep Gradient Compression).
+  uint64_t warmup_steps = 0;
+  double warmup_density = 0.0;
+  uint64_t warmup_decay_steps = 0;
+
+  // Target density at step t of a bucket (before `warmup_steps`: 1).
+  double DensityAt(uint64_t t) const;
 
   absl::Status Validate() const;
 };

@@ -28,7 +28,7 @@ TEST(PaperController, ReproducesThePublishedRule) {
   const uint64_t Ks[] = {2751, 2750, 2273, 2272, 0, 100000, 2500};
   const double s[] = {1.005, 1.00125, 1.00125, 0.995, 0.995, 1.005, 1.00125};
   for (size_t i = 0; i < std::size(Ks); ++i) {
-    c.Commit(Ks[i]);
+    c.Commit(Ks[i], k);
     tau *= s[i];
     EXPECT_EQ(c.tau(), tau) << "K = " << Ks[i];
   }
@@ -184,7 +184,7 @@ TEST(HistogramController, ScaleDropRescansAndStillHitsTheBudget) {
   auto ops = kernels::CreateCpuSparseOps();
   auto group = transport::CreateInprocGroup(1);
   const uint64_t k = 1000;
-  HistogramController c(k);
+  HistogramController c;
   ControllerContext ctx;
   ctx.ops = ops.get();
   ctx.transport = group[0].get();
@@ -199,7 +199,7 @@ TEST(HistogramController, ScaleDropRescansAndStillHitsTheBudget) {
   auto tau0 = c.Resolve(first, ctx);
   ASSERT_TRUE(tau0.ok()) << tau0.status();
   EXPECT_NEAR(double(first.CountAtOrAbove(*tau0)), double(k), 0.02 * k);
-  c.Commit(first.CountAtOrAbove(*tau0));
+  c.Commit(first.CountAtOrAbove(*tau0), k);
   const float bound = c.PassThreshold();
   EXPECT_LT(bound, *tau0);
   EXPECT_NEAR(double(first.CountAtOrAbove(bound)), 4.0 * k, 0.5 * k);

@@ -67,6 +67,19 @@ class Reference {
   // Returns the update every node receives. `micro_threshold` is used by
   // micro when the controller is not `paper`.
   Vec Step(const std::vector<Vec>& g, float micro_threshold, uint64_t* K_out) {
+    Vec u(d_, 0.0f);
+    if (o_.sparsifier == SparsifierKind::kDense || t_ < o_.warmup_steps) {
+      // Dense (also during a dense warm-up: residual, velocity and threshold
+      // stay as they are).
+      ++t_;
+      for (uint64_t i = 0; i < d_; ++i) {
+        float s = g[0][i];
+        for (int r = 1; r < n_; ++r) s += g[r][i];
+        u[i] = s / float(W_);
+      }
+      *K_out = d_;
+      return u;
+    }
     std::vector<Vec> acc(n_, Vec(d_));
     const bool momentum = o_.momentum > 0 && o_.sparsifier != SparsifierKind::kDense;
     const float beta = static_cast<float>(o_.momentum);
@@ -79,16 +92,6 @@ class Reference {
       }
     }
     std::vector<uint32_t> I;
-    Vec u(d_, 0.0f);
-    if (o_.sparsifier == SparsifierKind::kDense) {
-      for (uint64_t i = 0; i < d_; ++i) {
-        float s = g[0][i];
-        for (int r = 1; r < n_; ++r) s += g[r][i];
-        u[i] = s / float(W_);
-      }
-      *K_out = d_;
-      return u;
-    }
     if (o_.sparsifier == SparsifierKind::kMicro) {
       const float thr = o_.controller == ControllerKind::kPaper ? float(tau_) : micro_threshold;
       for (int r = 0; r < n_; ++r) {
@@ -114,7 +117,8 @@ class Reference {
           std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
             return std::fabs(acc[r][a]) > std::fabs(acc[r][b]);
           });
-          for (uint64_t j = 0; j < std::min(k_, d_); ++j) uni.insert(order[j]);
+          const uint64_t k = Budget(o_.DensityAt(t_), d_);
+          for (uint64_t j = 0; j < std::min(k, d_); ++j) uni.insert(order[j]);
         }
       }
       I.assign(uni.begin(), uni.end());
@@ -132,7 +136,7 @@ class Reference {
       }
     }
     const uint64_t K = I.size();
-    const double x = double(K) / double(k_);
+    const double x = double(K) / double(Budget(o_.DensityAt(t_), d_));
     tau_ *= x > 1.1 ? 1.005 : (x > 0.909 ? 1.00125 : 0.995);
     ++t_;
     *K_out = K;
@@ -206,6 +210,8 @@ struct Case {
   SparsifierKind sparsifier;
   ControllerKind controller;
   double momentum = 0.0;
+  uint64_t warmup_steps = 0;
+  double warmup_density = 0.0;  // decays to the density over 10 steps
 };
 void PrintTo(const Case& c, std::ostream* os) {
   *os << SparsifierName(c.sparsifier) << "/" << ControllerName(c.controller) << "/m"
@@ -225,6 +231,9 @@ TEST_P(StepTest, MatchesReferenceBitForBit) {
         o.controller = c.controller;
         o.density = density;
         o.momentum = c.momentum;
+        o.warmup_steps = c.warmup_steps;
+        o.warmup_density = c.warmup_density;
+        o.warmup_decay_steps = c.warmup_density > 0 ? 10 : 0;
         const int W = 2 * n;  // two training processes per node
         Cluster cluster(n, W, d, o);
         Reference ref(n, W, d, o);
@@ -249,7 +258,7 @@ TEST_P(StepTest, MatchesReferenceBitForBit) {
           if (c.sparsifier == SparsifierKind::kMicro) {
             // No build-up: the node sets are disjoint, K is the sum of the counts.
             ASSERT_EQ(stats[0].sum_of_counts, K);
-            if (c.controller == ControllerKind::kPaper) {
+            if (c.controller == ControllerKind::kPaper && t >= c.warmup_steps) {
               ASSERT_EQ(stats[0].threshold, double(float(paper_tau)));
               ASSERT_EQ(cluster.bucket(0).pass_threshold(), float(ref.tau()));
             }
@@ -269,12 +278,47 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{SparsifierKind::kDense, ControllerKind::kHistogram},
                       Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9},
                       Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.9},
-                      Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.5}),
+                      Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.5},
+                      Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9, 3},
+                      Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.0, 2, 0.25},
+                      Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.0, 0, 0.25}),
     [](const auto& info) {
       return std::string(SparsifierName(info.param.sparsifier)) + "_" +
              ControllerName(info.param.controller) +
-             (info.param.momentum > 0 ? "_momentum" : "");
+             (info.param.momentum > 0 ? "_momentum" : "") +
+             (info.param.warmup_steps > 0 ? "_warmup" : "") +
+             (info.param.warmup_density > 0 ? "_schedule" : "");
     });
+
+// The density schedule: budgets follow the exponential decay on every node
+// and the selection tracks them.
+TEST(StepWarmup, DensityScheduleIsFollowedOnEveryNode) {
+  const int n = 3;
+  const uint64_t d = 20011;
+  SparsifyOptions o;
+  o.density = 0.01;
+  o.warmup_steps = 2;
+  o.warmup_density = 0.25;
+  o.warmup_decay_steps = 8;
+  Cluster cluster(n, n, d, o);
+  std::vector<Vec> updates;
+  std::vector<StepStats> stats;
+  for (uint64_t t = 0; t < 14; ++t) {
+    for (const auto& s : cluster.Step(MakeGrads(n, d, t, 9), updates, stats)) ASSERT_TRUE(s.ok()) << s;
+    double want = 0.01;
+    if (t < 2) {
+      want = 1.0;
+    } else if (t < 10) {
+      want = 0.25 * std::pow(0.01 / 0.25, (t - 2) / 8.0);
+    }
+    const uint64_t k = std::max<uint64_t>(1, uint64_t(std::floor(want * d)));
+    for (int r = 0; r < n; ++r) {
+      ASSERT_EQ(stats[r].budget, t < 2 ? d : k) << "node " << r << " step " << t;
+      ASSERT_EQ(stats[r].dense, t < 2);
+    }
+    if (t >= 3) EXPECT_LE(stats[0].cre, 0.05) << "step " << t;
+  }
+}
 
 TEST(StepBuildUp, TopKAndHardBuildUpMicroDoesNot) {
   const int n = 4;
