@@ -91,8 +91,10 @@ void PrintBuckets(const microd::v1::GetStatusResponse& r) {
                 absl::StrFormat("%.2f/%.2f/%.2f/%.2f", b.local_sum_seconds(), b.select_seconds(),
                                 b.exchange_seconds(), b.writeback_seconds())
                     .c_str());
-    if (b.failures() > 0) {
-      std::printf("%-24s failed steps: %llu\n", "", static_cast<unsigned long long>(b.failures()));
+    if (b.failures() > 0 || b.skipped_steps() > 0) {
+      std::printf("%-24s failed steps: %llu, skipped (NaN/Inf): %llu\n", "",
+                  static_cast<unsigned long long>(b.failures()),
+                  static_cast<unsigned long long>(b.skipped_steps()));
     }
   }
   if (r.buckets_size() == 0) std::printf("(no buckets yet)\n");

@@ -54,6 +54,8 @@ ABSL_FLAG(uint64_t, warmup_steps, 0, "the first N steps of every bucket are dens
 ABSL_FLAG(double, warmup_density, 0.0,
           "then decay the density exponentially from this to --density (0: no decay)");
 ABSL_FLAG(uint64_t, warmup_decay_steps, 0, "length of the density decay, in steps");
+ABSL_FLAG(std::string, nonfinite, "fail",
+          "a NaN/Inf in a gradient: fail that step on every node, or skip it (zero update)");
 ABSL_FLAG(uint64_t, dense_floor, 65536, "buckets with fewer elements are reduced dense, fused");
 ABSL_FLAG(int, timeout_ms, 60000, "deadline of one operation (a step, a report)");
 ABSL_FLAG(int, peer_timeout_ms, 10000, "a node silent this long fails the job");
@@ -70,7 +72,7 @@ bool ApplyEnvironment() {
                          "nodes",          "coordinator",  "coordinator_listen", "coordinator_port_file",
                          "admin",          "admin_port_file", "transport", "hostname",
                          "sparsifier",     "controller",   "density",     "hard_threshold", "momentum_correction",
-                         "warmup_steps", "warmup_density", "warmup_decay_steps",
+                         "warmup_steps", "warmup_density", "warmup_decay_steps", "nonfinite",
                          "dense_floor",    "timeout_ms",   "peer_timeout_ms", "join_timeout_ms",
                          "job_id",         "token_file",   "allow_gid"};
   for (const char* name : names) {
@@ -145,6 +147,9 @@ int main(int argc, char** argv) {
                           ? 0.0
                           : absl::GetFlag(FLAGS_momentum_correction);
   if (absl::Status s = sparsify.Validate(); !s.ok()) return Fatal("options", s);
+  if (absl::GetFlag(FLAGS_nonfinite) != "fail" && absl::GetFlag(FLAGS_nonfinite) != "skip") {
+    return Fatal("--nonfinite", absl::InvalidArgumentError("must be fail or skip"));
+  }
   const int local_size = absl::GetFlag(FLAGS_local_size);
   if (local_size < 1 || local_size > microd::control::kMaxLocalSize) {
     return Fatal("--local_size", absl::InvalidArgumentError(absl::StrCat(
@@ -267,6 +272,7 @@ int main(int argc, char** argv) {
         s->set_dense(b.dense);
         s->set_steps(b.steps);
         s->set_failures(b.failures);
+        s->set_skipped_steps(b.skipped);
         s->set_last_selected(b.last_selected);
         s->set_budget(b.budget);
         s->set_last_threshold(b.last_threshold);
@@ -326,6 +332,7 @@ int main(int argc, char** argv) {
   eo.local_size = local_size;
   eo.sparsify = sparsify;
   eo.dense_floor = absl::GetFlag(FLAGS_dense_floor);
+  eo.skip_nonfinite = absl::GetFlag(FLAGS_nonfinite) == "skip";
   eo.op_timeout = op_timeout;
   {
     absl::MutexLock lock(&state_mu);

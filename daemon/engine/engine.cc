@@ -352,6 +352,27 @@ void Engine::RunBatch(const control::ScheduleBatch& batch) {
   for (Work& w : sparse) RunSparse(w);
 }
 
+void Engine::NonFinite(const Work& w, const absl::Status& status) {
+  if (!options_.skip_nonfinite) {
+    {
+      absl::MutexLock lock(&mu_);
+      ++w.bucket->stats.failures;
+    }
+    FinishWork(w, status);
+    return;
+  }
+  // Skip: nothing was reduced; every process applies a zero update.
+  for (const auto& buf : w.buffers) {
+    if (buf != nullptr) std::memset(buf->data(), 0, buf->count() * sizeof(float));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    ++w.bucket->stats.skipped;
+  }
+  std::fprintf(stderr, "microd: %s (skipped: zero update)\n", std::string(status.message()).c_str());
+  FinishWork(w, absl::OkStatus());
+}
+
 void Engine::FinishWork(const Work& w, const absl::Status& status) {
   {
     absl::MutexLock lock(&mu_);
@@ -407,13 +428,13 @@ void Engine::RunSparse(Work& w) {
   auto st = b.state->Step(grad, update_.get(), *transport_, absl::Now() + options_.op_timeout);
   if (!st.ok()) {
     absl::Status s = st.status();
-    {
-      absl::MutexLock lock(&mu_);
-      ++b.stats.failures;
-    }
     if (ToClientStatus(s) == ClientStatus::kNonFinite) {
-      FinishWork(w, s);  // this step only; the job goes on
+      NonFinite(w, s);  // this step only; the job goes on
     } else {
+      {
+        absl::MutexLock lock(&mu_);
+        ++b.stats.failures;
+      }
       s = WithRootCause(s);
       FinishWork(w, JobFailed(s));
       Fail(s, /*report=*/true);
@@ -502,7 +523,7 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
               "buckets '", absl::StrJoin(names, "', '"), "': NaN or Inf in the gradient on ",
               absl::StrJoin(bad, ", "), "; step skipped")),
           ClientStatus::kNonFinite);
-      for (const Work& w : works) FinishWork(w, nan);
+      for (const Work& w : works) NonFinite(w, nan);
       return;
     }
   }

@@ -38,6 +38,9 @@ struct EngineOptions {
   // Buckets with fewer elements go dense, fused into one allreduce per batch.
   uint64_t dense_floor = 65536;
   absl::Duration op_timeout = absl::Seconds(60);
+  // A NaN/Inf in some node's gradient: fail the step (MICROD_ERR_NONFINITE on
+  // every node) or skip it (every process gets a zero update, counted).
+  bool skip_nonfinite = false;
 };
 
 // Per-bucket statistics (cumulative since start).
@@ -47,6 +50,7 @@ struct BucketStats {
   bool dense = false;
   uint64_t steps = 0;
   uint64_t failures = 0;
+  uint64_t skipped = 0;  // steps skipped for a NaN/Inf (--nonfinite=skip)
   uint64_t last_selected = 0;
   uint64_t budget = 0;
   double last_threshold = 0;
@@ -129,6 +133,8 @@ class Engine final : public local::LocalHandler {
   void CompleteWork(const Work& w, const absl::Status& status);
   // Completes work of the running batch unless Fail() already did.
   void FinishWork(const Work& w, const absl::Status& status);
+  // A step hit a NaN/Inf: answers the work per --nonfinite (fail or skip).
+  void NonFinite(const Work& w, const absl::Status& status);
   // A step failed here: prefer the reason another node gave the coordinator.
   absl::Status WithRootCause(const absl::Status& local);
   void RunSparse(Work& w);

@@ -56,6 +56,43 @@ def test_register_allreduce_and_errors(make_cluster):
         c.allreduce(buf, 30000)
 
 
+def test_nonfinite_skip_gives_a_zero_update_and_is_counted(make_cluster):
+    import json
+    import subprocess
+    from conftest import BUILD
+    cluster = make_cluster(2, 1, ["--nonfinite=skip"])
+    # Two processes, one per node, in threads of this test (one client each).
+    import threading
+    results = {}
+
+    def worker(r):
+        with microd.Client(socket_path=cluster.socket(r)) as c:
+            buf = c.register("w", 100)
+            buf.array[:] = 1.0
+            if r == 1:
+                buf.array[7] = math.nan
+            c.allreduce(buf, 30000)  # no exception: skipped
+            results[r] = buf.array.copy()
+            buf.array[:] = float(r)
+            c.allreduce(buf, 30000)  # the next step runs normally
+            results[(r, "next")] = buf.array.copy()
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for r in range(2):
+        np.testing.assert_array_equal(results[r], np.zeros(100, np.float32))
+        np.testing.assert_array_equal(results[(r, "next")], np.full(100, 0.5, np.float32))
+    admin = open(f"{cluster.dir}/admin0").read().strip()
+    out = subprocess.run([f"{BUILD}/daemon/microctl", f"--admin=127.0.0.1:{admin}", "--json",
+                          "buckets"], capture_output=True, text=True, check=True).stdout
+    bucket = json.loads(out)["buckets"][0]
+    assert bucket["skippedSteps"] == "1"
+    assert bucket["steps"] == "1"
+
+
 def test_dead_daemon_is_a_clear_error_not_a_hang(make_cluster):
     cluster = make_cluster(1)
     c = microd.Client(socket_path=cluster.socket(0))
