@@ -50,6 +50,9 @@ ABSL_FLAG(double, hard_threshold, 0.0, "hard sparsifier threshold (0: 1/(2 sqrt(
 ABSL_FLAG(double, momentum_correction, 0.0,
           "momentum correction factor (DGC) in [0, 1); 0: off. With it on, the training side "
           "must not apply momentum (microd.torch.DistributedOptimizer switches SGD's off)");
+ABSL_FLAG(double, clip_norm, 0.0,
+          "local gradient clipping per bucket: scale a node's gradient down to "
+          "clip_norm / sqrt(nodes) (0: off)");
 ABSL_FLAG(uint64_t, warmup_steps, 0, "the first N steps of every bucket are dense");
 ABSL_FLAG(double, warmup_density, 0.0,
           "then decay the density exponentially from this to --density (0: no decay)");
@@ -73,6 +76,7 @@ bool ApplyEnvironment() {
                          "admin",          "admin_port_file", "transport", "hostname",
                          "sparsifier",     "controller",   "density",     "hard_threshold", "momentum_correction",
                          "warmup_steps", "warmup_density", "warmup_decay_steps", "nonfinite",
+                         "clip_norm",
                          "dense_floor",    "timeout_ms",   "peer_timeout_ms", "join_timeout_ms",
                          "job_id",         "token_file",   "allow_gid"};
   for (const char* name : names) {
@@ -140,6 +144,7 @@ int main(int argc, char** argv) {
   sparsify.controller = *ct;
   sparsify.density = absl::GetFlag(FLAGS_density);
   sparsify.hard_threshold = absl::GetFlag(FLAGS_hard_threshold);
+  sparsify.clip_norm = absl::GetFlag(FLAGS_clip_norm);
   sparsify.warmup_steps = absl::GetFlag(FLAGS_warmup_steps);
   sparsify.warmup_density = absl::GetFlag(FLAGS_warmup_density);
   sparsify.warmup_decay_steps = absl::GetFlag(FLAGS_warmup_decay_steps);
@@ -230,6 +235,7 @@ int main(int argc, char** argv) {
     r->set_warmup_steps(sparsify.warmup_steps);
     r->set_warmup_density(sparsify.warmup_density);
     r->set_warmup_decay_steps(sparsify.warmup_decay_steps);
+    r->set_clip_norm(sparsify.clip_norm);
     r->set_local_size(local_size);
     r->set_socket(absl::GetFlag(FLAGS_socket));
     r->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started));

@@ -112,6 +112,13 @@ class SparseOps {
   virtual KernelStatus Momentum(const float* grad, const float* velocity_in, float beta,
                                 float* velocity_out, uint64_t size, void* stream) = 0;
 
+  // *host_result = sum of data[i]^2, accumulated in double in index order.
+  virtual KernelStatus SumOfSquares(const float* data, uint64_t size, double* host_result,
+                                    void* stream) = 0;
+  // out[i] = in[i] * factor (out may alias in).
+  virtual KernelStatus Scale(const float* in, float factor, float* out, uint64_t size,
+                             void* stream) = 0;
+
   // out[j] = acc[index[j]] for j in [0, count).
   virtual KernelStatus Gather(const float* acc, const uint32_t* index, uint64_t count, float* out,
                               void* stream) = 0;

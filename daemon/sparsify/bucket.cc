@@ -101,6 +101,10 @@ absl::Status BucketState::Allocate() {
     candidate_value_.Reset(ops_, std::max<uint64_t>(capacity, 1));
     ok = ok && residual_[0].ok() && residual_[1].ok() && candidate_index_.ok() &&
          candidate_value_.ok();
+    if (options_.clip_norm > 0) {
+      clipped_.Reset(ops_, d);
+      ok = ok && clipped_.ok();
+    }
     if (options_.momentum > 0) {
       velocity_[0].Reset(ops_, d);
       velocity_[1].Reset(ops_, d);
@@ -227,6 +231,21 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, float* acc, float* update,
   return absl::OkStatus();
 }
 
+absl::StatusOr<const float*> BucketState::Clipped(const float* grad, StepStats& stats) {
+  if (options_.clip_norm <= 0) return grad;
+  double sum = 0.0;
+  RETURN_IF_ERROR(Check(ops_->SumOfSquares(grad, spec_.size, &sum, stream_), "norm"));
+  const double limit = options_.clip_norm / std::sqrt(static_cast<double>(job_.num_nodes));
+  const double norm = std::sqrt(sum);
+  // A NaN norm is left to the step's non-finite check.
+  if (!(norm > limit)) return grad;
+  stats.clipped = true;
+  RETURN_IF_ERROR(Check(ops_->Scale(grad, static_cast<float>(limit / norm), clipped_.get(),
+                                    spec_.size, stream_),
+                        "clipping"));
+  return clipped_.get();
+}
+
 absl::StatusOr<const float*> BucketState::Accumulated(const float* grad) {
   if (options_.momentum <= 0) return grad;
   float* next = velocity_[1 - current_].get();
@@ -254,7 +273,8 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
   const Range part = PartitionRange(spec_.size, n, OwnedPartition(job_.node_rank, step_, n));
   float* acc = residual_[1 - current_].get();
   const float pass_threshold = controller_->PassThreshold();
-  ASSIGN_OR_RETURN(const float* accumulated, Accumulated(grad));
+  ASSIGN_OR_RETURN(const float* clipped, Clipped(grad, stats));
+  ASSIGN_OR_RETURN(const float* accumulated, Accumulated(clipped));
 
   kernels::FusedSelectArgs args;
   args.grad = accumulated;
@@ -326,7 +346,8 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
                                               ? options_.hard_threshold
                                               : 1.0 / (2.0 * std::sqrt(static_cast<double>(k_))));
   float* acc = residual_[1 - current_].get();
-  ASSIGN_OR_RETURN(const float* accumulated, Accumulated(grad));
+  ASSIGN_OR_RETURN(const float* clipped, Clipped(grad, stats));
+  ASSIGN_OR_RETURN(const float* accumulated, Accumulated(clipped));
 
   kernels::FusedSelectArgs args;
   args.grad = accumulated;

@@ -37,6 +37,7 @@ struct StepStats {
   uint64_t bytes_sent = 0;  // payload bytes this node handed to collectives
   uint64_t bytes_received = 0;  // payload bytes the collectives delivered from other nodes
   int rescans = 0;          // `hist` controller: extra passes over the partition
+  bool clipped = false;     // local clipping scaled this node's gradient
   bool dense = false;
   // Where the time went: selection (fused pass, threshold control, trim),
   // exchange (index allgather, gather, value allreduce or the dense
@@ -103,6 +104,8 @@ class BucketState {
                                       absl::Time deadline);
   absl::StatusOr<StepStats> StepUnion(const float* grad, float* update, transport::Transport& t,
                                       absl::Time deadline);
+  // Local clipping: g, or g scaled into clipped_ when its norm is too large.
+  absl::StatusOr<const float*> Clipped(const float* grad, StepStats& stats);
   // The gradient the step accumulates: g, or the new velocity with
   // momentum correction (written to the idle velocity buffer).
   absl::StatusOr<const float*> Accumulated(const float* grad);
@@ -124,6 +127,7 @@ class BucketState {
   // flips only when it succeeds, so a failed step leaves e untouched.
   DeviceBuffer<float> residual_[2];
   DeviceBuffer<float> velocity_[2];  // momentum correction, flipped with the residual
+  DeviceBuffer<float> clipped_;      // the clipped gradient (clip_norm > 0)
   int current_ = 0;
   DeviceBuffer<uint32_t> candidate_index_;
   DeviceBuffer<float> candidate_value_;

@@ -50,6 +50,10 @@ absl::Status SparsifyOptions::Validate() const {
   if (!(density > 0.0 && density <= 1.0)) {
     return absl::InvalidArgumentError(absl::StrCat("density must be in (0, 1], got ", density));
   }
+  if (!(clip_norm >= 0.0) || std::isinf(clip_norm)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("clipping norm must be finite and >= 0, got ", clip_norm));
+  }
   if (!(momentum >= 0.0 && momentum < 1.0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("momentum correction must be in [0, 1), got ", momentum));

@@ -39,6 +39,10 @@ struct SparsifyOptions {
   // counter). The first `warmup_steps` steps of a bucket are dense. Then, if
   // warmup_density > 0, the density decays exponentially from it to
   // `density` over `warmup_decay_steps` steps (as Deep Gradient Compression).
+  // Local gradient clipping before accumulation (Deep Gradient Compression):
+  // when the L2 norm of this node's gradient of the bucket exceeds
+  // clip_norm / sqrt(n), it is scaled down to that norm. 0: off. Per bucket.
+  double clip_norm = 0.0;
   uint64_t warmup_steps = 0;
   double warmup_density = 0.0;
   uint64_t warmup_decay_steps = 0;

@@ -131,6 +131,23 @@ class CpuSparseOps final : public SparseOps {
     return KernelStatus::kOk;
   }
 
+  KernelStatus SumOfSquares(const float* data, uint64_t size, double* host_result,
+                            void*) override {
+    if (host_result == nullptr || (size > 0 && data == nullptr)) {
+      return KernelStatus::kInvalidArgument;
+    }
+    double sum = 0.0;
+    for (uint64_t i = 0; i < size; ++i) sum += static_cast<double>(data[i]) * data[i];
+    *host_result = sum;
+    return KernelStatus::kOk;
+  }
+
+  KernelStatus Scale(const float* in, float factor, float* out, uint64_t size, void*) override {
+    if (size > 0 && (in == nullptr || out == nullptr)) return KernelStatus::kInvalidArgument;
+    for (uint64_t i = 0; i < size; ++i) out[i] = in[i] * factor;
+    return KernelStatus::kOk;
+  }
+
   KernelStatus Gather(const float* acc, const uint32_t* index, uint64_t count, float* out,
                       void*) override {
     if (count > 0 && (acc == nullptr || index == nullptr || out == nullptr)) {

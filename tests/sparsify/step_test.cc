@@ -66,19 +66,34 @@ class Reference {
 
   // Returns the update every node receives. `micro_threshold` is used by
   // micro when the controller is not `paper`.
-  Vec Step(const std::vector<Vec>& g, float micro_threshold, uint64_t* K_out) {
+  Vec Step(const std::vector<Vec>& grads, float micro_threshold, uint64_t* K_out) {
+    const std::vector<Vec>& raw = grads;  // as given (dense and warm-up steps)
     Vec u(d_, 0.0f);
     if (o_.sparsifier == SparsifierKind::kDense || t_ < o_.warmup_steps) {
       // Dense (also during a dense warm-up: residual, velocity and threshold
       // stay as they are).
       ++t_;
       for (uint64_t i = 0; i < d_; ++i) {
-        float s = g[0][i];
-        for (int r = 1; r < n_; ++r) s += g[r][i];
+        float s = raw[0][i];
+        for (int r = 1; r < n_; ++r) s += raw[r][i];
         u[i] = s / float(W_);
       }
       *K_out = d_;
       return u;
+    }
+    std::vector<Vec> g = grads;
+    if (o_.clip_norm > 0) {
+      // Local clipping: scale a node's gradient down to clip_norm / sqrt(n).
+      const double limit = o_.clip_norm / std::sqrt(double(n_));
+      for (int r = 0; r < n_; ++r) {
+        double sum = 0;
+        for (uint64_t i = 0; i < d_; ++i) sum += double(g[r][i]) * g[r][i];
+        const double norm = std::sqrt(sum);
+        if (norm > limit) {
+          const float f = float(limit / norm);
+          for (uint64_t i = 0; i < d_; ++i) g[r][i] = g[r][i] * f;
+        }
+      }
     }
     std::vector<Vec> acc(n_, Vec(d_));
     const bool momentum = o_.momentum > 0 && o_.sparsifier != SparsifierKind::kDense;
@@ -212,6 +227,7 @@ struct Case {
   double momentum = 0.0;
   uint64_t warmup_steps = 0;
   double warmup_density = 0.0;  // decays to the density over 10 steps
+  double clip_norm = 0.0;
 };
 void PrintTo(const Case& c, std::ostream* os) {
   *os << SparsifierName(c.sparsifier) << "/" << ControllerName(c.controller) << "/m"
@@ -234,15 +250,18 @@ TEST_P(StepTest, MatchesReferenceBitForBit) {
         o.warmup_steps = c.warmup_steps;
         o.warmup_density = c.warmup_density;
         o.warmup_decay_steps = c.warmup_density > 0 ? 10 : 0;
+        o.clip_norm = c.clip_norm;
         const int W = 2 * n;  // two training processes per node
         Cluster cluster(n, W, d, o);
         Reference ref(n, W, d, o);
         std::vector<Vec> updates;
         std::vector<StepStats> stats;
+        bool any_clipped = false;
         for (uint64_t t = 0; t < 25; ++t) {
           const auto g = MakeGrads(n, d, t, uint32_t(d + n));
           const double paper_tau = ref.tau();
           for (const auto& s : cluster.Step(g, updates, stats)) ASSERT_TRUE(s.ok()) << s;
+          for (const auto& st : stats) any_clipped = any_clipped || st.clipped;
           uint64_t K = 0;
           const Vec want = ref.Step(g, float(stats[0].threshold), &K);
           for (int r = 0; r < n; ++r) {
@@ -264,6 +283,8 @@ TEST_P(StepTest, MatchesReferenceBitForBit) {
             }
           }
         }
+        // The clipping cases must exercise clipping (d = 5 may stay below the limit).
+        if (c.clip_norm > 0 && d > 5) EXPECT_TRUE(any_clipped);
       }
     }
   }
@@ -281,13 +302,16 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.5},
                       Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9, 3},
                       Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.0, 2, 0.25},
-                      Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.0, 0, 0.25}),
+                      Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.0, 0, 0.25},
+                      Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9, 0, 0.0, 0.3},
+                      Case{SparsifierKind::kHard, ControllerKind::kHistogram, 0.0, 0, 0.0, 0.5}),
     [](const auto& info) {
       return std::string(SparsifierName(info.param.sparsifier)) + "_" +
              ControllerName(info.param.controller) +
              (info.param.momentum > 0 ? "_momentum" : "") +
              (info.param.warmup_steps > 0 ? "_warmup" : "") +
-             (info.param.warmup_density > 0 ? "_schedule" : "");
+             (info.param.warmup_density > 0 ? "_schedule" : "") +
+             (info.param.clip_norm > 0 ? "_clip" : "");
     });
 
 // The density schedule: budgets follow the exponential decay on every node
