@@ -40,7 +40,7 @@ def test_dense_hook_and_optimizer_match_plain_ddp(make_cluster, nodes):
         np.testing.assert_allclose(opt[r]["params"], flat_plain, rtol=0, atol=1e-6)
 
 
-def micro_paper_reference(grads, density, momentum=0.0):
+def micro_paper_reference(grads, density, momentum=0.0, warmup_steps=0):
     """ARCHITECTURE section 1 with the `paper` controller, in float32, one
     process per node: grads[r][t] -> the update every node receives at t.
     With momentum correction the velocity is accumulated and masked."""
@@ -55,6 +55,12 @@ def micro_paper_reference(grads, density, momentum=0.0):
     updates = []
     q, rem = divmod(d, n)
     for t in range(steps):
+        if t < warmup_steps:  # dense warm-up: nothing else changes
+            v = grads[0][t].copy()
+            for r in range(1, n):
+                v = v + grads[r][t]
+            updates.append(v / W)
+            continue
         if momentum > 0:
             m = [beta * m[r] + grads[r][t] for r in range(n)]
             acc = [e[r] + m[r] for r in range(n)]
@@ -83,16 +89,18 @@ def micro_paper_reference(grads, density, momentum=0.0):
     return updates
 
 
-@pytest.mark.parametrize("nodes,momentum", [(2, 0.0), (3, 0.0), (3, 0.9)])
-def test_micro_optimizer_update_equals_the_reference(make_cluster, nodes, momentum):
+@pytest.mark.parametrize("nodes,momentum,warmup", [(2, 0.0, 0), (3, 0.0, 0), (3, 0.9, 0),
+                                                   (2, 0.9, 2)])
+def test_micro_optimizer_update_equals_the_reference(make_cluster, nodes, momentum, warmup):
     density = 0.05
     cluster = make_cluster(nodes, 1, ["--sparsifier=micro", "--controller=paper", "--dense_floor=1",
-                                      f"--density={density}", f"--momentum_correction={momentum}"])
+                                      f"--density={density}", f"--momentum_correction={momentum}",
+                                      f"--warmup_steps={warmup}"])
     out = run(cluster, "optimizer", steps=6)
     for o in out:
         assert float(o["daemon_momentum"]) == pytest.approx(momentum)
         assert float(o["sgd_momentum"]) == 0.0  # switched off when the daemon has it
-    want = micro_paper_reference([o["grads"] for o in out], density, momentum)
+    want = micro_paper_reference([o["grads"] for o in out], density, momentum, warmup)
     for r in range(nodes):
         for t, u in enumerate(want):
             np.testing.assert_array_equal(out[r]["updates"][t], u, err_msg=f"node {r} step {t}")
