@@ -315,7 +315,6 @@ absl::StatusOr<std::vector<ScheduleBatch>> Coordinator::Poll(uint64_t session, i
   if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("node rank ", rank, " is negative"));
   absl::MutexLock lock(&mu_);
   if (absl::Status s = CheckMember(session, rank); !s.ok()) return s;
-  if (absl::Status s = JobError(); !s.ok()) return s;
   if (next < nodes_[rank].polled) {
     return absl::InvalidArgumentError(absl::StrCat("node ", rank, " asked for batch ", next,
                                                    " after having seen up to ",
@@ -332,7 +331,11 @@ absl::StatusOr<std::vector<ScheduleBatch>> Coordinator::Poll(uint64_t session, i
            state_ == JobState::kFinished;
   };
   mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
-  if (absl::Status s = JobError(); !s.ok()) return s;
+  // Batches already in the log are delivered even after a failure, so that
+  // every node sees the same errors (a mismatch) before the failure itself.
+  if (schedule_base_ + schedule_.size() <= next) {
+    if (absl::Status s = JobError(); !s.ok()) return s;
+  }
   std::vector<ScheduleBatch> out;
   for (uint64_t i = next; i < schedule_base_ + schedule_.size() && out.size() < kMaxBatchesPerPoll;
        ++i) {

@@ -59,6 +59,7 @@ int main(int argc, char** argv) {
     if (s != MICROD_OK) {
       fprintf(out, "FAILED %d register %s: %s\n", (int)s, names[nb], microd_last_error(c));
       fclose(out);
+      microd_close(c); /* a well-behaved process says goodbye */
       return 3;
     }
     ++nb;
@@ -71,6 +72,7 @@ int main(int argc, char** argv) {
       if (s != MICROD_OK) {
         fprintf(out, "FAILED %d submit: %s\n", (int)s, microd_last_error(c));
         fclose(out);
+        microd_close(c);
         return 3;
       }
     }
@@ -81,6 +83,7 @@ int main(int argc, char** argv) {
         fprintf(out, "FAILED %d step %ld bucket %s: %s\n", (int)s, t, names[b],
                 microd_last_error(c));
         fclose(out);
+        microd_close(c);
         return 3;
       }
       fprintf(out, "%ld %d %016llx\n", t, b,
