@@ -153,8 +153,9 @@ static void read_one(microd_client* c, int timeout_ms) {
   } while (n < 0 && errno == EINTR);
   pthread_mutex_lock(&c->mu);
   if (n <= 0) {
-    break_connection(c, MICROD_ERR_UNAVAILABLE, n == 0 ? "the daemon closed the connection"
-                                                       : "reading from the daemon failed");
+    break_connection(
+        c, MICROD_ERR_UNAVAILABLE,
+        n == 0 ? "the daemon closed the connection" : "reading from the daemon failed");
   } else if ((size_t)n < sizeof(microd_wire_header) || m.h.magic != MICROD_WIRE_MAGIC ||
              m.h.version != MICROD_WIRE_VERSION || m.h.length != (uint32_t)n) {
     break_connection(c, MICROD_ERR_PROTOCOL, "malformed message from the daemon");
@@ -172,8 +173,8 @@ static void read_one(microd_client* c, int timeout_ms) {
     c->have_register_ack = 1;
   } else if (m.h.type == MICROD_MSG_ERROR && n == sizeof(microd_wire_error)) {
     m.err.message[MICROD_WIRE_MESSAGE_BYTES - 1] = '\0';
-    break_connection(c, valid_status(m.err.status) ? (microd_status)m.err.status
-                                                   : MICROD_ERR_PROTOCOL,
+    break_connection(c,
+                     valid_status(m.err.status) ? (microd_status)m.err.status : MICROD_ERR_PROTOCOL,
                      m.err.message);
   } else {
     break_connection(c, MICROD_ERR_PROTOCOL, "unexpected message from the daemon");
@@ -187,19 +188,32 @@ int microd_version(void) { return MICROD_VERSION_CODE; }
 
 const char* microd_status_string(microd_status status) {
   switch (status) {
-    case MICROD_OK: return "MICROD_OK";
-    case MICROD_ERR_INVALID_ARGUMENT: return "MICROD_ERR_INVALID_ARGUMENT: bad argument";
-    case MICROD_ERR_UNAVAILABLE: return "MICROD_ERR_UNAVAILABLE: daemon not reachable";
-    case MICROD_ERR_TIMEOUT: return "MICROD_ERR_TIMEOUT: deadline passed";
-    case MICROD_ERR_MISMATCH: return "MICROD_ERR_MISMATCH: buffers differ between processes";
-    case MICROD_ERR_JOB_FAILED: return "MICROD_ERR_JOB_FAILED: the job failed";
-    case MICROD_ERR_UNSUPPORTED: return "MICROD_ERR_UNSUPPORTED: not supported by this build";
-    case MICROD_ERR_PROTOCOL: return "MICROD_ERR_PROTOCOL: malformed message";
-    case MICROD_ERR_RESOURCE: return "MICROD_ERR_RESOURCE: out of memory or over a limit";
-    case MICROD_ERR_PERMISSION: return "MICROD_ERR_PERMISSION: refused by the daemon";
-    case MICROD_ERR_NONFINITE: return "MICROD_ERR_NONFINITE: NaN or Inf in a gradient";
-    case MICROD_ERR_INTERNAL: return "MICROD_ERR_INTERNAL: internal error";
-    case MICROD_ERR_CLOSED: return "MICROD_ERR_CLOSED: handle closed";
+    case MICROD_OK:
+      return "MICROD_OK";
+    case MICROD_ERR_INVALID_ARGUMENT:
+      return "MICROD_ERR_INVALID_ARGUMENT: bad argument";
+    case MICROD_ERR_UNAVAILABLE:
+      return "MICROD_ERR_UNAVAILABLE: daemon not reachable";
+    case MICROD_ERR_TIMEOUT:
+      return "MICROD_ERR_TIMEOUT: deadline passed";
+    case MICROD_ERR_MISMATCH:
+      return "MICROD_ERR_MISMATCH: buffers differ between processes";
+    case MICROD_ERR_JOB_FAILED:
+      return "MICROD_ERR_JOB_FAILED: the job failed";
+    case MICROD_ERR_UNSUPPORTED:
+      return "MICROD_ERR_UNSUPPORTED: not supported by this build";
+    case MICROD_ERR_PROTOCOL:
+      return "MICROD_ERR_PROTOCOL: malformed message";
+    case MICROD_ERR_RESOURCE:
+      return "MICROD_ERR_RESOURCE: out of memory or over a limit";
+    case MICROD_ERR_PERMISSION:
+      return "MICROD_ERR_PERMISSION: refused by the daemon";
+    case MICROD_ERR_NONFINITE:
+      return "MICROD_ERR_NONFINITE: NaN or Inf in a gradient";
+    case MICROD_ERR_INTERNAL:
+      return "MICROD_ERR_INTERNAL: internal error";
+    case MICROD_ERR_CLOSED:
+      return "MICROD_ERR_CLOSED: handle closed";
   }
   return "MICROD_ERR_UNKNOWN: unknown status";
 }
@@ -270,9 +284,8 @@ microd_status microd_connect(const microd_options* options, microd_client** out)
     close(fd);
     fd = -1;
     if ((err != ENOENT && err != ECONNREFUSED && err != EAGAIN) || now_ms() >= deadline) {
-      return fail(NULL, err == ENOENT || err == ECONNREFUSED ? MICROD_ERR_UNAVAILABLE
-                                                             : MICROD_ERR_UNAVAILABLE,
-                  "cannot connect to microd at %s: %s", o.socket_path, strerror(err));
+      return fail(NULL, MICROD_ERR_UNAVAILABLE, "cannot connect to microd at %s: %s", o.socket_path,
+                  strerror(err));
     }
     usleep(10000);
   }
@@ -395,8 +408,8 @@ microd_status microd_register_buffer(microd_client* c, const char* name, uint64_
                 MICROD_WIRE_NAME_BYTES - 1);
   }
   if (count == 0 || count > MAX_BUCKET_ELEMENTS) {
-    return fail(c, MICROD_ERR_INVALID_ARGUMENT,
-                "buffer '%s': count %llu out of range [1, 2^32)", name, (unsigned long long)count);
+    return fail(c, MICROD_ERR_INVALID_ARGUMENT, "buffer '%s': count %llu out of range [1, 2^32)",
+                name, (unsigned long long)count);
   }
   pthread_mutex_lock(&c->mu);
   if (c->broken != MICROD_OK) {
@@ -430,8 +443,8 @@ microd_status microd_register_buffer(microd_client* c, const char* name, uint64_
   /* Sealed size: neither side can shrink the buffer under the other. */
   if (ftruncate(mfd, (off_t)bytes) != 0 ||
       fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    microd_status s = fail(c, MICROD_ERR_RESOURCE, "shared memory of %zu bytes: %s", bytes,
-                           strerror(errno));
+    microd_status s =
+        fail(c, MICROD_ERR_RESOURCE, "shared memory of %zu bytes: %s", bytes, strerror(errno));
     close(mfd);
     return s;
   }

@@ -171,8 +171,8 @@ absl::Status Engine::RegisterBuffer(uint64_t client, uint32_t buffer_id, const s
     b.poisoned = WithClientStatus(
         absl::InvalidArgumentError(absl::StrCat(
             "buffer '", name, "' has ", buffer->count(), dense ? " elements (dense)" : " elements",
-            " on local rank ", p.local_rank, " but ", b.count,
-            b.requested_dense ? " (dense)" : "", " on local rank ", other)),
+            " on local rank ", p.local_rank, " but ", b.count, b.requested_dense ? " (dense)" : "",
+            " on local rank ", other)),
         ClientStatus::kMismatch);
     if (b.submitted > 0) refused->push_back(TakeWork(b));
     return b.poisoned;
@@ -228,8 +228,8 @@ void Engine::OnDisconnect(uint64_t client, bool clean, const std::string& why) {
     // it quietly. One that leaves cleanly with nothing in flight is done.
     if (p.buffers.empty() || (clean && !pending)) return;
     reason = absl::StrCat("local process ", p.local_rank, " (pid ", p.pid, ") on node ",
-                          membership_.node_rank, " disconnected",
-                          clean ? " with work pending" : "", ": ", why);
+                          membership_.node_rank, " disconnected", clean ? " with work pending" : "",
+                          ": ", why);
   }
   Fail(absl::AbortedError(reason), /*report=*/true);
 }
@@ -243,7 +243,6 @@ Engine::Work Engine::TakeWork(Bucket& b) {
   w.buffer_ids = b.buffer_ids;
   std::fill(b.tickets.begin(), b.tickets.end(), 0);
   b.submitted = 0;
-  b.reported = false;
   return w;
 }
 
@@ -302,8 +301,7 @@ void Engine::Loop() {
         continue;
       }
       for (const std::string& name : newly_ready_) {
-        Bucket& b = buckets_[name];
-        b.reported = true;
+        const Bucket& b = buckets_[name];
         report.push_back({name, kDtypeFloat32, static_cast<int64_t>(b.count), b.requested_dense});
       }
       newly_ready_.clear();
@@ -369,7 +367,8 @@ void Engine::NonFinite(const Work& w, const absl::Status& status) {
     absl::MutexLock lock(&mu_);
     ++w.bucket->stats.skipped;
   }
-  std::fprintf(stderr, "microd: %s (skipped: zero update)\n", std::string(status.message()).c_str());
+  std::fprintf(stderr, "microd: %s (skipped: zero update)\n",
+               std::string(status.message()).c_str());
   FinishWork(w, absl::OkStatus());
 }
 
@@ -391,7 +390,7 @@ void Engine::RunSparse(Work& w) {
   for (const auto& buf : w.buffers) {
     if (buf == nullptr) {
       FinishWork(w, JobFailed(absl::AbortedError(
-                          absl::StrCat("bucket '", b.name, "': a local process is gone"))));
+                        absl::StrCat("bucket '", b.name, "': a local process is gone"))));
       return;
     }
   }
@@ -471,8 +470,7 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
   const int L = options_.local_size;
   uint64_t total = 0;
   for (const Work& w : works) total += w.bucket->count;
-  sparsify::DeviceBuffer<kernels::StepScalars> scalars(ops_, 1);
-  if (!fusion_.Reserve(ops_, total + 1) || !scalars.ok()) {
+  if (!fusion_.Reserve(ops_, total + 1) || !scalars_.Reserve(ops_, 1)) {
     const absl::Status s = WithClientStatus(
         absl::ResourceExhaustedError("fused dense buffer: out of memory"), ClientStatus::kResource);
     for (const Work& w : works) FinishWork(w, s);
@@ -491,10 +489,10 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
       }
       inputs.push_back(buf->data());
     }
-    ops_->LocalSum(inputs.data(), L, w.bucket->count, fusion_.get() + offset, scalars.get(),
+    ops_->LocalSum(inputs.data(), L, w.bucket->count, fusion_.get() + offset, scalars_.get(),
                    nullptr);
     kernels::StepScalars sc;
-    ops_->CopyToHost(&sc, scalars.get(), sizeof sc, nullptr);
+    ops_->CopyToHost(&sc, scalars_.get(), sizeof sc, nullptr);
     nonfinite += sc.nonfinite;
     offset += w.bucket->count;
   }
@@ -519,9 +517,9 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
       }
       for (const Work& w : works) names.push_back(w.bucket->name);
       const absl::Status nan = WithClientStatus(
-          absl::InvalidArgumentError(absl::StrCat(
-              "buckets '", absl::StrJoin(names, "', '"), "': NaN or Inf in the gradient on ",
-              absl::StrJoin(bad, ", "), "; step skipped")),
+          absl::InvalidArgumentError(absl::StrCat("buckets '", absl::StrJoin(names, "', '"),
+                                                  "': NaN or Inf in the gradient on ",
+                                                  absl::StrJoin(bad, ", "), "; step skipped")),
           ClientStatus::kNonFinite);
       for (const Work& w : works) NonFinite(w, nan);
       return;

@@ -110,7 +110,6 @@ class Engine final : public local::LocalHandler {
     std::vector<uint32_t> buffer_ids;                         // by local rank
     std::vector<uint64_t> tickets;                            // by local rank, 0 = none
     int submitted = 0;
-    bool reported = false;  // sent to the coordinator, waiting to be scheduled
     absl::Status poisoned;  // local processes disagree on it: every submission fails
     uint32_t slot = 0;      // transport tag slot, assigned at first schedule
     std::unique_ptr<sparsify::BucketState> state;
@@ -162,6 +161,7 @@ class Engine final : public local::LocalHandler {
 
   // Engine-thread scratch buffers (device memory of ops_).
   sparsify::DeviceBuffer<float> grad_, update_, fusion_;
+  sparsify::DeviceBuffer<kernels::StepScalars> scalars_;
   std::thread thread_;
   std::thread poll_thread_;
 };

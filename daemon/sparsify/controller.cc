@@ -53,8 +53,9 @@ absl::StatusOr<float> HistogramController::Resolve(CandidateSet& candidates,
                                                    const ControllerContext& ctx) {
   kernels::SparseOps& ops = *ctx.ops;
   const uint64_t k = ctx.k;
-  DeviceBuffer<int64_t> device_bins(&ops, std::max(kCoarseBins, kFineBins) + 1);
-  if (!device_bins.ok()) return absl::ResourceExhaustedError("histogram: out of device memory");
+  if (!device_bins_.Reserve(&ops, std::max(kCoarseBins, kFineBins) + 1)) {
+    return absl::ResourceExhaustedError("histogram: out of device memory");
+  }
   std::vector<int64_t> coarse(kCoarseBins + 1);
   std::vector<int64_t> fine(kFineBins + 1);
 
@@ -62,13 +63,13 @@ absl::StatusOr<float> HistogramController::Resolve(CandidateSet& candidates,
   auto global_histogram = [&](uint32_t shift, uint32_t first, uint32_t num,
                               std::vector<int64_t>& out) -> absl::Status {
     const kernels::KernelStatus ks = ops.LogHistogram(
-        candidates.values(), candidates.count(), shift, first, num, device_bins.get(), ctx.stream);
+        candidates.values(), candidates.count(), shift, first, num, device_bins_.get(), ctx.stream);
     if (ks != kernels::KernelStatus::kOk) {
       return absl::InternalError(
           absl::StrCat("histogram kernel: ", kernels::KernelStatusString(ks)));
     }
     // The allreduce runs on a host copy: the histograms are tiny.
-    if (ops.CopyToHost(out.data(), device_bins.get(), (num + 1) * sizeof(int64_t), ctx.stream) !=
+    if (ops.CopyToHost(out.data(), device_bins_.get(), (num + 1) * sizeof(int64_t), ctx.stream) !=
         kernels::KernelStatus::kOk) {
       return absl::InternalError("histogram: copy to host failed");
     }

@@ -15,6 +15,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "daemon/sparsify/device_buffer.h"
 #include "daemon/sparsify/options.h"
 #include "daemon/transport/transport.h"
 #include "kernels/sparse_ops.h"
@@ -39,7 +40,7 @@ struct ControllerContext {
   uint64_t k = 1;                        // budget of the whole bucket
   uint64_t* bytes_sent = nullptr;        // payload accounting of the step
   uint64_t* bytes_received = nullptr;
-  int* rescans = nullptr;                // how many rescans the step needed
+  int* rescans = nullptr;  // how many rescans the step needed
 };
 
 class ThresholdController {
@@ -97,8 +98,9 @@ class HistogramController final : public ThresholdController {
   bool Refines() const override { return true; }
 
  private:
-  float lower_bound_;          // tau_lo of the coming step
-  float pending_lower_bound_;  // set by Resolve, taken by Commit
+  DeviceBuffer<int64_t> device_bins_;  // histogram scratch, kept across steps
+  float lower_bound_;                  // tau_lo of the coming step
+  float pending_lower_bound_;          // set by Resolve, taken by Commit
 };
 
 std::unique_ptr<ThresholdController> CreateController(ControllerKind kind, uint64_t k);

@@ -211,7 +211,9 @@ void RunAndCompare(int n, int L) {
   for (const auto& b : status->buckets()) {
     EXPECT_EQ(b.steps(), static_cast<uint64_t>(steps)) << b.name();
     EXPECT_EQ(b.dense(), b.count() < kDenseFloor) << b.name();
-    if (!b.dense()) EXPECT_LE(b.mean_cre(), 0.05) << b.name();
+    if (!b.dense()) {
+      EXPECT_LE(b.mean_cre(), 0.05) << b.name();
+    }
   }
 }
 

@@ -284,7 +284,9 @@ TEST_P(StepTest, MatchesReferenceBitForBit) {
           }
         }
         // The clipping cases must exercise clipping (d = 5 may stay below the limit).
-        if (c.clip_norm > 0 && d > 5) EXPECT_TRUE(any_clipped);
+        if (c.clip_norm > 0 && d > 5) {
+          EXPECT_TRUE(any_clipped);
+        }
       }
     }
   }
@@ -340,7 +342,9 @@ TEST(StepWarmup, DensityScheduleIsFollowedOnEveryNode) {
       ASSERT_EQ(stats[r].budget, t < 2 ? d : k) << "node " << r << " step " << t;
       ASSERT_EQ(stats[r].dense, t < 2);
     }
-    if (t >= 3) EXPECT_LE(stats[0].cre, 0.05) << "step " << t;
+    if (t >= 3) {
+      EXPECT_LE(stats[0].cre, 0.05) << "step " << t;
+    }
   }
 }
 
