@@ -1,7 +1,7 @@
 // microctl: status of a microd daemon over its Admin service.
-//   microctl [--admin=host:port] [--json] status|buckets
-#include <grpcpp/grpcpp.h>
+//   microctl [--admin=host:port] [--json] status|buckets|history [BUCKET]
 #include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
 
 #include <cstdio>
 #include <string>
@@ -15,6 +15,7 @@
 ABSL_FLAG(std::string, admin, "", "daemon Admin address (default $MICROD_ADMIN or 127.0.0.1:7471)");
 ABSL_FLAG(bool, json, false, "print JSON instead of a table");
 ABSL_FLAG(int, timeout_ms, 5000, "deadline of the call");
+ABSL_FLAG(bool, history, false, "with --json: include each bucket's per-step history");
 
 namespace {
 
@@ -46,16 +47,17 @@ std::string Bytes(double b) {
 void PrintStatus(const microd::v1::GetStatusResponse& r) {
   std::printf("node        %s (rank %d of %d)%s\n", r.node_name().c_str(), r.node_rank(),
               r.node_count(), r.is_coordinator() ? ", coordinator" : "");
-  std::printf("job         %s%s%s\n", JobStateName(r.job_state()),
-              r.failure().empty() ? "" : ": ", r.failure().c_str());
+  std::printf("job         %s%s%s\n", JobStateName(r.job_state()), r.failure().empty() ? "" : ": ",
+              r.failure().c_str());
   std::printf("world size  %d (%d local)\n", r.world_size(), r.local_size());
   std::printf("sparsifier  %s / %s, density %g, transport %s\n", r.sparsifier().c_str(),
               r.controller().c_str(), r.density(), r.transport().c_str());
-  std::printf("remedies    momentum correction %g, warm-up %llu dense steps, density decay "
-              "%g -> %g over %llu steps, clipping %g\n",
-              r.momentum_correction(), static_cast<unsigned long long>(r.warmup_steps()),
-              r.warmup_density(), r.density(),
-              static_cast<unsigned long long>(r.warmup_decay_steps()), r.clip_norm());
+  std::printf(
+      "remedies    momentum correction %g, warm-up %llu dense steps, density decay "
+      "%g -> %g over %llu steps, clipping %g\n",
+      r.momentum_correction(), static_cast<unsigned long long>(r.warmup_steps()),
+      r.warmup_density(), r.density(), static_cast<unsigned long long>(r.warmup_decay_steps()),
+      r.clip_norm());
   std::printf("socket      %s\n", r.socket().c_str());
   std::printf("version     %s, up %.0f s, %llu schedule batches run\n", r.version().c_str(),
               r.uptime_seconds(), static_cast<unsigned long long>(r.batches()));
@@ -84,9 +86,8 @@ void PrintBuckets(const microd::v1::GetStatusResponse& r) {
                 b.name().c_str(), static_cast<unsigned long long>(b.count()),
                 b.dense() ? "dense" : "sparse", static_cast<unsigned long long>(b.steps()),
                 static_cast<unsigned long long>(b.last_selected()),
-                static_cast<unsigned long long>(b.budget()), 100 * b.last_cre(),
-                100 * b.mean_cre(), b.last_threshold(),
-                Bytes(static_cast<double>(b.bytes_sent())).c_str(),
+                static_cast<unsigned long long>(b.budget()), 100 * b.last_cre(), 100 * b.mean_cre(),
+                b.last_threshold(), Bytes(static_cast<double>(b.bytes_sent())).c_str(),
                 Bytes(static_cast<double>(b.bytes_received())).c_str(),
                 absl::StrFormat("%.2f/%.2f/%.2f/%.2f", b.local_sum_seconds(), b.select_seconds(),
                                 b.exchange_seconds(), b.writeback_seconds())
@@ -100,16 +101,39 @@ void PrintBuckets(const microd::v1::GetStatusResponse& r) {
   if (r.buckets_size() == 0) std::printf("(no buckets yet)\n");
 }
 
+// Per-step history of every bucket (or of `only`); false if `only` is unknown.
+bool PrintHistory(const microd::v1::GetStatusResponse& r, const std::string& only) {
+  bool found = false;
+  for (const auto& b : r.buckets()) {
+    if (!only.empty() && b.name() != only) continue;
+    found = true;
+    std::printf("%s (%llu elements, last %d sparse steps)\n", b.name().c_str(),
+                static_cast<unsigned long long>(b.count()), b.history_size());
+    std::printf("%8s %10s %10s %8s %11s\n", "step", "K", "k", "CRE", "threshold");
+    for (const auto& h : b.history()) {
+      std::printf("%8llu %10llu %10llu %7.2f%% %11.4g\n", static_cast<unsigned long long>(h.step()),
+                  static_cast<unsigned long long>(h.selected()),
+                  static_cast<unsigned long long>(h.budget()), 100 * h.cre(), h.threshold());
+    }
+  }
+  return found || only.empty();
+}
+
+constexpr char kUsage[] =
+    "usage: microctl [--admin=host:port] [--json] [--history] status|buckets|history [BUCKET]\n";
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("microctl [--admin=host:port] [--json] status|buckets");
+  absl::SetProgramUsageMessage(kUsage);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   const std::string command = args.size() > 1 ? args[1] : "status";
-  if (args.size() > 2 || (command != "status" && command != "buckets")) {
-    std::fprintf(stderr, "usage: microctl [--admin=host:port] [--json] status|buckets\n");
+  const bool known = command == "status" || command == "buckets" || command == "history";
+  if (!known || args.size() > (command == "history" ? 3u : 2u)) {
+    std::fprintf(stderr, "%s", kUsage);
     return 2;
   }
+  const std::string only = args.size() > 2 ? args[2] : "";
   std::string address = absl::GetFlag(FLAGS_admin);
   if (address.empty()) {
     const char* env = std::getenv("MICROD_ADMIN");
@@ -121,7 +145,9 @@ int main(int argc, char** argv) {
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));
   microd::v1::GetStatusResponse resp;
-  grpc::Status s = stub->GetStatus(&ctx, {}, &resp);
+  microd::v1::GetStatusRequest req;
+  req.set_include_history(command == "history" || absl::GetFlag(FLAGS_history));
+  grpc::Status s = stub->GetStatus(&ctx, req, &resp);
   if (!s.ok()) {
     std::fprintf(stderr, "microctl: cannot reach microd at %s: %s\n", address.c_str(),
                  s.error_message().c_str());
@@ -138,8 +164,11 @@ int main(int argc, char** argv) {
   }
   if (command == "status") {
     PrintStatus(resp);
-  } else {
+  } else if (command == "buckets") {
     PrintBuckets(resp);
+  } else if (!PrintHistory(resp, only)) {
+    std::fprintf(stderr, "microctl: no bucket named '%s'\n", only.c_str());
+    return 1;
   }
   return 0;
 }

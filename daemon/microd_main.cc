@@ -19,6 +19,7 @@
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/control/coordinator.h"
@@ -59,6 +60,8 @@ ABSL_FLAG(double, warmup_density, 0.0,
 ABSL_FLAG(uint64_t, warmup_decay_steps, 0, "length of the density decay, in steps");
 ABSL_FLAG(std::string, nonfinite, "fail",
           "a NaN/Inf in a gradient: fail that step on every node, or skip it (zero update)");
+ABSL_FLAG(uint64_t, stats_history, 1024,
+          "sparse steps kept per bucket for `microctl --history buckets` (0: none)");
 ABSL_FLAG(uint64_t, dense_floor, 65536, "buckets with fewer elements are reduced dense, fused");
 ABSL_FLAG(int, timeout_ms, 60000, "deadline of one operation (a step, a report)");
 ABSL_FLAG(int, peer_timeout_ms, 10000, "a node silent this long fails the job");
@@ -69,31 +72,22 @@ ABSL_FLAG(int, allow_gid, -1, "also accept training processes of this group id")
 
 namespace {
 
-// Environment fallbacks: MICROD_<FLAG NAME IN UPPER CASE>.
+// Environment fallbacks: MICROD_<FLAG NAME IN UPPER CASE>, for every flag
+// defined in this file (a command-line flag wins over its variable).
 bool ApplyEnvironment() {
-  const char* names[] = {"socket",         "local_size",   "node_name",   "node_rank",
-                         "nodes",          "coordinator",  "coordinator_listen", "coordinator_port_file",
-                         "admin",          "admin_port_file", "transport", "hostname",
-                         "sparsifier",     "controller",   "density",     "hard_threshold", "momentum_correction",
-                         "warmup_steps", "warmup_density", "warmup_decay_steps", "nonfinite",
-                         "clip_norm",
-                         "dense_floor",    "timeout_ms",   "peer_timeout_ms", "join_timeout_ms",
-                         "job_id",         "token_file",   "allow_gid"};
-  for (const char* name : names) {
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (!absl::EndsWith(flag->Filename(), "microd_main.cc")) continue;
     const std::string env = "MICROD_" + absl::AsciiStrToUpper(name);
     const char* value = std::getenv(env.c_str());
     if (value == nullptr) continue;
-    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     std::string error;
-    if (flag == nullptr || !flag->ParseFrom(value, &error)) {
-      std::fprintf(stderr, "microd: bad value '%s' in %s: %s\n", value, env.c_str(),
-                   error.c_str());
+    if (!flag->ParseFrom(value, &error)) {
+      std::fprintf(stderr, "microd: bad value '%s' in %s: %s\n", value, env.c_str(), error.c_str());
       return false;
     }
   }
   return true;
 }
-
 int g_stop_pipe[2] = {-1, -1};
 
 void OnStopSignal(int sig) {
@@ -224,75 +218,84 @@ int main(int argc, char** argv) {
   std::unique_ptr<microd::engine::Engine> engine;
   std::unique_ptr<microd::local::LocalServer> local_server;
   absl::Mutex state_mu;  // guards the pointers above against the Admin thread
-  microd::control::AdminService admin_service([&](microd::v1::GetStatusResponse* r) {
-    r->set_version(MICROD_VERSION_STRING);
-    r->set_node_name(node_name);
-    r->set_transport(absl::GetFlag(FLAGS_transport));
-    r->set_sparsifier(microd::sparsify::SparsifierName(sparsify.sparsifier));
-    r->set_controller(microd::sparsify::ControllerName(sparsify.controller));
-    r->set_density(sparsify.density);
-    r->set_momentum_correction(sparsify.momentum);
-    r->set_warmup_steps(sparsify.warmup_steps);
-    r->set_warmup_density(sparsify.warmup_density);
-    r->set_warmup_decay_steps(sparsify.warmup_decay_steps);
-    r->set_clip_norm(sparsify.clip_norm);
-    r->set_local_size(local_size);
-    r->set_socket(absl::GetFlag(FLAGS_socket));
-    r->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started));
-    r->set_node_rank(-1);
-    r->set_job_state(microd::v1::JOB_STATE_FORMING);
-    if (coordinator != nullptr) microd::control::FillJobStatus(coordinator->Snapshot(), r);
-    absl::MutexLock lock(&state_mu);
-    if (membership.session != 0) {
-      r->set_node_rank(membership.node_rank);
-      r->set_node_count(membership.node_count);
-      r->set_world_size(membership.world_size);
-      if (coordinator == nullptr) r->set_job_state(microd::v1::JOB_STATE_RUNNING);
-    }
-    if (client != nullptr && !client->job_status().ok()) {
-      r->set_job_state(client->job_status().code() == absl::StatusCode::kFailedPrecondition
-                           ? microd::v1::JOB_STATE_FINISHED
-                           : microd::v1::JOB_STATE_FAILED);
-      if (r->failure().empty()) r->set_failure(std::string(client->job_status().message()));
-    }
-    if (local_server != nullptr) {
-      for (const auto& c : local_server->Clients()) {
-        auto* p = r->add_processes();
-        p->set_local_rank(c.local_rank);
-        p->set_pid(c.pid);
-        p->set_buffers(c.buffers);
-        p->set_bytes(c.bytes);
-      }
-    }
-    if (engine != nullptr) {
-      const auto snap = engine->Snapshot();
-      r->set_batches(snap.batches);
-      if (!snap.failure.empty()) {
-        r->set_job_state(microd::v1::JOB_STATE_FAILED);
-        if (r->failure().empty()) r->set_failure(snap.failure);
-      }
-      for (const auto& b : snap.buckets) {
-        auto* s = r->add_buckets();
-        s->set_name(b.name);
-        s->set_count(b.count);
-        s->set_dense(b.dense);
-        s->set_steps(b.steps);
-        s->set_failures(b.failures);
-        s->set_skipped_steps(b.skipped);
-        s->set_last_selected(b.last_selected);
-        s->set_budget(b.budget);
-        s->set_last_threshold(b.last_threshold);
-        s->set_last_cre(b.last_cre);
-        s->set_mean_cre(b.steps > 2 ? b.sum_cre / static_cast<double>(b.steps - 2) : 0.0);
-        s->set_bytes_sent(b.bytes_sent);
-        s->set_bytes_received(b.bytes_received);
-        s->set_local_sum_seconds(b.local_sum_seconds);
-        s->set_select_seconds(b.select_seconds);
-        s->set_exchange_seconds(b.exchange_seconds);
-        s->set_writeback_seconds(b.writeback_seconds);
-      }
-    }
-  });
+  microd::control::AdminService admin_service(
+      [&](const microd::v1::GetStatusRequest& req, microd::v1::GetStatusResponse* r) {
+        r->set_version(MICROD_VERSION_STRING);
+        r->set_node_name(node_name);
+        r->set_transport(absl::GetFlag(FLAGS_transport));
+        r->set_sparsifier(microd::sparsify::SparsifierName(sparsify.sparsifier));
+        r->set_controller(microd::sparsify::ControllerName(sparsify.controller));
+        r->set_density(sparsify.density);
+        r->set_momentum_correction(sparsify.momentum);
+        r->set_warmup_steps(sparsify.warmup_steps);
+        r->set_warmup_density(sparsify.warmup_density);
+        r->set_warmup_decay_steps(sparsify.warmup_decay_steps);
+        r->set_clip_norm(sparsify.clip_norm);
+        r->set_local_size(local_size);
+        r->set_socket(absl::GetFlag(FLAGS_socket));
+        r->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started));
+        r->set_node_rank(-1);
+        r->set_job_state(microd::v1::JOB_STATE_FORMING);
+        if (coordinator != nullptr) microd::control::FillJobStatus(coordinator->Snapshot(), r);
+        absl::MutexLock lock(&state_mu);
+        if (membership.session != 0) {
+          r->set_node_rank(membership.node_rank);
+          r->set_node_count(membership.node_count);
+          r->set_world_size(membership.world_size);
+          if (coordinator == nullptr) r->set_job_state(microd::v1::JOB_STATE_RUNNING);
+        }
+        if (client != nullptr && !client->job_status().ok()) {
+          r->set_job_state(client->job_status().code() == absl::StatusCode::kFailedPrecondition
+                               ? microd::v1::JOB_STATE_FINISHED
+                               : microd::v1::JOB_STATE_FAILED);
+          if (r->failure().empty()) r->set_failure(std::string(client->job_status().message()));
+        }
+        if (local_server != nullptr) {
+          for (const auto& c : local_server->Clients()) {
+            auto* p = r->add_processes();
+            p->set_local_rank(c.local_rank);
+            p->set_pid(c.pid);
+            p->set_buffers(c.buffers);
+            p->set_bytes(c.bytes);
+          }
+        }
+        if (engine != nullptr) {
+          const auto snap = engine->Snapshot(req.include_history());
+          r->set_batches(snap.batches);
+          if (!snap.failure.empty()) {
+            r->set_job_state(microd::v1::JOB_STATE_FAILED);
+            if (r->failure().empty()) r->set_failure(snap.failure);
+          }
+          for (const auto& b : snap.buckets) {
+            auto* s = r->add_buckets();
+            s->set_name(b.name);
+            s->set_count(b.count);
+            s->set_dense(b.dense);
+            s->set_steps(b.steps);
+            s->set_failures(b.failures);
+            s->set_skipped_steps(b.skipped);
+            s->set_last_selected(b.last_selected);
+            s->set_budget(b.budget);
+            s->set_last_threshold(b.last_threshold);
+            s->set_last_cre(b.last_cre);
+            s->set_mean_cre(b.steps > 2 ? b.sum_cre / static_cast<double>(b.steps - 2) : 0.0);
+            s->set_bytes_sent(b.bytes_sent);
+            s->set_bytes_received(b.bytes_received);
+            s->set_local_sum_seconds(b.local_sum_seconds);
+            s->set_select_seconds(b.select_seconds);
+            s->set_exchange_seconds(b.exchange_seconds);
+            s->set_writeback_seconds(b.writeback_seconds);
+            for (const auto& h : b.history) {
+              auto* p = s->add_history();
+              p->set_step(h.step);
+              p->set_selected(h.selected);
+              p->set_budget(h.budget);
+              p->set_threshold(h.threshold);
+              p->set_cre(h.cre);
+            }
+          }
+        }
+      });
   auto admin = microd::control::ControlServer::Start(absl::GetFlag(FLAGS_admin), {&admin_service});
   if (!admin.ok()) return Fatal("--admin", admin.status());
   std::fprintf(stderr, "microd: admin listening on %s\n", (*admin)->address().c_str());
@@ -315,7 +318,8 @@ int main(int argc, char** argv) {
     absl::MutexLock lock(&state_mu);
     client = std::move(created).value();
   }
-  auto joined = client->Join(absl::Now() + absl::Milliseconds(absl::GetFlag(FLAGS_join_timeout_ms)));
+  auto joined =
+      client->Join(absl::Now() + absl::Milliseconds(absl::GetFlag(FLAGS_join_timeout_ms)));
   if (!joined.ok()) return Fatal("join", joined.status());
   {
     absl::MutexLock lock(&state_mu);
@@ -339,11 +343,12 @@ int main(int argc, char** argv) {
   eo.sparsify = sparsify;
   eo.dense_floor = absl::GetFlag(FLAGS_dense_floor);
   eo.skip_nonfinite = absl::GetFlag(FLAGS_nonfinite) == "skip";
+  eo.stats_history = absl::GetFlag(FLAGS_stats_history);
   eo.op_timeout = op_timeout;
   {
     absl::MutexLock lock(&state_mu);
-    engine = std::make_unique<microd::engine::Engine>(eo, membership, client.get(),
-                                                      transport.get(), ops.get());
+    engine = std::make_unique<microd::engine::Engine>(eo, membership, client.get(), transport.get(),
+                                                      ops.get());
   }
   microd::local::LocalServerOptions lo;
   lo.socket_path = absl::GetFlag(FLAGS_socket);
@@ -365,8 +370,8 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr, "microd: %s: shutting down\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   local_server->Stop();  // no new work; removes the socket
-  engine->Stop(absl::CancelledError(absl::StrCat("microd on node ", membership.node_rank,
-                                                 " is shutting down")));
+  engine->Stop(absl::CancelledError(
+      absl::StrCat("microd on node ", membership.node_rank, " is shutting down")));
   (void)client->Leave();
   (*admin)->Shutdown(absl::Now() + absl::Seconds(1));
   if (coordinator_server != nullptr) coordinator_server->Shutdown(absl::Now() + absl::Seconds(1));

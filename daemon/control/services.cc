@@ -70,15 +70,15 @@ grpc::Status CoordinatorService::KeyGet(grpc::ServerContext* ctx,
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "timeout_ms is negative");
   }
   const std::vector<std::string> keys(req->keys().begin(), req->keys().end());
-  const absl::Time deadline = req->timeout_ms() == 0 ? absl::Now() : Deadline(ctx, req->timeout_ms());
+  const absl::Time deadline =
+      req->timeout_ms() == 0 ? absl::Now() : Deadline(ctx, req->timeout_ms());
   auto values = coordinator_->KeyGet(req->session(), keys, deadline);
   if (!values.ok()) return ToGrpcStatus(values.status());
   for (auto& v : *values) resp->add_values(std::move(v));
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::Report(grpc::ServerContext*,
-                                        const microd::v1::ReportRequest* req,
+grpc::Status CoordinatorService::Report(grpc::ServerContext*, const microd::v1::ReportRequest* req,
                                         microd::v1::ReportResponse*) {
   std::vector<BucketInfo> ready;
   ready.reserve(req->ready_size());
@@ -136,9 +136,9 @@ grpc::Status CoordinatorService::Fail(grpc::ServerContext*, const microd::v1::Fa
   return ToGrpcStatus(coordinator_->ReportFailure(req->session(), req->node_rank(), req->reason()));
 }
 
-grpc::Status AdminService::GetStatus(grpc::ServerContext*, const microd::v1::GetStatusRequest*,
+grpc::Status AdminService::GetStatus(grpc::ServerContext*, const microd::v1::GetStatusRequest* req,
                                      microd::v1::GetStatusResponse* resp) {
-  source_(resp);
+  source_(*req, resp);
   return grpc::Status::OK;
 }
 

@@ -2,11 +2,11 @@
 // Coordinator (coordinator.h), plus the Admin service and the server start-up.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
 #include <functional>
 #include <memory>
 #include <string>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/statusor.h"
 #include "daemon/control/coordinator.h"
@@ -46,7 +46,8 @@ class CoordinatorService final : public microd::v1::Coordinator::Service {
 // Admin: the daemon fills the status; the service only serves it.
 class AdminService final : public microd::v1::Admin::Service {
  public:
-  using StatusSource = std::function<void(microd::v1::GetStatusResponse*)>;
+  using StatusSource =
+      std::function<void(const microd::v1::GetStatusRequest&, microd::v1::GetStatusResponse*)>;
   explicit AdminService(StatusSource source) : source_(std::move(source)) {}
   grpc::Status GetStatus(grpc::ServerContext* ctx, const microd::v1::GetStatusRequest* req,
                          microd::v1::GetStatusResponse* resp) override;
@@ -63,8 +64,8 @@ void FillJobStatus(const JobSnapshot& job, microd::v1::GetStatusResponse* resp);
 // services, with gRPC health checking and reflection on.
 class ControlServer {
  public:
-  static absl::StatusOr<std::unique_ptr<ControlServer>> Start(
-      const std::string& address, std::vector<grpc::Service*> services);
+  static absl::StatusOr<std::unique_ptr<ControlServer>> Start(const std::string& address,
+                                                              std::vector<grpc::Service*> services);
   ~ControlServer();
   int port() const { return port_; }
   std::string address() const { return address_; }

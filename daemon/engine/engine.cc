@@ -462,6 +462,10 @@ void Engine::RunSparse(Work& w) {
     s.select_seconds += st->select_seconds;
     s.exchange_seconds += st->exchange_seconds;
     s.writeback_seconds += st->apply_seconds + writeback;
+    if (options_.stats_history > 0) {
+      if (s.history.size() >= options_.stats_history) s.history.pop_front();
+      s.history.push_back({st->step, st->selected, st->budget, st->threshold, st->cre});
+    }
   }
   FinishWork(w, absl::OkStatus());
 }
@@ -563,12 +567,15 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
   for (const Work& w : works) FinishWork(w, absl::OkStatus());
 }
 
-EngineSnapshot Engine::Snapshot() const {
+EngineSnapshot Engine::Snapshot(bool with_history) const {
   absl::MutexLock lock(&mu_);
   EngineSnapshot s;
   s.failure = failed_.ok() ? "" : std::string(failed_.message());
   s.batches = batches_;
-  for (const auto& [name, b] : buckets_) s.buckets.push_back(b.stats);
+  for (const auto& [name, b] : buckets_) {
+    s.buckets.push_back(b.stats);
+    if (!with_history) s.buckets.back().history.clear();
+  }
   return s;
 }
 

@@ -41,6 +41,17 @@ struct EngineOptions {
   // A NaN/Inf in some node's gradient: fail the step (MICROD_ERR_NONFINITE on
   // every node) or skip it (every process gets a zero update, counted).
   bool skip_nonfinite = false;
+  // Sparse steps kept per bucket for the per-step history (0: none).
+  size_t stats_history = 1024;
+};
+
+// One sparse step of one bucket.
+struct StepSample {
+  uint64_t step = 0;
+  uint64_t selected = 0;
+  uint64_t budget = 0;
+  double threshold = 0;
+  double cre = 0;
 };
 
 // Per-bucket statistics (cumulative since start).
@@ -62,6 +73,7 @@ struct BucketStats {
   double select_seconds = 0;
   double exchange_seconds = 0;
   double writeback_seconds = 0;
+  std::deque<StepSample> history;  // the last EngineOptions::stats_history steps
 };
 
 struct EngineSnapshot {
@@ -92,7 +104,8 @@ class Engine final : public local::LocalHandler {
   absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket) override;
   void OnDisconnect(uint64_t client, bool clean, const std::string& why) override;
 
-  EngineSnapshot Snapshot() const;
+  // Statistics of every bucket; the per-step histories only if asked for.
+  EngineSnapshot Snapshot(bool with_history = false) const;
 
  private:
   struct Process {

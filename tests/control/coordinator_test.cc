@@ -1,4 +1,6 @@
 // The Coordinator and Admin services against a real gRPC server on port 0.
+#include "daemon/control/coordinator.h"
+
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
@@ -6,7 +8,6 @@
 #include <thread>
 
 #include "absl/strings/match.h"
-#include "daemon/control/coordinator.h"
 #include "daemon/control/coordinator_client.h"
 #include "daemon/control/services.h"
 #include "gtest/gtest.h"
@@ -26,10 +27,11 @@ class CoordinatorTest : public ::testing::Test {
     o.peer_timeout = peer_timeout;
     coordinator_ = *Coordinator::Create(o);
     service_ = std::make_unique<CoordinatorService>(coordinator_.get());
-    admin_ = std::make_unique<AdminService>([this](microd::v1::GetStatusResponse* r) {
-      r->set_node_name("test");
-      FillJobStatus(coordinator_->Snapshot(), r);
-    });
+    admin_ = std::make_unique<AdminService>(
+        [this](const microd::v1::GetStatusRequest&, microd::v1::GetStatusResponse* r) {
+          r->set_node_name("test");
+          FillJobStatus(coordinator_->Snapshot(), r);
+        });
     auto server = ControlServer::Start("127.0.0.1:0", {service_.get(), admin_.get()});
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = std::move(server).value();
@@ -272,7 +274,8 @@ TEST_F(CoordinatorTest, EveryNodeGetsTheSameScheduleAndMismatchErrors) {
 TEST_F(CoordinatorTest, SilentNodeFailsTheJobForEveryoneWithinThePeerTimeout) {
   Start(3, absl::Milliseconds(600));
   std::vector<std::unique_ptr<CoordinatorClient>> c;
-  for (const char* n : {"a", "b", "c"}) c.push_back(Client(n, 1, -1, "secret", absl::Milliseconds(600)));
+  for (const char* n : {"a", "b", "c"})
+    c.push_back(Client(n, 1, -1, "secret", absl::Milliseconds(600)));
   for (auto& r : JoinAll(c)) ASSERT_TRUE(r.ok()) << r.status();
   const auto start = std::chrono::steady_clock::now();
   // Node 0 waits for a batch that node 2 never completes.
@@ -321,8 +324,8 @@ TEST_F(CoordinatorTest, AdminStatusAndHealthCheck) {
   std::condition_variable cv;
   bool done = false;
   grpc::Status status;
-  generic.UnaryCall(&hctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
-                    &response, [&](grpc::Status s) {
+  generic.UnaryCall(&hctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                    [&](grpc::Status s) {
                       std::lock_guard<std::mutex> l(mu);
                       status = s;
                       done = true;

@@ -7,8 +7,8 @@
 #include <sys/un.h>
 
 #include <chrono>
-#include <filesystem>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <thread>
 
@@ -67,7 +67,8 @@ class DaemonCluster {
       for (const auto& e : extra) args.push_back(e);
       pids_.push_back(Spawn(args, absl::StrCat(dir_, "/daemon", r, ".log")));
       if (r == 0) coordinator_port_ = ReadPortFile(dir_ + "/coordinator", std::chrono::seconds(20));
-      admin_ports_.push_back(ReadPortFile(absl::StrCat(dir_, "/admin", r), std::chrono::seconds(20)));
+      admin_ports_.push_back(
+          ReadPortFile(absl::StrCat(dir_, "/admin", r), std::chrono::seconds(20)));
     }
   }
   pid_t pid(int r) const { return pids_[r]; }
@@ -93,13 +94,15 @@ class DaemonCluster {
     pids_[r] = -1;
   }
 
-  absl::StatusOr<microd::v1::GetStatusResponse> Status(int r) {
+  absl::StatusOr<microd::v1::GetStatusResponse> Status(int r, bool history = false) {
     auto stub = microd::v1::Admin::NewStub(grpc::CreateChannel(
         absl::StrCat("127.0.0.1:", admin_ports_[r]), grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     microd::v1::GetStatusResponse resp;
-    grpc::Status s = stub->GetStatus(&ctx, {}, &resp);
+    microd::v1::GetStatusRequest req;
+    req.set_include_history(history);
+    grpc::Status s = stub->GetStatus(&ctx, req, &resp);
     if (!s.ok()) return absl::UnavailableError(s.error_message());
     return resp;
   }
@@ -112,10 +115,10 @@ class DaemonCluster {
         const std::string out = absl::StrCat(dir_, "/client", r, "_", l);
         outs_.push_back(out);
         const bool dies = r == die_node && l == die_local;
-        clients_.push_back(Spawn({MICROD_TEST_CLIENT, socket(r), SpecString(buckets),
-                                  std::to_string(steps), out, std::to_string(dies ? die_at : -1),
-                                  "20000", std::to_string(l)},
-                                 out + ".log"));
+        clients_.push_back(
+            Spawn({MICROD_TEST_CLIENT, socket(r), SpecString(buckets), std::to_string(steps), out,
+                   std::to_string(dies ? die_at : -1), "20000", std::to_string(l)},
+                  out + ".log"));
       }
     }
   }
@@ -189,8 +192,8 @@ void RunAndCompare(int n, int L) {
   for (int r = 0; r < n; ++r) {
     for (int l = 0; l < L; ++l) {
       const auto lines = ReadLines(cluster.outs()[r * L + l]);
-      ASSERT_EQ(codes[r * L + l], 0) << "node " << r << " local " << l << ": "
-                                     << (lines.empty() ? "no output" : lines.back());
+      ASSERT_EQ(codes[r * L + l], 0)
+          << "node " << r << " local " << l << ": " << (lines.empty() ? "no output" : lines.back());
       ASSERT_EQ(lines.size(), steps * buckets.size());
       for (const std::string& line : lines) {
         std::vector<std::string> f = absl::StrSplit(line, ' ');
@@ -198,8 +201,8 @@ void RunAndCompare(int n, int L) {
         const long t = std::stol(f[0]);
         const int b = std::stoi(f[1]);
         const uint64_t h = std::stoull(f[2], nullptr, 16);
-        ASSERT_EQ(h, ref[r][t][b]) << "node " << r << " local " << l << " step " << t
-                                   << " bucket " << buckets[b].name;
+        ASSERT_EQ(h, ref[r][t][b])
+            << "node " << r << " local " << l << " step " << t << " bucket " << buckets[b].name;
       }
     }
   }
@@ -214,6 +217,28 @@ void RunAndCompare(int n, int L) {
     if (!b.dense()) {
       EXPECT_LE(b.mean_cre(), 0.05) << b.name();
     }
+    EXPECT_EQ(b.history_size(), 0) << "history only when asked for";
+  }
+  // The per-step history: every sparse step in order, consistent with the totals.
+  auto with_history = cluster.Status(n - 1, /*history=*/true);
+  ASSERT_TRUE(with_history.ok()) << with_history.status();
+  for (const auto& b : with_history->buckets()) {
+    if (b.dense()) {
+      EXPECT_EQ(b.history_size(), 0) << b.name();
+      continue;
+    }
+    ASSERT_EQ(b.history_size(), steps) << b.name();
+    double sum_cre = 0;
+    for (int i = 0; i < b.history_size(); ++i) {
+      const auto& h = b.history(i);
+      EXPECT_EQ(h.step(), static_cast<uint64_t>(i)) << b.name();
+      EXPECT_EQ(h.budget(), b.budget()) << b.name();
+      EXPECT_GT(h.selected(), 0u) << b.name() << " step " << h.step();
+      if (h.step() >= 2) sum_cre += h.cre();
+    }
+    EXPECT_EQ(b.history(steps - 1).selected(), b.last_selected()) << b.name();
+    EXPECT_DOUBLE_EQ(b.history(steps - 1).threshold(), b.last_threshold()) << b.name();
+    EXPECT_NEAR(sum_cre / (steps - 2), b.mean_cre(), 1e-9) << b.name();
   }
 }
 
@@ -279,9 +304,8 @@ TEST(DaemonFaults, SizeMismatchBetweenNodesIsReportedEverywhere) {
   DaemonCluster cluster(2, 1);
   // Different counts for the same bucket name on the two nodes.
   const std::string out0 = cluster.dir() + "/m0", out1 = cluster.dir() + "/m1";
-  std::vector<pid_t> pids = {
-      Spawn({MICROD_TEST_CLIENT, cluster.socket(0), "w:1000", "3", out0}),
-      Spawn({MICROD_TEST_CLIENT, cluster.socket(1), "w:2000", "3", out1})};
+  std::vector<pid_t> pids = {Spawn({MICROD_TEST_CLIENT, cluster.socket(0), "w:1000", "3", out0}),
+                             Spawn({MICROD_TEST_CLIENT, cluster.socket(1), "w:2000", "3", out1})};
   const auto codes = WaitAll(pids, std::chrono::seconds(60));
   for (const std::string& out : {out0, out1}) {
     std::string line;
