@@ -2,21 +2,33 @@
 # Installs every Debian package microd needs to build, test and run its demo.
 # Idempotent: packages already present are skipped; apt-get runs only when
 # something is missing. Needs root (or sudo) when it has to install.
+#   scripts/install-deps.sh           everything (build, tests, demo)
+#   scripts/install-deps.sh --build   only what building and installing microd
+#                                     needs (the Dockerfile's build stage)
 set -euo pipefail
 
-PACKAGES=(
+BUILD_PACKAGES=(
   build-essential cmake make pkg-config git
   libabsl-dev
-  libgtest-dev libgmock-dev googletest
-  libbenchmark-dev
   libprotobuf-dev protobuf-compiler
   libgrpc++-dev protobuf-compiler-grpc
   libgloo-dev
+)
+TEST_PACKAGES=(
+  libgtest-dev libgmock-dev googletest
+  libbenchmark-dev
   # Python side: the binding's tests, the PyTorch integration and the demo
   # (Debian's interpreter, /usr/bin/python3).
   python3 python3-numpy python3-torch python3-matplotlib python3-pytest
   dataset-fashion-mnist
+  # Packaging tests: pip-installing client/python, linting the deployment files.
+  python3-pip python3-setuptools python3-yaml yamllint
 )
+case "${1:-}" in
+  "") PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}") ;;
+  --build) PACKAGES=("${BUILD_PACKAGES[@]}") ;;
+  *) echo "install-deps: unknown option $1 (--build or nothing)" >&2; exit 2 ;;
+esac
 
 missing=()
 for p in "${PACKAGES[@]}"; do

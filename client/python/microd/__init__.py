@@ -98,20 +98,48 @@ class _JobInfo(ctypes.Structure):
                 ("node_rank", ctypes.c_int32), ("node_count", ctypes.c_int32)]
 
 
+def _prefix_library_dirs(prefix):
+    """Library folders of an install prefix (GNUInstallDirs' choices)."""
+    import sysconfig
+    multiarch = sysconfig.get_config_var("MULTIARCH") or ""
+    dirs = [os.path.join(prefix, "lib")]
+    if multiarch:
+        dirs.append(os.path.join(prefix, "lib", multiarch))
+    dirs.append(os.path.join(prefix, "lib64"))
+    return dirs
+
+
 def library_path():
-    """Where libmicrod is loaded from (first match wins)."""
+    """Where libmicrod is loaded from (first match wins): $MICROD_LIBRARY; the
+    package's own folder; the library folder of the prefix the package is
+    installed in (`cmake --install build --prefix P` and `pip install --prefix
+    P client/python` side by side, or a virtual environment), then of
+    $MICROD_PREFIX; the repository's build tree; the system's library path
+    (ldconfig), then /usr/local/lib."""
     here = os.path.dirname(os.path.abspath(__file__))
-    candidates = [os.environ.get("MICROD_LIBRARY", ""),
-                  os.path.join(here, "libmicrod.so"),
-                  os.path.join(here, "..", "..", "..", "build", "client", "libmicrod.so"),
-                  os.path.join(here, "..", "..", "..", "lib", "libmicrod.so")]
+    candidates = [os.environ.get("MICROD_LIBRARY", ""), os.path.join(here, "libmicrod.so")]
+    # <prefix>/lib/pythonX.Y/site-packages/microd (pip) or
+    # <prefix>/lib/python3/dist-packages/microd (Debian): the prefix is 3 up.
+    prefixes = [os.path.normpath(os.path.join(here, "..", "..", "..", ".."))]
+    if os.path.basename(prefixes[0]) == "local":
+        # Debian's pip puts `--prefix P` installs under P/local.
+        prefixes.append(os.path.dirname(prefixes[0]))
+    if os.environ.get("MICROD_PREFIX"):
+        prefixes.insert(0, os.environ["MICROD_PREFIX"])
+    for prefix in prefixes:
+        candidates += [os.path.join(d, "libmicrod.so") for d in _prefix_library_dirs(prefix)]
+    candidates.append(os.path.join(here, "..", "..", "..", "build", "client", "libmicrod.so"))
     for c in candidates:
         if c and os.path.exists(c):
             return os.path.abspath(c)
     found = ctypes.util.find_library("microd")
     if found:
         return found
-    raise OSError("libmicrod not found: build it (make test) or set MICROD_LIBRARY")
+    for d in _prefix_library_dirs("/usr/local"):
+        if os.path.exists(os.path.join(d, "libmicrod.so")):
+            return os.path.join(d, "libmicrod.so")
+    raise OSError("libmicrod not found: build it (make test), install it (cmake --install), "
+                  "or set MICROD_LIBRARY (or MICROD_PREFIX)")
 
 
 _lib = None
