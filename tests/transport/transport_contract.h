@@ -19,6 +19,8 @@ struct TransportBackend {
   std::string name;
   // Creates a connected group of `size` endpoints, rank i at index i.
   std::function<std::vector<std::unique_ptr<Transport>>(int size)> create;
+  // Optional: a non-empty reason skips every test (e.g. no GPU for NCCL).
+  std::function<std::string()> skip_reason;
 };
 
 inline void PrintTo(const TransportBackend& b, std::ostream* os) { *os << b.name; }
@@ -33,6 +35,14 @@ inline void RunRanks(std::vector<std::unique_ptr<Transport>>& group,
   for (auto& t : threads) t.join();
 }
 
-class TransportContractTest : public ::testing::TestWithParam<TransportBackend> {};
+class TransportContractTest : public ::testing::TestWithParam<TransportBackend> {
+ protected:
+  void SetUp() override {
+    if (GetParam().skip_reason) {
+      const std::string reason = GetParam().skip_reason();
+      if (!reason.empty()) GTEST_SKIP() << reason;
+    }
+  }
+};
 
 }  // namespace microd::transport::testing
