@@ -72,6 +72,10 @@ ABSL_FLAG(int, allow_gid, -1, "also accept training processes of this group id")
 
 namespace {
 
+// The grpc.health.v1 service name that is SERVING once the node joined the
+// job and serves its socket (deploy/README.md, the Kubernetes probes).
+constexpr char kHealthService[] = "microd";
+
 // Environment fallbacks: MICROD_<FLAG NAME IN UPPER CASE>, for every flag
 // defined in this file (a command-line flag wins over its variable).
 bool ApplyEnvironment() {
@@ -298,6 +302,10 @@ int main(int argc, char** argv) {
       });
   auto admin = microd::control::ControlServer::Start(absl::GetFlag(FLAGS_admin), {&admin_service});
   if (!admin.ok()) return Fatal("--admin", admin.status());
+  // Health: "" is SERVING while the process answers (liveness); "microd"
+  // only once this node joined and serves its training processes (startup
+  // and readiness: a trainer started earlier would wait for the socket).
+  (*admin)->SetServing(kHealthService, false);
   std::fprintf(stderr, "microd: admin listening on %s\n", (*admin)->address().c_str());
   if (const std::string f = absl::GetFlag(FLAGS_admin_port_file); !f.empty()) {
     std::ofstream(f) << (*admin)->port() << "\n";
@@ -362,6 +370,7 @@ int main(int argc, char** argv) {
   engine->SetServer(local_server.get());
   client->SetFailureCallback([e = engine.get()](const absl::Status& s) { e->Fail(s, false); });
   engine->Start();
+  (*admin)->SetServing(kHealthService, true);
   std::fprintf(stderr, "microd: serving %d local process(es) on %s\n", local_size,
                lo.socket_path.c_str());
 
@@ -369,6 +378,7 @@ int main(int argc, char** argv) {
   while (read(g_stop_pipe[0], &sig, sizeof sig) < 0 && errno == EINTR) {
   }
   std::fprintf(stderr, "microd: %s: shutting down\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  (*admin)->SetServing(kHealthService, false);
   local_server->Stop();  // no new work; removes the socket
   engine->Stop(absl::CancelledError(
       absl::StrCat("microd on node ", membership.node_rank, " is shutting down")));

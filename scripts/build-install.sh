@@ -6,11 +6,14 @@
 # is what the test checks.
 #
 #   scripts/build-install.sh --prefix DIR [--build-dir DIR] [--jobs N]
-#                            [--runtime-packages FILE] [-- CMAKE_ARGS...]
+#                            [--runtime-packages FILE] [--configure-only]
+#                            [-- CMAKE_ARGS...]
 #
 # A build directory that is already configured is used as it is (the test
 # passes the tree ctest runs in); otherwise it is configured for a release
 # build without tests and benchmarks, with CMAKE_ARGS added.
+# --configure-only stops after configuring (tests/deploy checks that the
+# files the Dockerfile copies are enough for CMake).
 # --runtime-packages FILE writes the Debian packages that hold the shared
 # libraries the installed programs load (the runtime image installs them).
 set -euo pipefail
@@ -20,14 +23,16 @@ BUILD=$ROOT/build-release
 PREFIX=""
 JOBS=$(nproc)
 RUNTIME_PACKAGES=""
+CONFIGURE_ONLY=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --prefix) PREFIX=$2; shift 2 ;;
     --build-dir) BUILD=$2; shift 2 ;;
     --jobs) JOBS=$2; shift 2 ;;
     --runtime-packages) RUNTIME_PACKAGES=$2; shift 2 ;;
+    --configure-only) CONFIGURE_ONLY=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "build-install: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -42,6 +47,7 @@ else
   cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DMICROD_BUILD_TESTS=OFF \
     -DMICROD_BUILD_BENCH=OFF "$@"
 fi
+if [[ $CONFIGURE_ONLY -eq 1 ]]; then echo "build-install: configured $BUILD"; exit 0; fi
 cmake --build "$BUILD" -j "$JOBS" --target "${TARGETS[@]}"
 cmake --install "$BUILD" --prefix "$PREFIX"
 

@@ -183,6 +183,13 @@ absl::StatusOr<std::unique_ptr<ControlServer>> ControlServer::Start(
 
 ControlServer::~ControlServer() { Shutdown(absl::Now() + absl::Seconds(1)); }
 
+void ControlServer::SetServing(const std::string& service, bool serving) {
+  if (server_ == nullptr) return;
+  if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
+    health->SetServingStatus(service, serving);
+  }
+}
+
 void ControlServer::Shutdown(absl::Time deadline) {
   if (server_ == nullptr) return;
   server_->Shutdown(absl::ToChronoTime(deadline));

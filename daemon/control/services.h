@@ -72,6 +72,9 @@ class ControlServer {
   // Stops accepting calls and waits for running ones until `deadline`
   // (then cancels them).
   void Shutdown(absl::Time deadline);
+  // What grpc.health.v1.Health/Check answers for `service` (the server as a
+  // whole, "", is SERVING from Start on). Thread-safe.
+  void SetServing(const std::string& service, bool serving);
 
  private:
   std::unique_ptr<grpc::Server> server_;

@@ -130,6 +130,7 @@ with microd.Client() as c:
     print("python rank", c.job.rank, "of", c.job.world_size, "update", float(b.array[0]))
 '
 "$P/bin/microd-health"
+"$P/bin/microd-health" --service=microd
 "$P/bin/microctl" status
 EOF
 chmod +x "$T/program.sh"
@@ -140,9 +141,23 @@ for r in 0 1; do
   n=$(grep -c "rank $r of 2: first value of the averaged update 1.5$" "$log" || true)
   [[ $n -eq 5 ]] || { cat "$log"; fail "node $r: $n of 5 example builds averaged to 1.5"; }
   grep -q "python rank $r of 2 update 1.5$" "$log" || { cat "$log"; fail "node $r: python"; }
-  grep -q ": SERVING$" "$log" || { cat "$log"; fail "node $r: microd-health"; }
+  [[ $(grep -c ": SERVING$" "$log") -eq 2 ]] || { cat "$log"; fail "node $r: microd-health"; }
   grep -q "^job *running" "$log" || { cat "$log"; fail "node $r: microctl status"; }
 done
+
+step "health of a daemon still waiting for the other node"
+"$P/bin/microd" --socket="$T/alone/microd.sock" --nodes=2 --coordinator_listen=127.0.0.1:0 \
+  --admin=127.0.0.1:0 --admin_port_file="$T/alone.port" > "$T/alone.log" 2>&1 &
+ALONE=$!
+for _ in $(seq 100); do [[ -s "$T/alone.port" ]] && break; sleep 0.1; done
+[[ -s "$T/alone.port" ]] || { kill "$ALONE"; cat "$T/alone.log"; fail "lone daemon did not start"; }
+code_all=0; code_joined=0
+"$P/bin/microd-health" --admin="127.0.0.1:$(cat "$T/alone.port")" || code_all=$?
+"$P/bin/microd-health" --admin="127.0.0.1:$(cat "$T/alone.port")" --service=microd || code_joined=$?
+# SIGKILL: microd reads SIGTERM only after it joined (it would wait out the join).
+kill -KILL "$ALONE"; wait "$ALONE" || true
+[[ $code_all -eq 0 ]] || fail "microd-health of a starting daemon exited $code_all, not 0"
+[[ $code_joined -eq 1 ]] || fail "microd-health --service=microd before the join exited $code_joined, not 1"
 
 step "microd-health without a daemon"
 code=0
