@@ -411,7 +411,10 @@ class CudaSparseOps final : public SparseOps {
     const size_t rounded = AlignUp(std::max<size_t>(bytes, 1));
     void* p = nullptr;
     if (Check(cudaMalloc(&p, rounded), "cudaMalloc") != KernelStatus::kOk) return nullptr;
-    if (Check(cudaMemset(p, 0, rounded), "cudaMemset") != KernelStatus::kOk) {
+    // cudaMemset may return before it is done, and kernels on non-blocking
+    // streams do not wait for the legacy stream: finish it here.
+    if (Check(cudaMemsetAsync(p, 0, rounded, nullptr), "cudaMemset") != KernelStatus::kOk ||
+        Check(cudaStreamSynchronize(nullptr), "cudaMemset sync") != KernelStatus::kOk) {
       cudaFree(p);
       return nullptr;
     }
