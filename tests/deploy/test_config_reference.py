@@ -1,0 +1,65 @@
+"""deploy/README.md's configuration reference lists every flag of microd
+(read from daemon/microd_main.cc) with its MICROD_* variable and its default,
+and nothing that is not a flag; and microd really reads each variable."""
+import os
+import re
+import subprocess
+
+import pytest
+
+import deploy_lib as d
+
+README = os.path.join(d.ROOT, "deploy", "README.md")
+FLAGS = d.microd_flags()
+ROWS = {}
+for line in open(README):
+    m = re.match(r"\| `--(\w+)` \| `(MICROD_\w+)` \| (`[^`]*`|\(empty\)) \| (.+) \|$", line.strip())
+    if m:
+        ROWS[m.group(1)] = (m.group(2), m.group(3).strip("`"), m.group(4))
+
+
+def _same_default(doc, code):
+    if doc == "(empty)":
+        return code == ""
+    try:
+        return float(doc) == float(code)
+    except ValueError:
+        return doc == code
+
+
+def test_every_flag_is_documented():
+    missing = sorted(set(FLAGS) - set(ROWS))
+    assert not missing, f"deploy/README.md lacks {missing}"
+
+
+def test_documented_flags_exist():
+    extra = sorted(set(ROWS) - set(FLAGS))
+    assert not extra, f"deploy/README.md documents flags microd lacks: {extra}"
+
+
+@pytest.mark.parametrize("name", sorted(FLAGS))
+def test_variable_and_default(name):
+    env, default, meaning = ROWS[name]
+    assert env == "MICROD_" + name.upper()
+    assert _same_default(default, FLAGS[name]["default"]), (name, default, FLAGS[name]["default"])
+    assert len(meaning) > 5
+
+
+def test_microd_reads_every_variable():
+    """Each MICROD_<FLAG> reaches the flag parser: a value the flag's type
+    cannot take is refused naming the variable (string flags are checked by
+    the options that validate them: sparsifier, controller, nonfinite)."""
+    microd = os.path.join(os.environ["MICROD_BUILD_DIR"], "daemon", "microd")
+    bad = {"int": "x", "double": "x", "uint64_t": "-x", "bool": "x"}
+    for name, flag in FLAGS.items():
+        var = "MICROD_" + name.upper()
+        if flag["type"] in bad:
+            value = bad[flag["type"]]
+        elif name in ("sparsifier", "controller", "nonfinite", "transport"):
+            value = "no-such-value"
+        else:
+            continue
+        r = subprocess.run([microd], env={**os.environ, var: value}, capture_output=True,
+                           text=True, timeout=20)
+        assert r.returncode != 0, f"microd accepted {var}={value}"
+        assert var in r.stderr or name in r.stderr, (var, r.stderr)

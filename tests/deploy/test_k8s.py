@@ -1,0 +1,209 @@
+"""The Kubernetes manifests (deploy/k8s), rendered with the resolver in
+deploy_lib (base and every overlay): the sidecar and the trainer are wired
+together consistently — socket path and volume, ports of the coordinator in
+the ConfigMap, the container and the headless Service, probes on the Admin
+port's health service, the token Secret and its key, ConfigMap keys, and
+every MICROD_* variable the daemon reads is one of microd's flags.
+test_k8s_kubectl.py compares the resolver with `kubectl kustomize`."""
+import glob
+import os
+import re
+
+import pytest
+import yaml
+
+import deploy_lib as d
+
+K8S = os.path.join(d.ROOT, "deploy", "k8s")
+TARGETS = [os.path.join(K8S, "base")] + sorted(glob.glob(os.path.join(K8S, "overlays", "*")))
+FLAGS = d.microd_flags()
+# Variables the client side reads (client/src/microd.c, client/python, microctl).
+CLIENT_VARS = {"MICROD_SOCKET", "MICROD_LOCAL_RANK", "MICROD_LIBRARY", "MICROD_PREFIX",
+               "MICROD_ADMIN"}
+
+
+def _one(objs, kind):
+    (o,) = [x for x in objs if x["kind"] == kind]
+    return o
+
+
+def _named(objs, kind, name):
+    found = [x for x in objs if x["kind"] == kind and x["metadata"]["name"] == name]
+    assert found, f"no {kind} named {name}"
+    return found[0]
+
+
+def _env(objs, container):
+    """The container's environment as {name: value or ('fieldRef', path)}."""
+    env = {}
+    for src in container.get("envFrom", []):
+        cm = _named(objs, "ConfigMap", src["configMapRef"]["name"])
+        env.update(cm["data"])
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = e["value"]
+        elif "configMapKeyRef" in e["valueFrom"]:
+            ref = e["valueFrom"]["configMapKeyRef"]
+            cm = _named(objs, "ConfigMap", ref["name"])
+            assert ref["key"] in cm["data"], f"ConfigMap {ref['name']} has no key {ref['key']}"
+            env[e["name"]] = cm["data"][ref["key"]]
+        elif "fieldRef" in e["valueFrom"]:
+            env[e["name"]] = ("fieldRef", e["valueFrom"]["fieldRef"]["fieldPath"])
+        else:
+            raise AssertionError(f"unhandled env source {e}")
+    return env
+
+
+def _volume_at(pod, container, path):
+    """The pod volume mounted at `path` in `container`."""
+    mounts = [m for m in container.get("volumeMounts", []) if m["mountPath"] == path]
+    assert mounts, f"{container['name']}: nothing mounted at {path}"
+    (vol,) = [v for v in pod["volumes"] if v["name"] == mounts[0]["name"]]
+    return vol
+
+
+@pytest.fixture(params=TARGETS, ids=lambda p: os.path.relpath(p, K8S))
+def rendered(request):
+    objs = d.kustomize(request.param)
+    job = _one(objs, "Job")
+    pod = job["spec"]["template"]["spec"]
+    (sidecar,) = pod["initContainers"]
+    (trainer,) = pod["containers"]
+    return objs, job, pod, sidecar, trainer
+
+
+def test_yaml_parses_and_every_file_is_used():
+    files = sorted(glob.glob(os.path.join(K8S, "**", "*.yaml"), recursive=True))
+    used = set()
+    for t in TARGETS:
+        k = yaml.safe_load(open(os.path.join(t, "kustomization.yaml")))
+        used.add(os.path.join(t, "kustomization.yaml"))
+        used |= {os.path.normpath(os.path.join(t, r)) for r in k.get("resources", [])}
+        used |= {os.path.normpath(os.path.join(t, p["path"])) for p in k.get("patches", [])}
+    for f in files:
+        assert list(yaml.safe_load_all(open(f))), f"{f} is empty"
+        assert f in used, f"{f} is not part of any kustomization"
+
+
+def test_native_sidecar_and_indexed_job(rendered):
+    objs, job, pod, sidecar, trainer = rendered
+    assert sidecar["restartPolicy"] == "Always"
+    assert job["spec"]["completionMode"] == "Indexed"
+    nodes = int(_env(objs, sidecar)["MICROD_NODES"])
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == nodes
+    env = _env(objs, sidecar)
+    assert env["MICROD_NODE_RANK"] == (
+        "fieldRef", "metadata.annotations['batch.kubernetes.io/job-completion-index']")
+    assert env["MICROD_HOSTNAME"] == ("fieldRef", "status.podIP")
+    assert "exec microd" in " ".join(sidecar["args"])
+
+
+def test_overlay_is_a_four_node_job():
+    objs = d.kustomize(os.path.join(K8S, "overlays", "four-nodes"))
+    assert _one(objs, "Job")["spec"]["completions"] == 4
+    assert _named(objs, "ConfigMap", "microd-config")["data"]["MICROD_NODES"] == "4"
+
+
+def test_socket_shared_through_an_emptydir(rendered):
+    objs, job, pod, sidecar, trainer = rendered
+    sock = _env(objs, sidecar)["MICROD_SOCKET"]
+    assert _env(objs, trainer)["MICROD_SOCKET"] == sock
+    a = _volume_at(pod, sidecar, os.path.dirname(sock))
+    b = _volume_at(pod, trainer, os.path.dirname(sock))
+    assert a["name"] == b["name"] and "emptyDir" in a
+
+
+def test_dev_shm_is_memory_backed(rendered):
+    objs, job, pod, sidecar, trainer = rendered
+    for c in (sidecar, trainer):
+        assert _volume_at(pod, c, "/dev/shm")["emptyDir"]["medium"] == "Memory"
+
+
+def test_token_from_a_secret_volume(rendered):
+    objs, job, pod, sidecar, trainer = rendered
+    path = _env(objs, sidecar)["MICROD_TOKEN_FILE"]
+    vol = _volume_at(pod, sidecar, os.path.dirname(path))
+    assert vol["secret"]["secretName"] and vol["secret"]["defaultMode"] & 0o077 == 0
+    (mount,) = [m for m in sidecar["volumeMounts"] if m["name"] == vol["name"]]
+    assert mount["readOnly"] is True
+    # Only the daemon sees the token.
+    assert vol["name"] not in [m["name"] for m in trainer.get("volumeMounts", [])]
+
+
+def test_overlays_create_the_token_secret():
+    for t in TARGETS[1:]:
+        objs = d.kustomize(t)
+        pod = _one(objs, "Job")["spec"]["template"]["spec"]
+        (vol,) = [v for v in pod["volumes"] if "secret" in v]
+        secret = _named(objs, "Secret", vol["secret"]["secretName"])
+        path = _env(objs, pod["initContainers"][0])["MICROD_TOKEN_FILE"]
+        assert os.path.basename(path) in secret["data"]
+
+
+def test_coordinator_reached_through_the_headless_service(rendered):
+    objs, job, pod, sidecar, trainer = rendered
+    svc = _one(objs, "Service")
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+    assert pod["subdomain"] == svc["metadata"]["name"]
+    host, port = _env(objs, sidecar)["MICROD_COORDINATOR"].rsplit(":", 1)
+    assert host == f"{job['metadata']['name']}-0.{svc['metadata']['name']}"
+    (sp,) = [p for p in svc["spec"]["ports"] if p["name"] == "coordinator"]
+    (cp,) = [p for p in sidecar["ports"] if p["name"] == "coordinator"]
+    assert int(port) == sp["port"] == cp["containerPort"]
+    assert sp["targetPort"] in (cp["name"], cp["containerPort"])
+    # Node 0 serves the coordinator on the port of the address the others dial.
+    assert 'MICROD_COORDINATOR_LISTEN="0.0.0.0:${MICROD_COORDINATOR##*:}"' in sidecar["args"][0]
+
+
+def test_admin_port_probes_and_not_exposed(rendered):
+    objs, job, pod, sidecar, trainer = rendered
+    admin = _env(objs, sidecar)["MICROD_ADMIN"]
+    host, port = admin.rsplit(":", 1)
+    assert host in ("127.0.0.1", "localhost", "[::1]"), "the Admin port must stay in the pod"
+    svc = _one(objs, "Service")
+    assert int(port) not in [p["port"] for p in svc["spec"]["ports"]]
+    assert int(port) not in [p["containerPort"] for p in sidecar.get("ports", [])]
+    service = d.health_service_name()
+    for probe, want_service in (("startupProbe", service), ("readinessProbe", service),
+                                ("livenessProbe", None)):
+        cmd = sidecar[probe]["exec"]["command"]
+        assert cmd[0] == "microd-health"
+        assert f"--admin={admin}" in cmd
+        got = [a.split("=", 1)[1] for a in cmd if a.startswith("--service=")]
+        assert got == ([want_service] if want_service else []), (probe, cmd)
+        timeout = [int(a.split("=")[1]) for a in cmd if a.startswith("--timeout_ms=")]
+        assert timeout and timeout[0] < 1000 * sidecar[probe].get("timeoutSeconds", 1)
+    # The startup probe waits as long as the daemon waits for the other nodes.
+    sp = sidecar["startupProbe"]
+    join_ms = int(_env(objs, sidecar).get("MICROD_JOIN_TIMEOUT_MS",
+                                          FLAGS["join_timeout_ms"]["default"]))
+    assert sp["periodSeconds"] * sp["failureThreshold"] * 1000 >= join_ms
+
+
+def test_resources_and_security(rendered):
+    objs, job, pod, sidecar, trainer = rendered
+    for c in (sidecar, trainer):
+        for kind in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(c["resources"][kind]), (c["name"], kind)
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+
+
+def test_microd_variables_are_real_flags(rendered):
+    objs, job, pod, sidecar, trainer = rendered
+    flags = {"MICROD_" + f.upper() for f in FLAGS}
+    for name in _env(objs, sidecar):
+        assert name in flags, f"{name} is not a flag of microd"
+    for name in re.findall(r"MICROD_[A-Z_]+", " ".join(sidecar["args"])):
+        assert name in flags, f"{name} (sidecar script) is not a flag of microd"
+    for name in _env(objs, trainer):
+        assert name in flags | CLIENT_VARS, f"{name} is read by nobody"
+    for name, value in _env(objs, sidecar).items():
+        flag = FLAGS[name[len("MICROD_"):].lower()]
+        if isinstance(value, str) and flag["type"] in ("int", "uint64_t"):
+            assert re.fullmatch(r"-?\d+", value), f"{name}={value} is not an integer"
+        if isinstance(value, str) and flag["type"] == "double":
+            float(value)
