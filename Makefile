@@ -2,7 +2,8 @@
 #   make test   installs what is missing, configures, builds and runs every test
 #   make demo   the main job: Fashion-MNIST through a local cluster, MiCRO vs dense
 #               (DEMO_ARGS="--epochs 5 --density 0.001" etc.)
-#   make bench  benchmark programs (figures printed beside their baselines)
+#   make bench  every benchmark, then one report beside PyTorch DDP
+#               (results/bench/report.md; BENCH_ARGS="--skip-training" etc.)
 BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
@@ -27,10 +28,7 @@ demo: build
 	bash scripts/demo.sh $(BUILD) $(DEMO_ARGS)
 
 bench: build
-	mkdir -p results/bench
-	$(BUILD)/bench/microd-bench-kernels --json=results/bench/kernels.json
-	$(BUILD)/bench/microd-bench-transport --json=results/bench/transport.json
-	$(BUILD)/bench/microd-bench-daemon --json=results/bench/daemon.json
+	bash scripts/bench.sh $(BUILD) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(BUILD)

@@ -11,6 +11,7 @@ broadcast, and a communication hook for DistributedDataParallel.
 
     ddp = DistributedDataParallel(model)
     ddp.register_comm_hook(mt.MicrodHookState(), mt.comm_hook)
+    mt.apply_momentum_correction(optimizer)   # if the daemon corrects momentum
 """
 import concurrent.futures
 import sys
@@ -22,7 +23,7 @@ import torch
 import microd
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "MicrodHookState", "comm_hook",
-           "default_client"]
+           "default_client", "apply_momentum_correction"]
 
 _default = None
 _default_lock = threading.Lock()
@@ -35,6 +36,31 @@ def default_client():
         if _default is None:
             _default = microd.Client()
         return _default
+
+
+def apply_momentum_correction(optimizer, client=None):
+    """With the daemon's momentum correction on (--momentum_correction B), the
+    daemon accumulates the velocity; an optimizer applying momentum again
+    would square it. Sets the momentum of every param group to 0 (saying so
+    once on rank 0) and returns True if it changed anything. Does nothing
+    when the option is off. DistributedOptimizer calls it itself; DDP hook
+    users call it on their optimizer."""
+    client = client or default_client()
+    beta = client.momentum_correction
+    if beta <= 0:
+        return False
+    switched = False
+    for group in optimizer.param_groups:
+        if group.get("momentum", 0) > 0:
+            if abs(group["momentum"] - beta) > 1e-6:
+                warnings.warn(f"microd: the optimizer's momentum {group['momentum']} differs "
+                              f"from the daemon's momentum correction {beta}; using the daemon's")
+            group["momentum"] = 0.0
+            switched = True
+    if switched and client.rank == 0:
+        print(f"microd: momentum correction {beta:g} is on in the daemon: the optimizer "
+              f"now runs without momentum", file=sys.stderr)
+    return switched
 
 
 class _Bucket:
@@ -67,7 +93,7 @@ class DistributedOptimizer:
         self.optimizer = optimizer
         self.client = client or default_client()
         self.timeout_ms = timeout_ms
-        self._switch_momentum_off()
+        apply_momentum_correction(optimizer, self.client)
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         if not named:
             raise ValueError("DistributedOptimizer: no parameters that require gradients")
@@ -87,24 +113,6 @@ class DistributedOptimizer:
                 self._where[p] = (b, i)
                 p.register_hook(self._make_hook(p))
         self._lock = threading.Lock()
-
-    def _switch_momentum_off(self):
-        # With momentum correction the daemon accumulates the velocity; SGD
-        # applying momentum again would square it.
-        beta = self.client.momentum_correction
-        if beta <= 0:
-            return
-        switched = False
-        for group in self.optimizer.param_groups:
-            if group.get("momentum", 0) > 0:
-                if abs(group["momentum"] - beta) > 1e-6:
-                    warnings.warn(f"microd: the optimizer's momentum {group['momentum']} differs "
-                                  f"from the daemon's momentum correction {beta}; using the daemon's")
-                group["momentum"] = 0.0
-                switched = True
-        if switched and self.client.rank == 0:
-            print(f"microd: momentum correction {beta:g} is on in the daemon: the optimizer "
-                  f"now runs without momentum", file=sys.stderr)
 
     def _make_hook(self, p):
         def hook(grad):

@@ -1,0 +1,156 @@
+"""The benchmark report generator (bench/report.py) on small fixed inputs,
+and the smoke run of `make bench`'s training comparison feeding it."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import report  # noqa: E402
+
+
+def training_methods():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "training_run", os.path.join(ROOT, "bench", "training", "run.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return [m[0] for m in mod.METHODS]
+
+BUILD = os.environ.get("MICROD_BUILD_DIR", os.path.join(ROOT, "build"))
+
+
+def method(name, ms, sent, loss, daemon=None, error=None):
+    m = {"name": name, "step_ms": ms, "bytes_per_process_per_step": sent, "test_loss": loss,
+         "parameters": 1000}
+    if daemon:
+        m["daemon"] = daemon
+    if error:
+        m = {"name": name, "error": error}
+    return m
+
+
+def daemon(history, payload=100.0, secs=(0.001, 0.002, 0.003, 0.004)):
+    return {"payload_bytes_sent_per_step": payload,
+            "seconds_per_step": dict(zip(("localSum", "select", "exchange", "writeback"), secs)),
+            "mean_cre": [], "history": history}
+
+
+def training(methods):
+    return {"config": {"nodes": 4, "steps": 10, "warmup": 2, "batch": 8, "width": 16, "lr": 0.02,
+                       "momentum": 0.9, "smoke": False}, "methods": methods}
+
+
+def test_ratios_are_against_dense_ddp():
+    rows = report.compare_methods(training([
+        method("no-communication", 50.0, 0.0, 2.0),
+        method("ddp", 200.0, 6000.0, 1.0),
+        method("ddp-fp16", 100.0, 3000.0, 1.02),
+        method("microd-micro-0.1%", 80.0, 30.0, 1.04, daemon({})),
+    ]))
+    by = {r["name"]: r for r in rows}
+    assert by["ddp"]["speedup"] == 1.0 and by["ddp"]["bytes_ratio"] == 1.0
+    assert by["ddp-fp16"]["speedup"] == pytest.approx(2.0)
+    assert by["ddp-fp16"]["bytes_ratio"] == pytest.approx(2.0)
+    assert by["microd-micro-0.1%"]["bytes_ratio"] == pytest.approx(200.0)
+    assert by["microd-micro-0.1%"]["loss_ratio"] == pytest.approx(1.04)
+    assert by["microd-micro-0.1%"]["communication_ms"] == pytest.approx(30.0)
+    assert by["microd-micro-0.1%"]["daemon_ms"]["exchange"] == pytest.approx(3.0)
+    assert by["no-communication"]["bytes_ratio"] is None  # sends nothing: no ratio
+    assert "communication_ms" not in by["no-communication"]
+
+
+def test_targets_met_and_missed():
+    ok = report.check_targets(report.compare_methods(training([
+        method("ddp", 200.0, 6000.0, 1.0),
+        method("ddp-powersgd-r1", 120.0, 60.0, 1.1),
+        method("microd-micro-0.1%", 80.0, 30.0, 1.04, daemon({})),
+    ])))
+    assert [t["met"] for t in ok] == [True, True, True]
+    missed = report.check_targets(report.compare_methods(training([
+        method("no-communication", 50.0, 0.0, 2.0),
+        method("ddp", 200.0, 6000.0, 1.0),
+        method("ddp-powersgd-r1", 70.0, 60.0, 1.1),
+        method("microd-micro-0.1%", 80.0, 120.0, 1.06, daemon({})),
+    ])))
+    assert [t["met"] for t in missed] == [False, False, False]
+    # The speed target names the faster DDP variant and the measured split.
+    assert "ddp-powersgd-r1" in missed[0]["value"]
+    assert "exchange 3" in missed[0]["reason"] and "floor: 30 ms" in missed[0]["reason"]
+    assert missed[1]["value"] == "50x fewer"
+
+
+def test_missing_or_failed_sparse_run_is_a_missed_target():
+    t = report.check_targets(report.compare_methods(training([
+        method("ddp", 200.0, 6000.0, 1.0),
+        method("microd-micro-0.1%", 0, 0, 0, error="exit status 1"),
+    ])))
+    assert len(t) == 1 and not t[0]["met"] and "exit status 1" in t[0]["reason"]
+
+
+def test_cre_series_uses_the_largest_bucket_and_the_mean_from_step_2():
+    hist = {"small": [[0, 5.0, 1, 1], [1, 1.0, 1, 1], [2, 0.5, 1, 1]],
+            "big": [[0, 9.0, 1, 1], [1, 2.0, 1, 1], [2, 0.1, 1, 1], [3, 0.3, 1, 1]]}
+    s = report.cre_series(training([
+        method("microd-micro-1%", 10, 10, 1, daemon(hist)),
+        method("microd-micro-1%-paper", 10, 10, 1,
+               daemon({"b": [[0, 1.0, 1, 1], [1, 1.0, 1, 1], [2, 0.4, 1, 1]]})),
+    ]))
+    assert s["hist (ours)"]["bucket"] == "big"
+    assert s["hist (ours)"]["steps"] == [0, 1, 2, 3]
+    assert s["hist (ours)"]["mean_cre_from_step_2"] == pytest.approx((0.5 + 0.1 + 0.3) / 3)
+    assert s["paper"]["mean_cre_from_step_2"] == pytest.approx(0.4)
+
+
+def test_report_files_from_a_folder(tmp_path):
+    (tmp_path / "training.json").write_text(json.dumps(training([
+        method("ddp", 200.0, 6000.0, 1.0),
+        method("microd-micro-0.1%", 80.0, 30.0, 1.04, daemon({"b": [[0, 0.2, 1, 1], [2, 0.1, 1, 1]]})),
+        method("microd-micro-1%", 90.0, 300.0, 1.01, daemon({"b": [[0, 0.2, 1, 1], [2, 0.1, 1, 1]]})),
+        method("microd-hard-1%", 0, 0, 0, error="exit status 2"),
+    ])))
+    (tmp_path / "daemon.json").write_text(json.dumps({
+        "nodes": 4, "latency_1024_median_us": 3450.0, "latency_1024_p99_us": 12000.0,
+        "size": 1000, "daemon_step_ms": 110.5, "raw_step_ms": 100.4, "overhead": 0.1006}))
+    assert report.main(["--dir", str(tmp_path)]) == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "| microd-micro-0.1% | 80.0 | 2.50x | 0.000 | 200x | 1.0400 | 1.040 |" in md
+    assert "microd-hard-1% | FAILED: exit status 2" in md
+    assert "Not run (no kernels.json)" in md and "median 3450 us" in md
+    assert "loopback" in md  # says these are one machine's CPU figures
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert [t["met"] for t in data["training"]["targets"]] == [True, True, True]
+    for png in ("time_per_step.png", "bytes_per_step.png", "cre.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_smoke_run_of_make_bench(tmp_path):
+    """`make bench` end to end at tiny sizes (scripts/bench.sh --smoke): the
+    benchmark programs, every method of the training comparison (2 processes,
+    4 steps) and the report built from them."""
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "bench.sh"), BUILD, "--smoke",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads((tmp_path / "training.json").read_text())
+    assert [m["name"] for m in data["methods"]] == training_methods()
+    for m in data["methods"]:
+        assert "error" not in m, m
+        assert m["steps"] == 4 and m["test_loss"] > 0
+        dense = 4 * m["parameters"]  # one copy of the gradient, in bytes
+        if m["name"] == "no-communication":
+            assert m["bytes_per_process_per_step"] < 1000
+        elif m["name"].startswith("ddp"):
+            assert m["bytes_per_process_per_step"] > 0.25 * dense, m["name"]
+        else:  # sparse through the daemons (the smoke lowers their dense floor)
+            assert 0 < m["daemon"]["payload_bytes_sent_per_step"] < 0.5 * dense, m["name"]
+            assert m["daemon"]["history"], m["name"]
+    rep = json.loads((tmp_path / "report.json").read_text())
+    for section in ("kernels", "transport", "daemon", "training"):
+        assert rep[section], section
+    md = (tmp_path / "report.md").read_text()
+    assert "ddp-powersgd-r4" in md and "Not run" not in md
+    for png in ("time_per_step.png", "bytes_per_step.png", "cre.png"):
+        assert (tmp_path / png).exists(), png
