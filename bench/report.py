@@ -133,6 +133,11 @@ def fmt(v, spec, none="-"):
     return none if v is None else format(v, spec)
 
 
+def times(v, spec):
+    """A ratio as '2.50x', or '-' when there is none."""
+    return "-" if v is None else format(v, spec) + "x"
+
+
 def render_markdown(report):
     L = ["# microd benchmark report", "", NOTE, ""]
     tr = report.get("training")
@@ -150,8 +155,8 @@ def render_markdown(report):
             if r.get("error"):
                 L.append(f"| {r['name']} | FAILED: {r['error']} | | | | | |")
                 continue
-            L.append(f"| {r['name']} | {r['step_ms']:.1f} | {fmt(r.get('speedup'), '.2f')}x | "
-                     f"{r['bytes'] / 1e6:.3f} | {fmt(r.get('bytes_ratio'), ',.0f')}x | "
+            L.append(f"| {r['name']} | {r['step_ms']:.1f} | {times(r.get('speedup'), '.2f')} | "
+                     f"{r['bytes'] / 1e6:.3f} | {times(r.get('bytes_ratio'), ',.0f')} | "
                      f"{r['test_loss']:.4f} | {fmt(r.get('loss_ratio'), '.3f')} |")
         split = [r for r in tr["rows"] if "daemon_ms" in r]
         if split:
@@ -196,7 +201,7 @@ def render_markdown(report):
         for r in t["results"]:
             L.append(f"| {r['method']} | {100 * r['density']:g} % | {r['ms_per_step']:.1f} | "
                      f"{r['speedup_vs_dense_ring']:.1f}x | {r['payload_bytes_per_node']:,.0f} | "
-                     f"{fmt(r['bytes_ratio_vs_dense'] or None, ',.0f')}x |")
+                     f"{times(r['bytes_ratio_vs_dense'] or None, ',.0f')} |")
     else:
         L.append("Not run (no transport.json).")
     d = report.get("daemon")
@@ -283,8 +288,8 @@ def summary(report):
                 lines.append(f"  {r['name']:<24} FAILED")
             else:
                 lines.append(f"  {r['name']:<24} {r['step_ms']:9.1f} ms/step "
-                             f"{fmt(r.get('speedup'), '6.2f')}x  {r['bytes'] / 1e6:9.3f} MB/step "
-                             f"{fmt(r.get('bytes_ratio'), '8,.0f')}x fewer  loss {r['test_loss']:.4f}")
+                             f"{times(r.get('speedup'), '6.2f'):>7}  {r['bytes'] / 1e6:9.3f} MB/step "
+                             f"{times(r.get('bytes_ratio'), ',.0f'):>7} fewer  loss {r['test_loss']:.4f}")
         for t in tr["targets"]:
             lines.append(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']}")
         for label, s in tr["cre"].items():

@@ -10,9 +10,11 @@
 
 #include <cctype>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -21,6 +23,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "daemon/control/coordinator.h"
 #include "daemon/control/coordinator_client.h"
@@ -100,6 +103,46 @@ void OnStopSignal(int sig) {
   errno = saved;
 }
 
+// Reads the stop pipe on its own thread. Before the daemon serves (joining
+// the job and the data-plane rendezvous can wait for minutes for the other
+// nodes) a stop signal ends the process at once: there is no work to finish
+// and no socket yet. Afterwards it hands the signal to Wait(), which runs the
+// orderly shutdown.
+class StopWatcher {
+ public:
+  StopWatcher() {
+    std::thread([this] {
+      int sig = 0;
+      while (read(g_stop_pipe[0], &sig, sizeof sig) < 0 && errno == EINTR) {
+      }
+      absl::MutexLock lock(&mu_);
+      if (!serving_) {
+        std::fprintf(stderr, "microd: %s before the job started: exiting\n",
+                     sig == SIGTERM ? "SIGTERM" : "SIGINT");
+        std::fflush(stderr);
+        std::_Exit(1);
+      }
+      signal_ = sig;
+    }).detach();
+  }
+  void EnterServing() {
+    absl::MutexLock lock(&mu_);
+    serving_ = true;
+  }
+  // Blocks until a stop signal arrives; returns it.
+  int Wait() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](int* s) { return *s != 0; }, &signal_));
+    return signal_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool serving_ ABSL_GUARDED_BY(mu_) = false;
+  int signal_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 int Fatal(const std::string& what, const absl::Status& s) {
   std::fprintf(stderr, "microd: %s: %s\n", what.c_str(), s.ToString().c_str());
   return 1;
@@ -131,6 +174,7 @@ int main(int argc, char** argv) {
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  StopWatcher stop;
 
   // Options.
   microd::sparsify::SparsifyOptions sparsify;
@@ -358,6 +402,8 @@ int main(int argc, char** argv) {
     engine = std::make_unique<microd::engine::Engine>(eo, membership, client.get(), transport.get(),
                                                       ops.get());
   }
+  // From here on a stop signal is handled by the orderly shutdown below.
+  stop.EnterServing();
   microd::local::LocalServerOptions lo;
   lo.socket_path = absl::GetFlag(FLAGS_socket);
   lo.allow_gid = absl::GetFlag(FLAGS_allow_gid);
@@ -374,9 +420,7 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "microd: serving %d local process(es) on %s\n", local_size,
                lo.socket_path.c_str());
 
-  int sig = 0;
-  while (read(g_stop_pipe[0], &sig, sizeof sig) < 0 && errno == EINTR) {
-  }
+  const int sig = stop.Wait();
   std::fprintf(stderr, "microd: %s: shutting down\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   (*admin)->SetServing(kHealthService, false);
   local_server->Stop();  // no new work; removes the socket

@@ -114,7 +114,15 @@ def main():
         state = powerSGD_hook.PowerSGDState(process_group=None,
                                             matrix_approximation_rank=args.powersgd_rank,
                                             start_powerSGD_iter=2)
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        def serialized(state, bucket):
+            # PyTorch 1.13's hook issues its later collectives from future
+            # callbacks, whose order differs between ranks over Gloo: with
+            # more than one bucket the ranks deadlocked here. Running each
+            # bucket's hook to completion keeps the order the same everywhere.
+            fut = powerSGD_hook.powerSGD_hook(state, bucket)
+            fut.wait()
+            return fut
+        model.register_comm_hook(state, serialized)
     elif args.method == "microd":
         mt.apply_momentum_correction(opt, client)
         model.register_comm_hook(mt.MicrodHookState(client), mt.comm_hook)

@@ -1,7 +1,9 @@
 // microd end to end: daemons on loopback, training processes written against
 // the C API, every result compared with the reference of issue A computed in
 // this process; and the faults a deployment meets.
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -16,170 +18,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "daemon/sparsify/bucket.h"
-#include "daemon/transport/inproc/inproc_transport.h"
 #include "gtest/gtest.h"
 #include "microd/v1/admin.grpc.pb.h"
+#include "tests/integration/daemon_cluster.h"
 #include "tests/integration/process_util.h"
 #include "wire.h"
-extern "C" {
-#include "tests/integration/e2e_grad.h"
-}
 
 namespace microd::testing {
 namespace {
-
-constexpr uint64_t kDenseFloor = 65536;
-
-struct BucketSpec {
-  std::string name;
-  uint64_t count;
-};
-
-std::string SpecString(const std::vector<BucketSpec>& buckets) {
-  std::vector<std::string> parts;
-  for (const auto& b : buckets) parts.push_back(absl::StrCat(b.name, ":", b.count));
-  return absl::StrJoin(parts, ",");
-}
-
-class DaemonCluster {
- public:
-  DaemonCluster(int nodes, int local, std::vector<std::string> extra = {})
-      : n_(nodes), L_(local), dir_(MakeTempDir("e2e")) {
-    for (int r = 0; r < nodes; ++r) {
-      std::vector<std::string> args = {MICROD_DAEMON,
-                                       "--socket=" + socket(r),
-                                       absl::StrCat("--local_size=", local),
-                                       absl::StrCat("--nodes=", nodes),
-                                       absl::StrCat("--node_rank=", r),
-                                       absl::StrCat("--node_name=node", r),
-                                       "--admin=127.0.0.1:0",
-                                       absl::StrCat("--admin_port_file=", dir_, "/admin", r),
-                                       "--peer_timeout_ms=3000",
-                                       "--timeout_ms=20000",
-                                       absl::StrCat("--dense_floor=", kDenseFloor)};
-      if (r == 0) {
-        args.push_back("--coordinator_listen=127.0.0.1:0");
-        args.push_back(absl::StrCat("--coordinator_port_file=", dir_, "/coordinator"));
-      } else {
-        args.push_back(absl::StrCat("--coordinator=127.0.0.1:", coordinator_port_));
-      }
-      for (const auto& e : extra) args.push_back(e);
-      pids_.push_back(Spawn(args, absl::StrCat(dir_, "/daemon", r, ".log")));
-      if (r == 0) coordinator_port_ = ReadPortFile(dir_ + "/coordinator", std::chrono::seconds(20));
-      admin_ports_.push_back(
-          ReadPortFile(absl::StrCat(dir_, "/admin", r), std::chrono::seconds(20)));
-    }
-  }
-  pid_t pid(int r) const { return pids_[r]; }
-  void Forget(int r) { pids_[r] = -1; }
-  ~DaemonCluster() {
-    for (pid_t p : pids_) {
-      if (p > 0) kill(p, SIGTERM);
-    }
-    std::vector<pid_t> live;
-    for (pid_t p : pids_) {
-      if (p > 0) live.push_back(p);
-    }
-    WaitAll(live, std::chrono::seconds(20));
-    std::error_code ignored;
-    std::filesystem::remove_all(dir_, ignored);
-  }
-
-  std::string socket(int r) const { return absl::StrCat(dir_, "/node", r, "/microd.sock"); }
-  const std::string& dir() const { return dir_; }
-  void Kill(int r) {
-    kill(pids_[r], SIGKILL);
-    waitpid(pids_[r], nullptr, 0);
-    pids_[r] = -1;
-  }
-
-  absl::StatusOr<microd::v1::GetStatusResponse> Status(int r, bool history = false) {
-    auto stub = microd::v1::Admin::NewStub(grpc::CreateChannel(
-        absl::StrCat("127.0.0.1:", admin_ports_[r]), grpc::InsecureChannelCredentials()));
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    microd::v1::GetStatusResponse resp;
-    microd::v1::GetStatusRequest req;
-    req.set_include_history(history);
-    grpc::Status s = stub->GetStatus(&ctx, req, &resp);
-    if (!s.ok()) return absl::UnavailableError(s.error_message());
-    return resp;
-  }
-
-  // Starts one training process per (node, local rank); returns pids and output files.
-  void StartClients(const std::vector<BucketSpec>& buckets, long steps, long die_at = -1,
-                    int die_node = -1, int die_local = -1) {
-    for (int r = 0; r < n_; ++r) {
-      for (int l = 0; l < L_; ++l) {
-        const std::string out = absl::StrCat(dir_, "/client", r, "_", l);
-        outs_.push_back(out);
-        const bool dies = r == die_node && l == die_local;
-        clients_.push_back(
-            Spawn({MICROD_TEST_CLIENT, socket(r), SpecString(buckets), std::to_string(steps), out,
-                   std::to_string(dies ? die_at : -1), "20000", std::to_string(l)},
-                  out + ".log"));
-      }
-    }
-  }
-  std::vector<int> WaitClients(std::chrono::seconds limit) { return WaitAll(clients_, limit); }
-  const std::vector<std::string>& outs() const { return outs_; }
-  const std::vector<pid_t>& clients() const { return clients_; }
-
- private:
-  const int n_, L_;
-  const std::string dir_;
-  int coordinator_port_ = 0;
-  std::vector<pid_t> pids_;
-  std::vector<int> admin_ports_;
-  std::vector<pid_t> clients_;
-  std::vector<std::string> outs_;
-};
-
-// Reference: per node, the local sum of its processes' gradients, the step of
-// issue A over the in-process transport, the hash of the update every local
-// process receives. ref[node][step][bucket].
-std::vector<std::vector<std::vector<uint64_t>>> Reference(int n, int L,
-                                                          const std::vector<BucketSpec>& buckets,
-                                                          long steps) {
-  auto ops = kernels::CreateCpuSparseOps();
-  auto group = transport::CreateInprocGroup(n);
-  std::vector<std::vector<std::vector<uint64_t>>> ref(
-      n, std::vector<std::vector<uint64_t>>(steps, std::vector<uint64_t>(buckets.size())));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      std::vector<std::unique_ptr<sparsify::BucketState>> state;
-      for (size_t b = 0; b < buckets.size(); ++b) {
-        sparsify::SparsifyOptions o;
-        o.density = 0.01;
-        if (buckets[b].count < kDenseFloor) o.sparsifier = sparsify::SparsifierKind::kDense;
-        state.push_back(*sparsify::BucketState::Create(
-            {buckets[b].name, buckets[b].count, static_cast<uint32_t>(b + 1)}, {n, r, n * L}, o,
-            ops.get()));
-      }
-      for (long t = 0; t < steps; ++t) {
-        for (size_t b = 0; b < buckets.size(); ++b) {
-          const uint64_t d = buckets[b].count;
-          std::vector<std::vector<float>> local(L, std::vector<float>(d));
-          std::vector<const float*> ptr;
-          for (int l = 0; l < L; ++l) {
-            e2e_fill(local[l].data(), d, r * L + l, static_cast<int>(b), t);
-            ptr.push_back(local[l].data());
-          }
-          std::vector<float> grad(d), update(d);
-          ops->LocalSum(ptr.data(), L, d, grad.data(), nullptr, nullptr);
-          auto s = state[b]->Step(grad.data(), update.data(), *group[r],
-                                  absl::Now() + absl::Seconds(60));
-          ASSERT_TRUE(s.ok()) << s.status();
-          ref[r][t][b] = e2e_hash(update.data(), d * sizeof(float));
-        }
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  return ref;
-}
 
 void RunAndCompare(int n, int L) {
   SCOPED_TRACE(absl::StrCat(n, " daemons x ", L, " processes"));
@@ -424,6 +270,97 @@ TEST(DaemonFaults, MalformedMessagesLeaveTheDaemonServing) {
   EXPECT_EQ(status->job_state(), microd::v1::JOB_STATE_RUNNING);
 }
 
+// A register of a CUDA buffer is answered, never a reason to drop the
+// process: by the field checks, or UNSUPPORTED where the daemon cannot take
+// it (a CPU build, no GPU, or, with a GPU, a device it does not see: the
+// all-zero UUID below names none). Runs without a GPU.
+TEST(DaemonFaults, CudaRegistrationIsAnsweredAndTheProcessStays) {
+  DaemonCluster cluster(1, 1);
+  const int fd = RawConnect(cluster.socket(0));
+  ASSERT_GE(fd, 0);
+  timeval tv{10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  microd_wire_hello hello{};
+  hello.h = Header(MICROD_MSG_HELLO, sizeof hello);
+  hello.local_rank = -1;
+  ASSERT_EQ(send(fd, &hello, sizeof hello, 0), static_cast<ssize_t>(sizeof hello));
+  microd_wire_hello_ack ack{};
+  ASSERT_EQ(recv(fd, &ack, sizeof ack, 0), static_cast<ssize_t>(sizeof ack));
+  ASSERT_EQ(ack.status, 0);
+  EXPECT_EQ(ack.h.reserved & MICROD_WIRE_CAP_REGISTER_CUDA, MICROD_WIRE_CAP_REGISTER_CUDA);
+
+  auto registered = [&](const void* msg, size_t len, int pass_fd, std::string* message) {
+    iovec iov{const_cast<void*>(msg), len};
+    msghdr mh{};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    if (pass_fd >= 0) {
+      mh.msg_control = control;
+      mh.msg_controllen = sizeof control;
+      cmsghdr* cm = CMSG_FIRSTHDR(&mh);
+      cm->cmsg_level = SOL_SOCKET;
+      cm->cmsg_type = SCM_RIGHTS;
+      cm->cmsg_len = CMSG_LEN(sizeof(int));
+      std::memcpy(CMSG_DATA(cm), &pass_fd, sizeof(int));
+    }
+    EXPECT_EQ(sendmsg(fd, &mh, MSG_NOSIGNAL), static_cast<ssize_t>(len));
+    microd_wire_register_ack reply{};
+    const ssize_t n = recv(fd, &reply, sizeof reply, 0);
+    EXPECT_EQ(n, static_cast<ssize_t>(sizeof reply));
+    EXPECT_EQ(reply.h.type, MICROD_MSG_REGISTER_ACK);
+    reply.message[MICROD_WIRE_MESSAGE_BYTES - 1] = '\0';
+    *message = reply.message;
+    return n == static_cast<ssize_t>(sizeof reply) ? reply.status : -1;
+  };
+  constexpr int kInvalid = 1, kUnsupported = 6;
+  microd_wire_register_cuda reg{};
+  reg.h = Header(MICROD_MSG_REGISTER_CUDA, sizeof reg);
+  reg.buffer_id = 0;
+  reg.dtype = MICROD_DTYPE_FLOAT32;
+  reg.count = 1000;
+  std::strcpy(reg.name, "g");
+  reg.alloc_bytes = 4096;
+  reg.offset = 256;  // 4000 bytes from 256 do not fit in 4096
+  std::string message;
+  EXPECT_EQ(registered(&reg, sizeof reg, -1, &message), kInvalid) << message;
+  EXPECT_TRUE(absl::StrContains(message, "do not fit")) << message;
+  reg.offset = 2;  // not a multiple of 4
+  EXPECT_EQ(registered(&reg, sizeof reg, -1, &message), kInvalid) << message;
+  reg.offset = 64;
+  reg.count = 0;
+  EXPECT_EQ(registered(&reg, sizeof reg, -1, &message), kInvalid) << message;
+  reg.count = 1000;
+  EXPECT_EQ(registered(&reg, sizeof reg, -1, &message), kUnsupported) << message;
+  EXPECT_TRUE(absl::StrContains(message, "'g'")) << message;
+  // The old REGISTER with kind CUDA: answered too.
+  microd_wire_register old{};
+  old.h = Header(MICROD_MSG_REGISTER, sizeof old);
+  old.buffer_id = 0;
+  old.kind = MICROD_BUFFER_CUDA;
+  old.dtype = MICROD_DTYPE_FLOAT32;
+  old.count = 1000;
+  std::strcpy(old.name, "g");
+  EXPECT_EQ(registered(&old, sizeof old, -1, &message), kUnsupported) << message;
+  EXPECT_TRUE(absl::StrContains(message, "REGISTER_CUDA")) << message;
+
+  // Still connected: a host buffer registers.
+  const int mfd = memfd_create("g", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(mfd, 0);
+  ASSERT_EQ(ftruncate(mfd, 4000), 0);
+  ASSERT_EQ(fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  old.kind = MICROD_BUFFER_HOST;
+  EXPECT_EQ(registered(&old, sizeof old, mfd, &message), 0) << message;
+  close(mfd);
+  microd_wire_goodbye bye{};
+  bye.h = Header(MICROD_MSG_GOODBYE, sizeof bye);
+  EXPECT_EQ(send(fd, &bye, sizeof bye, 0), static_cast<ssize_t>(sizeof bye));
+  close(fd);
+  auto status = cluster.Status(0);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->job_state(), microd::v1::JOB_STATE_RUNNING);
+}
+
 TEST(DaemonFaults, ProcessOfAnotherUidIsRefused) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root to run a process as another uid";
   DaemonCluster cluster(1, 1);
@@ -466,6 +403,27 @@ TEST(DaemonFaults, SigtermEndsPendingWorkCleanlyAndRemovesTheSocket) {
   const int status = FailedStatus(out, &line);
   EXPECT_EQ(codes[0], 3);
   EXPECT_TRUE(status == 5 || status == 2) << line;  // the job ended, or the daemon went away
+}
+
+TEST(DaemonFaults, SigtermWhileWaitingForTheOtherNodesExitsAtOnce) {
+  const std::string dir = MakeTempDir("e2e-join");
+  // Node 0 of a 2-node job whose second node never comes: it waits to join.
+  const pid_t daemon = Spawn({MICROD_DAEMON, "--socket=" + dir + "/sock", "--nodes=2",
+                              "--node_rank=0", "--admin=127.0.0.1:0",
+                              "--coordinator_listen=127.0.0.1:0",
+                              "--coordinator_port_file=" + dir + "/coordinator",
+                              "--join_timeout_ms=120000"},
+                             dir + "/daemon.log");
+  ReadPortFile(dir + "/coordinator", std::chrono::seconds(20));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // in Join now
+  const auto start = std::chrono::steady_clock::now();
+  kill(daemon, SIGTERM);
+  const auto codes = WaitAll({daemon}, std::chrono::seconds(20));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(codes[0], 1);
+  const auto lines = ReadLines(dir + "/daemon.log");
+  ASSERT_FALSE(lines.empty());
+  EXPECT_TRUE(absl::StrContains(lines.back(), "SIGTERM before the job started")) << lines.back();
 }
 
 }  // namespace
