@@ -1,12 +1,15 @@
 """The ctypes binding: statuses map to exceptions, buffers are zero-copy
 views, and a dead daemon gives a clear error instead of a hang."""
+import json
 import math
+import subprocess
 import time
 
 import numpy as np
 import pytest
 
 import microd
+from conftest import BUILD
 
 
 def test_every_status_has_its_exception_class():
@@ -57,9 +60,6 @@ def test_register_allreduce_and_errors(make_cluster):
 
 
 def test_nonfinite_skip_gives_a_zero_update_and_is_counted(make_cluster):
-    import json
-    import subprocess
-    from conftest import BUILD
     cluster = make_cluster(2, 1, ["--nonfinite=skip"])
     # Two processes, one per node, in threads of this test (one client each).
     import threading
@@ -108,3 +108,30 @@ def test_dead_daemon_is_a_clear_error_not_a_hang(make_cluster):
     c.close()
     with pytest.raises(microd.ClosedError):
         c.allreduce(buf)
+
+
+def test_microctl_history_lists_every_sparse_step(make_cluster):
+    cluster = make_cluster(1, args=("--dense_floor=16", "--density=0.1", "--stats_history=3"))
+    c = microd.Client(socket_path=cluster.socket(0))
+    buf = c.register("grads", 1000)
+    for step in range(5):
+        buf.array[:] = np.arange(1000, dtype=np.float32) + step
+        c.allreduce(buf, 30000)
+    admin = open(f"{cluster.dir}/admin0").read().strip()
+    microctl = [f"{BUILD}/daemon/microctl", f"--admin=127.0.0.1:{admin}"]
+    out = subprocess.run(microctl + ["history", "grads"], capture_output=True, text=True,
+                         check=True).stdout
+    lines = out.splitlines()
+    assert lines[0].startswith("grads (1000 elements, last 3 sparse steps)")
+    # The last 3 of the 5 steps (0-based), each with K and k = 100.
+    assert [line.split()[0] for line in lines[2:]] == ["2", "3", "4"]
+    assert all(line.split()[2] == "100" for line in lines[2:])
+    data = json.loads(subprocess.run(microctl + ["--json", "--history", "buckets"],
+                                     capture_output=True, text=True, check=True).stdout)
+    assert [h["step"] for h in data["buckets"][0]["history"]] == ["2", "3", "4"]
+    plain = json.loads(subprocess.run(microctl + ["--json", "buckets"], capture_output=True,
+                                      text=True, check=True).stdout)
+    assert plain["buckets"][0]["history"] == []  # only when asked for
+    missing = subprocess.run(microctl + ["history", "nope"], capture_output=True, text=True)
+    assert missing.returncode == 1 and "no bucket named 'nope'" in missing.stderr
+    c.close()
