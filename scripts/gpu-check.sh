@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for a machine with a GPU (sized for one H200, under 8 minutes):
-# builds the CUDA targets, runs every GPU test (a skipped test is a failure
+# builds the CUDA targets, runs every GPU test (kernels, NCCL transport, CUDA
+# buffers through the daemons; a skipped test is a failure
 # here), runs the kernel benchmark at d = 25,557,032 and 1e9 against the
 # memory floor and against torch.topk (when PyTorch with CUDA is importable),
 # and prints a summary. Needs the build dependencies of scripts/install-deps.sh
@@ -58,7 +59,8 @@ if ! grep -q "NCCL transport enabled" "$OUT_DIR/configure.log"; then
 fi
 
 phase "build"
-TARGETS=(kernels_cuda_ops_test transport_nccl_test microd-test-nccl-rank microd-bench-kernels-cuda)
+TARGETS=(kernels_cuda_ops_test transport_nccl_test microd-test-nccl-rank microd-bench-kernels-cuda
+  microd integration_daemon_cuda_test microd-test-cuda-client client_cuda_driver_abi_test)
 if ! cmake --build "$BUILD_DIR" -j"$(nproc)" --target "${TARGETS[@]}" >"$OUT_DIR/build.log" 2>&1; then
   grep -E "error|Error" "$OUT_DIR/build.log" | head -40
   echo "gpu-check: build failed (log: $OUT_DIR/build.log)" >&2
@@ -132,6 +134,8 @@ else
 fi
 
 run_gtest transport_nccl_test 300
+# CUDA buffers registered through the C API, end to end through 2 daemons.
+run_gtest integration_daemon_cuda_test 240
 
 phase "summary"
 python_any="$(command -v python3 || echo /usr/bin/python3)"

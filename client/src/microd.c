@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cuda_driver.h"
 #include "wire.h"
 
 #define CLIENT_MAGIC 0x6d636c69u /* "mcli" */
@@ -26,10 +27,12 @@
 
 typedef struct buffer {
   char name[MICROD_WIRE_NAME_BYTES];
-  float* data;
+  float* data; /* host: the shared memory; CUDA: the device pointer */
   uint64_t count;
-  size_t bytes;
-  int pending; /* a submission is in flight */
+  size_t bytes; /* of the shared memory mapping (host buffers) */
+  int pending;  /* a submission is in flight */
+  int is_cuda;
+  mcuda_buffer cuda; /* CUDA buffers: the ready event and the allocation's context */
 } buffer;
 
 typedef struct ticket_entry {
@@ -47,6 +50,7 @@ struct microd_client {
   pthread_mutex_t read_mu; /* one thread reads the socket at a time */
   microd_job_info info;
   float momentum_correction;
+  uint32_t daemon_caps; /* MICROD_WIRE_CAP_* of the hello answer */
   buffer* buffers;
   int32_t nbuffers, buffers_cap;
   ticket_entry* tickets;
@@ -353,6 +357,7 @@ microd_status microd_connect(const microd_options* options, microd_client** out)
   c->info.node_rank = ack.node_rank;
   c->info.node_count = ack.node_count;
   c->momentum_correction = ack.momentum_correction;
+  c->daemon_caps = ack.h.reserved;
   *out = c;
   return MICROD_OK;
 }
@@ -382,11 +387,12 @@ microd_status microd_register_host_buffer(microd_client* c, const char* name, ui
   return microd_register_buffer(c, name, count, NULL, data, buffer_id);
 }
 
-microd_status microd_register_buffer(microd_client* c, const char* name, uint64_t count,
-                                     const microd_buffer_options* options, float** data,
-                                     int32_t* buffer_id) {
-  if (!check_handle(c)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
-  uint32_t flags = 0;
+/* Checks what every registration takes; fills *flags and *name_len. */
+static microd_status check_register_args(microd_client* c, const char* name, uint64_t count,
+                                         const microd_buffer_options* options,
+                                         const int32_t* buffer_id, uint32_t* flags,
+                                         size_t* name_len) {
+  *flags = 0;
   if (options != NULL) {
     if (options->struct_size < offsetof(microd_buffer_options, flags) + sizeof(uint32_t) ||
         options->struct_size > 4096) {
@@ -397,13 +403,13 @@ microd_status microd_register_buffer(microd_client* c, const char* name, uint64_
     if ((options->flags & ~MICROD_BUFFER_DENSE) != 0) {
       return fail(c, MICROD_ERR_INVALID_ARGUMENT, "unknown buffer flags 0x%x", options->flags);
     }
-    flags = options->flags;
+    *flags = options->flags;
   }
-  if (name == NULL || data == NULL || buffer_id == NULL) {
-    return fail(c, MICROD_ERR_INVALID_ARGUMENT, "name, data and buffer_id must not be NULL");
+  if (name == NULL || buffer_id == NULL) {
+    return fail(c, MICROD_ERR_INVALID_ARGUMENT, "name and buffer_id must not be NULL");
   }
-  const size_t name_len = strnlen(name, MICROD_WIRE_NAME_BYTES);
-  if (name_len == 0 || name_len >= MICROD_WIRE_NAME_BYTES) {
+  *name_len = strnlen(name, MICROD_WIRE_NAME_BYTES);
+  if (*name_len == 0 || *name_len >= MICROD_WIRE_NAME_BYTES) {
     return fail(c, MICROD_ERR_INVALID_ARGUMENT, "buffer name must have 1 to %d bytes",
                 MICROD_WIRE_NAME_BYTES - 1);
   }
@@ -411,29 +417,106 @@ microd_status microd_register_buffer(microd_client* c, const char* name, uint64_
     return fail(c, MICROD_ERR_INVALID_ARGUMENT, "buffer '%s': count %llu out of range [1, 2^32)",
                 name, (unsigned long long)count);
   }
-  pthread_mutex_lock(&c->mu);
-  if (c->broken != MICROD_OK) {
-    microd_status s = fail(c, c->broken, "%s", c->broken_message);
-    pthread_mutex_unlock(&c->mu);
-    return s;
-  }
+  return MICROD_OK;
+}
+
+/* Refuses a broken connection or a name already registered; with `grow`,
+ * makes room for one more buffer. Called with mu held. */
+static microd_status check_new_buffer(microd_client* c, const char* name, int grow) {
+  if (c->broken != MICROD_OK) return fail(c, c->broken, "%s", c->broken_message);
   for (int32_t i = 0; i < c->nbuffers; ++i) {
     if (strcmp(c->buffers[i].name, name) == 0) {
-      pthread_mutex_unlock(&c->mu);
       return fail(c, MICROD_ERR_INVALID_ARGUMENT, "buffer '%s' is already registered", name);
     }
   }
-  if (c->nbuffers == c->buffers_cap) {
+  if (grow && c->nbuffers == c->buffers_cap) {
     int32_t cap = c->buffers_cap ? 2 * c->buffers_cap : 16;
     buffer* b = realloc(c->buffers, (size_t)cap * sizeof *b);
-    if (b == NULL) {
-      pthread_mutex_unlock(&c->mu);
-      return fail(c, MICROD_ERR_RESOURCE, "out of memory");
-    }
+    if (b == NULL) return fail(c, MICROD_ERR_RESOURCE, "out of memory");
     c->buffers = b;
     c->buffers_cap = cap;
   }
+  return MICROD_OK;
+}
+
+/* Sends a register message (`*id_field` is set to the new buffer's id; a
+ * descriptor goes with it when pass_fd >= 0), waits for the daemon's answer
+ * and on success adds `b` under that id. Blocks; takes read_mu and mu. */
+static microd_status register_with_daemon(microd_client* c, void* msg, size_t len,
+                                          uint32_t* id_field, int pass_fd, const buffer* b,
+                                          int32_t* buffer_id) {
+  pthread_mutex_lock(&c->read_mu);
+  pthread_mutex_lock(&c->mu);
+  /* Checked again here: another thread may have registered meanwhile. */
+  microd_status status = check_new_buffer(c, b->name, 1);
+  if (status != MICROD_OK) {
+    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&c->read_mu);
+    return status;
+  }
+  const int32_t id = c->nbuffers;
+  *id_field = (uint32_t)id;
+  c->have_register_ack = 0;
+  const int sent = send_message(c->fd, msg, len, pass_fd);
   pthread_mutex_unlock(&c->mu);
+  if (sent != 0) {
+    pthread_mutex_lock(&c->mu);
+    break_connection(c, MICROD_ERR_UNAVAILABLE, "sending to the daemon failed");
+    status = fail(c, c->broken, "%s", c->broken_message);
+    pthread_mutex_unlock(&c->mu);
+  } else {
+    const int64_t deadline = now_ms() + DEFAULT_TIMEOUT_MS;
+    for (;;) {
+      pthread_mutex_lock(&c->mu);
+      const int have = c->have_register_ack;
+      const microd_status broken = c->broken;
+      pthread_mutex_unlock(&c->mu);
+      if (have || broken != MICROD_OK) break;
+      if (now_ms() >= deadline) {
+        status = fail(c, MICROD_ERR_TIMEOUT, "no answer to registering '%s'", b->name);
+        break;
+      }
+      read_one(c, READ_SLICE_MS);
+    }
+    pthread_mutex_lock(&c->mu);
+    if (status == MICROD_OK) {
+      if (c->broken != MICROD_OK) {
+        status = fail(c, c->broken, "%s", c->broken_message);
+      } else if (c->register_ack.buffer_id != (uint32_t)id) {
+        break_connection(c, MICROD_ERR_PROTOCOL, "register answer for another buffer");
+        status = fail(c, MICROD_ERR_PROTOCOL, "register answer for another buffer");
+      } else if (c->register_ack.status != MICROD_OK) {
+        c->register_ack.message[MICROD_WIRE_MESSAGE_BYTES - 1] = '\0';
+        status = fail(c,
+                      valid_status(c->register_ack.status) ? (microd_status)c->register_ack.status
+                                                           : MICROD_ERR_PROTOCOL,
+                      "%s", c->register_ack.message);
+      }
+    }
+    if (status == MICROD_OK) {
+      c->buffers[id] = *b;
+      c->nbuffers++;
+      *buffer_id = id;
+    }
+    pthread_mutex_unlock(&c->mu);
+  }
+  pthread_mutex_unlock(&c->read_mu);
+  return status;
+}
+
+microd_status microd_register_buffer(microd_client* c, const char* name, uint64_t count,
+                                     const microd_buffer_options* options, float** data,
+                                     int32_t* buffer_id) {
+  if (!check_handle(c)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
+  uint32_t flags = 0;
+  size_t name_len = 0;
+  microd_status status = check_register_args(c, name, count, options, buffer_id, &flags, &name_len);
+  if (status != MICROD_OK) return status;
+  if (data == NULL) return fail(c, MICROD_ERR_INVALID_ARGUMENT, "data must not be NULL");
+  pthread_mutex_lock(&c->mu);
+  status = check_new_buffer(c, name, 0);
+  pthread_mutex_unlock(&c->mu);
+  if (status != MICROD_OK) return status;
 
   const size_t bytes = (size_t)count * sizeof(float);
   char memfd_name[MICROD_WIRE_NAME_BYTES + 8];
@@ -455,76 +538,88 @@ microd_status microd_register_buffer(microd_client* c, const char* name, uint64_
     return s;
   }
 
-  pthread_mutex_lock(&c->read_mu);
-  pthread_mutex_lock(&c->mu);
-  const int32_t id = c->nbuffers;
   microd_wire_register reg;
   memset(&reg, 0, sizeof reg);
   fill_header(&reg.h, MICROD_MSG_REGISTER, sizeof reg);
-  reg.buffer_id = (uint32_t)id;
   reg.kind = MICROD_BUFFER_HOST;
   reg.dtype = MICROD_DTYPE_FLOAT32;
   reg.flags = flags;
   reg.count = count;
   memcpy(reg.name, name, name_len);
-  c->have_register_ack = 0;
-  int sent = send_message(c->fd, &reg, sizeof reg, mfd);
-  pthread_mutex_unlock(&c->mu);
-  close(mfd); /* the daemon holds its own copy now */
-  microd_status status = MICROD_OK;
-  if (sent != 0) {
-    pthread_mutex_lock(&c->mu);
-    break_connection(c, MICROD_ERR_UNAVAILABLE, "sending to the daemon failed");
-    status = fail(c, c->broken, "%s", c->broken_message);
-    pthread_mutex_unlock(&c->mu);
+  buffer b;
+  memset(&b, 0, sizeof b);
+  memcpy(b.name, name, name_len);
+  b.data = mem;
+  b.count = count;
+  b.bytes = bytes;
+  status = register_with_daemon(c, &reg, sizeof reg, &reg.buffer_id, mfd, &b, buffer_id);
+  close(mfd); /* the daemon holds its own copy (or refused it) */
+  if (status == MICROD_OK) {
+    *data = mem;
   } else {
-    const int64_t deadline = now_ms() + DEFAULT_TIMEOUT_MS;
-    for (;;) {
-      pthread_mutex_lock(&c->mu);
-      const int have = c->have_register_ack;
-      const microd_status broken = c->broken;
-      pthread_mutex_unlock(&c->mu);
-      if (have || broken != MICROD_OK) break;
-      if (now_ms() >= deadline) {
-        status = fail(c, MICROD_ERR_TIMEOUT, "no answer to registering '%s'", name);
-        break;
-      }
-      read_one(c, READ_SLICE_MS);
-    }
-    pthread_mutex_lock(&c->mu);
-    if (status == MICROD_OK) {
-      if (c->broken != MICROD_OK) {
-        status = fail(c, c->broken, "%s", c->broken_message);
-      } else if (c->register_ack.buffer_id != (uint32_t)id) {
-        break_connection(c, MICROD_ERR_PROTOCOL, "register answer for another buffer");
-        status = fail(c, MICROD_ERR_PROTOCOL, "register answer for another buffer");
-      } else if (c->register_ack.status != MICROD_OK) {
-        c->register_ack.message[MICROD_WIRE_MESSAGE_BYTES - 1] = '\0';
-        status = fail(c,
-                      valid_status(c->register_ack.status) ? (microd_status)c->register_ack.status
-                                                           : MICROD_ERR_PROTOCOL,
-                      "%s", c->register_ack.message);
-      }
-    }
-    if (status == MICROD_OK) {
-      buffer* b = &c->buffers[id];
-      memset(b, 0, sizeof *b);
-      memcpy(b->name, name, name_len);
-      b->data = mem;
-      b->count = count;
-      b->bytes = bytes;
-      c->nbuffers++;
-      *data = mem;
-      *buffer_id = id;
-    }
-    pthread_mutex_unlock(&c->mu);
+    munmap(mem, bytes);
   }
-  pthread_mutex_unlock(&c->read_mu);
-  if (status != MICROD_OK) munmap(mem, bytes);
   return status;
 }
 
-microd_status microd_allreduce_async(microd_client* c, int32_t buffer_id, uint64_t* ticket) {
+microd_status microd_register_cuda_buffer(microd_client* c, const char* name, void* device_ptr,
+                                          uint64_t count, const microd_buffer_options* options,
+                                          int32_t* buffer_id) {
+  if (!check_handle(c)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
+  uint32_t flags = 0;
+  size_t name_len = 0;
+  microd_status status = check_register_args(c, name, count, options, buffer_id, &flags, &name_len);
+  if (status != MICROD_OK) return status;
+  if (device_ptr == NULL) {
+    return fail(c, MICROD_ERR_INVALID_ARGUMENT, "buffer '%s': device_ptr is NULL", name);
+  }
+  if ((uintptr_t)device_ptr % sizeof(float) != 0) {
+    return fail(c, MICROD_ERR_INVALID_ARGUMENT,
+                "buffer '%s': device_ptr %p is not aligned to 4 bytes", name, device_ptr);
+  }
+  pthread_mutex_lock(&c->mu);
+  status = check_new_buffer(c, name, 0);
+  const uint32_t caps = c->daemon_caps;
+  pthread_mutex_unlock(&c->mu);
+  if (status != MICROD_OK) return status;
+  if ((caps & MICROD_WIRE_CAP_REGISTER_CUDA) == 0) {
+    return fail(c, MICROD_ERR_UNSUPPORTED,
+                "buffer '%s': this microd predates CUDA buffers (its hello answer does not offer "
+                "them): update the daemon",
+                name);
+  }
+  mcuda_buffer cu;
+  char err[400];
+  status = mcuda_prepare(device_ptr, count, &cu, err, sizeof err);
+  if (status != MICROD_OK) return fail(c, status, "buffer '%s': %s", name, err);
+
+  microd_wire_register_cuda reg;
+  memset(&reg, 0, sizeof reg);
+  fill_header(&reg.h, MICROD_MSG_REGISTER_CUDA, sizeof reg);
+  reg.dtype = MICROD_DTYPE_FLOAT32;
+  reg.flags = flags;
+  reg.device_ordinal = cu.device_ordinal;
+  reg.count = count;
+  memcpy(reg.name, name, name_len);
+  memcpy(reg.device_uuid, cu.device_uuid, sizeof reg.device_uuid);
+  memcpy(reg.mem_handle, cu.mem_handle, sizeof reg.mem_handle);
+  reg.alloc_bytes = cu.alloc_bytes;
+  reg.offset = cu.offset;
+  memcpy(reg.event_handle, cu.event_handle, sizeof reg.event_handle);
+  buffer b;
+  memset(&b, 0, sizeof b);
+  memcpy(b.name, name, name_len);
+  b.data = (float*)device_ptr;
+  b.count = count;
+  b.is_cuda = 1;
+  b.cuda = cu;
+  status = register_with_daemon(c, &reg, sizeof reg, &reg.buffer_id, -1, &b, buffer_id);
+  if (status != MICROD_OK) mcuda_release(&cu);
+  return status;
+}
+
+/* Submits a buffer; a CUDA buffer's ready event is recorded on `stream` first. */
+static microd_status submit(microd_client* c, int32_t buffer_id, void* stream, uint64_t* ticket) {
   if (!check_handle(c)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
   if (ticket == NULL) return fail(c, MICROD_ERR_INVALID_ARGUMENT, "ticket is NULL");
   pthread_mutex_lock(&c->mu);
@@ -537,6 +632,10 @@ microd_status microd_allreduce_async(microd_client* c, int32_t buffer_id, uint64
     status = fail(c, MICROD_ERR_INVALID_ARGUMENT,
                   "buffer '%s' already has a submission in flight: wait for it first",
                   c->buffers[buffer_id].name);
+  } else if (!c->buffers[buffer_id].is_cuda && stream != NULL) {
+    status = fail(c, MICROD_ERR_INVALID_ARGUMENT,
+                  "buffer '%s' is a host buffer: submit it without a CUDA stream",
+                  c->buffers[buffer_id].name);
   } else if (c->ntickets == c->tickets_cap) {
     size_t cap = c->tickets_cap ? 2 * c->tickets_cap : 16;
     ticket_entry* t = realloc(c->tickets, cap * sizeof *t);
@@ -545,6 +644,14 @@ microd_status microd_allreduce_async(microd_client* c, int32_t buffer_id, uint64
     } else {
       c->tickets = t;
       c->tickets_cap = cap;
+    }
+  }
+  if (status == MICROD_OK && c->buffers[buffer_id].is_cuda) {
+    /* The daemon reads the buffer once this event completed. */
+    char err[400];
+    status = mcuda_record(&c->buffers[buffer_id].cuda, stream, err, sizeof err);
+    if (status != MICROD_OK) {
+      status = fail(c, status, "buffer '%s': %s", c->buffers[buffer_id].name, err);
     }
   }
   if (status == MICROD_OK) {
@@ -567,6 +674,15 @@ microd_status microd_allreduce_async(microd_client* c, int32_t buffer_id, uint64
   }
   pthread_mutex_unlock(&c->mu);
   return status;
+}
+
+microd_status microd_allreduce_async(microd_client* c, int32_t buffer_id, uint64_t* ticket) {
+  return submit(c, buffer_id, NULL, ticket);
+}
+
+microd_status microd_allreduce_cuda_async(microd_client* c, int32_t buffer_id, void* cuda_stream,
+                                          uint64_t* ticket) {
+  return submit(c, buffer_id, cuda_stream, ticket);
 }
 
 microd_status microd_wait(microd_client* c, uint64_t ticket, int32_t timeout_ms) {
@@ -621,7 +737,13 @@ microd_status microd_close(microd_client* c) {
   fill_header(&bye.h, MICROD_MSG_GOODBYE, sizeof bye);
   if (c->broken == MICROD_OK) (void)send_message(c->fd, &bye, sizeof bye, -1);
   close(c->fd);
-  for (int32_t i = 0; i < c->nbuffers; ++i) munmap(c->buffers[i].data, c->buffers[i].bytes);
+  for (int32_t i = 0; i < c->nbuffers; ++i) {
+    if (c->buffers[i].is_cuda) {
+      mcuda_release(&c->buffers[i].cuda);
+    } else {
+      munmap(c->buffers[i].data, c->buffers[i].bytes);
+    }
+  }
   free(c->buffers);
   free(c->tickets);
   pthread_mutex_destroy(&c->mu);

@@ -22,8 +22,16 @@ enum microd_wire_type {
   MICROD_MSG_SUBMIT = 5,       /* client -> daemon */
   MICROD_MSG_COMPLETION = 6,   /* daemon -> client */
   MICROD_MSG_ERROR = 7,        /* daemon -> client, then the daemon disconnects */
-  MICROD_MSG_GOODBYE = 8       /* client -> daemon */
+  MICROD_MSG_GOODBYE = 8,      /* client -> daemon */
+  MICROD_MSG_REGISTER_CUDA = 9 /* client -> daemon, answered with REGISTER_ACK */
 };
+
+/* Capabilities: in a HELLO_ACK the header's `reserved` field carries these
+ * bits (daemons that predate them send 0). A client sends REGISTER_CUDA only
+ * to a daemon whose hello answer has MICROD_WIRE_CAP_REGISTER_CUDA; that
+ * daemon answers it, with MICROD_ERR_UNSUPPORTED where it has no CUDA (a CPU
+ * build, or no usable GPU), never by dropping the connection. */
+#define MICROD_WIRE_CAP_REGISTER_CUDA 1u
 
 enum microd_wire_buffer_kind { MICROD_BUFFER_HOST = 1, MICROD_BUFFER_CUDA = 2 };
 enum microd_wire_dtype { MICROD_DTYPE_FLOAT32 = 1 };
@@ -33,7 +41,7 @@ typedef struct microd_wire_header {
   uint16_t version;
   uint16_t type;
   uint32_t length; /* whole message, header included; must equal the packet size */
-  uint32_t reserved;
+  uint32_t reserved; /* 0; in HELLO_ACK: MICROD_WIRE_CAP_* bits */
 } microd_wire_header;
 
 typedef struct microd_wire_hello {
@@ -63,11 +71,34 @@ typedef struct microd_wire_register {
   uint32_t flags; /* MICROD_BUFFER_* flags of microd.h */
   uint64_t count; /* elements */
   char name[MICROD_WIRE_NAME_BYTES];
-  /* CUDA buffers (kind CUDA): the allocation's IPC handle and the offset of
-   * the buffer in it. A CPU-only daemon answers MICROD_ERR_UNSUPPORTED. */
+  /* Unused (zero): CUDA buffers are registered with REGISTER_CUDA, which has
+   * room for the ready event and the GPU's identity. A REGISTER of kind CUDA
+   * is answered MICROD_ERR_UNSUPPORTED. */
   uint8_t cuda_ipc_handle[64];
   uint64_t cuda_offset;
 } microd_wire_register;
+
+/* A buffer in the GPU memory of the training process (no descriptor). The
+ * daemon opens the allocation's IPC handle once per process and allocation
+ * and works on the bytes [offset, offset + 4 * count) of it. Before every
+ * SUBMIT of this buffer the client records the event behind event_handle on
+ * the stream that produced the gradient; the daemon reads the buffer only
+ * once that event completed, and answers the SUBMIT only once the update is
+ * in the buffer (its copies done). */
+typedef struct microd_wire_register_cuda {
+  microd_wire_header h;
+  uint32_t buffer_id;
+  uint32_t dtype;         /* microd_wire_dtype */
+  uint32_t flags;         /* MICROD_BUFFER_* flags of microd.h */
+  int32_t device_ordinal; /* the GPU's ordinal in the client (for messages only) */
+  uint64_t count;         /* elements */
+  char name[MICROD_WIRE_NAME_BYTES];
+  uint8_t device_uuid[16];  /* the GPU (cuDeviceGetUuid_v2): ordinals differ between processes */
+  uint8_t mem_handle[64];   /* cudaIpcMemHandle_t of the whole allocation */
+  uint64_t alloc_bytes;     /* the allocation's size */
+  uint64_t offset;          /* the buffer's byte offset in the allocation */
+  uint8_t event_handle[64]; /* cudaIpcEventHandle_t of the buffer's ready event */
+} microd_wire_register_cuda;
 
 typedef struct microd_wire_register_ack {
   microd_wire_header h;
@@ -106,10 +137,12 @@ typedef struct microd_wire_goodbye {
 static_assert(sizeof(microd_wire_header) == 16, "wire layout");
 static_assert(sizeof(microd_wire_register) == 240, "wire layout");
 static_assert(sizeof(microd_wire_completion) == 288, "wire layout");
+static_assert(sizeof(microd_wire_register_cuda) == 328, "wire layout");
 #else
 _Static_assert(sizeof(microd_wire_header) == 16, "wire layout");
 _Static_assert(sizeof(microd_wire_register) == 240, "wire layout");
 _Static_assert(sizeof(microd_wire_completion) == 288, "wire layout");
+_Static_assert(sizeof(microd_wire_register_cuda) == 328, "wire layout");
 #endif
 
 #endif /* MICROD_CLIENT_WIRE_H_ */

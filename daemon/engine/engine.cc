@@ -5,6 +5,7 @@
 #include <numeric>
 #include <optional>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -350,6 +351,64 @@ void Engine::RunBatch(const control::ScheduleBatch& batch) {
   for (Work& w : sparse) RunSparse(w);
 }
 
+namespace {
+
+absl::Status InBucket(const absl::Status& s, const std::string& bucket, size_t local_rank) {
+  absl::Status out(
+      s.code(), absl::StrCat("bucket '", bucket, "', local rank ", local_rank, ": ", s.message()));
+  s.ForEachPayload(
+      [&](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
+
+}  // namespace
+
+absl::Status Engine::StageIn(const Work& w, absl::Time deadline) {
+  absl::Status result;
+  for (size_t r = 0; r < w.buffers.size() && result.ok(); ++r) {
+    local::DeviceMemory* dev = w.buffers[r] != nullptr ? w.buffers[r]->device() : nullptr;
+    if (dev == nullptr) continue;
+    absl::Status s = dev->BeginCopyIn(deadline);
+    if (!s.ok()) result = InBucket(s, w.bucket->name, r);
+  }
+  // Every copy queued is awaited, also after a failure.
+  for (size_t r = 0; r < w.buffers.size(); ++r) {
+    local::DeviceMemory* dev = w.buffers[r] != nullptr ? w.buffers[r]->device() : nullptr;
+    if (dev == nullptr) continue;
+    absl::Status s = dev->Finish(deadline);
+    if (!s.ok() && result.ok()) result = InBucket(s, w.bucket->name, r);
+  }
+  return result;
+}
+
+absl::Status Engine::StageOut(const Work& w, absl::Time deadline) {
+  absl::Status result;
+  for (size_t r = 0; r < w.buffers.size() && result.ok(); ++r) {
+    local::DeviceMemory* dev = w.buffers[r] != nullptr ? w.buffers[r]->device() : nullptr;
+    if (dev == nullptr) continue;
+    absl::Status s = dev->BeginCopyOut();
+    if (!s.ok()) result = InBucket(s, w.bucket->name, r);
+  }
+  for (size_t r = 0; r < w.buffers.size(); ++r) {
+    local::DeviceMemory* dev = w.buffers[r] != nullptr ? w.buffers[r]->device() : nullptr;
+    if (dev == nullptr) continue;
+    absl::Status s = dev->Finish(deadline);
+    if (!s.ok() && result.ok()) result = InBucket(s, w.bucket->name, r);
+  }
+  return result;
+}
+
+void Engine::StagingFailed(const std::vector<const Work*>& works, const absl::Status& s) {
+  const absl::Status why = absl::Status(
+      s.code(), absl::StrCat("node ", membership_.node_rank, ": CUDA staging: ", s.message()));
+  {
+    absl::MutexLock lock(&mu_);
+    for (const Work* w : works) ++w->bucket->stats.failures;
+  }
+  for (const Work* w : works) FinishWork(*w, JobFailed(why));
+  Fail(why, /*report=*/true);
+}
+
 void Engine::NonFinite(const Work& w, const absl::Status& status) {
   if (!options_.skip_nonfinite) {
     {
@@ -362,6 +421,10 @@ void Engine::NonFinite(const Work& w, const absl::Status& status) {
   // Skip: nothing was reduced; every process applies a zero update.
   for (const auto& buf : w.buffers) {
     if (buf != nullptr) std::memset(buf->data(), 0, buf->count() * sizeof(float));
+  }
+  if (absl::Status s = StageOut(w, absl::Now() + options_.op_timeout); !s.ok()) {
+    StagingFailed({&w}, s);
+    return;
   }
   {
     absl::MutexLock lock(&mu_);
@@ -416,6 +479,10 @@ void Engine::RunSparse(Work& w) {
   }
   // Step 1: the node's gradient. With one local process its buffer is g itself.
   const absl::Time t0 = absl::Now();
+  if (absl::Status s = StageIn(w, t0 + options_.op_timeout); !s.ok()) {
+    StagingFailed({&w}, s);
+    return;
+  }
   const float* grad = w.buffers[0]->data();
   if (L > 1) {
     std::vector<const float*> inputs;
@@ -446,6 +513,10 @@ void Engine::RunSparse(Work& w) {
     if (!failed_.ok()) return;  // the job failed meanwhile; Fail() answered this work
   }
   for (const auto& buf : w.buffers) std::memcpy(buf->data(), update_.get(), d * sizeof(float));
+  if (absl::Status s = StageOut(w, absl::Now() + options_.op_timeout); !s.ok()) {
+    StagingFailed({&w}, s);
+    return;
+  }
   const double writeback = Seconds(t1);
   {
     absl::MutexLock lock(&mu_);
@@ -484,6 +555,19 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
   const absl::Time t0 = absl::Now();
   uint64_t offset = 0, nonfinite = 0;
   for (const Work& w : works) {
+    for (const auto& buf : w.buffers) {
+      if (buf == nullptr) {
+        const absl::Status s = JobFailed(absl::AbortedError("a local process is gone"));
+        for (const Work& x : works) FinishWork(x, s);
+        return;
+      }
+    }
+    if (absl::Status s = StageIn(w, t0 + options_.op_timeout); !s.ok()) {
+      std::vector<const Work*> all;
+      for (const Work& x : works) all.push_back(&x);
+      StagingFailed(all, s);
+      return;
+    }
     std::vector<const float*> inputs;
     for (const auto& buf : w.buffers) {
       if (buf == nullptr) {
@@ -548,6 +632,14 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
       std::memcpy(buf->data(), fusion_.get() + offset, w.bucket->count * sizeof(float));
     }
     offset += w.bucket->count;
+  }
+  for (const Work& w : works) {
+    if (absl::Status s = StageOut(w, absl::Now() + options_.op_timeout); !s.ok()) {
+      std::vector<const Work*> all;
+      for (const Work& x : works) all.push_back(&x);
+      StagingFailed(all, s);
+      return;
+    }
   }
   const double writeback = Seconds(t2);
   {

@@ -5,6 +5,12 @@
 // local sum, the sparsified step (the small buckets of a batch fused into one
 // dense allreduce), write-back into every local buffer, completions.
 //
+// CUDA buffers (local::HostBuffer::device()) are staged through host memory:
+// before the local sum each one's ready event is awaited and its bytes are
+// copied in; after the write-back the update is copied out and the copy
+// awaited before the completion goes out. The step itself runs on `ops` and
+// `transport` as for host buffers.
+//
 // Failure model: a process that vanishes, a step that breaks the transport,
 // or a failure the coordinator reports ends the job: every pending and later
 // submission completes with MICROD_ERR_JOB_FAILED and the reason. A NaN/Inf
@@ -150,6 +156,12 @@ class Engine final : public local::LocalHandler {
   // A step failed here: prefer the reason another node gave the coordinator.
   absl::Status WithRootCause(const absl::Status& local);
   void RunSparse(Work& w);
+  // Staging of CUDA buffers: all copies are queued, then awaited (deadline:
+  // the step's). A failure names the bucket and the local rank.
+  absl::Status StageIn(const Work& w, absl::Time deadline);
+  absl::Status StageOut(const Work& w, absl::Time deadline);
+  // A staging failure fails the job (the other nodes are in the step).
+  void StagingFailed(const std::vector<const Work*>& works, const absl::Status& s);
   void RunFusedDense(std::vector<Work>& works);
   Work TakeWork(Bucket& b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status FailedStatus() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

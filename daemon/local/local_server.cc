@@ -10,10 +10,12 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status_map.h"
+#include "daemon/local/cuda_ipc.h"
 #include "wire.h"
 
 namespace microd::local {
@@ -27,6 +29,8 @@ size_t ExpectedSize(uint16_t type) {
       return sizeof(microd_wire_hello);
     case MICROD_MSG_REGISTER:
       return sizeof(microd_wire_register);
+    case MICROD_MSG_REGISTER_CUDA:
+      return sizeof(microd_wire_register_cuda);
     case MICROD_MSG_SUBMIT:
       return sizeof(microd_wire_submit);
     case MICROD_MSG_GOODBYE:
@@ -93,7 +97,9 @@ absl::Status PrepareSocketPath(const std::string& path) {
 
 }  // namespace
 
-HostBuffer::~HostBuffer() { munmap(data_, mapped_bytes_); }
+HostBuffer::~HostBuffer() {
+  if (mapped_bytes_ > 0) munmap(data_, mapped_bytes_);
+}
 
 LocalServer::LocalServer(LocalServerOptions options, LocalHandler* handler)
     : options_(std::move(options)), handler_(handler) {}
@@ -283,6 +289,8 @@ void LocalServer::Drop(uint64_t id, bool clean, const std::string& why) {
     close(fd);
     clients_.erase(it);
   }
+  // Its CUDA allocations close once the engine let go of its buffers too.
+  if (cuda_ != nullptr) cuda_->ForgetClient(id);
   if (greeted) handler_->OnDisconnect(id, clean, why);
 }
 
@@ -291,6 +299,7 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
     microd_wire_header h;
     microd_wire_hello hello;
     microd_wire_register reg;
+    microd_wire_register_cuda reg_cuda;
     microd_wire_submit submit;
     char bytes[MICROD_WIRE_MAX_BYTES + 1];
   } m;
@@ -388,6 +397,8 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
       }
       microd_wire_hello_ack ack{};
       FillHeader(&ack.h, MICROD_MSG_HELLO_ACK, sizeof ack);
+      // Every build answers REGISTER_CUDA (a CPU build with UNSUPPORTED).
+      ack.h.reserved = MICROD_WIRE_CAP_REGISTER_CUDA;
       ack.status = 0;
       ack.local_rank = info->local_rank;
       ack.local_size = info->local_size;
@@ -420,8 +431,10 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
       const std::string name(r.name, name_len);
       if (r.kind == MICROD_BUFFER_CUDA) {
         return answer(WithClientStatus(
-            absl::UnimplementedError(absl::StrCat("buffer '", name,
-                                                  "': CUDA buffers need a CUDA build of microd")),
+            absl::UnimplementedError(absl::StrCat(
+                "buffer '", name,
+                "': CUDA buffers are registered with REGISTER_CUDA (microd_register_cuda_buffer), "
+                "not REGISTER")),
             ClientStatus::kUnsupported));
       }
       if (r.kind != MICROD_BUFFER_HOST || r.dtype != MICROD_DTYPE_FLOAT32 || (r.flags & ~1u) != 0) {
@@ -475,6 +488,8 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
       }
       return answer(s);
     }
+    case MICROD_MSG_REGISTER_CUDA:
+      return HandleRegisterCuda(id, c, m.reg_cuda);
     case MICROD_MSG_SUBMIT: {
       if (c.buffers.count(m.submit.buffer_id) == 0) {
         Refuse(id, static_cast<int>(ClientStatus::kInvalidArgument),
@@ -490,6 +505,96 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
       return false;
   }
   return true;
+}
+
+bool LocalServer::HandleRegisterCuda(uint64_t id, Client& c, const microd_wire_register_cuda& r) {
+  const int kProtocol = static_cast<int>(ClientStatus::kProtocol);
+  microd_wire_register_ack ack{};
+  FillHeader(&ack.h, MICROD_MSG_REGISTER_ACK, sizeof ack);
+  ack.buffer_id = r.buffer_id;
+  auto answer = [&](const absl::Status& s) {
+    ack.status = static_cast<int32_t>(ToClientStatus(s));
+    CopyMessage(ack.message, std::string(s.message()));
+    absl::MutexLock lock(&mu_);
+    if (!Send(c.fd, &ack, sizeof ack)) shutdown(c.fd, SHUT_RDWR);
+    return true;
+  };
+  const size_t name_len = strnlen(r.name, MICROD_WIRE_NAME_BYTES);
+  if (name_len == 0 || name_len == MICROD_WIRE_NAME_BYTES) {
+    Refuse(id, kProtocol, "buffer name empty or not terminated");
+    return false;
+  }
+  const std::string name(r.name, name_len);
+  if (r.dtype != MICROD_DTYPE_FLOAT32 || (r.flags & ~1u) != 0) {
+    Refuse(id, kProtocol,
+           absl::StrCat("buffer '", name, "': unknown dtype ", r.dtype, " or flags ", r.flags));
+    return false;
+  }
+  // The fields are checked here, before anything CUDA, so that a bad request
+  // gets the same answer from every build.
+  if (r.count == 0 || r.count > kMaxElements) {
+    return answer(absl::InvalidArgumentError(absl::StrCat(
+        "buffer '", name, "': element count ", r.count, " out of range [1, 2^32)")));
+  }
+  const uint64_t bytes = r.count * sizeof(float);
+  if (r.offset % sizeof(float) != 0 || r.offset > r.alloc_bytes ||
+      bytes > r.alloc_bytes - r.offset) {
+    return answer(absl::InvalidArgumentError(
+        absl::StrCat("buffer '", name, "': ", bytes, " bytes at offset ", r.offset,
+                     " do not fit an allocation of ", r.alloc_bytes,
+                     " bytes (or the offset is not a multiple of 4)")));
+  }
+  if (c.buffers.count(r.buffer_id) != 0) {
+    return answer(absl::InvalidArgumentError(
+        absl::StrCat("buffer id ", r.buffer_id, " is already registered")));
+  }
+  // The daemon's staging copy counts against the process's limit.
+  if (static_cast<int>(c.buffers.size()) >= options_.max_buffers_per_client ||
+      c.bytes + bytes > options_.max_bytes_per_client) {
+    return answer(WithClientStatus(
+        absl::ResourceExhaustedError(absl::StrCat(
+            "buffer '", name, "': over the per-process limit (", options_.max_buffers_per_client,
+            " buffers, ", options_.max_bytes_per_client, " bytes)")),
+        ClientStatus::kResource));
+  }
+  if (cuda_ == nullptr && cuda_unavailable_.empty()) {
+    auto registry = CreateCudaIpcRegistry();
+    if (registry.ok()) {
+      cuda_ = std::move(registry).value();
+    } else {
+      cuda_unavailable_ = std::string(registry.status().message());
+      std::fprintf(stderr, "microd: CUDA buffers unavailable: %s\n", cuda_unavailable_.c_str());
+    }
+  }
+  if (cuda_ == nullptr) {
+    return answer(WithClientStatus(
+        absl::UnimplementedError(absl::StrCat("buffer '", name,
+                                              "': this microd cannot take CUDA buffers: ",
+                                              cuda_unavailable_)),
+        ClientStatus::kUnsupported));
+  }
+  CudaIpcRequest req;
+  req.client = id;
+  req.pid = c.pid;
+  req.name = name;
+  req.count = r.count;
+  req.client_device = r.device_ordinal;
+  std::memcpy(req.device_uuid.data(), r.device_uuid, req.device_uuid.size());
+  std::memcpy(req.mem_handle.data(), r.mem_handle, req.mem_handle.size());
+  req.alloc_bytes = r.alloc_bytes;
+  req.offset = r.offset;
+  std::memcpy(req.event_handle.data(), r.event_handle, req.event_handle.size());
+  auto device = cuda_->Open(req);
+  if (!device.ok()) return answer(device.status());
+  auto buffer = std::make_shared<HostBuffer>(std::move(device).value());
+  absl::Status s =
+      handler_->OnRegister(id, r.buffer_id, name, (r.flags & 1u) != 0, std::move(buffer));
+  if (s.ok()) {
+    absl::MutexLock lock(&mu_);
+    c.buffers[r.buffer_id] = bytes;
+    c.bytes += bytes;
+  }
+  return answer(s);
 }
 
 }  // namespace microd::local

@@ -1,6 +1,7 @@
 // The daemon's side of the local protocol (client/src/wire.h): a
 // SOCK_SEQPACKET Unix socket for the training processes of this node, peers
-// checked with SO_PEERCRED, host buffers mapped from the memfds they send.
+// checked with SO_PEERCRED, host buffers mapped from the memfds they send,
+// CUDA buffers opened from their IPC handles (CUDA builds, cuda_ipc.h).
 // Every message is validated; a malformed one gets an ERROR reply and only
 // that client is disconnected. The server thread never blocks on a client.
 #pragma once
@@ -17,25 +18,63 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+struct microd_wire_register_cuda;  // client/src/wire.h
 
 namespace microd::local {
 
-// A training process's buffer mapped into the daemon; unmapped when the last
-// reference goes (the engine may hold one while a step runs).
+class CudaIpcRegistry;
+
+// The GPU side of a CUDA buffer (daemon/local/cuda/). The engine computes on
+// a host copy of it (staging()) and moves the bytes with these calls, all on
+// the engine thread; at most one copy is in flight per buffer.
+class DeviceMemory {
+ public:
+  virtual ~DeviceMemory() = default;
+  // count() floats of host memory the copies go through.
+  virtual float* staging() const = 0;
+  virtual uint64_t count() const = 0;
+  // Waits until the process's ready event completed (the client records it
+  // before every submit), then queues the copy device -> staging(). Blocks
+  // until `deadline` at most: DeadlineExceeded when the event did not fire.
+  virtual absl::Status BeginCopyIn(absl::Time deadline) = 0;
+  // Queues the copy staging() -> device.
+  virtual absl::Status BeginCopyOut() = 0;
+  // Waits until the queued copy is done (the bytes are then in place for
+  // every process). Blocks until `deadline` at most.
+  virtual absl::Status Finish(absl::Time deadline) = 0;
+  // "GPU 0, 4096 bytes at offset 256 of an allocation of process 1234".
+  virtual std::string Describe() const = 0;
+};
+
+// A training process's buffer as the engine sees it: host memory to read
+// the gradient from and write the update into. A host buffer is the
+// process's memfd mapped into the daemon (unmapped when the last reference
+// goes; the engine may hold one while a step runs); a CUDA buffer is the
+// daemon's staging copy of device memory, moved by device().
 class HostBuffer {
  public:
   HostBuffer(float* data, uint64_t count, size_t mapped_bytes)
       : data_(data), count_(count), mapped_bytes_(mapped_bytes) {}
+  explicit HostBuffer(std::unique_ptr<DeviceMemory> device)
+      : data_(device->staging()),
+        count_(device->count()),
+        mapped_bytes_(0),
+        device_(std::move(device)) {}
   ~HostBuffer();
   HostBuffer(const HostBuffer&) = delete;
   HostBuffer& operator=(const HostBuffer&) = delete;
   float* data() const { return data_; }
   uint64_t count() const { return count_; }
+  // Null for host buffers.
+  DeviceMemory* device() const { return device_.get(); }
 
  private:
   float* const data_;
   const uint64_t count_;
-  const size_t mapped_bytes_;
+  const size_t mapped_bytes_;  // 0: not a mapping of ours
+  const std::unique_ptr<DeviceMemory> device_;
 };
 
 struct ProcessInfo {
@@ -111,6 +150,8 @@ class LocalServer {
   void Accept();
   // Handles one message; false when the client must be dropped.
   bool HandleMessage(uint64_t id, Client& c);
+  // REGISTER_CUDA: validates, opens the allocation and answers.
+  bool HandleRegisterCuda(uint64_t id, Client& c, const ::microd_wire_register_cuda& r);
   void Drop(uint64_t id, bool clean, const std::string& why);
   // Sends an ERROR message (best effort) and drops the client.
   void Refuse(uint64_t id, int status, const std::string& why);
@@ -125,6 +166,11 @@ class LocalServer {
   std::map<uint64_t, Client> clients_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
   bool stopped_ = false;
+  // CUDA buffers: created at the first REGISTER_CUDA (so that a CPU-only job
+  // never initialises CUDA); server thread only, except that Drop() may run
+  // from Stop() after the thread ended.
+  std::unique_ptr<CudaIpcRegistry> cuda_;
+  std::string cuda_unavailable_;  // why there is no registry, once tried
 };
 
 }  // namespace microd::local

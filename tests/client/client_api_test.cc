@@ -2,6 +2,7 @@
 // status has a string, bad arguments are refused with a message, and a dead
 // daemon gives a clear error rather than a hang.
 #include <signal.h>
+#include <stdlib.h>
 #include <sys/wait.h>
 
 #include <chrono>
@@ -62,6 +63,9 @@ TEST(ClientApi, BadArgumentsAreRefusedWithAMessage) {
   EXPECT_EQ(microd_allreduce_async(nullptr, 0, &ticket), MICROD_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(microd_wait(nullptr, 1, 0), MICROD_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(microd_job_info_get(nullptr, &info), MICROD_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(microd_register_cuda_buffer(nullptr, "x", &info, 1, nullptr, &id),
+            MICROD_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(microd_allreduce_cuda_async(nullptr, 0, nullptr, &ticket), MICROD_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(microd_close(nullptr), MICROD_OK);
 }
 
@@ -132,6 +136,79 @@ TEST(ClientApi, ArgumentChecksAndADeadDaemon) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
   EXPECT_TRUE(absl::StrContains(microd_last_error(c), "daemon")) << microd_last_error(c);
   EXPECT_EQ(microd_close(c), MICROD_OK);
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+}
+
+// CUDA buffers where CUDA is not usable: a clear UNSUPPORTED, nothing else
+// changes and the handle keeps working. Runs without a GPU (a driver that
+// cannot load is what a machine without one has; the CUDA toolkit's stub
+// driver, where the build found one, is a driver without a GPU).
+TEST(ClientApi, CudaBufferWithoutUsableCudaIsUnsupported) {
+  const std::string dir = MakeTempDir("client-cuda");
+  const std::string sock = dir + "/microd.sock";
+  const pid_t daemon =
+      Spawn({MICROD_DAEMON, "--socket=" + sock, "--nodes=1", "--coordinator_listen=127.0.0.1:0",
+             "--admin=127.0.0.1:0", "--admin_port_file=" + dir + "/admin"},
+            dir + "/daemon.log");
+  ASSERT_GT(ReadPortFile(dir + "/admin", std::chrono::seconds(20)), 0);
+  microd_options o;
+  microd_options_init(&o);
+  o.socket_path = sock.c_str();
+  o.timeout_ms = 20000;
+  microd_client* c = nullptr;
+  ASSERT_EQ(microd_connect(&o, &c), MICROD_OK) << microd_last_error(nullptr);
+
+  alignas(16) float not_device_memory[8] = {};
+  int32_t id = -1;
+  // Argument checks come first, whatever CUDA can do here.
+  EXPECT_EQ(microd_register_cuda_buffer(c, "g", nullptr, 8, nullptr, &id),
+            MICROD_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(microd_last_error(c), "NULL")) << microd_last_error(c);
+  EXPECT_EQ(microd_register_cuda_buffer(c, "g", reinterpret_cast<char*>(not_device_memory) + 2, 4,
+                                        nullptr, &id),
+            MICROD_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(microd_last_error(c), "aligned")) << microd_last_error(c);
+  EXPECT_EQ(microd_register_cuda_buffer(c, "g", not_device_memory, 0, nullptr, &id),
+            MICROD_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(microd_register_cuda_buffer(c, "", not_device_memory, 8, nullptr, &id),
+            MICROD_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(microd_register_cuda_buffer(c, "g", not_device_memory, 8, nullptr, nullptr),
+            MICROD_ERR_INVALID_ARGUMENT);
+
+  ASSERT_EQ(setenv("MICROD_LIBCUDA", "/nonexistent/libcuda.so.1", 1), 0);
+  EXPECT_EQ(microd_register_cuda_buffer(c, "g", not_device_memory, 8, nullptr, &id),
+            MICROD_ERR_UNSUPPORTED);
+  EXPECT_TRUE(absl::StrContains(microd_last_error(c), "/nonexistent/libcuda.so.1"))
+      << microd_last_error(c);
+  EXPECT_TRUE(absl::StrContains(microd_last_error(c), "'g'")) << microd_last_error(c);
+  EXPECT_EQ(id, -1);
+#ifdef MICROD_CUDA_STUB_LIBCUDA
+  ASSERT_EQ(setenv("MICROD_LIBCUDA", MICROD_CUDA_STUB_LIBCUDA, 1), 0);
+  EXPECT_EQ(microd_register_cuda_buffer(c, "g", not_device_memory, 8, nullptr, &id),
+            MICROD_ERR_UNSUPPORTED);
+  EXPECT_TRUE(absl::StrContains(microd_last_error(c), "cuInit")) << microd_last_error(c);
+  EXPECT_EQ(id, -1);
+#endif
+  unsetenv("MICROD_LIBCUDA");
+
+  // Nothing was registered: the name is free and the handle works.
+  float* data = nullptr;
+  ASSERT_EQ(microd_register_host_buffer(c, "g", 100, &data, &id), MICROD_OK)
+      << microd_last_error(c);
+  for (int i = 0; i < 100; ++i) data[i] = 3.0f;
+  uint64_t ticket = 0;
+  // A host buffer takes no CUDA stream; without one it submits as usual.
+  EXPECT_EQ(microd_allreduce_cuda_async(c, id, reinterpret_cast<void*>(0x1), &ticket),
+            MICROD_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(microd_last_error(c), "host buffer")) << microd_last_error(c);
+  ASSERT_EQ(microd_allreduce_cuda_async(c, id, nullptr, &ticket), MICROD_OK)
+      << microd_last_error(c);
+  EXPECT_EQ(microd_wait(c, ticket, 20000), MICROD_OK) << microd_last_error(c);
+  EXPECT_EQ(data[0], 3.0f);
+  EXPECT_EQ(microd_close(c), MICROD_OK);
+  kill(daemon, SIGTERM);
+  waitpid(daemon, nullptr, 0);
   std::error_code ignored;
   std::filesystem::remove_all(dir, ignored);
 }

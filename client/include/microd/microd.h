@@ -46,7 +46,7 @@ typedef enum microd_status {
   MICROD_ERR_TIMEOUT = 3,          /* the deadline passed; the operation may still complete */
   MICROD_ERR_MISMATCH = 4,         /* buffers of one name differ between processes or nodes */
   MICROD_ERR_JOB_FAILED = 5,       /* a node or process of the job failed; nothing more runs */
-  MICROD_ERR_UNSUPPORTED = 6,      /* not available in this build (e.g. CUDA buffers) */
+  MICROD_ERR_UNSUPPORTED = 6,      /* not available here (e.g. CUDA buffers without CUDA) */
   MICROD_ERR_PROTOCOL = 7,         /* malformed message between library and daemon */
   MICROD_ERR_RESOURCE = 8,         /* out of memory or over a daemon limit */
   MICROD_ERR_PERMISSION = 9,       /* the daemon refused this process (uid/gid) */
@@ -131,12 +131,52 @@ MICROD_API microd_status microd_register_buffer(microd_client* client, const cha
                                                 const microd_buffer_options* options,
                                                 float** data, int32_t* buffer_id);
 
+/* Registers `count` fp32 elements of GPU memory at `device_ptr` under `name`:
+ * memory from cudaMalloc, or a piece of such an allocation (e.g. a PyTorch
+ * tensor of the caching allocator). The daemon maps the allocation with CUDA
+ * IPC (once per process and allocation) and writes the update into it in
+ * place; *buffer_id is the id to submit. Every process of the job registers
+ * a name with the same count and flags; one process may use a CUDA buffer
+ * where another uses a host buffer. Blocks until the daemon acknowledged.
+ *
+ * The first call loads the CUDA driver (libcuda.so.1, or the file
+ * $MICROD_LIBCUDA names) with dlopen; nothing else in this library uses CUDA.
+ * Refused with a message:
+ * - MICROD_ERR_UNSUPPORTED: no usable CUDA driver or GPU in this process; a
+ *   daemon without CUDA (a CPU build, no usable GPU, or a GPU it cannot see:
+ *   trainer and daemon must see the same GPUs); memory legacy CUDA IPC cannot
+ *   share: stream-ordered pools (cudaMallocAsync, PyTorch's
+ *   backend:cudaMallocAsync) and virtual-memory allocations (cuMemCreate,
+ *   PyTorch's expandable_segments:True).
+ * - MICROD_ERR_INVALID_ARGUMENT: not device memory (host or managed memory),
+ *   not 4-byte aligned, or `count` elements run past the allocation's end.
+ * The memory must stay allocated until microd_close, and microd_close must
+ * come before the buffer's CUDA context goes (cudaDeviceReset, process exit). */
+MICROD_API microd_status microd_register_cuda_buffer(microd_client* client, const char* name,
+                                                     void* device_ptr, uint64_t count,
+                                                     const microd_buffer_options* options,
+                                                     int32_t* buffer_id);
+
 /* Submits the buffer's current contents for averaging and returns at once
  * with a ticket. Do not touch the buffer until microd_wait reports the
  * ticket done: the update is then in the buffer. One submission per buffer
- * may be pending at a time. */
+ * may be pending at a time. A CUDA buffer is submitted as by
+ * microd_allreduce_cuda_async with the legacy default stream. */
 MICROD_API microd_status microd_allreduce_async(microd_client* client, int32_t buffer_id,
                                                 uint64_t* ticket);
+
+/* microd_allreduce_async for a CUDA buffer whose gradient is produced on
+ * `cuda_stream` (a cudaStream_t or CUstream of the buffer's device; NULL: the
+ * legacy default stream, which waits for the work of every blocking stream
+ * of the device, but not for streams created with cudaStreamNonBlocking, such
+ * as PyTorch's side streams). The library records the buffer's ready event on
+ * that stream and the daemon reads the buffer only once the work queued there
+ * before this call is done: no synchronisation is needed before submitting.
+ * When microd_wait reports the ticket done, the update is in device memory
+ * and work queued afterwards sees it. For a host buffer, cuda_stream must be
+ * NULL. Never waits for the GPU. */
+MICROD_API microd_status microd_allreduce_cuda_async(microd_client* client, int32_t buffer_id,
+                                                     void* cuda_stream, uint64_t* ticket);
 
 /* Waits until the ticket completes or timeout_ms passes (< 0: no limit;
  * 0: poll). Returns the operation's status. Blocks. */
@@ -146,7 +186,8 @@ MICROD_API microd_status microd_wait(microd_client* client, uint64_t ticket, int
 MICROD_API microd_status microd_allreduce(microd_client* client, int32_t buffer_id,
                                           int32_t timeout_ms);
 
-/* Says goodbye, unmaps the buffers and frees the handle (NULL is a no-op).
+/* Says goodbye, unmaps the buffers (CUDA buffers: destroys their ready
+ * events; the daemon then closes its mappings) and frees the handle (NULL is a no-op).
  * Pending tickets are abandoned. No other thread may use the handle during
  * or after this call. */
 MICROD_API microd_status microd_close(microd_client* client);

@@ -1,0 +1,16 @@
+// The CUDA backend of daemon/local/cuda_ipc.h (CUDA builds only): device
+// memory of the training processes opened with cudaIpcOpenMemHandle and
+// staged through pinned host memory on one non-blocking stream per GPU.
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "daemon/local/cuda_ipc.h"
+
+namespace microd::local::cuda {
+
+// Fails (UNSUPPORTED) without a usable device; creates no CUDA context.
+absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateRegistry();
+
+}  // namespace microd::local::cuda
