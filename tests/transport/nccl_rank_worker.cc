@@ -37,7 +37,15 @@ class Buffer {
   void Fill(const std::vector<char>& data) {
     if (data.empty()) return;
     std::copy(data.begin(), data.begin() + std::min(data.size(), bytes_), host_.begin());
-    if (device_) cudaMemcpy(dev_, host_.data(), bytes_, cudaMemcpyHostToDevice);
+    if (device_) {
+      // A copy from pageable memory may return before it landed, and the
+      // transport's non-blocking stream does not wait for the legacy stream.
+      if (cudaMemcpy(dev_, host_.data(), bytes_, cudaMemcpyHostToDevice) != cudaSuccess ||
+          cudaDeviceSynchronize() != cudaSuccess) {
+        std::fprintf(stderr, "nccl_rank_worker: copy to the device failed\n");
+        std::exit(3);
+      }
+    }
   }
   const std::vector<char>& Read() {
     if (device_ && bytes_ > 0) cudaMemcpy(host_.data(), dev_, bytes_, cudaMemcpyDeviceToHost);
