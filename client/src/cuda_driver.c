@@ -43,7 +43,19 @@ static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static const char* result_name(mcu_result r) {
   const char* s = NULL;
   if (g.get_error_name != NULL && g.get_error_name(r, &s) == MCU_SUCCESS && s != NULL) return s;
-  return "unknown CUDA error";
+  /* The driver could not name it (the toolkit's stub library names nothing). */
+  switch (r) {
+    case MCU_ERROR_STUB_LIBRARY:
+      return "CUDA_ERROR_STUB_LIBRARY (the CUDA toolkit's stub libcuda, not an NVIDIA driver)";
+    case MCU_ERROR_NO_DEVICE:
+      return "CUDA_ERROR_NO_DEVICE";
+    case MCU_ERROR_SYSTEM_DRIVER_MISMATCH:
+      return "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH";
+    case MCU_ERROR_NOT_INITIALIZED:
+      return "CUDA_ERROR_NOT_INITIALIZED";
+    default:
+      return "unknown CUDA error";
+  }
 }
 
 /* The status a failed driver call maps to. */

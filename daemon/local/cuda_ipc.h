@@ -3,6 +3,13 @@
 // until the process leaves (and the last step using it ended). The backend
 // lives in cuda/ and exists only in CUDA builds; CreateCudaIpcRegistry says
 // why there is none otherwise.
+//
+// First step of the GPU path: the engine stages these buffers through pinned
+// host memory (DeviceMemory) and runs the CPU step on them. Not yet: the step
+// on the GPU (kernels/cuda SparseOps, the NCCL transport) reading the mapped
+// memory in place, the daemon's stream waiting on the ready event
+// (cudaStreamWaitEvent) instead of the host polling it, and a completion
+// event for the client's stream instead of the host waiting for the copy.
 #pragma once
 
 #include <array>
