@@ -9,6 +9,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -108,6 +109,9 @@ struct LocalServerOptions {
   int max_clients = 256;
   int max_buffers_per_client = 4096;
   uint64_t max_bytes_per_client = uint64_t{1} << 40;
+  // Where CUDA buffers are opened, made at the first REGISTER_CUDA (tests
+  // inject a fake; unset: CreateCudaIpcRegistry() of cuda_ipc.h).
+  std::function<absl::StatusOr<std::unique_ptr<CudaIpcRegistry>>()> cuda_registry;
 };
 
 struct ClientSnapshot {

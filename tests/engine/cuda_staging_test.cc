@@ -1,0 +1,383 @@
+// The daemon's side of CUDA buffers without a GPU: one node (coordinator,
+// engine, local server) in this process, with a fake CudaIpcRegistry whose
+// "device memory" is host memory of the test and whose ready event is a
+// flag. A training process speaks the wire protocol on the socket. Checked:
+// REGISTER_CUDA reaches the registry with its fields, a CUDA bucket gets the
+// very update a host bucket gets from the same gradient (sparse and dense),
+// the engine reads the buffer only once the ready event fired, an event that
+// never fires fails the job by the deadline with the bucket named, and the
+// registry hears when the process leaves. The real registry
+// (daemon/local/cuda/) needs a GPU: tests/integration/daemon_cuda_test.cc.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "daemon/common/status_map.h"
+#include "daemon/control/coordinator.h"
+#include "daemon/control/coordinator_client.h"
+#include "daemon/control/services.h"
+#include "daemon/engine/engine.h"
+#include "daemon/local/cuda_ipc.h"
+#include "daemon/local/local_server.h"
+#include "daemon/transport/inproc/inproc_transport.h"
+#include "gtest/gtest.h"
+#include "kernels/sparse_ops.h"
+#include "tests/integration/process_util.h"
+#include "wire.h"
+extern "C" {
+#include "tests/integration/e2e_grad.h"
+}
+
+namespace microd::engine {
+namespace {
+
+// What the fake registry saw and controls.
+struct FakeGpu {
+  std::atomic<bool> ready{true};  // the ready event "fired"
+  std::atomic<int> copies_in{0}, copies_out{0}, opened{0}, forgotten{0};
+  absl::Mutex mu;
+  std::vector<local::CudaIpcRequest> requests ABSL_GUARDED_BY(mu);
+};
+
+class FakeBuffer final : public local::DeviceMemory {
+ public:
+  FakeBuffer(FakeGpu* gpu, float* device, uint64_t count)
+      : gpu_(gpu), device_(device), staging_(count) {}
+  float* staging() const override { return const_cast<float*>(staging_.data()); }
+  uint64_t count() const override { return staging_.size(); }
+  absl::Status BeginCopyIn(absl::Time deadline) override {
+    while (!gpu_->ready.load()) {
+      if (absl::Now() >= deadline) {
+        return WithClientStatus(absl::DeadlineExceededError("the gradient was not ready in time"),
+                                ClientStatus::kTimeout);
+      }
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    std::memcpy(staging_.data(), device_, staging_.size() * sizeof(float));
+    ++gpu_->copies_in;
+    return absl::OkStatus();
+  }
+  absl::Status BeginCopyOut() override {
+    std::memcpy(device_, staging_.data(), staging_.size() * sizeof(float));
+    ++gpu_->copies_out;
+    return absl::OkStatus();
+  }
+  absl::Status Finish(absl::Time) override { return absl::OkStatus(); }
+  std::string Describe() const override { return "fake CUDA buffer"; }
+
+ private:
+  FakeGpu* const gpu_;
+  float* const device_;
+  std::vector<float> staging_;
+};
+
+// The "IPC handle" is the allocation's address in this process.
+class FakeRegistry final : public local::CudaIpcRegistry {
+ public:
+  explicit FakeRegistry(FakeGpu* gpu) : gpu_(gpu) {}
+  absl::StatusOr<std::unique_ptr<local::DeviceMemory>> Open(
+      const local::CudaIpcRequest& r) override {
+    {
+      absl::MutexLock lock(&gpu_->mu);
+      gpu_->requests.push_back(r);
+    }
+    float* base;
+    std::memcpy(&base, r.mem_handle.data(), sizeof base);
+    ++gpu_->opened;
+    return std::unique_ptr<local::DeviceMemory>(
+        std::make_unique<FakeBuffer>(gpu_, base + r.offset / sizeof(float), r.count));
+  }
+  void ForgetClient(uint64_t) override { ++gpu_->forgotten; }
+
+ private:
+  FakeGpu* const gpu_;
+};
+
+// One node of a job, in this process, as microd_main.cc assembles it.
+class Node {
+ public:
+  Node(FakeGpu* gpu, absl::Duration op_timeout) : dir_(testing::MakeTempDir("staging")) {
+    control::CoordinatorOptions co;
+    co.expected_nodes = 1;
+    coordinator_ = std::move(control::Coordinator::Create(co)).value();
+    service_ = std::make_unique<control::CoordinatorService>(coordinator_.get());
+    server_ = std::move(control::ControlServer::Start("127.0.0.1:0", {service_.get()})).value();
+    control::CoordinatorClientOptions cco;
+    cco.address = absl::StrCat("127.0.0.1:", server_->port());
+    cco.node_name = "node0";
+    client_ = std::move(control::CoordinatorClient::Create(cco)).value();
+    const control::Membership membership =
+        std::move(client_->Join(absl::Now() + absl::Seconds(20))).value();
+    transports_ = transport::CreateInprocGroup(1);
+    ops_ = kernels::CreateCpuSparseOps();
+    EngineOptions eo;
+    eo.op_timeout = op_timeout;
+    engine_ =
+        std::make_unique<Engine>(eo, membership, client_.get(), transports_[0].get(), ops_.get());
+    local::LocalServerOptions lo;
+    lo.socket_path = dir_ + "/microd.sock";
+    lo.cuda_registry = [gpu]() -> absl::StatusOr<std::unique_ptr<local::CudaIpcRegistry>> {
+      return std::unique_ptr<local::CudaIpcRegistry>(std::make_unique<FakeRegistry>(gpu));
+    };
+    local_ = std::move(local::LocalServer::Start(lo, engine_.get())).value();
+    engine_->SetServer(local_.get());
+    client_->SetFailureCallback([e = engine_.get()](const absl::Status& s) { e->Fail(s, false); });
+    engine_->Start();
+  }
+  ~Node() {
+    local_->Stop();
+    engine_->Stop(absl::CancelledError("test over"));
+    engine_.reset();
+    local_.reset();
+    server_->Shutdown(absl::Now() + absl::Seconds(1));
+  }
+  std::string socket() const { return dir_ + "/microd.sock"; }
+  Engine& engine() { return *engine_; }
+
+ private:
+  const std::string dir_;
+  std::unique_ptr<control::Coordinator> coordinator_;
+  std::unique_ptr<control::CoordinatorService> service_;
+  std::unique_ptr<control::ControlServer> server_;
+  std::unique_ptr<control::CoordinatorClient> client_;
+  std::vector<std::unique_ptr<transport::Transport>> transports_;
+  std::unique_ptr<kernels::SparseOps> ops_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<local::LocalServer> local_;
+};
+
+microd_wire_header Header(uint16_t type, uint32_t length) {
+  microd_wire_header h{};
+  h.magic = MICROD_WIRE_MAGIC;
+  h.version = MICROD_WIRE_VERSION;
+  h.type = type;
+  h.length = length;
+  return h;
+}
+
+// A training process on the wire protocol.
+class Process {
+ public:
+  explicit Process(const std::string& socket) {
+    fd_ = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strcpy(addr.sun_path, socket.c_str());
+    EXPECT_EQ(connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    timeval tv{30, 0};
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    microd_wire_hello hello{};
+    hello.h = Header(MICROD_MSG_HELLO, sizeof hello);
+    hello.local_rank = -1;
+    EXPECT_EQ(send(fd_, &hello, sizeof hello, 0), static_cast<ssize_t>(sizeof hello));
+    microd_wire_hello_ack ack{};
+    EXPECT_EQ(recv(fd_, &ack, sizeof ack, 0), static_cast<ssize_t>(sizeof ack));
+    EXPECT_EQ(ack.status, 0);
+    EXPECT_NE(ack.h.reserved & MICROD_WIRE_CAP_REGISTER_CUDA, 0u);
+  }
+  ~Process() { Leave(); }
+  void Leave() {
+    if (fd_ < 0) return;
+    microd_wire_goodbye bye{};
+    bye.h = Header(MICROD_MSG_GOODBYE, sizeof bye);
+    (void)send(fd_, &bye, sizeof bye, MSG_NOSIGNAL);
+    close(fd_);
+    fd_ = -1;
+    for (auto& [p, bytes] : maps_) munmap(p, bytes);
+    maps_.clear();
+  }
+
+  // A host buffer (memfd) of `count` floats; returns its mapping.
+  float* RegisterHost(uint32_t id, const std::string& name, uint64_t count) {
+    const size_t bytes = count * sizeof(float);
+    const int mfd = memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    EXPECT_GE(mfd, 0);
+    EXPECT_EQ(ftruncate(mfd, bytes), 0);
+    EXPECT_EQ(fcntl(mfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
+    EXPECT_NE(p, MAP_FAILED);
+    maps_.push_back({p, bytes});
+    microd_wire_register reg{};
+    reg.h = Header(MICROD_MSG_REGISTER, sizeof reg);
+    reg.buffer_id = id;
+    reg.kind = MICROD_BUFFER_HOST;
+    reg.dtype = MICROD_DTYPE_FLOAT32;
+    reg.count = count;
+    std::strcpy(reg.name, name.c_str());
+    EXPECT_EQ(Registered(&reg, sizeof reg, mfd), 0);
+    close(mfd);
+    return static_cast<float*>(p);
+  }
+
+  // A "CUDA" buffer: `count` floats at `offset` bytes into `alloc`.
+  int RegisterCuda(uint32_t id, const std::string& name, float* alloc, uint64_t alloc_bytes,
+                   uint64_t offset, uint64_t count) {
+    microd_wire_register_cuda reg{};
+    reg.h = Header(MICROD_MSG_REGISTER_CUDA, sizeof reg);
+    reg.buffer_id = id;
+    reg.dtype = MICROD_DTYPE_FLOAT32;
+    reg.device_ordinal = 0;
+    reg.count = count;
+    std::strcpy(reg.name, name.c_str());
+    std::memcpy(reg.mem_handle, &alloc, sizeof alloc);
+    reg.alloc_bytes = alloc_bytes;
+    reg.offset = offset;
+    reg.event_handle[0] = 0xE7;
+    return Registered(&reg, sizeof reg, -1);
+  }
+
+  void Submit(uint32_t id, uint64_t ticket) {
+    microd_wire_submit sub{};
+    sub.h = Header(MICROD_MSG_SUBMIT, sizeof sub);
+    sub.buffer_id = id;
+    sub.ticket = ticket;
+    EXPECT_EQ(send(fd_, &sub, sizeof sub, 0), static_cast<ssize_t>(sizeof sub));
+  }
+
+  // The next completion within `timeout`; status -1 when none came.
+  microd_wire_completion Completion(std::chrono::milliseconds timeout) {
+    timeval tv{static_cast<time_t>(timeout.count() / 1000),
+               static_cast<suseconds_t>(timeout.count() % 1000 * 1000)};
+    setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    microd_wire_completion done{};
+    const ssize_t n = recv(fd_, &done, sizeof done, 0);
+    if (n != static_cast<ssize_t>(sizeof done) || done.h.type != MICROD_MSG_COMPLETION) {
+      done.status = -1;
+    }
+    done.message[MICROD_WIRE_MESSAGE_BYTES - 1] = '\0';
+    return done;
+  }
+
+ private:
+  int Registered(const void* msg, size_t len, int pass_fd) {
+    iovec iov{const_cast<void*>(msg), len};
+    msghdr mh{};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    if (pass_fd >= 0) {
+      mh.msg_control = control;
+      mh.msg_controllen = sizeof control;
+      cmsghdr* cm = CMSG_FIRSTHDR(&mh);
+      cm->cmsg_level = SOL_SOCKET;
+      cm->cmsg_type = SCM_RIGHTS;
+      cm->cmsg_len = CMSG_LEN(sizeof(int));
+      std::memcpy(CMSG_DATA(cm), &pass_fd, sizeof(int));
+    }
+    EXPECT_EQ(sendmsg(fd_, &mh, MSG_NOSIGNAL), static_cast<ssize_t>(len));
+    microd_wire_register_ack ack{};
+    EXPECT_EQ(recv(fd_, &ack, sizeof ack, 0), static_cast<ssize_t>(sizeof ack));
+    ack.message[MICROD_WIRE_MESSAGE_BYTES - 1] = '\0';
+    last_message_ = ack.message;
+    return ack.status;
+  }
+
+  int fd_ = -1;
+  std::vector<std::pair<void*, size_t>> maps_;
+  std::string last_message_;
+};
+
+TEST(CudaStaging, CudaBucketsGetTheUpdateHostBucketsGet) {
+  FakeGpu gpu;
+  Node node(&gpu, absl::Seconds(20));
+  Process p(node.socket());
+  const std::vector<uint64_t> counts = {100003, 1000};  // sparse, dense (fused)
+  // Both "CUDA" buckets in one allocation, at offsets.
+  std::vector<float> alloc(64 + counts[0] + 64 + counts[1] + 64);
+  const std::vector<uint64_t> offsets = {64 * 4, (64 + counts[0] + 64) * 4};
+  std::vector<float*> host;
+  for (uint32_t b = 0; b < 2; ++b) {
+    host.push_back(p.RegisterHost(2 * b, absl::StrCat("host", b), counts[b]));
+    ASSERT_EQ(p.RegisterCuda(2 * b + 1, absl::StrCat("cuda", b), alloc.data(),
+                             alloc.size() * sizeof(float), offsets[b], counts[b]),
+              0);
+  }
+  {
+    absl::MutexLock lock(&gpu.mu);
+    ASSERT_EQ(gpu.requests.size(), 2u);
+    EXPECT_EQ(gpu.requests[1].name, "cuda1");
+    EXPECT_EQ(gpu.requests[1].count, counts[1]);
+    EXPECT_EQ(gpu.requests[1].offset, offsets[1]);
+    EXPECT_EQ(gpu.requests[1].alloc_bytes, alloc.size() * sizeof(float));
+    EXPECT_EQ(gpu.requests[1].event_handle[0], 0xE7);
+  }
+  uint64_t ticket = 0;
+  for (uint64_t t = 0; t < 4; ++t) {
+    for (uint32_t b = 0; b < 2; ++b) {
+      e2e_fill(host[b], counts[b], 0, static_cast<int>(b), t);
+      e2e_fill(alloc.data() + offsets[b] / 4, counts[b], 0, static_cast<int>(b), t);
+      p.Submit(2 * b, ++ticket);
+      p.Submit(2 * b + 1, ++ticket);
+    }
+    for (int i = 0; i < 4; ++i) {
+      const auto done = p.Completion(std::chrono::seconds(30));
+      ASSERT_EQ(done.status, 0) << done.message;
+    }
+    for (uint32_t b = 0; b < 2; ++b) {
+      ASSERT_EQ(std::memcmp(host[b], alloc.data() + offsets[b] / 4, counts[b] * sizeof(float)), 0)
+          << "bucket " << b << " step " << t;
+    }
+  }
+  // The guard cells around the buckets are untouched.
+  for (size_t i = 0; i < 64; ++i) EXPECT_EQ(alloc[i], 0.0f);
+  EXPECT_EQ(gpu.copies_in.load(), 8);
+  EXPECT_EQ(gpu.copies_out.load(), 8);
+  EXPECT_EQ(gpu.forgotten.load(), 0);
+  p.Leave();
+  for (int i = 0; i < 200 && gpu.forgotten.load() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(gpu.forgotten.load(), 1);
+  EXPECT_TRUE(node.engine().Snapshot().failure.empty()) << node.engine().Snapshot().failure;
+}
+
+TEST(CudaStaging, TheStepWaitsForTheReadyEvent) {
+  FakeGpu gpu;
+  Node node(&gpu, absl::Seconds(20));
+  Process p(node.socket());
+  std::vector<float> alloc(1000, 1.0f);
+  ASSERT_EQ(p.RegisterCuda(0, "g", alloc.data(), alloc.size() * 4, 0, alloc.size()), 0);
+  gpu.ready = false;
+  p.Submit(0, 1);
+  EXPECT_EQ(p.Completion(std::chrono::milliseconds(500)).status, -1) << "completed early";
+  EXPECT_EQ(gpu.copies_in.load(), 0);
+  gpu.ready = true;
+  const auto done = p.Completion(std::chrono::seconds(20));
+  EXPECT_EQ(done.status, 0) << done.message;
+  EXPECT_EQ(alloc[0], 1.0f);  // one process of one node: the average is itself
+}
+
+TEST(CudaStaging, AReadyEventThatNeverFiresFailsTheJobByTheDeadline) {
+  FakeGpu gpu;
+  Node node(&gpu, absl::Seconds(1));
+  Process p(node.socket());
+  std::vector<float> alloc(1000, 1.0f);
+  ASSERT_EQ(p.RegisterCuda(0, "stuck", alloc.data(), alloc.size() * 4, 0, alloc.size()), 0);
+  gpu.ready = false;
+  const auto start = std::chrono::steady_clock::now();
+  p.Submit(0, 1);
+  const auto done = p.Completion(std::chrono::seconds(20));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ(done.status, static_cast<int>(ClientStatus::kJobFailed)) << done.message;
+  EXPECT_TRUE(absl::StrContains(done.message, "'stuck'")) << done.message;
+  EXPECT_TRUE(absl::StrContains(done.message, "not ready in time")) << done.message;
+  EXPECT_FALSE(node.engine().Snapshot().failure.empty());
+}
+
+}  // namespace
+}  // namespace microd::engine
