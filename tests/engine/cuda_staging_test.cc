@@ -6,9 +6,12 @@
 // very update a host bucket gets from the same gradient (sparse and dense),
 // the engine reads the buffer only once the ready event fired, an event that
 // never fires fails the job by the deadline with the bucket named, and the
-// registry hears when the process leaves. The real registry
-// (daemon/local/cuda/) needs a GPU: tests/integration/daemon_cuda_test.cc.
+// registry hears when the process leaves. Last, the C API's CUDA buffers end
+// to end over a fake CUDA driver (fake_libcuda.c). The real registry
+// (daemon/local/cuda/) and driver need a GPU: tests/integration/daemon_cuda_test.cc.
+#include <dlfcn.h>
 #include <fcntl.h>
+#include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -37,6 +40,7 @@
 #include "daemon/transport/inproc/inproc_transport.h"
 #include "gtest/gtest.h"
 #include "kernels/sparse_ops.h"
+#include "microd/microd.h"
 #include "tests/integration/process_util.h"
 #include "wire.h"
 extern "C" {
@@ -376,7 +380,134 @@ TEST(CudaStaging, AReadyEventThatNeverFiresFailsTheJobByTheDeadline) {
   EXPECT_EQ(done.status, static_cast<int>(ClientStatus::kJobFailed)) << done.message;
   EXPECT_TRUE(absl::StrContains(done.message, "'stuck'")) << done.message;
   EXPECT_TRUE(absl::StrContains(done.message, "not ready in time")) << done.message;
-  EXPECT_FALSE(node.engine().Snapshot().failure.empty());
+  // The completion goes out first, then the engine records the failure.
+  for (int i = 0; i < 500 && node.engine().Snapshot().failure.empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(absl::StrContains(node.engine().Snapshot().failure, "CUDA staging"))
+      << node.engine().Snapshot().failure;
+}
+
+// fake_libcuda.c's event.
+struct FakeEvent {
+  int records;
+  int destroyed;
+  void* last_stream;
+};
+
+// The C API with CUDA buffers over a fake driver: what the library sends,
+// when it records the ready event and on which stream, what it refuses, and
+// that it releases the event at close.
+TEST(CudaStaging, TheCApiOverAFakeDriver) {
+  ASSERT_EQ(setenv("MICROD_LIBCUDA", MICROD_FAKE_LIBCUDA, 1), 0);
+  void* fake = dlopen(MICROD_FAKE_LIBCUDA, RTLD_NOW);
+  ASSERT_NE(fake, nullptr) << dlerror();
+  auto add_allocation =
+      reinterpret_cast<void (*)(void*, size_t, int)>(dlsym(fake, "fake_cuda_add_allocation"));
+  auto context_depth = reinterpret_cast<int (*)()>(dlsym(fake, "fake_cuda_context_depth"));
+  ASSERT_NE(add_allocation, nullptr);
+  ASSERT_NE(context_depth, nullptr);
+
+  FakeGpu gpu;
+  Node node(&gpu, absl::Seconds(20));
+  microd_options o;
+  microd_options_init(&o);
+  const std::string socket = node.socket();
+  o.socket_path = socket.c_str();
+  microd_client* c = nullptr;
+  ASSERT_EQ(microd_connect(&o, &c), MICROD_OK) << microd_last_error(nullptr);
+
+  const uint64_t n = 100003;
+  std::vector<float> device(64 + n + 64);
+  add_allocation(device.data(), device.size() * sizeof(float), 0);
+  float* d = device.data() + 64;
+  int32_t cuda_id = -1, host_id = -1;
+  ASSERT_EQ(microd_register_cuda_buffer(c, "cuda", d, n, nullptr, &cuda_id), MICROD_OK)
+      << microd_last_error(c);
+  float* h = nullptr;
+  ASSERT_EQ(microd_register_host_buffer(c, "host", n, &h, &host_id), MICROD_OK)
+      << microd_last_error(c);
+  FakeEvent* event = nullptr;
+  {
+    absl::MutexLock lock(&gpu.mu);
+    ASSERT_EQ(gpu.requests.size(), 1u);
+    const local::CudaIpcRequest& r = gpu.requests[0];
+    EXPECT_EQ(r.name, "cuda");
+    EXPECT_EQ(r.count, n);
+    EXPECT_EQ(r.offset, 64 * sizeof(float));
+    EXPECT_EQ(r.alloc_bytes, device.size() * sizeof(float));
+    EXPECT_EQ(std::memcmp(r.device_uuid.data(), "FAKE-GPU-0000000", 16), 0);
+    float* base = nullptr;
+    std::memcpy(&base, r.mem_handle.data(), sizeof base);
+    EXPECT_EQ(base, device.data());
+    std::memcpy(&event, r.event_handle.data(), sizeof event);
+  }
+  ASSERT_NE(event, nullptr);
+  EXPECT_EQ(event->records, 0);
+
+  void* const stream = reinterpret_cast<void*>(0x5);
+  for (uint64_t t = 0; t < 3; ++t) {
+    e2e_fill(h, n, 0, 0, t);
+    e2e_fill(d, n, 0, 0, t);
+    uint64_t t1 = 0, t2 = 0;
+    ASSERT_EQ(microd_allreduce_cuda_async(c, cuda_id, stream, &t1), MICROD_OK)
+        << microd_last_error(c);
+    EXPECT_EQ(event->records, static_cast<int>(t) + 1);
+    EXPECT_EQ(event->last_stream, stream);
+    ASSERT_EQ(microd_allreduce_async(c, host_id, &t2), MICROD_OK) << microd_last_error(c);
+    ASSERT_EQ(microd_wait(c, t1, 30000), MICROD_OK) << microd_last_error(c);
+    ASSERT_EQ(microd_wait(c, t2, 30000), MICROD_OK) << microd_last_error(c);
+    ASSERT_EQ(std::memcmp(h, d, n * sizeof(float)), 0) << "step " << t;
+  }
+  // Without a stream: the legacy default stream.
+  ASSERT_EQ(microd_allreduce(c, cuda_id, 30000), MICROD_OK) << microd_last_error(c);
+  EXPECT_EQ(event->last_stream, nullptr);
+  EXPECT_EQ(event->records, 4);
+  // A stream the driver refuses: nothing is submitted, the buffer stays usable.
+  uint64_t ticket = 0;
+  EXPECT_EQ(microd_allreduce_cuda_async(c, cuda_id, reinterpret_cast<void*>(0xBAD), &ticket),
+            MICROD_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(microd_last_error(c), "stream")) << microd_last_error(c);
+  ASSERT_EQ(microd_allreduce(c, cuda_id, 30000), MICROD_OK) << microd_last_error(c);
+
+  // Memory legacy CUDA IPC cannot share, each with its reason.
+  std::vector<float> pool(1024), managed(1024), vmm(1024), small(1000), pageable(1024);
+  add_allocation(pool.data(), 4096, 1);
+  add_allocation(managed.data(), 4096, 2);
+  add_allocation(vmm.data(), 4096, 3);
+  add_allocation(small.data(), 4000, 0);
+  int32_t id = -1;
+  EXPECT_EQ(microd_register_cuda_buffer(c, "x", pool.data(), 1024, nullptr, &id),
+            MICROD_ERR_UNSUPPORTED);
+  EXPECT_TRUE(absl::StrContains(microd_last_error(c), "cudaMallocAsync")) << microd_last_error(c);
+  EXPECT_EQ(microd_register_cuda_buffer(c, "x", managed.data(), 1024, nullptr, &id),
+            MICROD_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(microd_last_error(c), "managed")) << microd_last_error(c);
+  EXPECT_EQ(microd_register_cuda_buffer(c, "x", vmm.data(), 1024, nullptr, &id),
+            MICROD_ERR_UNSUPPORTED);
+  EXPECT_TRUE(absl::StrContains(microd_last_error(c), "expandable_segments"))
+      << microd_last_error(c);
+  EXPECT_EQ(microd_register_cuda_buffer(c, "x", pageable.data(), 1024, nullptr, &id),
+            MICROD_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(microd_last_error(c), "cudaMalloc")) << microd_last_error(c);
+  EXPECT_EQ(microd_register_cuda_buffer(c, "x", small.data() + 500, 600, nullptr, &id),
+            MICROD_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(microd_last_error(c), "past the end")) << microd_last_error(c);
+  EXPECT_EQ(id, -1);
+  EXPECT_EQ(context_depth(), 0) << "context pushes and pops unbalanced";
+  {
+    absl::MutexLock lock(&gpu.mu);
+    EXPECT_EQ(gpu.requests.size(), 1u) << "a refused buffer reached the daemon";
+  }
+
+  EXPECT_EQ(microd_close(c), MICROD_OK);
+  EXPECT_EQ(event->destroyed, 1);
+  for (int i = 0; i < 200 && gpu.forgotten.load() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(gpu.forgotten.load(), 1);
+  EXPECT_TRUE(node.engine().Snapshot().failure.empty()) << node.engine().Snapshot().failure;
+  unsetenv("MICROD_LIBCUDA");
 }
 
 }  // namespace
