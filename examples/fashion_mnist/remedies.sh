@@ -56,7 +56,7 @@ for run in "${RUNS[@]}"; do
   fi
 done
 /usr/bin/python3 - "$OUT" "$EPOCHS" <<'PY'
-import json, os, sys
+import json, os, re, sys
 out, epochs = sys.argv[1], sys.argv[2]
 rows = []
 for f in sorted(os.listdir(out)):
@@ -65,8 +65,10 @@ for f in sorted(os.listdir(out)):
         r = json.load(open(os.path.join(out, f)))
         rows.append((label, f"{100 * r['final_accuracy']:.2f} %", f"{r['final_test_loss']:.4f}"))
     elif ext == ".failed":
-        why = open(os.path.join(out, f)).read().strip().splitlines()
-        rows.append((label, "diverged / failed", (why[0][:120] if why else "see logs")))
+        why = open(os.path.join(out, f)).read()
+        m = re.search(r"step (\d+): NaN or Inf", why)
+        rows.append((label, "diverged", f"NaN/Inf in the gradients at step {m.group(1)}, "
+                     "reported on every node" if m else "failed: see the logs"))
 order = ["dense", "1%-none", "1%-momentum-correction", "1%-warm-up", "1%-clipping", "1%-all",
          "0.1%-none", "0.1%-momentum-correction", "0.1%-warm-up", "0.1%-clipping", "0.1%-all"]
 rows.sort(key=lambda r: order.index(r[0]) if r[0] in order else len(order))
