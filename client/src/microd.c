@@ -739,7 +739,10 @@ microd_status microd_close(microd_client* c) {
   close(c->fd);
   for (int32_t i = 0; i < c->nbuffers; ++i) {
     if (c->buffers[i].is_cuda) {
-      mcuda_release(&c->buffers[i].cuda);
+      /* The daemon may still wait on the ready event of a pending submission,
+       * and using an imported event whose original is gone is undefined:
+       * such an event is left to the context's end. */
+      if (!c->buffers[i].pending) mcuda_release(&c->buffers[i].cuda);
     } else {
       munmap(c->buffers[i].data, c->buffers[i].bytes);
     }

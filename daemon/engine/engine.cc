@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <optional>
 
@@ -364,11 +365,17 @@ absl::Status InBucket(const absl::Status& s, const std::string& bucket, size_t l
 }  // namespace
 
 absl::Status Engine::StageIn(const Work& w, absl::Time deadline) {
+  // A failed job (a process died, a peer failed) ends the wait for a ready
+  // event at once: the event may belong to a process that is gone.
+  const std::function<bool()> abandoned = [this] {
+    absl::MutexLock lock(&mu_);
+    return !failed_.ok();
+  };
   absl::Status result;
   for (size_t r = 0; r < w.buffers.size() && result.ok(); ++r) {
     local::DeviceMemory* dev = w.buffers[r] != nullptr ? w.buffers[r]->device() : nullptr;
     if (dev == nullptr) continue;
-    absl::Status s = dev->BeginCopyIn(deadline);
+    absl::Status s = dev->BeginCopyIn(deadline, abandoned);
     if (!s.ok()) result = InBucket(s, w.bucket->name, r);
   }
   // Every copy queued is awaited, also after a failure.

@@ -38,8 +38,10 @@ class DeviceMemory {
   virtual uint64_t count() const = 0;
   // Waits until the process's ready event completed (the client records it
   // before every submit), then queues the copy device -> staging(). Blocks
-  // until `deadline` at most: DeadlineExceeded when the event did not fire.
-  virtual absl::Status BeginCopyIn(absl::Time deadline) = 0;
+  // until `deadline` at most: DeadlineExceeded when the event did not fire;
+  // Aborted, without queueing, as soon as `abandoned()` says the step is
+  // moot (e.g. the job failed because the process died).
+  virtual absl::Status BeginCopyIn(absl::Time deadline, const std::function<bool()>& abandoned) = 0;
   // Queues the copy staging() -> device.
   virtual absl::Status BeginCopyOut() = 0;
   // Waits until the queued copy is done (the bytes are then in place for

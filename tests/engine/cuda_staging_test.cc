@@ -20,6 +20,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -53,7 +54,8 @@ namespace {
 // What the fake registry saw and controls.
 struct FakeGpu {
   std::atomic<bool> ready{true};  // the ready event "fired"
-  std::atomic<int> copies_in{0}, copies_out{0}, opened{0}, forgotten{0};
+  std::atomic<int> copies_in{0}, copies_out{0}, opened{0}, forgotten{0}, abandoned{0};
+  std::atomic<int> waiting{0};  // copies in that found the event not fired yet
   absl::Mutex mu;
   std::vector<local::CudaIpcRequest> requests ABSL_GUARDED_BY(mu);
 };
@@ -64,11 +66,16 @@ class FakeBuffer final : public local::DeviceMemory {
       : gpu_(gpu), device_(device), staging_(count) {}
   float* staging() const override { return const_cast<float*>(staging_.data()); }
   uint64_t count() const override { return staging_.size(); }
-  absl::Status BeginCopyIn(absl::Time deadline) override {
+  absl::Status BeginCopyIn(absl::Time deadline, const std::function<bool()>& abandoned) override {
+    if (!gpu_->ready.load()) ++gpu_->waiting;
     while (!gpu_->ready.load()) {
       if (absl::Now() >= deadline) {
         return WithClientStatus(absl::DeadlineExceededError("the gradient was not ready in time"),
                                 ClientStatus::kTimeout);
+      }
+      if (abandoned()) {
+        ++gpu_->abandoned;
+        return absl::AbortedError("abandoned");
       }
       absl::SleepFor(absl::Milliseconds(1));
     }
@@ -195,6 +202,11 @@ class Process {
     EXPECT_NE(ack.h.reserved & MICROD_WIRE_CAP_REGISTER_CUDA, 0u);
   }
   ~Process() { Leave(); }
+  // Gone without a goodbye, as a crashed process.
+  void Vanish() {
+    close(fd_);
+    fd_ = -1;
+  }
   void Leave() {
     if (fd_ < 0) return;
     microd_wire_goodbye bye{};
@@ -358,7 +370,11 @@ TEST(CudaStaging, TheStepWaitsForTheReadyEvent) {
   ASSERT_EQ(p.RegisterCuda(0, "g", alloc.data(), alloc.size() * 4, 0, alloc.size()), 0);
   gpu.ready = false;
   p.Submit(0, 1);
-  EXPECT_EQ(p.Completion(std::chrono::milliseconds(500)).status, -1) << "completed early";
+  for (int k = 0; k < 1000 && gpu.waiting.load() == 0; ++k) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(gpu.waiting.load(), 1) << "the engine never waited for the event";
+  EXPECT_EQ(p.Completion(std::chrono::milliseconds(300)).status, -1) << "completed early";
   EXPECT_EQ(gpu.copies_in.load(), 0);
   gpu.ready = true;
   const auto done = p.Completion(std::chrono::seconds(20));
@@ -386,6 +402,33 @@ TEST(CudaStaging, AReadyEventThatNeverFiresFailsTheJobByTheDeadline) {
   }
   EXPECT_TRUE(absl::StrContains(node.engine().Snapshot().failure, "CUDA staging"))
       << node.engine().Snapshot().failure;
+}
+
+TEST(CudaStaging, AProcessThatVanishesEndsTheWaitForItsReadyEvent) {
+  FakeGpu gpu;
+  const auto start = std::chrono::steady_clock::now();
+  {
+    Node node(&gpu, absl::Seconds(60));
+    Process p(node.socket());
+    std::vector<float> alloc(1000, 1.0f);
+    ASSERT_EQ(p.RegisterCuda(0, "g", alloc.data(), alloc.size() * 4, 0, alloc.size()), 0);
+    gpu.ready = false;
+    p.Submit(0, 1);
+    for (int i = 0; i < 1000 && gpu.waiting.load() == 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    ASSERT_EQ(gpu.waiting.load(), 1) << "the engine never waited for the event";
+    p.Vanish();
+    for (int i = 0; i < 500 && gpu.abandoned.load() == 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_EQ(gpu.abandoned.load(), 1);
+    EXPECT_EQ(gpu.copies_in.load(), 0);
+    EXPECT_TRUE(absl::StrContains(node.engine().Snapshot().failure, "disconnected"))
+        << node.engine().Snapshot().failure;
+  }
+  // Not the 60 s deadline.
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
 }
 
 // fake_libcuda.c's event.
@@ -500,13 +543,28 @@ TEST(CudaStaging, TheCApiOverAFakeDriver) {
     EXPECT_EQ(gpu.requests.size(), 1u) << "a refused buffer reached the daemon";
   }
 
+  EXPECT_TRUE(node.engine().Snapshot().failure.empty()) << node.engine().Snapshot().failure;
+
+  // Closed with a submission of a second buffer in flight: that buffer's
+  // event stays (the daemon may still wait on it), the other one goes.
+  std::vector<float> device2(1000);
+  add_allocation(device2.data(), device2.size() * sizeof(float), 0);
+  ASSERT_EQ(microd_register_cuda_buffer(c, "cuda2", device2.data(), 1000, nullptr, &id), MICROD_OK)
+      << microd_last_error(c);
+  FakeEvent* event2 = nullptr;
+  {
+    absl::MutexLock lock(&gpu.mu);
+    ASSERT_EQ(gpu.requests.size(), 2u);
+    std::memcpy(&event2, gpu.requests[1].event_handle.data(), sizeof event2);
+  }
+  ASSERT_EQ(microd_allreduce_async(c, id, &ticket), MICROD_OK) << microd_last_error(c);
   EXPECT_EQ(microd_close(c), MICROD_OK);
   EXPECT_EQ(event->destroyed, 1);
+  EXPECT_EQ(event2->destroyed, 0);
   for (int i = 0; i < 200 && gpu.forgotten.load() == 0; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_EQ(gpu.forgotten.load(), 1);
-  EXPECT_TRUE(node.engine().Snapshot().failure.empty()) << node.engine().Snapshot().failure;
   unsetenv("MICROD_LIBCUDA");
 }
 

@@ -187,7 +187,9 @@ MICROD_API microd_status microd_allreduce(microd_client* client, int32_t buffer_
                                           int32_t timeout_ms);
 
 /* Says goodbye, unmaps the buffers (CUDA buffers: destroys their ready
- * events; the daemon then closes its mappings) and frees the handle (NULL is a no-op).
+ * events, except those of submissions still in flight, which the daemon may
+ * still wait on; the daemon then closes its mappings) and frees the handle
+ * (NULL is a no-op).
  * Pending tickets are abandoned. No other thread may use the handle during
  * or after this call. */
 MICROD_API microd_status microd_close(microd_client* client);

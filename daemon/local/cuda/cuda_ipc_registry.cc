@@ -18,6 +18,7 @@
 #include <array>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <vector>
 
@@ -152,8 +153,9 @@ class Allocation {
   const pid_t pid_;
 };
 
-// Polls `event` until it completed or `deadline` passed.
-absl::Status WaitForEvent(cudaEvent_t event, absl::Time deadline, const std::string& what) {
+// Polls `event` until it completed, `deadline` passed or `abandoned()`.
+absl::Status WaitForEvent(cudaEvent_t event, absl::Time deadline, const std::string& what,
+                          const std::function<bool()>& abandoned = nullptr) {
   absl::Duration nap = absl::Microseconds(10);
   for (;;) {
     const cudaError_t e = cudaEventQuery(event);
@@ -161,6 +163,9 @@ absl::Status WaitForEvent(cudaEvent_t event, absl::Time deadline, const std::str
     if (e != cudaErrorNotReady) return CudaError(e, absl::StrCat(what, ": cudaEventQuery"));
     if (absl::Now() >= deadline) {
       return absl::DeadlineExceededError(absl::StrCat(what, ": not done by the deadline"));
+    }
+    if (abandoned && abandoned()) {
+      return absl::AbortedError(absl::StrCat(what, ": no longer waited for (the job failed)"));
     }
     absl::SleepFor(nap);
     nap = std::min(nap * 2, kMaxNap);
@@ -204,12 +209,12 @@ class Buffer final : public DeviceMemory {
   uint64_t count() const override { return count_; }
   std::string Describe() const override { return description_; }
 
-  absl::Status BeginCopyIn(absl::Time deadline) override {
+  absl::Status BeginCopyIn(absl::Time deadline, const std::function<bool()>& abandoned) override {
     RETURN_IF_ERROR(allocation_->device()->Use());
     RETURN_IF_ERROR(CanStart());
     // Host-side wait: when the event does not fire in time nothing has been
     // queued, so giving up leaves no copy behind.
-    absl::Status ready = WaitForEvent(ready_, deadline, "the process's ready event");
+    absl::Status ready = WaitForEvent(ready_, deadline, "the process's ready event", abandoned);
     if (absl::IsDeadlineExceeded(ready)) {
       return WithClientStatus(
           absl::DeadlineExceededError(absl::StrCat(
