@@ -60,6 +60,11 @@ if [[ -n "$RUNTIME_PACKAGES" ]]; then
   for lib in $libs; do
     real=$(readlink -f "$lib")
     case "$real" in "$(readlink -f "$PREFIX")"/*) continue ;; esac  # our own library
+    case "$real" in
+      */cuda*/lib*/*|*/cuda*/targets/*)  # the CUDA toolkit's: the CUDA runtime image has them
+        echo "build-install: $lib comes with the CUDA toolkit (use a CUDA runtime image)" >&2
+        continue ;;
+    esac
     pkg=$( (dpkg -S "$lib" 2>/dev/null || dpkg -S "$real" 2>/dev/null || true) | head -n 1)
     if [[ -z "$pkg" ]]; then
       echo "build-install: no Debian package holds $lib" >&2; exit 1
