@@ -476,7 +476,10 @@ void Engine::RunSparse(Work& w) {
     }
     b.state = std::move(state).value();
   }
-  if (!grad_.Reserve(ops_, d) || !update_.Reserve(ops_, d)) {
+  // With one local process the update is written straight over its buffer
+  // (the step reads the gradient completely first); with several it goes to
+  // a daemon buffer and is copied into each.
+  if (L > 1 && (!grad_.Reserve(ops_, d) || !update_.Reserve(ops_, d))) {
     const absl::Status s = WithClientStatus(
         absl::ResourceExhaustedError(absl::StrCat("bucket '", b.name, "': out of memory")),
         ClientStatus::kResource);
@@ -498,7 +501,8 @@ void Engine::RunSparse(Work& w) {
     grad = grad_.get();
   }
   const double local_sum = Seconds(t0);
-  auto st = b.state->Step(grad, update_.get(), *transport_, absl::Now() + options_.op_timeout);
+  float* update = L > 1 ? update_.get() : w.buffers[0]->data();
+  auto st = b.state->Step(grad, update, *transport_, absl::Now() + options_.op_timeout);
   if (!st.ok()) {
     absl::Status s = st.status();
     if (ToClientStatus(s) == ClientStatus::kNonFinite) {
@@ -519,7 +523,9 @@ void Engine::RunSparse(Work& w) {
     absl::MutexLock lock(&mu_);
     if (!failed_.ok()) return;  // the job failed meanwhile; Fail() answered this work
   }
-  for (const auto& buf : w.buffers) std::memcpy(buf->data(), update_.get(), d * sizeof(float));
+  if (L > 1) {
+    for (const auto& buf : w.buffers) std::memcpy(buf->data(), update, d * sizeof(float));
+  }
   if (absl::Status s = StageOut(w, absl::Now() + options_.op_timeout); !s.ok()) {
     StagingFailed({&w}, s);
     return;

@@ -136,10 +136,6 @@ absl::StatusOr<StepStats> BucketState::Step(const float* grad, float* update,
   if (grad == nullptr || update == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("bucket '", spec_.name, "': null buffer"));
   }
-  if (grad == update) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("bucket '", spec_.name, "': gradient and update buffers alias"));
-  }
   if (transport.size() != job_.num_nodes || transport.rank() != job_.node_rank) {
     return absl::FailedPreconditionError(absl::StrCat(
         "bucket '", spec_.name, "': transport is rank ", transport.rank(), " of ", transport.size(),
@@ -240,19 +236,19 @@ absl::StatusOr<const float*> BucketState::Clipped(const float* grad, StepStats& 
   // A NaN norm is left to the step's non-finite check.
   if (!(norm > limit)) return grad;
   stats.clipped = true;
-  RETURN_IF_ERROR(Check(ops_->Scale(grad, static_cast<float>(limit / norm), clipped_.get(),
-                                    spec_.size, stream_),
-                        "clipping"));
+  RETURN_IF_ERROR(Check(
+      ops_->Scale(grad, static_cast<float>(limit / norm), clipped_.get(), spec_.size, stream_),
+      "clipping"));
   return clipped_.get();
 }
 
 absl::StatusOr<const float*> BucketState::Accumulated(const float* grad) {
   if (options_.momentum <= 0) return grad;
   float* next = velocity_[1 - current_].get();
-  RETURN_IF_ERROR(Check(ops_->Momentum(grad, velocity_[current_].get(),
-                                       static_cast<float>(options_.momentum), next, spec_.size,
-                                       stream_),
-                        "momentum"));
+  RETURN_IF_ERROR(
+      Check(ops_->Momentum(grad, velocity_[current_].get(), static_cast<float>(options_.momentum),
+                           next, spec_.size, stream_),
+            "momentum"));
   return next;
 }
 
@@ -326,8 +322,8 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
   ASSIGN_OR_RETURN(const uint64_t K, GatherIndices(headers, transport, options, stats));
   RETURN_IF_ERROR(ReduceAndApply(K, acc, update, transport, options, stats));
   RETURN_IF_ERROR(MaskVelocity(K));
-  stats.exchange_seconds = absl::ToDoubleSeconds(absl::Now() - start) - stats.select_seconds -
-                           stats.apply_seconds;
+  stats.exchange_seconds =
+      absl::ToDoubleSeconds(absl::Now() - start) - stats.select_seconds - stats.apply_seconds;
   current_ = 1 - current_;
   ++step_;
   controller_->Commit(K, stats.budget);
@@ -385,8 +381,8 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
   ASSIGN_OR_RETURN(scalars, ReadScalars());
   RETURN_IF_ERROR(ReduceAndApply(scalars.count, acc, update, transport, options, stats));
   RETURN_IF_ERROR(MaskVelocity(scalars.count));
-  stats.exchange_seconds = absl::ToDoubleSeconds(absl::Now() - start) - stats.select_seconds -
-                           stats.apply_seconds;
+  stats.exchange_seconds =
+      absl::ToDoubleSeconds(absl::Now() - start) - stats.select_seconds - stats.apply_seconds;
   current_ = 1 - current_;
   ++step_;
   return stats;

@@ -32,12 +32,12 @@ struct StepStats {
   uint64_t local_selected = 0;  // |I_r|
   uint64_t sum_of_counts = 0;   // sum over nodes of |I_r| (> K means build-up)
   std::vector<uint64_t> node_counts;
-  double threshold = 0.0;   // threshold the selection used (0 for topk, dense)
-  double cre = 0.0;         // |K / k - 1|
-  uint64_t bytes_sent = 0;  // payload bytes this node handed to collectives
+  double threshold = 0.0;       // threshold the selection used (0 for topk, dense)
+  double cre = 0.0;             // |K / k - 1|
+  uint64_t bytes_sent = 0;      // payload bytes this node handed to collectives
   uint64_t bytes_received = 0;  // payload bytes the collectives delivered from other nodes
-  int rescans = 0;          // `hist` controller: extra passes over the partition
-  bool clipped = false;     // local clipping scaled this node's gradient
+  int rescans = 0;              // `hist` controller: extra passes over the partition
+  bool clipped = false;         // local clipping scaled this node's gradient
   bool dense = false;
   // Where the time went: selection (fused pass, threshold control, trim),
   // exchange (index allgather, gather, value allreduce or the dense
@@ -57,8 +57,9 @@ class BucketState {
                                                              kernels::SparseOps* ops);
 
   // One step: `grad` is this node's local sum g (d elements, device memory);
-  // the averaged sparse update u is written to `update` (d elements; may not
-  // alias grad). Every node of the job must call Step for this bucket in the
+  // the averaged sparse update u is written to `update` (d elements; it may
+  // be grad itself: grad is read completely before update is written).
+  // Every node of the job must call Step for this bucket in the
   // same order. Blocks until done or `deadline`. On any error (including a
   // NaN/Inf in some node's gradient, reported on every node) the residual,
   // the threshold and t are unchanged and `update` is unspecified.

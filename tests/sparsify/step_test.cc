@@ -59,7 +59,12 @@ std::vector<Vec> MakeGrads(int n, uint64_t d, uint64_t t, uint32_t seed) {
 class Reference {
  public:
   Reference(int n, int W, uint64_t d, SparsifyOptions o)
-      : n_(n), W_(W), d_(d), o_(o), k_(Budget(o.density, d)), e_(n, Vec(d, 0.0f)),
+      : n_(n),
+        W_(W),
+        d_(d),
+        o_(o),
+        k_(Budget(o.density, d)),
+        e_(n, Vec(d, 0.0f)),
         m_(n, Vec(d, 0.0f)) {
     tau_ = 1.0 / (2.0 * std::sqrt(double(k_)));
   }
@@ -185,17 +190,23 @@ class Cluster {
     }
   }
 
-  // One step on every node; returns each node's status.
+  // One step on every node; returns each node's status. With `in_place` the
+  // update is written over the gradient (what the engine does with one
+  // training process per node).
   std::vector<absl::Status> Step(const std::vector<Vec>& g, std::vector<Vec>& updates,
-                                 std::vector<StepStats>& stats) {
-    updates.assign(n_, Vec(d_, -1.0f));
+                                 std::vector<StepStats>& stats, bool in_place = false) {
+    if (in_place) {
+      updates = g;
+    } else {
+      updates.assign(n_, Vec(d_, -1.0f));
+    }
     stats.assign(n_, {});
     std::vector<absl::Status> status(n_);
     std::vector<std::thread> threads;
     for (int r = 0; r < n_; ++r) {
       threads.emplace_back([&, r] {
-        auto s = buckets_[r]->Step(g[r].data(), updates[r].data(), *group_[r],
-                                   absl::Now() + absl::Seconds(30));
+        auto s = buckets_[r]->Step(in_place ? updates[r].data() : g[r].data(), updates[r].data(),
+                                   *group_[r], absl::Now() + absl::Seconds(30));
         if (s.ok()) {
           stats[r] = *s;
         } else {
@@ -230,8 +241,7 @@ struct Case {
   double clip_norm = 0.0;
 };
 void PrintTo(const Case& c, std::ostream* os) {
-  *os << SparsifierName(c.sparsifier) << "/" << ControllerName(c.controller) << "/m"
-      << c.momentum;
+  *os << SparsifierName(c.sparsifier) << "/" << ControllerName(c.controller) << "/m" << c.momentum;
 }
 
 class StepTest : public ::testing::TestWithParam<Case> {};
@@ -260,7 +270,10 @@ TEST_P(StepTest, MatchesReferenceBitForBit) {
         for (uint64_t t = 0; t < 25; ++t) {
           const auto g = MakeGrads(n, d, t, uint32_t(d + n));
           const double paper_tau = ref.tau();
-          for (const auto& s : cluster.Step(g, updates, stats)) ASSERT_TRUE(s.ok()) << s;
+          // Odd node counts write the update over the gradient.
+          for (const auto& s : cluster.Step(g, updates, stats, n % 2 == 1)) {
+            ASSERT_TRUE(s.ok()) << s;
+          }
           for (const auto& st : stats) any_clipped = any_clipped || st.clipped;
           uint64_t K = 0;
           const Vec want = ref.Step(g, float(stats[0].threshold), &K);
@@ -309,8 +322,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{SparsifierKind::kHard, ControllerKind::kHistogram, 0.0, 0, 0.0, 0.5}),
     [](const auto& info) {
       return std::string(SparsifierName(info.param.sparsifier)) + "_" +
-             ControllerName(info.param.controller) +
-             (info.param.momentum > 0 ? "_momentum" : "") +
+             ControllerName(info.param.controller) + (info.param.momentum > 0 ? "_momentum" : "") +
              (info.param.warmup_steps > 0 ? "_warmup" : "") +
              (info.param.warmup_density > 0 ? "_schedule" : "") +
              (info.param.clip_norm > 0 ? "_clip" : "");
@@ -330,7 +342,8 @@ TEST(StepWarmup, DensityScheduleIsFollowedOnEveryNode) {
   std::vector<Vec> updates;
   std::vector<StepStats> stats;
   for (uint64_t t = 0; t < 14; ++t) {
-    for (const auto& s : cluster.Step(MakeGrads(n, d, t, 9), updates, stats)) ASSERT_TRUE(s.ok()) << s;
+    for (const auto& s : cluster.Step(MakeGrads(n, d, t, 9), updates, stats))
+      ASSERT_TRUE(s.ok()) << s;
     double want = 0.01;
     if (t < 2) {
       want = 1.0;
