@@ -228,8 +228,9 @@ def comm_hook(state, bucket):
     def wait():
         try:
             state.client.wait(ticket, state.timeout_ms)
-            tensor.copy_(flat.view_as(tensor))
-            fut.set_result(tensor)
+            # DDP copies the result into the gradients itself: hand it the
+            # shared buffer (rewritten only by this bucket's next step).
+            fut.set_result(flat.view_as(tensor))
         except Exception as e:  # delivered to DDP through the future
             fut.set_exception(e)
 
