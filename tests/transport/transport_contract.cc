@@ -153,6 +153,24 @@ TEST_P(TransportContractTest, AbortEndsPendingCalls) {
   });
 }
 
+TEST_P(TransportContractTest, AbortEndsThisRanksCallInFlight) {
+  auto group = GetParam().create(2);
+  // Rank 0 waits in a barrier rank 1 never enters; another thread aborts it.
+  absl::Status in_flight;
+  const absl::Time start = absl::Now();
+  std::thread caller([&] { in_flight = group[0]->Barrier(Opts(13, absl::Seconds(30))); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  group[0]->Abort(absl::CancelledError("test abort"));
+  caller.join();
+  EXPECT_FALSE(in_flight.ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "the abort did not end the call";
+  // The transport is broken: the next call fails at once.
+  const absl::Time next = absl::Now();
+  int64_t v = 1;
+  EXPECT_FALSE(group[0]->AllreduceSum(&v, 1, DataType::kInt64, Opts(14, absl::Seconds(30))).ok());
+  EXPECT_LT(absl::Now() - next, absl::Seconds(2));
+}
+
 TEST_P(TransportContractTest, NullBuffersAreRefused) {
   auto group = GetParam().create(1);
   Transport& t = *group[0];

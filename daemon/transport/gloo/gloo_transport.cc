@@ -7,28 +7,28 @@
 // so results do not depend on the backend. Small ones (histograms, a few
 // values) are an allgather and a rank-order sum on every rank: one round.
 #include "daemon/transport/gloo/gloo_transport.h"
-#include "daemon/transport/gloo/store_adapter.h"
 
 #include <gloo/allgather.h>
 #include <gloo/allgatherv.h>
 #include <gloo/alltoallv.h>
-#include <gloo/transport/unbound_buffer.h>
 #include <gloo/common/error.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
-
+#include <gloo/transport/unbound_buffer.h>
 #include <signal.h>
 
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <stdexcept>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "daemon/transport/gloo/store_adapter.h"
 
 namespace microd::transport {
 namespace {
@@ -120,14 +120,23 @@ class GlooTransport final : public Transport {
         broken_ = absl::AbortedError(absl::StrCat("gloo transport aborted: ", reason.message()));
       }
     }
-    // Wake a collective blocked on this rank.
-    {
-      absl::MutexLock lock(&active_mu_);
-      aborted_ = true;
-      for (gloo::transport::UnboundBuffer* b : active_) {
-        b->abortWaitRecv();
-        b->abortWaitSend();
+    // Wake a collective blocked on this rank. Gloo consumes an abort with
+    // the one wait it ends, and its algorithms go on to their next wait, so
+    // keep aborting until the collective has left (its buffers untracked),
+    // for a bounded time.
+    const absl::Time give_up = absl::Now() + absl::Seconds(2);
+    for (bool first = true;; first = false) {
+      {
+        absl::MutexLock lock(&active_mu_);
+        aborted_ = true;
+        if (!first && active_.empty()) break;
+        for (gloo::transport::UnboundBuffer* b : active_) {
+          b->abortWaitRecv();
+          b->abortWaitSend();
+        }
       }
+      if (absl::Now() > give_up) break;
+      absl::SleepFor(absl::Milliseconds(5));
     }
     // Closing the connections makes a blocked call on this rank fail, and
     // every peer's calls fail when they notice the closed sockets.
@@ -148,11 +157,11 @@ class GlooTransport final : public Transport {
     const absl::Time deadline =
         o.deadline == absl::InfiniteFuture() ? now + default_timeout_ : o.deadline;
     if (deadline <= now) {
-      return Break(absl::DeadlineExceededError(absl::StrCat("gloo ", op, " tag ", o.tag,
-                                                            ": deadline already passed")));
+      return Break(absl::DeadlineExceededError(
+          absl::StrCat("gloo ", op, " tag ", o.tag, ": deadline already passed")));
     }
-    const auto timeout = std::chrono::milliseconds(
-        std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - now)));
+    const auto timeout =
+        std::chrono::milliseconds(std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - now)));
     try {
       body(timeout);
     } catch (const std::exception& e) {
@@ -176,11 +185,10 @@ class GlooTransport final : public Transport {
   std::unique_ptr<gloo::transport::UnboundBuffer> Track(void* ptr, size_t bytes) {
     auto b = context_->createUnboundBuffer(ptr, bytes);
     absl::MutexLock lock(&active_mu_);
+    // Aborted before the collective began waiting: do not start it (Run
+    // turns this into the transport's broken status).
+    if (aborted_) throw std::runtime_error("transport aborted");
     active_.push_back(b.get());
-    if (aborted_) {
-      b->abortWaitRecv();
-      b->abortWaitSend();
-    }
     return b;
   }
 
