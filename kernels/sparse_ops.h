@@ -62,6 +62,19 @@ struct FusedSelectArgs {
   StepScalars* scalars = nullptr;
 };
 
+// The argument checks every backend makes before the fused pass.
+inline bool FusedSelectArgsValid(const FusedSelectArgs& a) {
+  if (a.scalars == nullptr || a.size > kMaxBucketElements || a.select_begin > a.select_end ||
+      a.select_end > a.size) {
+    return false;
+  }
+  if (a.size > 0 &&
+      (a.grad == nullptr || a.residual == nullptr || a.acc == nullptr || a.acc == a.grad)) {
+    return false;
+  }
+  return a.select_end == a.select_begin || (a.out_index != nullptr && a.out_value != nullptr);
+}
+
 // Which instruction set the CPU backend uses. kAuto picks the best one the
 // processor supports at run time.
 enum class CpuIsa : int { kAuto = 0, kScalar = 1, kAvx2 = 2 };

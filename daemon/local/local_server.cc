@@ -40,6 +40,12 @@ size_t ExpectedSize(uint16_t type) {
   }
 }
 
+// A register message's name; empty when it is empty or not terminated.
+std::string WireName(const char (&name)[MICROD_WIRE_NAME_BYTES]) {
+  const size_t len = strnlen(name, MICROD_WIRE_NAME_BYTES);
+  return len == MICROD_WIRE_NAME_BYTES ? std::string() : std::string(name, len);
+}
+
 void FillHeader(microd_wire_header* h, uint16_t type, uint32_t length) {
   h->magic = MICROD_WIRE_MAGIC;
   h->version = MICROD_WIRE_VERSION;
@@ -59,7 +65,8 @@ absl::Status PrepareSocketPath(const std::string& path) {
   if (path.size() >= sizeof(sockaddr_un::sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat("socket path too long: ", path));
   }
-  const std::string dir = path.find('/') == std::string::npos ? "." : path.substr(0, path.rfind('/'));
+  const std::string dir =
+      path.find('/') == std::string::npos ? "." : path.substr(0, path.rfind('/'));
   struct stat st;
   if (!dir.empty() && stat(dir.c_str(), &st) != 0) {
     // Missing parents are created like `mkdir -p`; the socket's own directory
@@ -247,7 +254,8 @@ void LocalServer::Accept() {
       count = clients_.size();
     }
     const bool same_user = cred.uid == geteuid();
-    const bool allowed_group = options_.allow_gid >= 0 && cred.gid == static_cast<gid_t>(options_.allow_gid);
+    const bool allowed_group =
+        options_.allow_gid >= 0 && cred.gid == static_cast<gid_t>(options_.allow_gid);
     if (!same_user && !allowed_group) {
       Refuse(id, static_cast<int>(ClientStatus::kPermission),
              absl::StrCat("process ", cred.pid, " of uid ", cred.uid,
@@ -360,8 +368,8 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
   }
   if (m.h.length != static_cast<uint32_t>(n) || static_cast<size_t>(n) != expected) {
     Refuse(id, kProtocol,
-           absl::StrCat("message type ", m.h.type, " has ", n, " bytes (header says ",
-                        m.h.length, ", expected ", expected, ")"));
+           absl::StrCat("message type ", m.h.type, " has ", n, " bytes (header says ", m.h.length,
+                        ", expected ", expected, ")"));
     return false;
   }
   if (!fds.empty() && m.h.type != MICROD_MSG_REGISTER) {
@@ -413,22 +421,12 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
     }
     case MICROD_MSG_REGISTER: {
       const microd_wire_register& r = m.reg;
-      microd_wire_register_ack ack{};
-      FillHeader(&ack.h, MICROD_MSG_REGISTER_ACK, sizeof ack);
-      ack.buffer_id = r.buffer_id;
-      auto answer = [&](const absl::Status& s) {
-        ack.status = static_cast<int32_t>(ToClientStatus(s));
-        CopyMessage(ack.message, std::string(s.message()));
-        absl::MutexLock lock(&mu_);
-        if (!Send(c.fd, &ack, sizeof ack)) shutdown(c.fd, SHUT_RDWR);
-        return true;
-      };
-      const size_t name_len = strnlen(r.name, MICROD_WIRE_NAME_BYTES);
-      if (name_len == 0 || name_len == MICROD_WIRE_NAME_BYTES) {
+      auto answer = [&](const absl::Status& s) { return AnswerRegister(c, r.buffer_id, s); };
+      const std::string name = WireName(r.name);
+      if (name.empty()) {
         Refuse(id, kProtocol, "buffer name empty or not terminated");
         return false;
       }
-      const std::string name(r.name, name_len);
       if (r.kind == MICROD_BUFFER_CUDA) {
         return answer(WithClientStatus(
             absl::UnimplementedError(absl::StrCat(
@@ -438,8 +436,9 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
             ClientStatus::kUnsupported));
       }
       if (r.kind != MICROD_BUFFER_HOST || r.dtype != MICROD_DTYPE_FLOAT32 || (r.flags & ~1u) != 0) {
-        Refuse(id, kProtocol, absl::StrCat("buffer '", name, "': unknown kind ", r.kind,
-                                           ", dtype ", r.dtype, " or flags ", r.flags));
+        Refuse(id, kProtocol,
+               absl::StrCat("buffer '", name, "': unknown kind ", r.kind, ", dtype ", r.dtype,
+                            " or flags ", r.flags));
         return false;
       }
       if (fds.size() != 1) {
@@ -447,8 +446,8 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
         return false;
       }
       if (r.count == 0 || r.count > kMaxElements) {
-        return answer(absl::InvalidArgumentError(absl::StrCat(
-            "buffer '", name, "': element count ", r.count, " out of range [1, 2^32)")));
+        return answer(absl::InvalidArgumentError(absl::StrCat("buffer '", name, "': element count ",
+                                                              r.count, " out of range [1, 2^32)")));
       }
       if (c.buffers.count(r.buffer_id) != 0) {
         return answer(absl::InvalidArgumentError(
@@ -457,26 +456,25 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
       const uint64_t bytes = r.count * sizeof(float);
       if (static_cast<int>(c.buffers.size()) >= options_.max_buffers_per_client ||
           c.bytes + bytes > options_.max_bytes_per_client) {
-        return answer(WithClientStatus(
-            absl::ResourceExhaustedError(absl::StrCat(
-                "buffer '", name, "': over the per-process limit (", options_.max_buffers_per_client,
-                " buffers, ", options_.max_bytes_per_client, " bytes)")),
-            ClientStatus::kResource));
+        return answer(WithClientStatus(absl::ResourceExhaustedError(absl::StrCat(
+                                           "buffer '", name, "': over the per-process limit (",
+                                           options_.max_buffers_per_client, " buffers, ",
+                                           options_.max_bytes_per_client, " bytes)")),
+                                       ClientStatus::kResource));
       }
       struct stat st;
       const int seals = fcntl(fds[0], F_GET_SEALS);
       if (fstat(fds[0], &st) != 0 || !S_ISREG(st.st_mode) ||
           static_cast<uint64_t>(st.st_size) < bytes || seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
-        return answer(absl::InvalidArgumentError(absl::StrCat(
-            "buffer '", name, "': the descriptor must be a memfd of at least ", bytes,
-            " bytes sealed against shrinking")));
+        return answer(absl::InvalidArgumentError(
+            absl::StrCat("buffer '", name, "': the descriptor must be a memfd of at least ", bytes,
+                         " bytes sealed against shrinking")));
       }
       void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
       if (p == MAP_FAILED) {
-        return answer(WithClientStatus(
-            absl::ResourceExhaustedError(absl::StrCat("buffer '", name, "': mmap: ",
-                                                      std::strerror(errno))),
-            ClientStatus::kResource));
+        return answer(WithClientStatus(absl::ResourceExhaustedError(absl::StrCat(
+                                           "buffer '", name, "': mmap: ", std::strerror(errno))),
+                                       ClientStatus::kResource));
       }
       auto buffer = std::make_shared<HostBuffer>(static_cast<float*>(p), r.count, bytes);
       absl::Status s =
@@ -507,24 +505,26 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
   return true;
 }
 
-bool LocalServer::HandleRegisterCuda(uint64_t id, Client& c, const microd_wire_register_cuda& r) {
-  const int kProtocol = static_cast<int>(ClientStatus::kProtocol);
+// Answers a REGISTER or REGISTER_CUDA with `s`; the client stays connected.
+bool LocalServer::AnswerRegister(Client& c, uint32_t buffer_id, const absl::Status& s) {
   microd_wire_register_ack ack{};
   FillHeader(&ack.h, MICROD_MSG_REGISTER_ACK, sizeof ack);
-  ack.buffer_id = r.buffer_id;
-  auto answer = [&](const absl::Status& s) {
-    ack.status = static_cast<int32_t>(ToClientStatus(s));
-    CopyMessage(ack.message, std::string(s.message()));
-    absl::MutexLock lock(&mu_);
-    if (!Send(c.fd, &ack, sizeof ack)) shutdown(c.fd, SHUT_RDWR);
-    return true;
-  };
-  const size_t name_len = strnlen(r.name, MICROD_WIRE_NAME_BYTES);
-  if (name_len == 0 || name_len == MICROD_WIRE_NAME_BYTES) {
+  ack.buffer_id = buffer_id;
+  ack.status = static_cast<int32_t>(ToClientStatus(s));
+  CopyMessage(ack.message, std::string(s.message()));
+  absl::MutexLock lock(&mu_);
+  if (!Send(c.fd, &ack, sizeof ack)) shutdown(c.fd, SHUT_RDWR);
+  return true;
+}
+
+bool LocalServer::HandleRegisterCuda(uint64_t id, Client& c, const microd_wire_register_cuda& r) {
+  const int kProtocol = static_cast<int>(ClientStatus::kProtocol);
+  auto answer = [&](const absl::Status& s) { return AnswerRegister(c, r.buffer_id, s); };
+  const std::string name = WireName(r.name);
+  if (name.empty()) {
     Refuse(id, kProtocol, "buffer name empty or not terminated");
     return false;
   }
-  const std::string name(r.name, name_len);
   if (r.dtype != MICROD_DTYPE_FLOAT32 || (r.flags & ~1u) != 0) {
     Refuse(id, kProtocol,
            absl::StrCat("buffer '", name, "': unknown dtype ", r.dtype, " or flags ", r.flags));
@@ -533,8 +533,8 @@ bool LocalServer::HandleRegisterCuda(uint64_t id, Client& c, const microd_wire_r
   // The fields are checked here, before anything CUDA, so that a bad request
   // gets the same answer from every build.
   if (r.count == 0 || r.count > kMaxElements) {
-    return answer(absl::InvalidArgumentError(absl::StrCat(
-        "buffer '", name, "': element count ", r.count, " out of range [1, 2^32)")));
+    return answer(absl::InvalidArgumentError(
+        absl::StrCat("buffer '", name, "': element count ", r.count, " out of range [1, 2^32)")));
   }
   const uint64_t bytes = r.count * sizeof(float);
   if (r.offset % sizeof(float) != 0 || r.offset > r.alloc_bytes ||
@@ -568,9 +568,8 @@ bool LocalServer::HandleRegisterCuda(uint64_t id, Client& c, const microd_wire_r
   }
   if (cuda_ == nullptr) {
     return answer(WithClientStatus(
-        absl::UnimplementedError(absl::StrCat("buffer '", name,
-                                              "': this microd cannot take CUDA buffers: ",
-                                              cuda_unavailable_)),
+        absl::UnimplementedError(absl::StrCat(
+            "buffer '", name, "': this microd cannot take CUDA buffers: ", cuda_unavailable_)),
         ClientStatus::kUnsupported));
   }
   CudaIpcRequest req;

@@ -158,6 +158,7 @@ class LocalServer {
   bool HandleMessage(uint64_t id, Client& c);
   // REGISTER_CUDA: validates, opens the allocation and answers.
   bool HandleRegisterCuda(uint64_t id, Client& c, const ::microd_wire_register_cuda& r);
+  bool AnswerRegister(Client& c, uint32_t buffer_id, const absl::Status& s);
   void Drop(uint64_t id, bool clean, const std::string& why);
   // Sends an ERROR message (best effort) and drops the client.
   void Refuse(uint64_t id, int status, const std::string& why);

@@ -57,17 +57,7 @@ class CpuSparseOps final : public SparseOps {
   KernelStatus Synchronize(void*) override { return KernelStatus::kOk; }
 
   KernelStatus FusedAccumulateSelect(const FusedSelectArgs& a, void*) override {
-    if (a.scalars == nullptr || a.size > kMaxBucketElements || a.select_begin > a.select_end ||
-        a.select_end > a.size) {
-      return KernelStatus::kInvalidArgument;
-    }
-    if (a.size > 0 &&
-        (a.grad == nullptr || a.residual == nullptr || a.acc == nullptr || a.acc == a.grad)) {
-      return KernelStatus::kInvalidArgument;
-    }
-    if (a.select_end > a.select_begin && (a.out_index == nullptr || a.out_value == nullptr)) {
-      return KernelStatus::kInvalidArgument;
-    }
+    if (!FusedSelectArgsValid(a)) return KernelStatus::kInvalidArgument;
     const PassResult r = isa_ == CpuIsa::kAvx2 ? cpu::FusedAvx2(a) : cpu::FusedScalar(a);
     a.scalars->count = r.count;
     a.scalars->nonfinite = r.nonfinite;
@@ -131,8 +121,7 @@ class CpuSparseOps final : public SparseOps {
     return KernelStatus::kOk;
   }
 
-  KernelStatus SumOfSquares(const float* data, uint64_t size, double* host_result,
-                            void*) override {
+  KernelStatus SumOfSquares(const float* data, uint64_t size, double* host_result, void*) override {
     if (host_result == nullptr || (size > 0 && data == nullptr)) {
       return KernelStatus::kInvalidArgument;
     }

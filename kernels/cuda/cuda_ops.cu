@@ -9,8 +9,6 @@
 // the owned partition, takes part in a block-level compaction: one ballot per
 // element slot gives each warp its selected lanes, warp totals are scanned in
 // shared memory, and one atomicAdd per tile claims the block's output range.
-#include "kernels/cuda/cuda_ops.h"
-
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -22,15 +20,17 @@
 #include <mutex>
 #include <string>
 
+#include "kernels/cuda/cuda_ops.h"
+
 namespace microd::kernels {
 namespace {
 
 static_assert(sizeof(StepScalars) == 2 * sizeof(unsigned long long), "StepScalars layout");
 static_assert(sizeof(unsigned long long) == sizeof(uint64_t), "64-bit atomics on uint64_t");
 
-constexpr int kThreads = 256;                      // threads per block, every kernel
-constexpr int kVecPerThread = 2;                   // float4 groups per thread per tile
-constexpr int kItems = 4 * kVecPerThread;          // elements per thread per tile
+constexpr int kThreads = 256;                            // threads per block, every kernel
+constexpr int kVecPerThread = 2;                         // float4 groups per thread per tile
+constexpr int kItems = 4 * kVecPerThread;                // elements per thread per tile
 constexpr uint64_t kTile = uint64_t{kThreads} * kItems;  // elements per tile
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
@@ -62,11 +62,11 @@ __device__ __forceinline__ void FlushCount(unsigned long long local, unsigned lo
 }
 
 struct FusedParams {
-  const float* grad = nullptr;  // kAccumulate only
+  const float* grad = nullptr;      // kAccumulate only
   const float* residual = nullptr;  // kAccumulate only
-  float* acc = nullptr;  // written with kAccumulate, read otherwise
-  uint64_t first = 0;  // first element loaded (a multiple of 4)
-  uint64_t end = 0;    // one past the last element loaded
+  float* acc = nullptr;             // written with kAccumulate, read otherwise
+  uint64_t first = 0;               // first element loaded (a multiple of 4)
+  uint64_t end = 0;                 // one past the last element loaded
   uint64_t sel_begin = 0;
   uint64_t sel_end = 0;
   float threshold = 0.0f;
@@ -143,8 +143,7 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedParams p) {
       for (int j = 0; j < 4; ++j) {
         const uint64_t i = i0 + j;
         // NaN compares false: never selected, as on the CPU.
-        const bool pred =
-            i >= p.sel_begin && i < p.sel_end && fabsf(v[4 * q + j]) >= p.threshold;
+        const bool pred = i >= p.sel_begin && i < p.sel_end && fabsf(v[4 * q + j]) >= p.threshold;
         ballot[4 * q + j] = __ballot_sync(kFullMask, pred);
         warp_count += __popc(ballot[4 * q + j]);
       }
@@ -391,7 +390,8 @@ KernelStatus Check(cudaError_t err, const char* what) {
 class CudaSparseOps final : public SparseOps {
  public:
   CudaSparseOps(int device, int sm_count, std::string name)
-      : device_(device), max_blocks_(std::max(1, sm_count) * (2048 / kThreads)),
+      : device_(device),
+        max_blocks_(std::max(1, sm_count) * (2048 / kThreads)),
         name_(std::move(name)) {}
 
   ~CudaSparseOps() override {
@@ -437,17 +437,7 @@ class CudaSparseOps final : public SparseOps {
   }
 
   KernelStatus FusedAccumulateSelect(const FusedSelectArgs& a, void* stream) override {
-    if (a.scalars == nullptr || a.size > kMaxBucketElements || a.select_begin > a.select_end ||
-        a.select_end > a.size) {
-      return KernelStatus::kInvalidArgument;
-    }
-    if (a.size > 0 &&
-        (a.grad == nullptr || a.residual == nullptr || a.acc == nullptr || a.acc == a.grad)) {
-      return KernelStatus::kInvalidArgument;
-    }
-    if (a.select_end > a.select_begin && (a.out_index == nullptr || a.out_value == nullptr)) {
-      return KernelStatus::kInvalidArgument;
-    }
+    if (!FusedSelectArgsValid(a)) return KernelStatus::kInvalidArgument;
     if (!SetDevice()) return KernelStatus::kDeviceError;
     cudaStream_t s = S(stream);
     TRY(cudaMemsetAsync(a.scalars, 0, sizeof(StepScalars), s), "memset scalars");
@@ -554,16 +544,16 @@ class CudaSparseOps final : public SparseOps {
     TRY(cudaMemsetAsync(bins, 0, (uint64_t{num_bins} + 1) * sizeof(int64_t), s), "memset bins");
     if (count == 0) return KernelStatus::kOk;
     // Per-block shared counters are 32-bit: keep each block under 2^31 values.
-    const int grid = std::max(Grid(count, kThreads), static_cast<int>(std::min<uint64_t>(
-                                                         (count >> 31) + 1, 1u << 30)));
+    const int grid = std::max(Grid(count, kThreads),
+                              static_cast<int>(std::min<uint64_t>((count >> 31) + 1, 1u << 30)));
     auto* out = reinterpret_cast<unsigned long long*>(bins);
     if (num_bins + 1 <= kMaxSharedBins) {
       const size_t shared = (size_t{num_bins} + 1) * sizeof(unsigned);
-      HistogramKernel<true><<<grid, kThreads, shared, s>>>(values, count, shift, first_bin,
-                                                           num_bins, out);
+      HistogramKernel<true>
+          <<<grid, kThreads, shared, s>>>(values, count, shift, first_bin, num_bins, out);
     } else {
-      HistogramKernel<false><<<grid, kThreads, 0, s>>>(values, count, shift, first_bin, num_bins,
-                                                       out);
+      HistogramKernel<false>
+          <<<grid, kThreads, 0, s>>>(values, count, shift, first_bin, num_bins, out);
     }
     return Check(cudaGetLastError(), "histogram launch");
   }
@@ -577,7 +567,7 @@ class CudaSparseOps final : public SparseOps {
     if (size == 0) return KernelStatus::kOk;
     if (!SetDevice()) return KernelStatus::kDeviceError;
     MomentumKernel<<<Grid(size, kThreads), kThreads, 0, S(stream)>>>(grad, velocity_in, beta,
-                                                                    velocity_out, size);
+                                                                     velocity_out, size);
     return Check(cudaGetLastError(), "momentum launch");
   }
 
@@ -640,7 +630,7 @@ class CudaSparseOps final : public SparseOps {
     if (size > 0) TRY(cudaMemsetAsync(out, 0, size * sizeof(float), s), "memset update");
     if (count == 0 || size == 0) return KernelStatus::kOk;
     ScatterAverageKernel<<<Grid(count, kThreads), kThreads, 0, s>>>(values, index, count, divisor,
-                                                                   out, size);
+                                                                    out, size);
     return Check(cudaGetLastError(), "scatter launch");
   }
 
@@ -734,12 +724,12 @@ class CudaSparseOps final : public SparseOps {
     idx = cub::DoubleBuffer<uint32_t>(reinterpret_cast<uint32_t*>(base + 2 * array),
                                       reinterpret_cast<uint32_t*>(base + 3 * array));
     TopKKeysKernel<<<Grid(size, kThreads), kThreads, 0, s>>>(acc, size, keys.Current(),
-                                                            idx.Current());
+                                                             idx.Current());
     TRY(cudaGetLastError(), "top-k keys launch");
     TRY(cub::DeviceRadixSort::SortPairs(base + 4 * array, temp, keys, idx, size, 0, 32, s),
         "DeviceRadixSort::SortPairs");
     TopKOutputKernel<<<Grid(n, kThreads), kThreads, 0, s>>>(acc, idx.Current(), n, out_index,
-                                                           out_value);
+                                                            out_value);
     TRY(cudaGetLastError(), "top-k output launch");
     SetCountKernel<<<1, 1, 0, s>>>(scalars, n);
     return Check(cudaGetLastError(), "set count launch");
@@ -779,8 +769,8 @@ class CudaSparseOps final : public SparseOps {
     uint32_t* sorted = keys.Current();
     uint32_t* dest = sorted == index ? other : index;
     bytes = temp;
-    TRY(cub::DeviceSelect::Unique(d_temp, bytes, sorted, dest, d_count,
-                                  static_cast<int64_t>(count), s),
+    TRY(cub::DeviceSelect::Unique(d_temp, bytes, sorted, dest, d_count, static_cast<int64_t>(count),
+                                  s),
         "DeviceSelect::Unique");
     if (dest != index) {
       TRY(cudaMemcpyAsync(index, dest, count * sizeof(uint32_t), cudaMemcpyDeviceToDevice, s),
@@ -790,7 +780,6 @@ class CudaSparseOps final : public SparseOps {
   }
 
  private:
-
   static cudaStream_t S(void* stream) { return static_cast<cudaStream_t>(stream); }
 
   // Makes this object's device current on the calling thread.
