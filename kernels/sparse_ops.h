@@ -49,6 +49,14 @@ struct StepScalars {
 // `scalars->nonfinite` counts non-finite acc values over the whole bucket; when
 // it is non-zero the caller must discard `acc` (the residual is untouched when
 // acc does not alias it).
+//
+// Momentum correction folds into the same pass when `velocity_out` is set:
+//   u[i] = beta * velocity_in[i] + grad[i];  velocity_out[i] = u[i]
+//   acc[i] = residual[i] + u[i]
+// (the same float operations, in the same order, as Momentum() followed by the
+// plain pass). `velocity_out` may alias `velocity_in` but none of grad,
+// residual and acc; a non-finite u makes acc non-finite, so the count above
+// covers it.
 struct FusedSelectArgs {
   const float* grad = nullptr;
   const float* residual = nullptr;
@@ -60,6 +68,10 @@ struct FusedSelectArgs {
   uint32_t* out_index = nullptr;
   float* out_value = nullptr;
   StepScalars* scalars = nullptr;
+  // Momentum correction (see above); unused while velocity_out is nullptr.
+  const float* velocity_in = nullptr;
+  float* velocity_out = nullptr;
+  float beta = 0.0f;
 };
 
 // The argument checks every backend makes before the fused pass.
@@ -70,6 +82,11 @@ inline bool FusedSelectArgsValid(const FusedSelectArgs& a) {
   }
   if (a.size > 0 &&
       (a.grad == nullptr || a.residual == nullptr || a.acc == nullptr || a.acc == a.grad)) {
+    return false;
+  }
+  if (a.velocity_out != nullptr && a.size > 0 &&
+      (a.velocity_in == nullptr || a.velocity_out == a.grad || a.velocity_out == a.residual ||
+       a.velocity_out == a.acc)) {
     return false;
   }
   return a.select_end == a.select_begin || (a.out_index != nullptr && a.out_value != nullptr);

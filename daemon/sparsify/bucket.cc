@@ -242,14 +242,22 @@ absl::StatusOr<const float*> BucketState::Clipped(const float* grad, StepStats& 
   return clipped_.get();
 }
 
-absl::StatusOr<const float*> BucketState::Accumulated(const float* grad) {
-  if (options_.momentum <= 0) return grad;
-  float* next = velocity_[1 - current_].get();
-  RETURN_IF_ERROR(
-      Check(ops_->Momentum(grad, velocity_[current_].get(), static_cast<float>(options_.momentum),
-                           next, spec_.size, stream_),
-            "momentum"));
-  return next;
+kernels::FusedSelectArgs BucketState::PassArgs(const float* grad) {
+  kernels::FusedSelectArgs args;
+  args.grad = grad;
+  args.residual = residual_[current_].get();
+  args.acc = residual_[1 - current_].get();
+  args.size = spec_.size;
+  if (options_.momentum > 0) {
+    // Momentum correction in the same pass: u = beta * u + g, then e + u.
+    args.velocity_in = velocity_[current_].get();
+    args.velocity_out = velocity_[1 - current_].get();
+    args.beta = static_cast<float>(options_.momentum);
+  }
+  args.out_index = candidate_index_.get();
+  args.out_value = candidate_value_.get();
+  args.scalars = scalars_.get();
+  return args;
 }
 
 absl::Status BucketState::MaskVelocity(uint64_t K) {
@@ -270,19 +278,11 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
   float* acc = residual_[1 - current_].get();
   const float pass_threshold = controller_->PassThreshold();
   ASSIGN_OR_RETURN(const float* clipped, Clipped(grad, stats));
-  ASSIGN_OR_RETURN(const float* accumulated, Accumulated(clipped));
 
-  kernels::FusedSelectArgs args;
-  args.grad = accumulated;
-  args.residual = residual_[current_].get();
-  args.acc = acc;
-  args.size = spec_.size;
+  kernels::FusedSelectArgs args = PassArgs(clipped);
   args.select_begin = part.begin;
   args.select_end = part.end;
   args.threshold = pass_threshold;
-  args.out_index = candidate_index_.get();
-  args.out_value = candidate_value_.get();
-  args.scalars = scalars_.get();
   RETURN_IF_ERROR(Check(ops_->FusedAccumulateSelect(args, stream_), "fused selection"));
   ASSIGN_OR_RETURN(kernels::StepScalars scalars, ReadScalars());
 
@@ -343,19 +343,11 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
                                               : 1.0 / (2.0 * std::sqrt(static_cast<double>(k_))));
   float* acc = residual_[1 - current_].get();
   ASSIGN_OR_RETURN(const float* clipped, Clipped(grad, stats));
-  ASSIGN_OR_RETURN(const float* accumulated, Accumulated(clipped));
 
-  kernels::FusedSelectArgs args;
-  args.grad = accumulated;
-  args.residual = residual_[current_].get();
-  args.acc = acc;
-  args.size = spec_.size;
+  kernels::FusedSelectArgs args = PassArgs(clipped);
   args.select_begin = 0;
   args.select_end = hard ? spec_.size : 0;  // topk selects afterwards
   args.threshold = lambda;
-  args.out_index = candidate_index_.get();
-  args.out_value = candidate_value_.get();
-  args.scalars = scalars_.get();
   RETURN_IF_ERROR(Check(ops_->FusedAccumulateSelect(args, stream_), "accumulate"));
   ASSIGN_OR_RETURN(kernels::StepScalars scalars, ReadScalars());
   const uint64_t nonfinite = scalars.nonfinite;

@@ -107,9 +107,10 @@ class BucketState {
                                       absl::Time deadline);
   // Local clipping: g, or g scaled into clipped_ when its norm is too large.
   absl::StatusOr<const float*> Clipped(const float* grad, StepStats& stats);
-  // The gradient the step accumulates: g, or the new velocity with
-  // momentum correction (written to the idle velocity buffer).
-  absl::StatusOr<const float*> Accumulated(const float* grad);
+  // Arguments of the fused pass over `grad` into the idle residual buffer,
+  // with momentum correction folded in (the new velocity goes to the idle
+  // velocity buffer); the caller sets the selection range and threshold.
+  kernels::FusedSelectArgs PassArgs(const float* grad);
   // Momentum factor masking: the new velocity is zeroed at global_index_[0..K).
   absl::Status MaskVelocity(uint64_t K);
   absl::StatusOr<StepStats> StepDense(const float* grad, float* update, transport::Transport& t,

@@ -4,11 +4,14 @@
 // 64-bit mask, and a bit-scan loop writes the few selected elements. Blocks
 // outside the owned partition skip the comparison. When acc is a separate,
 // aligned, large buffer it is written with streaming stores, so the pass moves
-// the same bytes as the in-place `e += g` floor.
+// the same bytes as the in-place `e += g` floor. With momentum correction the
+// velocity is read and rewritten in the same pass (multiply, then add: no
+// fused multiply-add, so the bits match Momentum() followed by the pass).
 #include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cpu/cpu_kernels.h"
 
@@ -28,10 +31,19 @@ inline uint64_t RangeMask(uint64_t base, uint64_t begin, uint64_t end) {
   return m;
 }
 
-template <bool kAccumulate, bool kStream>
+// The velocity of the momentum pass, when there is one.
+struct Velocity {
+  const float* in = nullptr;
+  float* out = nullptr;
+  float beta = 0.0f;
+};
+
+template <bool kAccumulate, bool kStream, bool kMomentum>
 PassResult Pass(const float* grad, const float* residual, float* acc, uint64_t size, uint64_t begin,
-                uint64_t end, float threshold, uint32_t* out_index, float* out_value) {
+                uint64_t end, float threshold, uint32_t* out_index, float* out_value,
+                Velocity vel = {}) {
   const __m256 vthr = _mm256_set1_ps(threshold);
+  const __m256 vbeta = _mm256_set1_ps(vel.beta);
   const __m256 vinf = _mm256_set1_ps(__builtin_inff());
   __m256 bad = _mm256_setzero_ps();
   alignas(32) float block[kBlock];
@@ -48,7 +60,16 @@ PassResult Pass(const float* grad, const float* residual, float* acc, uint64_t s
       const uint64_t i = base + 8 * v;
       __m256 a;
       if constexpr (kAccumulate) {
-        a = _mm256_add_ps(_mm256_loadu_ps(residual + i), _mm256_loadu_ps(grad + i));
+        __m256 g = _mm256_loadu_ps(grad + i);
+        if constexpr (kMomentum) {
+          g = _mm256_add_ps(_mm256_mul_ps(vbeta, _mm256_loadu_ps(vel.in + i)), g);
+          if constexpr (kStream) {
+            _mm256_stream_ps(vel.out + i, g);
+          } else {
+            _mm256_storeu_ps(vel.out + i, g);
+          }
+        }
+        a = _mm256_add_ps(_mm256_loadu_ps(residual + i), g);
         if constexpr (kStream) {
           _mm256_stream_ps(acc + i, a);
         } else {
@@ -85,7 +106,12 @@ PassResult Pass(const float* grad, const float* residual, float* acc, uint64_t s
   for (; i < tail_end; ++i) {
     float v;
     if constexpr (kAccumulate) {
-      v = residual[i] + grad[i];
+      float g = grad[i];
+      if constexpr (kMomentum) {
+        g = vel.beta * vel.in[i] + g;
+        vel.out[i] = g;
+      }
+      v = residual[i] + g;
       acc[i] = v;
     } else {
       v = acc[i];
@@ -110,19 +136,28 @@ PassResult Pass(const float* grad, const float* residual, float* acc, uint64_t s
 }  // namespace
 
 PassResult FusedAvx2(const FusedSelectArgs& a) {
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 32 == 0; };
+  const bool momentum = a.velocity_out != nullptr;
+  // Streaming stores only into separate buffers (acc, and the velocity when it
+  // is not updated in place): an aliased output is read in the same pass.
   const bool stream = a.acc != a.residual && a.size * sizeof(float) >= kStreamMinBytes &&
-                      reinterpret_cast<uintptr_t>(a.acc) % 32 == 0;
-  if (stream) {
-    return Pass<true, true>(a.grad, a.residual, a.acc, a.size, a.select_begin, a.select_end,
-                            a.threshold, a.out_index, a.out_value);
-  }
-  return Pass<true, false>(a.grad, a.residual, a.acc, a.size, a.select_begin, a.select_end,
-                           a.threshold, a.out_index, a.out_value);
+                      aligned(a.acc) &&
+                      (!momentum || (a.velocity_out != a.velocity_in && aligned(a.velocity_out)));
+  const Velocity vel{a.velocity_in, a.velocity_out, a.beta};
+  auto run = [&](auto stream_tag, auto momentum_tag) {
+    return Pass<true, decltype(stream_tag)::value, decltype(momentum_tag)::value>(
+        a.grad, a.residual, a.acc, a.size, a.select_begin, a.select_end, a.threshold, a.out_index,
+        a.out_value, vel);
+  };
+  using T = std::true_type;
+  using F = std::false_type;
+  if (momentum) return stream ? run(T{}, T{}) : run(F{}, T{});
+  return stream ? run(T{}, F{}) : run(F{}, F{});
 }
 
 uint64_t SelectRangeAvx2(const float* acc, uint64_t begin, uint64_t end, float threshold,
                          uint32_t* out_index, float* out_value) {
-  return Pass<false, false>(nullptr, nullptr, const_cast<float*>(acc), end, begin, end, threshold,
+  return Pass<false, false, false>(nullptr, nullptr, const_cast<float*>(acc), end, begin, end, threshold,
                             out_index, out_value)
       .count;
 }

@@ -17,25 +17,33 @@ PassResult FusedScalar(const FusedSelectArgs& a) {
   PassResult r;
   const float* g = a.grad;
   const float* e = a.residual;
+  const float* vin = a.velocity_in;
+  float* vout = a.velocity_out;
+  const float beta = a.beta;
   float* acc = a.acc;
-  uint64_t i = 0;
-  for (; i < a.select_begin; ++i) {
-    acc[i] = e[i] + g[i];
-    r.nonfinite += IsNonFinite(acc[i]);
-  }
-  uint64_t c = 0;
-  for (; i < a.select_end; ++i) {
-    const float v = e[i] + g[i];
+  // acc[i] = e[i] + g[i], or with momentum u = beta * v[i] + g[i], v[i] = u,
+  // acc[i] = e[i] + u.
+  auto accumulate = [&](uint64_t i) {
+    float u = g[i];
+    if (vout != nullptr) {
+      u = beta * vin[i] + u;
+      vout[i] = u;
+    }
+    const float v = e[i] + u;
     acc[i] = v;
     r.nonfinite += IsNonFinite(v);
+    return v;
+  };
+  uint64_t i = 0;
+  for (; i < a.select_begin; ++i) accumulate(i);
+  uint64_t c = 0;
+  for (; i < a.select_end; ++i) {
+    const float v = accumulate(i);
     a.out_index[c] = static_cast<uint32_t>(i);
     a.out_value[c] = v;
     c += std::fabs(v) >= a.threshold;
   }
-  for (; i < a.size; ++i) {
-    acc[i] = e[i] + g[i];
-    r.nonfinite += IsNonFinite(acc[i]);
-  }
+  for (; i < a.size; ++i) accumulate(i);
   r.count = c;
   return r;
 }

@@ -65,6 +65,9 @@ struct FusedParams {
   const float* grad = nullptr;      // kAccumulate only
   const float* residual = nullptr;  // kAccumulate only
   float* acc = nullptr;             // written with kAccumulate, read otherwise
+  const float* velocity_in = nullptr;  // kAccumulate with momentum correction only
+  float* velocity_out = nullptr;       // nullptr: no momentum correction
+  float beta = 0.0f;
   uint64_t first = 0;               // first element loaded (a multiple of 4)
   uint64_t end = 0;                 // one past the last element loaded
   uint64_t sel_begin = 0;
@@ -76,7 +79,9 @@ struct FusedParams {
 };
 
 // kAccumulate: acc = residual + grad over [first, end) and count non-finite
-// acc values; otherwise acc is only read. Both select over [sel_begin,
+// acc values (with velocity_out set, grad is first replaced by
+// u = beta * velocity_in + grad, written to velocity_out, rounded multiply
+// then add as on the CPU); otherwise acc is only read. Both select over [sel_begin,
 // sel_end). kAligned: grad, residual and acc (those used) are 16-byte aligned.
 template <bool kAccumulate, bool kAligned>
 __global__ void __launch_bounds__(kThreads) FusedKernel(FusedParams p) {
@@ -98,7 +103,15 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedParams p) {
         float4 a;
         if constexpr (kAccumulate) {
           const float4 e = *reinterpret_cast<const float4*>(p.residual + i0);
-          const float4 g = *reinterpret_cast<const float4*>(p.grad + i0);
+          float4 g = *reinterpret_cast<const float4*>(p.grad + i0);
+          if (p.velocity_out != nullptr) {
+            const float4 u = *reinterpret_cast<const float4*>(p.velocity_in + i0);
+            g = make_float4(__fadd_rn(__fmul_rn(p.beta, u.x), g.x),
+                            __fadd_rn(__fmul_rn(p.beta, u.y), g.y),
+                            __fadd_rn(__fmul_rn(p.beta, u.z), g.z),
+                            __fadd_rn(__fmul_rn(p.beta, u.w), g.w));
+            *reinterpret_cast<float4*>(p.velocity_out + i0) = g;
+          }
           a = make_float4(e.x + g.x, e.y + g.y, e.z + g.z, e.w + g.w);
           *reinterpret_cast<float4*>(p.acc + i0) = a;
         } else {
@@ -115,7 +128,12 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedParams p) {
           float x = 0.0f;
           if (i < p.end) {
             if constexpr (kAccumulate) {
-              x = p.residual[i] + p.grad[i];
+              float g = p.grad[i];
+              if (p.velocity_out != nullptr) {
+                g = __fadd_rn(__fmul_rn(p.beta, p.velocity_in[i]), g);
+                p.velocity_out[i] = g;
+              }
+              x = p.residual[i] + g;
               p.acc[i] = x;
             } else {
               x = p.acc[i];
@@ -446,6 +464,9 @@ class CudaSparseOps final : public SparseOps {
     p.grad = a.grad;
     p.residual = a.residual;
     p.acc = a.acc;
+    p.velocity_in = a.velocity_in;
+    p.velocity_out = a.velocity_out;
+    p.beta = a.beta;
     p.first = 0;
     p.end = a.size;
     p.sel_begin = a.select_begin;
@@ -455,7 +476,9 @@ class CudaSparseOps final : public SparseOps {
     p.out_value = a.out_value;
     p.scalars = a.scalars;
     const int grid = Grid((a.size + kTile - 1) / kTile, 1);
-    if (Aligned16(a.grad) && Aligned16(a.residual) && Aligned16(a.acc)) {
+    const bool velocity_aligned =
+        a.velocity_out == nullptr || (Aligned16(a.velocity_in) && Aligned16(a.velocity_out));
+    if (Aligned16(a.grad) && Aligned16(a.residual) && Aligned16(a.acc) && velocity_aligned) {
       FusedKernel<true, true><<<grid, kThreads, 0, s>>>(p);
     } else {
       FusedKernel<true, false><<<grid, kThreads, 0, s>>>(p);

@@ -126,6 +126,58 @@ TEST_P(CpuOpsTest, FusedAccumulateSelectMatchesReference) {
   }
 }
 
+// Momentum folded into the pass gives the bits of Momentum() followed by the
+// plain pass, for the velocity updated into a separate buffer and in place.
+TEST_P(CpuOpsTest, FusedPassWithMomentumMatchesMomentumThenPass) {
+  const float beta = 0.9f;
+  for (uint64_t d : kSizes) {
+    const std::vector<float> g = RandomValues(d, 11 + d);
+    const std::vector<float> e = RandomValues(d, 12 + d);
+    const std::vector<float> v = RandomValues(d, 13 + d);
+    std::vector<float> want_v(d), want_acc(d);
+    ASSERT_EQ(ops_->Momentum(g.data(), v.data(), beta, want_v.data(), d, nullptr),
+              KernelStatus::kOk);
+    for (uint64_t i = 0; i < d; ++i) want_acc[i] = e[i] + want_v[i];
+    const uint64_t b = d / 4, end = d / 2;
+    for (bool velocity_in_place : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "d=" << d << " velocity_in_place=" << velocity_in_place);
+      float* vin = Device(v);
+      float* vout = velocity_in_place ? vin : Device(std::vector<float>(d));
+      float* acc = Device(std::vector<float>(d));
+      std::vector<uint32_t> idx(end - b + 1);
+      std::vector<float> val(end - b + 1);
+      StepScalars s;
+      FusedSelectArgs a{Device(g), Device(e), acc, d, b, end, 1e-3f, idx.data(), val.data(), &s};
+      a.velocity_in = vin;
+      a.velocity_out = vout;
+      a.beta = beta;
+      ASSERT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kOk);
+      EXPECT_EQ(s.nonfinite, 0u);
+      for (uint64_t i = 0; i < d; ++i) {
+        ASSERT_EQ(Bits(vout[i]), Bits(want_v[i])) << i;
+        ASSERT_EQ(Bits(acc[i]), Bits(want_acc[i])) << i;
+      }
+      Pairs want;
+      for (uint64_t i = b; i < end; ++i) {
+        if (std::fabs(want_acc[i]) >= 1e-3f) want.push_back({uint32_t(i), want_acc[i]});
+      }
+      ASSERT_EQ(s.count, want.size());
+      ExpectSamePairs(Collect(idx.data(), val.data(), s.count), want);
+    }
+  }
+  // A non-finite velocity makes acc non-finite: counted like a bad gradient.
+  std::vector<float> v(100, 0.0f);
+  v[3] = std::numeric_limits<float>::infinity();
+  StepScalars s;
+  FusedSelectArgs a{Device(std::vector<float>(100, 1.0f)), Device(std::vector<float>(100)),
+                    Device(std::vector<float>(100)), 100, 0, 0, 0, nullptr, nullptr, &s};
+  a.velocity_in = Device(v);
+  a.velocity_out = Device(std::vector<float>(100));
+  a.beta = beta;
+  ASSERT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kOk);
+  EXPECT_EQ(s.nonfinite, 1u);
+}
+
 TEST_P(CpuOpsTest, FusedPassCountsNonFiniteAndLeavesSeparateResidual) {
   for (uint64_t d : {uint64_t{1}, uint64_t{7}, uint64_t{1000}, uint64_t{1000003}}) {
     std::vector<float> g = RandomValues(d, 9);
@@ -179,6 +231,18 @@ TEST_P(CpuOpsTest, FusedPassRejectsBadArguments) {
   a = ok;
   a.acc = const_cast<float*>(a.grad);
   EXPECT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kInvalidArgument);
+  // Momentum: a velocity is needed to read, and the new one may not overwrite
+  // an input of the pass or its output.
+  std::vector<float> vel(16, 0.5f), vel_out(16);
+  a = ok;
+  a.velocity_out = vel_out.data();
+  EXPECT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kInvalidArgument);
+  a.velocity_in = vel.data();
+  EXPECT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kOk);
+  for (float* bad : {const_cast<float*>(ok.grad), const_cast<float*>(ok.residual), ok.acc}) {
+    a.velocity_out = bad;
+    EXPECT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kInvalidArgument);
+  }
   EXPECT_EQ(ops_->SelectRange(v.data(), 0, kMaxBucketElements + 1, 0, idx.data(), out.data(), &s,
                               nullptr),
             KernelStatus::kInvalidArgument);

@@ -179,6 +179,54 @@ TEST_F(CudaOpsTest, FusedAccumulateSelectMatchesCpu) {
   }
 }
 
+// Momentum correction folded into the pass: the velocity and acc bits of the
+// CPU backend, aligned (vectorised path) and unaligned, velocity in place too.
+TEST_F(CudaOpsTest, FusedPassWithMomentumMatchesCpu) {
+  const float beta = 0.9f;
+  for (uint64_t d : kSizes) {
+    const std::vector<float> g = RandomValues(d, 21 + d);
+    const std::vector<float> e = RandomValues(d, 22 + d);
+    const std::vector<float> v = RandomValues(d, 23 + d);
+    const uint64_t b = d / 3, end = d - d / 3;
+    for (int variant = 0; variant < 3; ++variant) {
+      const bool velocity_in_place = variant == 1;
+      const size_t offset = variant == 2 ? 1 : 0;
+      SCOPED_TRACE(testing::Message() << "d=" << d << " variant=" << variant);
+      std::vector<float> acc_c(d), v_c(d);
+      std::vector<uint32_t> idx_c(end - b + 1);
+      std::vector<float> val_c(end - b + 1);
+      StepScalars s_c;
+      FusedSelectArgs ac{g.data(), e.data(), acc_c.data(), d, b, end, 1e-3f,
+                         idx_c.data(), val_c.data(), &s_c};
+      ac.velocity_in = v.data();
+      ac.velocity_out = v_c.data();
+      ac.beta = beta;
+      ASSERT_EQ(cpu_->FusedAccumulateSelect(ac, nullptr), KernelStatus::kOk);
+
+      auto padded = [&](const std::vector<float>& x) {
+        std::vector<float> out(offset, 9.0f);
+        out.insert(out.end(), x.begin(), x.end());
+        return Up(out) + offset;
+      };
+      float* vin = padded(v);
+      FusedSelectArgs ag{padded(g), padded(e), Zeros<float>(d + offset) + offset, d, b, end,
+                         1e-3f, Zeros<uint32_t>(end - b + 1), Zeros<float>(end - b + 1),
+                         Up(std::vector<StepScalars>{{123, 456}})};
+      ag.velocity_in = vin;
+      ag.velocity_out = velocity_in_place ? vin : Zeros<float>(d + offset) + offset;
+      ag.beta = beta;
+      ASSERT_EQ(gpu_->FusedAccumulateSelect(ag, stream()), KernelStatus::kOk);
+      const StepScalars s_g = DownScalars(ag.scalars);
+      EXPECT_EQ(s_g.nonfinite, s_c.nonfinite);
+      ASSERT_EQ(s_g.count, s_c.count);
+      ExpectSameBits(Down(ag.velocity_out, d), v_c);
+      ExpectSameBits(Down(ag.acc, d), acc_c);
+      EXPECT_EQ(Collect(Down(ag.out_index, s_g.count), Down(ag.out_value, s_g.count), s_g.count),
+                Collect(idx_c, val_c, s_c.count));
+    }
+  }
+}
+
 TEST_F(CudaOpsTest, FusedPassCountsNonFiniteLikeCpu) {
   for (uint64_t d : {uint64_t{1}, uint64_t{7}, uint64_t{1000}, uint64_t{1000003}}) {
     std::vector<float> g = RandomValues(d, 9);
