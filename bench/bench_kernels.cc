@@ -90,6 +90,9 @@ int main(int argc, char** argv) {
   auto* e = static_cast<float*>(ops->Allocate(d * 4));
   auto* acc = static_cast<float*>(ops->Allocate(d * 4));
   auto* floor_e = static_cast<float*>(ops->Allocate(d * 4));
+  // Velocities of momentum correction (0.9): the previous one and the new one.
+  auto* vel = static_cast<float*>(ops->Allocate(d * 4));
+  auto* vel_out = static_cast<float*>(ops->Allocate(d * 4));
   for (int i = 0; i < 3; ++i) {
     stream.Next(g);
     for (uint64_t j = 0; j < d; ++j) e[j] += 0.5f * g[j];
@@ -97,6 +100,7 @@ int main(int argc, char** argv) {
   stream.Next(g);
   std::copy(e, e + d, floor_e);
   for (uint64_t j = 0; j < d; ++j) acc[j] = e[j] + g[j];
+  for (uint64_t j = 0; j < d; ++j) vel[j] = 0.5f * e[j];
 
   const auto part = microd::sparsify::PartitionRange(d, n, 1);
   std::vector<uint32_t> idx(part.size() + 1);
@@ -123,7 +127,24 @@ int main(int argc, char** argv) {
                                          part.end, thr, idx.data(), val.data(), &scalars};
       o->FusedAccumulateSelect(a, nullptr);
     };
+    // Momentum correction as a pass of its own, then the fused pass over the
+    // new velocity; and folded into the fused pass.
+    auto momentum_two_passes = [&](float thr) {
+      ops->Momentum(g, vel, 0.9f, vel_out, d, nullptr);
+      microd::kernels::FusedSelectArgs a{vel_out,   e,   acc,        d,          part.begin,
+                                         part.end,  thr, idx.data(), val.data(), &scalars};
+      ops->FusedAccumulateSelect(a, nullptr);
+    };
+    auto momentum_folded = [&](float thr) {
+      microd::kernels::FusedSelectArgs a{g,        e,   acc,        d,          part.begin,
+                                         part.end, thr, idx.data(), val.data(), &scalars};
+      a.velocity_in = vel;
+      a.velocity_out = vel_out;
+      a.beta = 0.9f;
+      ops->FusedAccumulateSelect(a, nullptr);
+    };
     std::vector<double> t_floor, t_floor_plain, t_fused_k, t_fused_4k, t_fused_inplace, t_scalar;
+    std::vector<double> t_momentum_two, t_momentum_folded;
     uint64_t selected_k = 0, selected_4k = 0;
     for (int r = 0; r < reps + 1; ++r) {  // first round warms up
       const bool keep = r > 0;
@@ -142,6 +163,10 @@ int main(int argc, char** argv) {
       std::copy(e, e + d, floor_e);  // in-place variant works on a copy of e
       ms = TimeMs([&] { fused(ops.get(), thr_k, floor_e); });
       if (keep) t_fused_inplace.push_back(ms);
+      ms = TimeMs([&] { momentum_two_passes(thr_k); });
+      if (keep) t_momentum_two.push_back(ms);
+      ms = TimeMs([&] { momentum_folded(thr_k); });
+      if (keep) t_momentum_folded.push_back(ms);
     }
     std::vector<double> t_topk;
     {
@@ -169,6 +194,9 @@ int main(int argc, char** argv) {
                     Median(t_fused_inplace) / floor_ms, ""});
     rows.push_back({"fused pass, scalar code path", Median(t_scalar), "floor",
                     Median(t_scalar) / floor_ms, ""});
+    const double two = Median(t_momentum_two), folded = Median(t_momentum_folded);
+    rows.push_back({"momentum pass, then fused pass", two, "floor", two / floor_ms, ""});
+    rows.push_back({"fused pass with momentum folded in", folded, "2 passes", folded / two, "< 1x"});
     rows.push_back(
         {absl::StrFormat("exact top-k (nth_element), k=%llu", static_cast<unsigned long long>(k)),
          topk, "fused", topk / fused_k, ">= 15x"});
@@ -198,6 +226,6 @@ int main(int argc, char** argv) {
     }
     std::printf("\nJSON: %s\n", path.c_str());
   }
-  for (float* p : {g, e, acc, floor_e}) ops->Free(p);
+  for (float* p : {g, e, acc, floor_e, vel, vel_out}) ops->Free(p);
   return 0;
 }

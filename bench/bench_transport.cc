@@ -41,6 +41,9 @@ ABSL_FLAG(uint64_t, size, 25557032, "bucket size d (fp32 elements)");
 ABSL_FLAG(int, warmup, 3, "warm-up steps per sparse method");
 ABSL_FLAG(int, reps, 5, "timed steps per sparse method");
 ABSL_FLAG(int, dense_reps, 3, "timed dense allreduces");
+ABSL_FLAG(int, latency_iters, 0,
+          "also time this many back-to-back allreduces of 1,024 floats through microd's Gloo "
+          "transport (the floor of a small bucket's round trip through the daemons)");
 ABSL_FLAG(std::string, json, "", "write results as JSON to this file");
 // Worker mode (set by the launcher).
 ABSL_FLAG(int, worker_rank, -1, "internal: run as worker with this rank");
@@ -55,6 +58,14 @@ double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
 }
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
+}
+
+constexpr uint64_t kSmallElements = 1024;
 
 __attribute__((target("avx2"), noinline)) void AddInPlace(float* e, const float* g, uint64_t n) {
   for (uint64_t i = 0; i < n; ++i) e[i] += g[i];
@@ -96,6 +107,29 @@ int Worker() {
     return 2;
   }
   microd::transport::Transport& t = **transport;
+  // Small-bucket latency: what one allreduce of 1,024 floats costs on this
+  // transport, back to back as a training loop would submit them.
+  if (const int iters = absl::GetFlag(FLAGS_latency_iters); iters > 0) {
+    std::vector<float> small(kSmallElements, 1.0f);
+    std::vector<double> us;
+    microd::transport::CollectiveOptions o;
+    o.tag = 3;
+    for (int i = 0; i < iters + 10; ++i) {  // 10 warm-up rounds
+      o.deadline = absl::Now() + absl::Seconds(60);
+      const auto t0 = Clock::now();
+      if (!t.AllreduceSum(small.data(), kSmallElements, microd::transport::DataType::kFloat32, o)
+               .ok()) {
+        return 3;
+      }
+      if (i >= 10) {
+        us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      }
+    }
+    if (rank == 0) {
+      std::ofstream(absl::GetFlag(FLAGS_result) + ".latency")
+          << Percentile(us, 0.5) << " " << Percentile(us, 0.99) << "\n";
+    }
+  }
   // A raw Gloo context for the baseline ring allreduce.
   microd::transport::GlooStoreAdapter store(client->get(), "ring", absl::Seconds(300));
   gloo::transport::tcp::attr attr;
@@ -224,7 +258,8 @@ int Launcher(char* self) {
         absl::StrCat("--size=", d),
         absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)),
         absl::StrCat("--reps=", absl::GetFlag(FLAGS_reps)),
-        absl::StrCat("--dense_reps=", absl::GetFlag(FLAGS_dense_reps))};
+        absl::StrCat("--dense_reps=", absl::GetFlag(FLAGS_dense_reps)),
+        absl::StrCat("--latency_iters=", absl::GetFlag(FLAGS_latency_iters))};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -263,6 +298,12 @@ int Launcher(char* self) {
   }
   std::remove(result.c_str());
   if (rows.empty()) return 1;
+  double small_median_us = 0, small_p99_us = 0;
+  if (absl::GetFlag(FLAGS_latency_iters) > 0) {
+    std::ifstream lat(result + ".latency");
+    if (!(lat >> small_median_us >> small_p99_us)) return 1;
+    std::remove((result + ".latency").c_str());
+  }
   const Result& dense = rows.back();
   std::printf("%-28s %7s %9s %25s %13s %10s %12s %8s\n", "method", "density", "ms/step",
               "select/exchange/apply ms", "bytes/node", "K", "faster than", "fewer");
@@ -293,7 +334,18 @@ int Launcher(char* self) {
                           r.select_ms, r.exchange_ms,
                           r.apply_ms);
   }
-  json += "]}\n";
+  json += "]";
+  if (absl::GetFlag(FLAGS_latency_iters) > 0) {
+    std::printf("allreduce of %llu floats, back to back (%d): median %.0f us, p99 %.0f us\n",
+                static_cast<unsigned long long>(kSmallElements), absl::GetFlag(FLAGS_latency_iters),
+                small_median_us, small_p99_us);
+    absl::StrAppendFormat(&json,
+                          ",\"small_allreduce\":{\"elements\":%d,\"iterations\":%d,"
+                          "\"median_us\":%.1f,\"p99_us\":%.1f}",
+                          kSmallElements, absl::GetFlag(FLAGS_latency_iters), small_median_us,
+                          small_p99_us);
+  }
+  json += "}\n";
   std::printf("target at 0.1%%: micro >= 25x faster than the dense ring allreduce\n");
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     std::ofstream(path) << json;
