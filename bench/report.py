@@ -208,7 +208,12 @@ def render_markdown(report):
     L += ["", "## Through the daemons", ""]
     if d:
         L += [f"- 1,024-element round trip: median {d['latency_1024_median_us']:.0f} us, p99 "
-              f"{d['latency_1024_p99_us']:.0f} us (target median <= 200 us)",
+              f"{d['latency_1024_p99_us']:.0f} us (target median <= 200 us)"]
+        if d.get("transport_1024_median_us"):
+            L += [f"- the transport's floor in the same run (one allreduce of the same 1,024 floats "
+                  f"over microd's Gloo transport, no daemon): median "
+                  f"{d['transport_1024_median_us']:.0f} us, p99 {d['transport_1024_p99_us']:.0f} us"]
+        L += [
               f"- {d['size']:,} elements at 0.1 %: {d['daemon_step_ms']:.1f} ms per step through "
               f"the daemons vs {d['raw_step_ms']:.1f} ms raw ({100 * d['overhead']:+.0f} %, target "
               f"<= 10 %)"]

@@ -114,12 +114,13 @@ def test_report_files_from_a_folder(tmp_path):
     ])))
     (tmp_path / "daemon.json").write_text(json.dumps({
         "nodes": 4, "latency_1024_median_us": 3450.0, "latency_1024_p99_us": 12000.0,
-        "size": 1000, "daemon_step_ms": 110.5, "raw_step_ms": 100.4, "overhead": 0.1006}))
+        "transport_1024_median_us": 2900.0, "transport_1024_p99_us": 8000.0, "size": 1000, "daemon_step_ms": 110.5, "raw_step_ms": 100.4, "overhead": 0.1006}))
     assert report.main(["--dir", str(tmp_path)]) == 0
     md = (tmp_path / "report.md").read_text()
     assert "| microd-micro-0.1% | 80.0 | 2.50x | 0.000 | 200x | 1.0400 | 1.040 |" in md
     assert "microd-hard-1% | FAILED: exit status 2" in md
     assert "Not run (no kernels.json)" in md and "median 3450 us" in md
+    assert "no daemon): median 2900 us, p99 8000 us" in md  # the transport floor beside it
     assert "loopback" in md  # says these are one machine's CPU figures
     data = json.loads((tmp_path / "report.json").read_text())
     assert [t["met"] for t in data["training"]["targets"]] == [True, True, True]
