@@ -221,7 +221,7 @@ int Launcher(char* self) {
                          absl::StrCat("--latency_iters=", absl::GetFlag(FLAGS_latency_iters)),
                          "--json=" + tjson},
                         dir + "/transport.log");
-  double raw = 0, floor_p50 = 0, floor_p99 = 0;
+  double raw = 0, alone_p50 = 0, alone_p99 = 0;
   if (WaitFor(t, std::chrono::minutes(9))) {
     std::stringstream ss;
     ss << std::ifstream(tjson).rdbuf();
@@ -234,17 +234,17 @@ int Launcher(char* self) {
     // The "micro (hist)" entry at density 0.001.
     raw = number(js.find("\"method\":\"micro (hist)\",\"density\":0.001"), "\"ms_per_step\":");
     const size_t small = js.find("\"small_allreduce\":");
-    floor_p50 = number(small, "\"median_us\":");
-    floor_p99 = number(small, "\"p99_us\":");
+    alone_p50 = number(small, "\"median_us\":");
+    alone_p99 = number(small, "\"p99_us\":");
   }
   std::printf("\n(a) 1,024-element bucket, submit to completion (%d round trips)\n",
               absl::GetFlag(FLAGS_latency_iters));
   std::printf("    through the daemons  median %8.0f us   p99 %8.0f us   target median <= 200 us\n",
               p50, p99);
-  if (floor_p50 > 0) {
-    std::printf("    transport floor      median %8.0f us   p99 %8.0f us   (one allreduce of the "
-                "same 1,024 floats over microd's Gloo transport, no daemon)\n",
-                floor_p50, floor_p99);
+  if (alone_p50 > 0) {
+    std::printf("    transport alone      median %8.0f us   p99 %8.0f us   (back-to-back allreduces "
+                "of the same 1,024 floats over microd's Gloo transport, no daemon)\n",
+                alone_p50, alone_p99);
   }
   std::printf("(b) %llu elements at 0.1 %%, time per step\n", static_cast<unsigned long long>(d));
   std::printf("    through the daemons %8.1f ms\n", step);
@@ -259,7 +259,7 @@ int Launcher(char* self) {
         "{\"nodes\":%d,\"latency_1024_median_us\":%.1f,\"latency_1024_p99_us\":%.1f,"
         "\"transport_1024_median_us\":%.1f,\"transport_1024_p99_us\":%.1f,"
         "\"size\":%d,\"daemon_step_ms\":%.3f,\"raw_step_ms\":%.3f,\"overhead\":%.4f}\n",
-        n, p50, p99, floor_p50, floor_p99, d, step, raw, raw > 0 ? step / raw - 1 : 0.0);
+        n, p50, p99, alone_p50, alone_p99, d, step, raw, raw > 0 ? step / raw - 1 : 0.0);
     std::printf("JSON: %s\n", path.c_str());
   }
   return 0;

@@ -43,7 +43,7 @@ ABSL_FLAG(int, reps, 5, "timed steps per sparse method");
 ABSL_FLAG(int, dense_reps, 3, "timed dense allreduces");
 ABSL_FLAG(int, latency_iters, 0,
           "also time this many back-to-back allreduces of 1,024 floats through microd's Gloo "
-          "transport (the floor of a small bucket's round trip through the daemons)");
+          "transport (what a small bucket's exchange costs without the daemons)");
 ABSL_FLAG(std::string, json, "", "write results as JSON to this file");
 // Worker mode (set by the launcher).
 ABSL_FLAG(int, worker_rank, -1, "internal: run as worker with this rank");

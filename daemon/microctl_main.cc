@@ -78,19 +78,20 @@ void PrintStatus(const microd::v1::GetStatusResponse& r) {
 }
 
 void PrintBuckets(const microd::v1::GetStatusResponse& r) {
-  std::printf("%-24s %11s %6s %7s %10s %10s %8s %9s %11s %11s %11s %24s\n", "bucket", "elements",
+  std::printf("%-24s %11s %6s %7s %10s %10s %8s %9s %11s %11s %11s %29s\n", "bucket", "elements",
               "mode", "steps", "K", "k", "CRE", "mean CRE", "threshold", "sent", "received",
-              "sum/select/xchg/write s");
+              "wait/sum/select/xchg/write s");
   for (const auto& b : r.buckets()) {
-    std::printf("%-24s %11llu %6s %7llu %10llu %10llu %7.2f%% %8.2f%% %11.4g %11s %11s %24s\n",
+    std::printf("%-24s %11llu %6s %7llu %10llu %10llu %7.2f%% %8.2f%% %11.4g %11s %11s %29s\n",
                 b.name().c_str(), static_cast<unsigned long long>(b.count()),
                 b.dense() ? "dense" : "sparse", static_cast<unsigned long long>(b.steps()),
                 static_cast<unsigned long long>(b.last_selected()),
                 static_cast<unsigned long long>(b.budget()), 100 * b.last_cre(), 100 * b.mean_cre(),
                 b.last_threshold(), Bytes(static_cast<double>(b.bytes_sent())).c_str(),
                 Bytes(static_cast<double>(b.bytes_received())).c_str(),
-                absl::StrFormat("%.2f/%.2f/%.2f/%.2f", b.local_sum_seconds(), b.select_seconds(),
-                                b.exchange_seconds(), b.writeback_seconds())
+                absl::StrFormat("%.2f/%.2f/%.2f/%.2f/%.2f", b.negotiate_seconds(),
+                                b.local_sum_seconds(), b.select_seconds(), b.exchange_seconds(),
+                                b.writeback_seconds())
                     .c_str());
     if (b.failures() > 0 || b.skipped_steps() > 0) {
       std::printf("%-24s failed steps: %llu, skipped (NaN/Inf): %llu\n", "",

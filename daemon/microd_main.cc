@@ -333,6 +333,7 @@ int main(int argc, char** argv) {
             s->set_select_seconds(b.select_seconds);
             s->set_exchange_seconds(b.exchange_seconds);
             s->set_writeback_seconds(b.writeback_seconds);
+            s->set_negotiate_seconds(b.negotiate_seconds);
             for (const auto& h : b.history) {
               auto* p = s->add_history();
               p->set_step(h.step);

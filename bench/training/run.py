@@ -142,7 +142,7 @@ def summarize(ranks, warmup):
         out["daemon"] = {
             "payload_bytes_sent_per_step": sum(int(b.get("bytesSent", 0)) for b in buckets) / steps,
             "seconds_per_step": {k: sum(float(b.get(k + "Seconds", 0)) for b in buckets) / steps
-                                 for k in ("localSum", "select", "exchange", "writeback")},
+                                 for k in ("negotiate", "localSum", "select", "exchange", "writeback")},
             "mean_cre": [float(b.get("meanCre", 0)) for b in sparse],
             "history": {b["name"]: [[int(h.get("step", 0)), float(h.get("cre", 0)),
                                      int(h.get("selected", 0)), int(h.get("budget", 0))]

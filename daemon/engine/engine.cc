@@ -207,7 +207,10 @@ absl::Status Engine::OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t tick
         absl::StrCat("buffer '", b.name, "' already has a submission in flight"));
   }
   b.tickets[lr] = ticket;
-  if (++b.submitted == options_.local_size) newly_ready_.push_back(b.name);
+  if (++b.submitted == options_.local_size) {
+    b.ready_at = absl::Now();
+    newly_ready_.push_back(b.name);
+  }
   return absl::OkStatus();
 }
 
@@ -335,8 +338,10 @@ void Engine::RunBatch(const control::ScheduleBatch& batch) {
       refused.push_back({TakeWork(b), WithClientStatus(absl::InvalidArgumentError(message),
                                                        ClientStatus::kMismatch)});
     }
+    const absl::Time now = absl::Now();
     for (const control::BucketInfo& info : batch.scheduled) {
       Bucket& b = buckets_[info.name];
+      b.stats.negotiate_seconds += absl::ToDoubleSeconds(now - b.ready_at);
       (b.dense ? dense : sparse).push_back(TakeWork(b));
     }
   }

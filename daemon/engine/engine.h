@@ -75,6 +75,9 @@ struct BucketStats {
   double sum_cre = 0;  // over steps >= 2
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;
+  // From ready on this node (every local process submitted) to the start of
+  // its step: the other nodes, the coordinator's answer, earlier batches.
+  double negotiate_seconds = 0;
   double local_sum_seconds = 0;
   double select_seconds = 0;
   double exchange_seconds = 0;
@@ -129,6 +132,7 @@ class Engine final : public local::LocalHandler {
     std::vector<uint32_t> buffer_ids;                         // by local rank
     std::vector<uint64_t> tickets;                            // by local rank, 0 = none
     int submitted = 0;
+    absl::Time ready_at;    // when the last local process submitted
     absl::Status poisoned;  // local processes disagree on it: every submission fails
     uint32_t slot = 0;      // transport tag slot, assigned at first schedule
     std::unique_ptr<sparsify::BucketState> state;

@@ -120,7 +120,7 @@ def test_report_files_from_a_folder(tmp_path):
     assert "| microd-micro-0.1% | 80.0 | 2.50x | 0.000 | 200x | 1.0400 | 1.040 |" in md
     assert "microd-hard-1% | FAILED: exit status 2" in md
     assert "Not run (no kernels.json)" in md and "median 3450 us" in md
-    assert "no daemon): median 2900 us, p99 8000 us" in md  # the transport floor beside it
+    assert "no daemon): median 2900 us, p99 8000 us" in md  # the transport alone beside it
     assert "loopback" in md  # says these are one machine's CPU figures
     data = json.loads((tmp_path / "report.json").read_text())
     assert [t["met"] for t in data["training"]["targets"]] == [True, True, True]

@@ -93,6 +93,37 @@ def test_nonfinite_skip_gives_a_zero_update_and_is_counted(make_cluster):
     assert bucket["steps"] == "1"
 
 
+def test_waiting_time_shows_which_node_was_late(make_cluster):
+    """microctl's per-bucket waiting time (ready on this node until its step
+    starts) is the time a node spent waiting for the others: the node whose
+    process submitted a second late barely waits, the other waits that second."""
+    cluster = make_cluster(2, 1)
+    import threading
+
+    def worker(r):
+        with microd.Client(socket_path=cluster.socket(r)) as c:
+            buf = c.register("w", 100)
+            if r == 1:
+                time.sleep(1.0)
+            c.allreduce(buf, 30000)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    waits = []
+    for r in range(2):
+        admin = open(f"{cluster.dir}/admin{r}").read().strip()
+        out = subprocess.run([f"{BUILD}/daemon/microctl", f"--admin=127.0.0.1:{admin}", "--json",
+                              "buckets"], capture_output=True, text=True, check=True).stdout
+        bucket = json.loads(out)["buckets"][0]
+        assert bucket["steps"] == "1"
+        waits.append(float(bucket.get("negotiateSeconds", 0)))
+    assert waits[0] >= 0.8, waits
+    assert waits[1] < 0.5, waits
+
+
 def test_dead_daemon_is_a_clear_error_not_a_hang(make_cluster):
     cluster = make_cluster(1)
     c = microd.Client(socket_path=cluster.socket(0))
