@@ -108,9 +108,10 @@ def check_targets(rows):
         reason = (f"the fastest DDP variant ({slowest_win['name']}) takes {slowest_win['step_ms']:.0f} ms; "
                   f"microd's step {s['step_ms']:.0f} ms = daemon local sum {d['localSum']:.0f} + "
                   f"selection {d['select']:.0f} + exchange {d['exchange']:.0f} + write-back "
-                  f"{d['writeback']:.0f} ms per step summed over buckets (and "
-                  f"{d.get('negotiate', 0):.0f} ms waiting for the other nodes and the coordinator), "
-                  f"the rest is the training process's compute and hook overhead")
+                  f"{d['writeback']:.0f} ms per step summed over buckets"
+                  + (f" (and {d['negotiate']:.0f} ms waiting for the other nodes and the "
+                     f"coordinator)" if "negotiate" in d else "")
+                  + ", the rest is the training process's compute and hook overhead")
         if "communication_ms" in s:
             reason += f" (step minus the no-communication floor: {s['communication_ms']:.0f} ms)"
     t.append({"target": "microd 0.1 % step faster than every DDP variant", "met": faster,
@@ -169,7 +170,8 @@ def render_markdown(report):
                   "|---|---:|---:|---:|---:|---:|---:|"]
             for r in split:
                 d = r["daemon_ms"]
-                L.append(f"| {r['name']} | {d.get('negotiate', 0):.1f} | {d['localSum']:.1f} | "
+                wait = f"{d['negotiate']:.1f}" if "negotiate" in d else "-"
+                L.append(f"| {r['name']} | {wait} | {d['localSum']:.1f} | "
                          f"{d['select']:.1f} | {d['exchange']:.1f} | {d['writeback']:.1f} | "
                          f"{r['payload_bytes'] / 1e6:.3f} |")
         L += ["", "### Targets (microd at 0.1 %)", ""]

@@ -141,8 +141,10 @@ def summarize(ranks, warmup):
         sparse = [b for b in buckets if not b.get("dense") and int(b.get("steps", 0)) > 0]
         out["daemon"] = {
             "payload_bytes_sent_per_step": sum(int(b.get("bytesSent", 0)) for b in buckets) / steps,
+            # (a daemon without the waiting figure reports no "negotiateSeconds")
             "seconds_per_step": {k: sum(float(b.get(k + "Seconds", 0)) for b in buckets) / steps
-                                 for k in ("negotiate", "localSum", "select", "exchange", "writeback")},
+                                 for k in ("negotiate", "localSum", "select", "exchange", "writeback")
+                                 if k != "negotiate" or any(k + "Seconds" in b for b in buckets)},
             "mean_cre": [float(b.get("meanCre", 0)) for b in sparse],
             "history": {b["name"]: [[int(h.get("step", 0)), float(h.get("cre", 0)),
                                      int(h.get("selected", 0)), int(h.get("budget", 0))]
