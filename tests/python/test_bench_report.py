@@ -80,7 +80,16 @@ def test_targets_met_and_missed():
     # The speed target names the faster DDP variant and the measured split.
     assert "ddp-powersgd-r1" in missed[0]["value"]
     assert "exchange 3" in missed[0]["reason"] and "floor: 30 ms" in missed[0]["reason"]
+    assert "waiting" not in missed[0]["reason"]  # this daemon reported no waiting time
     assert missed[1]["value"] == "50x fewer"
+    # With the daemons' waiting time, the reason gives it too.
+    waited = daemon({})
+    waited["seconds_per_step"]["negotiate"] = 0.025
+    again = report.check_targets(report.compare_methods(training([
+        method("ddp", 200.0, 6000.0, 1.0),
+        method("microd-micro-0.1%", 250.0, 30.0, 1.0, waited),
+    ])))
+    assert "25 ms waiting for the other nodes" in again[0]["reason"]
 
 
 def test_missing_or_failed_sparse_run_is_a_missed_target():
