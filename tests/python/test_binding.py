@@ -2,6 +2,7 @@
 views, and a dead daemon gives a clear error instead of a hang."""
 import json
 import math
+import os
 import subprocess
 import time
 
@@ -122,6 +123,47 @@ def test_waiting_time_shows_which_node_was_late(make_cluster):
         waits.append(float(bucket.get("negotiateSeconds", 0)))
     assert waits[0] >= 0.8, waits
     assert waits[1] < 0.5, waits
+
+
+FAKE_LIBCUDA = os.path.join(BUILD, "tests", "libmicrod-test-fake-libcuda.so")
+
+
+def test_cuda_buffers_are_checked_and_reach_the_daemon(make_cluster, monkeypatch):
+    """register_cuda without a GPU, over the stand-in CUDA driver the C tests
+    use: what is not float32 CUDA memory is refused before the C library,
+    a missing driver is named, and a device allocation reaches the daemon,
+    which answers for itself (no GPU here); the name stays free and host
+    buffers take no stream."""
+    import ctypes
+    import torch
+    cluster = make_cluster(1)
+    with microd.Client(socket_path=cluster.socket(0)) as c:
+        with pytest.raises(microd.InvalidArgumentError, match="not a CUDA device"):
+            c.register_cuda("g", torch.zeros(8))
+        with pytest.raises(microd.InvalidArgumentError, match="CUDA tensor or a device pointer"):
+            c.register_cuda("g", np.zeros(8, np.float32))
+        with pytest.raises(microd.InvalidArgumentError, match="positive element count"):
+            c.register_cuda("g", 0x1000)
+        monkeypatch.setenv("MICROD_LIBCUDA", "/nonexistent/libcuda.so.1")
+        with pytest.raises(microd.UnsupportedError, match="/nonexistent/libcuda.so.1"):
+            c.register_cuda("g", 0x1000, count=8)
+        monkeypatch.setenv("MICROD_LIBCUDA", FAKE_LIBCUDA)
+        fake = ctypes.CDLL(FAKE_LIBCUDA)
+        memory = np.zeros(64, np.float32)
+        fake.fake_cuda_add_allocation(ctypes.c_void_p(memory.ctypes.data),
+                                      ctypes.c_size_t(memory.nbytes), 0)
+        with pytest.raises(microd.UnsupportedError) as info:
+            c.register_cuda("g", memory.ctypes.data, count=64)
+        # The daemon's own reason (a CPU build, or no usable GPU) comes back.
+        assert "this microd cannot take CUDA buffers" in info.value.message, info.value.message
+        assert "'g'" in info.value.message
+        assert "g" not in c.buffers
+        buf = c.register("g", 8)  # nothing was registered under the name
+        with pytest.raises(microd.InvalidArgumentError, match="host buffer"):
+            c.allreduce_async(buf, stream=1)
+        buf.array[:] = 3.0
+        c.allreduce(buf, 20000)
+        np.testing.assert_array_equal(buf.array, np.full(8, 3.0, np.float32))
 
 
 def test_dead_daemon_is_a_clear_error_not_a_hang(make_cluster):

@@ -20,7 +20,7 @@ __all__ = [
     "Status", "MicrodError", "InvalidArgumentError", "UnavailableError", "TimeoutError",
     "MismatchError", "JobFailedError", "UnsupportedError", "ProtocolError", "ResourceError",
     "PermissionDeniedError", "NonFiniteError", "InternalError", "ClosedError",
-    "Client", "Buffer", "JobInfo", "library_path",
+    "Client", "Buffer", "CudaBuffer", "JobInfo", "library_path",
 ]
 
 
@@ -164,7 +164,12 @@ def _library():
                                                c.POINTER(_BufferOptions),
                                                c.POINTER(c.POINTER(c.c_float)),
                                                c.POINTER(c.c_int32)]
+        lib.microd_register_cuda_buffer.argtypes = [c.c_void_p, c.c_char_p, c.c_void_p,
+                                                    c.c_uint64, c.POINTER(_BufferOptions),
+                                                    c.POINTER(c.c_int32)]
         lib.microd_allreduce_async.argtypes = [c.c_void_p, c.c_int32, c.POINTER(c.c_uint64)]
+        lib.microd_allreduce_cuda_async.argtypes = [c.c_void_p, c.c_int32, c.c_void_p,
+                                                    c.POINTER(c.c_uint64)]
         lib.microd_wait.argtypes = [c.c_void_p, c.c_uint64, c.c_int32]
         lib.microd_close.argtypes = [c.c_void_p]
         _lib = lib
@@ -211,6 +216,57 @@ class Buffer:
 
     def __repr__(self):
         return f"Buffer({self.name!r}, count={self.count}, id={self.id})"
+
+
+class CudaBuffer:
+    """A registered buffer in GPU memory: the daemon reads the gradient from it
+    and writes the update into it in place (CUDA IPC, no copy through this
+    process). `tensor` is the torch tensor it was registered from (None when
+    registered by device pointer); it must stay allocated until the client
+    closes."""
+
+    def __init__(self, client, name, buffer_id, device_ptr, count, dense, tensor=None):
+        self.client = client
+        self.name = name
+        self.id = buffer_id
+        self.device_ptr = device_ptr
+        self.count = count
+        self.dense = dense
+        self.tensor = tensor
+
+    def __repr__(self):
+        return f"CudaBuffer({self.name!r}, count={self.count}, id={self.id})"
+
+
+def _cuda_target(memory, count):
+    """(device pointer, count, tensor or None) of what register_cuda was given."""
+    if isinstance(memory, int):
+        if count is None or int(count) <= 0:
+            raise InvalidArgumentError(Status.INVALID_ARGUMENT,
+                                       "a device pointer needs a positive element count")
+        return memory, int(count), None
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is None or not isinstance(memory, torch.Tensor):
+        raise InvalidArgumentError(Status.INVALID_ARGUMENT,
+                                   f"register_cuda takes a CUDA tensor or a device pointer, "
+                                   f"not {type(memory).__name__}")
+    if not memory.is_cuda:
+        raise InvalidArgumentError(Status.INVALID_ARGUMENT,
+                                   f"the tensor is on {memory.device}, not a CUDA device: "
+                                   f"register host memory with register()")
+    if memory.dtype != torch.float32:
+        raise InvalidArgumentError(Status.INVALID_ARGUMENT,
+                                   f"the tensor is {memory.dtype}; microd averages float32")
+    if not memory.is_contiguous():
+        raise InvalidArgumentError(Status.INVALID_ARGUMENT, "the tensor is not contiguous")
+    if count is not None and int(count) != memory.numel():
+        raise InvalidArgumentError(Status.INVALID_ARGUMENT,
+                                   f"count {count} differs from the tensor's {memory.numel()} "
+                                   f"elements")
+    return memory.data_ptr(), memory.numel(), memory
 
 
 class Client:
@@ -275,23 +331,58 @@ class Client:
         self.buffers[name] = buf
         return buf
 
-    def allreduce_async(self, buffer):
-        """Submits the buffer; returns a ticket for wait()."""
+    def register_cuda(self, name, memory, count=None, dense=False):
+        """Registers GPU memory under `name` (the same on every process): a
+        contiguous float32 CUDA tensor, or a device pointer (int) with `count`.
+        The daemon maps it with CUDA IPC and writes each update into it in
+        place. Loads the CUDA driver on first use; UnsupportedError when this
+        process or the daemon has no usable GPU (see microd.h)."""
+        if name in self.buffers:
+            raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"buffer '{name}' already registered")
+        ptr, n, tensor = _cuda_target(memory, count)
+        lib = _library()
+        opts = _BufferOptions()
+        lib.microd_buffer_options_init(ctypes.byref(opts))
+        opts.flags = BUFFER_DENSE if dense else 0
+        buffer_id = ctypes.c_int32(-1)
+        self._check(lib.microd_register_cuda_buffer(self._live(), name.encode(),
+                                                    ctypes.c_void_p(ptr), n, ctypes.byref(opts),
+                                                    ctypes.byref(buffer_id)))
+        buf = CudaBuffer(self, name, buffer_id.value, ptr, n, dense, tensor)
+        self.buffers[name] = buf
+        return buf
+
+    def allreduce_async(self, buffer, stream=None):
+        """Submits the buffer; returns a ticket for wait(). For a CudaBuffer,
+        `stream` is where its gradient was produced (a torch.cuda.Stream or a
+        raw cudaStream_t as int): the daemon reads it once the work queued
+        there is done. Default: torch's current stream of the tensor's device
+        (the legacy default stream for a buffer registered by pointer)."""
         ticket = ctypes.c_uint64(0)
-        self._check(_library().microd_allreduce_async(self._live(), buffer.id, ctypes.byref(ticket)))
+        if isinstance(buffer, CudaBuffer):
+            handle = _stream_handle(buffer, stream)
+            self._check(_library().microd_allreduce_cuda_async(
+                self._live(), buffer.id, ctypes.c_void_p(handle), ctypes.byref(ticket)))
+        elif stream is not None:
+            raise InvalidArgumentError(Status.INVALID_ARGUMENT,
+                                       f"buffer '{buffer.name}' is a host buffer: no CUDA stream")
+        else:
+            self._check(_library().microd_allreduce_async(self._live(), buffer.id,
+                                                          ctypes.byref(ticket)))
         return ticket.value
 
     def wait(self, ticket, timeout_ms=-1):
         """Waits for a ticket (timeout_ms < 0: no limit). Releases the GIL."""
         self._check(_library().microd_wait(self._live(), ticket, int(timeout_ms)))
 
-    def allreduce(self, buffer, timeout_ms=-1):
-        self.wait(self.allreduce_async(buffer), timeout_ms)
+    def allreduce(self, buffer, timeout_ms=-1, stream=None):
+        self.wait(self.allreduce_async(buffer, stream), timeout_ms)
 
     def close(self):
         if self._handle is not None:
             for b in self.buffers.values():
-                b.array = None
+                if isinstance(b, Buffer):
+                    b.array = None  # the shared memory goes with the client
             _library().microd_close(self._handle)
             self._handle = None
 
@@ -306,6 +397,23 @@ class Client:
             self.close()
         except Exception:
             pass
+
+
+def _stream_handle(buffer, stream):
+    """The cudaStream_t (int, 0 = legacy default stream) for a submission."""
+    if stream is None:
+        if buffer.tensor is None:
+            return 0
+        import torch
+        return torch.cuda.current_stream(buffer.tensor.device).cuda_stream
+    if isinstance(stream, int):
+        return stream
+    handle = getattr(stream, "cuda_stream", None)
+    if not isinstance(handle, int):
+        raise InvalidArgumentError(Status.INVALID_ARGUMENT,
+                                   f"stream must be a torch.cuda.Stream or an int, not "
+                                   f"{type(stream).__name__}")
+    return handle
 
 
 def _error(status, message):

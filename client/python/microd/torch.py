@@ -218,9 +218,18 @@ def comm_hook(state, bucket):
     key = (bucket.index(), tensor.numel())
     buf = state.buffers.get(key)
     if buf is None:
-        buf = state.client.register(f"{state.prefix}.{key[0]}.{key[1]}", key[1])
+        name = f"{state.prefix}.{key[0]}.{key[1]}"
+        if tensor.is_cuda:
+            # A float32 buffer of the daemon's on the bucket's GPU (CUDA IPC:
+            # the update is written into it in place).
+            flat = torch.empty(key[1], dtype=torch.float32, device=tensor.device)
+            buf = state.client.register_cuda(name, flat)
+        else:
+            buf = state.client.register(name, key[1])
         state.buffers[key] = buf
-    flat = buf.tensor()
+    flat = buf.tensor if tensor.is_cuda else buf.tensor()
+    # On the current stream for a CUDA bucket: the submission below makes the
+    # daemon wait for this copy (and for the backward pass before it).
     flat.copy_(tensor.detach().reshape(-1))
     ticket = state.client.allreduce_async(buf)
     fut = torch.futures.Future()
