@@ -36,6 +36,8 @@ ABSL_FLAG(int, latency_iters, 1000, "round trips of the small bucket");
 ABSL_FLAG(int, warmup, 3, "warm-up steps of the large bucket");
 ABSL_FLAG(int, reps, 5, "timed steps of the large bucket");
 ABSL_FLAG(std::string, json, "", "write results as JSON to this file");
+ABSL_FLAG(std::vector<std::string>, daemon_flags, {},
+          "more microd flags, comma-separated (e.g. --daemon_flags=--response_cache)");
 ABSL_FLAG(std::string, daemon, "", "microd binary (default: next to this one)");
 ABSL_FLAG(std::string, transport_bench, "", "microd-bench-transport binary (default: next to this)");
 // Client mode (set by the launcher).
@@ -175,6 +177,7 @@ int Launcher(char* self) {
                                      "--admin=127.0.0.1:0",
                                      "--density=0.001",
                                      "--timeout_ms=120000"};
+    for (const std::string& f : absl::GetFlag(FLAGS_daemon_flags)) args.push_back(f);
     if (r == 0) {
       args.push_back("--coordinator_listen=127.0.0.1:0");
       args.push_back(absl::StrCat("--coordinator_port_file=", dir, "/coordinator"));

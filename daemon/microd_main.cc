@@ -65,6 +65,9 @@ ABSL_FLAG(std::string, nonfinite, "fail",
           "a NaN/Inf in a gradient: fail that step on every node, or skip it (zero update)");
 ABSL_FLAG(uint64_t, stats_history, 1024,
           "sparse steps kept per bucket for `microctl --history buckets` (0: none)");
+ABSL_FLAG(bool, response_cache, false,
+          "buckets scheduled once by the coordinator are then agreed between the daemons over "
+          "the data plane, without the coordinator (lower latency per step)");
 ABSL_FLAG(uint64_t, dense_floor, 65536, "buckets with fewer elements are reduced dense, fused");
 ABSL_FLAG(int, timeout_ms, 60000, "deadline of one operation (a step, a report)");
 ABSL_FLAG(int, peer_timeout_ms, 10000, "a node silent this long fails the job");
@@ -279,6 +282,7 @@ int main(int argc, char** argv) {
         r->set_warmup_density(sparsify.warmup_density);
         r->set_warmup_decay_steps(sparsify.warmup_decay_steps);
         r->set_clip_norm(sparsify.clip_norm);
+        r->set_response_cache(absl::GetFlag(FLAGS_response_cache));
         r->set_local_size(local_size);
         r->set_socket(absl::GetFlag(FLAGS_socket));
         r->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started));
@@ -310,6 +314,7 @@ int main(int argc, char** argv) {
         if (engine != nullptr) {
           const auto snap = engine->Snapshot(req.include_history());
           r->set_batches(snap.batches);
+          r->set_cache_batches(snap.cache_batches);
           if (!snap.failure.empty()) {
             r->set_job_state(microd::v1::JOB_STATE_FAILED);
             if (r->failure().empty()) r->set_failure(snap.failure);
@@ -397,6 +402,7 @@ int main(int argc, char** argv) {
   eo.dense_floor = absl::GetFlag(FLAGS_dense_floor);
   eo.skip_nonfinite = absl::GetFlag(FLAGS_nonfinite) == "skip";
   eo.stats_history = absl::GetFlag(FLAGS_stats_history);
+  eo.response_cache = absl::GetFlag(FLAGS_response_cache);
   eo.op_timeout = op_timeout;
   {
     absl::MutexLock lock(&state_mu);

@@ -43,7 +43,12 @@ Engine::Engine(EngineOptions options, control::Membership membership,
 Engine::~Engine() { Stop(absl::CancelledError("the daemon is shutting down")); }
 
 void Engine::Start() {
-  thread_ = std::thread([this] { Loop(); });
+  if (options_.response_cache) {
+    thread_ = std::thread([this] { CacheLoop(); });
+    report_thread_ = std::thread([this] { ReportLoop(); });
+  } else {
+    thread_ = std::thread([this] { Loop(); });
+  }
   poll_thread_ = std::thread([this] { PollLoop(); });
 }
 
@@ -56,6 +61,7 @@ void Engine::Stop(const absl::Status& reason) {
   Fail(reason, /*report=*/false);
   if (thread_.joinable()) thread_.join();
   if (poll_thread_.joinable()) poll_thread_.join();
+  if (report_thread_.joinable()) report_thread_.join();
 }
 
 absl::Status Engine::FailedStatus() const { return failed_; }
@@ -209,7 +215,13 @@ absl::Status Engine::OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t tick
   b.tickets[lr] = ticket;
   if (++b.submitted == options_.local_size) {
     b.ready_at = absl::Now();
-    newly_ready_.push_back(b.name);
+    if (b.cache_id >= 0) {
+      cached_ready_[b.cache_id] = true;  // negotiated in the next cycle
+      ++cached_ready_count_;
+      changed_ = true;
+    } else {
+      newly_ready_.push_back(b.name);
+    }
   }
   return absl::OkStatus();
 }
@@ -248,6 +260,10 @@ Engine::Work Engine::TakeWork(Bucket& b) {
   w.buffer_ids = b.buffer_ids;
   std::fill(b.tickets.begin(), b.tickets.end(), 0);
   b.submitted = 0;
+  if (b.cache_id >= 0 && cached_ready_[b.cache_id]) {
+    cached_ready_[b.cache_id] = false;
+    --cached_ready_count_;
+  }
   return w;
 }
 
@@ -286,6 +302,7 @@ void Engine::PollLoop() {
     next = batches->back().index + 1;
     absl::MutexLock lock(&mu_);
     for (auto& b : *batches) schedule_.push_back(std::move(b));
+    changed_ = true;
   }
 }
 
@@ -325,12 +342,146 @@ void Engine::Loop() {
   }
 }
 
-void Engine::RunBatch(const control::ScheduleBatch& batch) {
+void Engine::ReportLoop() {
+  for (;;) {
+    std::vector<control::BucketInfo> report;
+    {
+      absl::MutexLock lock(&mu_);
+      auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || !newly_ready_.empty();
+      };
+      mu_.AwaitWithTimeout(absl::Condition(&has_work), absl::Seconds(1));
+      if (stop_) return;
+      if (!failed_.ok()) {
+        newly_ready_.clear();
+        continue;
+      }
+      for (const std::string& name : newly_ready_) {
+        const Bucket& b = buckets_[name];
+        report.push_back({name, kDtypeFloat32, static_cast<int64_t>(b.count), b.requested_dense});
+      }
+      newly_ready_.clear();
+    }
+    if (report.empty()) continue;
+    if (absl::Status s = client_->Report(report); !s.ok()) Fail(s, /*report=*/false);
+  }
+}
+
+void Engine::CacheLoop() {
+  bool progressed = false;
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto pending = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return cached_ready_count_ > 0 || !schedule_.empty();
+      };
+      auto go = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || (pending() && (changed_ || progressed));
+      };
+      // A change (a submission, a schedule batch) starts a cycle at once.
+      // With work pending but nothing new, the next cycle starts after 1 ms:
+      // the others may be waiting in one for this node (two nodes each with
+      // a bucket the other has not submitted yet would otherwise spin).
+      mu_.AwaitWithTimeout(absl::Condition(&go),
+                           pending() ? absl::Milliseconds(1) : absl::Seconds(1));
+      if (stop_) return;
+      if (!failed_.ok()) {
+        schedule_.clear();
+        progressed = false;
+        continue;
+      }
+      if (!pending()) continue;
+      changed_ = false;
+    }
+    progressed = Cycle();
+  }
+}
+
+bool Engine::Cycle() {
+  const int n = membership_.node_count;
+  // What this node has: schedule batches received, ready cached buckets.
+  std::vector<uint64_t> mine;
+  {
+    absl::MutexLock lock(&mu_);
+    const size_t ids = cached_.size();
+    mine.assign(2 + (ids + 63) / 64, 0);
+    mine[0] = log_run_ + schedule_.size();
+    mine[1] = ids;
+    for (size_t i = 0; i < ids; ++i) {
+      if (cached_ready_[i]) mine[2 + i / 64] |= uint64_t{1} << (i % 64);
+    }
+  }
+  const size_t words = mine.size();
+  std::vector<uint64_t> all(words * n);
+  CollectiveOptions o;
+  o.tag = MakeTag(0, TagKind::kControl);
+  // Waiting for the other nodes has no deadline of its own, as waiting for
+  // the coordinator has none: a failed peer ends it through Fail().
+  o.deadline = absl::Now() + absl::Hours(24);
+  absl::Status s = transport_->Allgather(mine.data(), words * sizeof(uint64_t), all.data(), o);
+  if (s.ok()) {
+    for (int r = 0; r < n; ++r) {
+      if (all[r * words + 1] != mine[1]) {
+        s = absl::InternalError(absl::StrCat("response cache out of step: node ", r, " has ",
+                                             all[r * words + 1], " cached buckets, node ",
+                                             membership_.node_rank, " ", mine[1]));
+      }
+    }
+  }
+  if (!s.ok()) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (!failed_.ok()) return false;  // Fail() ended the cycle
+    }
+    s = WithRootCause(s);
+    Fail(s, /*report=*/true);
+    return false;
+  }
+  uint64_t agreed_log = mine[0];
+  std::vector<uint64_t> agreed(mine.begin() + 2, mine.end());
+  for (int r = 0; r < n; ++r) {
+    agreed_log = std::min(agreed_log, all[r * words]);
+    for (size_t w = 0; w + 2 < words; ++w) agreed[w] &= all[r * words + 2 + w];
+  }
+  bool ran = false;
+  // First the schedule batches every node has, in log order.
+  for (;;) {
+    std::optional<control::ScheduleBatch> batch;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!failed_.ok() || log_run_ >= agreed_log || schedule_.empty()) break;
+      batch = std::move(schedule_.front());
+      schedule_.pop_front();
+      ++log_run_;
+    }
+    RunBatch(*batch);
+    ran = true;
+  }
+  // Then the cached buckets ready on every node, in id order.
+  control::ScheduleBatch cached;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!failed_.ok()) return ran;
+    for (size_t i = 0; i < agreed.size() * 64 && i < cached_.size(); ++i) {
+      if (!((agreed[i / 64] >> (i % 64)) & 1)) continue;
+      const Bucket& b = *cached_[i];
+      cached.scheduled.push_back(
+          {b.name, kDtypeFloat32, static_cast<int64_t>(b.count), b.requested_dense});
+    }
+  }
+  if (!cached.scheduled.empty()) {
+    RunBatch(cached, /*cached=*/true);
+    ran = true;
+  }
+  return ran;
+}
+
+void Engine::RunBatch(const control::ScheduleBatch& batch, bool cached) {
   std::vector<Work> dense, sparse;
   std::vector<std::pair<Work, absl::Status>> refused;
   {
     absl::MutexLock lock(&mu_);
-    ++batches_;
+    ++(cached ? cache_batches_ : batches_);
     if (!failed_.ok()) return;
     for (const auto& [name, message] : batch.errors) {
       Bucket& b = buckets_[name];
@@ -343,6 +494,13 @@ void Engine::RunBatch(const control::ScheduleBatch& batch) {
       Bucket& b = buckets_[info.name];
       b.stats.negotiate_seconds += absl::ToDoubleSeconds(now - b.ready_at);
       (b.dense ? dense : sparse).push_back(TakeWork(b));
+      if (options_.response_cache && b.cache_id < 0) {
+        // Scheduled by the coordinator: every node reaches this point in the
+        // same log order, so the ids agree everywhere.
+        b.cache_id = static_cast<int64_t>(cached_.size());
+        cached_.push_back(&b);
+        cached_ready_.push_back(false);
+      }
     }
   }
   for (auto& [w, s] : refused) CompleteWork(w, s);
@@ -682,6 +840,7 @@ EngineSnapshot Engine::Snapshot(bool with_history) const {
   EngineSnapshot s;
   s.failure = failed_.ok() ? "" : std::string(failed_.message());
   s.batches = batches_;
+  s.cache_batches = cache_batches_;
   for (const auto& [name, b] : buckets_) {
     s.buckets.push_back(b.stats);
     if (!with_history) s.buckets.back().history.clear();

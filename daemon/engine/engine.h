@@ -11,6 +11,17 @@
 // awaited before the completion goes out. The step itself runs on `ops` and
 // `transport` as for host buffers.
 //
+// Response cache (EngineOptions::response_cache): a bucket the coordinator
+// scheduled once gets a cache id, the same on every node (ids follow the
+// schedule log). Later submissions of it skip the coordinator: the engine
+// thread runs cycles, each an allgather over the transport of how many
+// schedule batches this node has received and a bit vector of its ready
+// cached buckets; every node then runs the schedule batches up to the least
+// received, then the cached buckets ready everywhere, in id order. Buckets
+// not cached yet are reported to the coordinator by a thread of their own.
+// A node enters a cycle only with work pending; a cycle waits for the other
+// nodes as long as the job lives (peer failures end it through Fail()).
+//
 // Failure model: a process that vanishes, a step that breaks the transport,
 // or a failure the coordinator reports ends the job: every pending and later
 // submission completes with MICROD_ERR_JOB_FAILED and the reason. A NaN/Inf
@@ -49,6 +60,8 @@ struct EngineOptions {
   bool skip_nonfinite = false;
   // Sparse steps kept per bucket for the per-step history (0: none).
   size_t stats_history = 1024;
+  // Negotiate buckets scheduled once over the data plane (see above).
+  bool response_cache = false;
 };
 
 // One sparse step of one bucket.
@@ -88,7 +101,8 @@ struct BucketStats {
 struct EngineSnapshot {
   std::string failure;  // empty while healthy
   std::vector<BucketStats> buckets;
-  uint64_t batches = 0;  // schedule batches run
+  uint64_t batches = 0;        // schedule batches run
+  uint64_t cache_batches = 0;  // batches of cached buckets agreed over the data plane
 };
 
 class Engine final : public local::LocalHandler {
@@ -133,6 +147,7 @@ class Engine final : public local::LocalHandler {
     std::vector<uint64_t> tickets;                            // by local rank, 0 = none
     int submitted = 0;
     absl::Time ready_at;    // when the last local process submitted
+    int64_t cache_id = -1;  // response cache id, once scheduled by the coordinator
     absl::Status poisoned;  // local processes disagree on it: every submission fails
     uint32_t slot = 0;      // transport tag slot, assigned at first schedule
     std::unique_ptr<sparsify::BucketState> state;
@@ -151,7 +166,15 @@ class Engine final : public local::LocalHandler {
                               std::vector<Work>* refused);
   void Loop();
   void PollLoop();
-  void RunBatch(const control::ScheduleBatch& batch);
+  // With the response cache: the engine thread's cycles, and the reporting of
+  // buckets not cached yet.
+  void CacheLoop();
+  void ReportLoop();
+  // One cycle: agree with every node on what to run, then run it. False if
+  // nothing ran.
+  bool Cycle();
+  // `cached`: a batch of cached buckets agreed in a cycle, not from the log.
+  void RunBatch(const control::ScheduleBatch& batch, bool cached = false);
   void CompleteWork(const Work& w, const absl::Status& status);
   // Completes work of the running batch unless Fail() already did.
   void FinishWork(const Work& w, const absl::Status& status);
@@ -186,6 +209,14 @@ class Engine final : public local::LocalHandler {
   std::deque<control::ScheduleBatch> schedule_ ABSL_GUARDED_BY(mu_);  // read, not yet run
   std::vector<Work> in_flight_ ABSL_GUARDED_BY(mu_);  // the running batch, not yet answered
   uint64_t batches_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t cache_batches_ ABSL_GUARDED_BY(mu_) = 0;
+  // Response cache: buckets by cache id, the ids ready on this node, and
+  // whether anything changed since the last cycle.
+  std::vector<Bucket*> cached_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> cached_ready_ ABSL_GUARDED_BY(mu_);
+  size_t cached_ready_count_ ABSL_GUARDED_BY(mu_) = 0;
+  bool changed_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t log_run_ ABSL_GUARDED_BY(mu_) = 0;  // schedule batches taken from schedule_
   uint32_t next_slot_ = 1;  // engine thread only; slot 0 is the fused dense buffer
 
   // Engine-thread scratch buffers (device memory of ops_).
@@ -193,6 +224,7 @@ class Engine final : public local::LocalHandler {
   sparsify::DeviceBuffer<kernels::StepScalars> scalars_;
   std::thread thread_;
   std::thread poll_thread_;
+  std::thread report_thread_;  // response cache only
 };
 
 }  // namespace microd::engine

@@ -27,12 +27,18 @@
 namespace microd::testing {
 namespace {
 
-void RunAndCompare(int n, int L) {
-  SCOPED_TRACE(absl::StrCat(n, " daemons x ", L, " processes"));
+// `reverse_nodes`: nodes whose processes submit the buckets last first, 2 ms apart.
+void RunAndCompare(int n, int L, bool response_cache = false, int reverse_nodes = 0) {
+  SCOPED_TRACE(absl::StrCat(n, " daemons x ", L, " processes",
+                            response_cache ? ", response cache" : ""));
   const std::vector<BucketSpec> buckets = {{"embed", 1000}, {"conv", 70001}, {"fc", 200003}};
   const long steps = 50;
-  DaemonCluster cluster(n, L);
-  cluster.StartClients(buckets, steps);
+  DaemonCluster cluster(n, L,
+                        response_cache ? std::vector<std::string>{"--response_cache"}
+                                       : std::vector<std::string>{});
+  cluster.StartClients(buckets, steps, -1, -1, -1, [&](int r, int) {
+    return r < reverse_nodes ? std::vector<std::string>{"reverse"} : std::vector<std::string>{};
+  });
   const auto codes = cluster.WaitClients(std::chrono::seconds(240));
   const auto ref = Reference(n, L, buckets, steps);
   for (int r = 0; r < n; ++r) {
@@ -56,6 +62,16 @@ void RunAndCompare(int n, int L) {
   auto status = cluster.Status(0);
   ASSERT_TRUE(status.ok()) << status.status();
   EXPECT_EQ(status->job_state(), microd::v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(status->response_cache(), response_cache);
+  if (response_cache) {
+    // The coordinator scheduled each bucket once; every later step was
+    // agreed between the daemons.
+    EXPECT_LE(status->batches(), buckets.size());
+    EXPECT_GE(status->cache_batches(), static_cast<uint64_t>(steps - 1));
+  } else {
+    EXPECT_EQ(status->cache_batches(), 0u);
+    EXPECT_GE(status->batches(), static_cast<uint64_t>(steps));
+  }
   ASSERT_EQ(status->buckets_size(), 3);
   for (const auto& b : status->buckets()) {
     EXPECT_EQ(b.steps(), static_cast<uint64_t>(steps)) << b.name();
@@ -92,6 +108,11 @@ TEST(DaemonEndToEnd, ThreeDaemonsOneProcessEach) { RunAndCompare(3, 1); }
 TEST(DaemonEndToEnd, ThreeDaemonsTwoProcessesEach) { RunAndCompare(3, 2); }
 TEST(DaemonEndToEnd, FourDaemonsOneProcessEach) { RunAndCompare(4, 1); }
 TEST(DaemonEndToEnd, FourDaemonsTwoProcessesEach) { RunAndCompare(4, 2); }
+TEST(DaemonEndToEnd, ResponseCacheThreeDaemonsTwoProcessesEach) { RunAndCompare(3, 2, true); }
+TEST(DaemonEndToEnd, ResponseCacheFourDaemonsOneProcessEach) { RunAndCompare(4, 1, true); }
+// Half the nodes submit in the other order and later: the cycles agree on
+// partial sets and run the rest in later cycles, with the same results.
+TEST(DaemonEndToEnd, ResponseCacheNodesSubmittingInOtherOrders) { RunAndCompare(4, 1, true, 2); }
 
 // Last line of a client's output, and its status code when it failed.
 int FailedStatus(const std::string& out, std::string* line) {
@@ -102,8 +123,13 @@ int FailedStatus(const std::string& out, std::string* line) {
   return code;
 }
 
-TEST(DaemonFaults, KilledTrainingProcessFailsTheOthersAndTheDaemonStaysUp) {
-  DaemonCluster cluster(3, 2);
+std::vector<std::string> CacheFlags(bool response_cache) {
+  return response_cache ? std::vector<std::string>{"--response_cache"}
+                        : std::vector<std::string>{};
+}
+
+void KilledTrainingProcess(bool response_cache) {
+  DaemonCluster cluster(3, 2, CacheFlags(response_cache));
   cluster.StartClients({{"fc", 100003}}, 100000, /*die_at=*/3, /*node=*/1, /*local=*/1);
   const auto start = std::chrono::steady_clock::now();
   const auto codes = cluster.WaitClients(std::chrono::seconds(60));
@@ -125,8 +151,15 @@ TEST(DaemonFaults, KilledTrainingProcessFailsTheOthersAndTheDaemonStaysUp) {
   }
 }
 
-TEST(DaemonFaults, KilledDaemonFailsEveryOtherNode) {
-  DaemonCluster cluster(3, 1);
+TEST(DaemonFaults, KilledTrainingProcessFailsTheOthersAndTheDaemonStaysUp) {
+  KilledTrainingProcess(false);
+}
+// With the response cache the other nodes wait in a cycle, not on the
+// coordinator: the failure must end it as well.
+TEST(DaemonFaults, KilledTrainingProcessWithTheResponseCache) { KilledTrainingProcess(true); }
+
+void KilledDaemon(bool response_cache) {
+  DaemonCluster cluster(3, 1, CacheFlags(response_cache));
   cluster.StartClients({{"fc", 100003}, {"b", 1000}}, 100000);
   // Let them run a few steps, then kill node 2's daemon.
   for (int i = 0; i < 500 && ReadLines(cluster.outs()[0]).size() < 6; ++i) {
@@ -145,6 +178,9 @@ TEST(DaemonFaults, KilledDaemonFailsEveryOtherNode) {
     EXPECT_EQ(status, r == 2 ? 2 : 5) << "node " << r << ": " << line;
   }
 }
+
+TEST(DaemonFaults, KilledDaemonFailsEveryOtherNode) { KilledDaemon(false); }
+TEST(DaemonFaults, KilledDaemonWithTheResponseCache) { KilledDaemon(true); }
 
 TEST(DaemonFaults, SizeMismatchBetweenNodesIsReportedEverywhere) {
   DaemonCluster cluster(2, 1);

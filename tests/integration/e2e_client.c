@@ -4,11 +4,15 @@
  * deterministic gradient, submits them all and waits for them all, and
  * writes "step bucket hash" per result to --out. On a failure it writes
  * "FAILED <status> <message>" and exits 3. Options (in this order):
- *   socket buckets steps out [die_at_step] [wait_timeout_ms] [local_rank] */
+ *   socket buckets steps out [die_at_step] [wait_timeout_ms] [local_rank] [reverse]
+ * "reverse": submit the buckets last first, 2 ms apart (nodes that submit in
+ * other orders and at other times). */
+#define _POSIX_C_SOURCE 200809L /* nanosleep */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "e2e_grad.h"
 #include "microd/microd.h"
@@ -64,9 +68,15 @@ int main(int argc, char** argv) {
     }
     ++nb;
   }
+  const int reverse = argc > 8 && strcmp(argv[8], "reverse") == 0;
   for (long t = 0; t < steps; ++t) {
     uint64_t tickets[MAX_BUCKETS];
-    for (int b = 0; b < nb; ++b) {
+    for (int i = 0; i < nb; ++i) {
+      const int b = reverse ? nb - 1 - i : i;
+      if (reverse && i > 0) {
+        const struct timespec pause = {0, 2000000};
+        nanosleep(&pause, NULL);
+      }
       e2e_fill(data[b], counts[b], job.rank, b, (uint64_t)t);
       s = microd_allreduce_async(c, ids[b], &tickets[b]);
       if (s != MICROD_OK) {
