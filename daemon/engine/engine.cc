@@ -251,6 +251,17 @@ void Engine::OnDisconnect(uint64_t client, bool clean, const std::string& why) {
   Fail(absl::AbortedError(reason), /*report=*/true);
 }
 
+control::BucketInfo Engine::InfoOf(const Bucket& b) {
+  return {b.name, kDtypeFloat32, static_cast<int64_t>(b.count), b.requested_dense};
+}
+
+std::vector<control::BucketInfo> Engine::TakeNewlyReady() {
+  std::vector<control::BucketInfo> out;
+  for (const std::string& name : newly_ready_) out.push_back(InfoOf(buckets_[name]));
+  newly_ready_.clear();
+  return out;
+}
+
 Engine::Work Engine::TakeWork(Bucket& b) {
   Work w;
   w.bucket = &b;
@@ -322,11 +333,7 @@ void Engine::Loop() {
         schedule_.clear();
         continue;
       }
-      for (const std::string& name : newly_ready_) {
-        const Bucket& b = buckets_[name];
-        report.push_back({name, kDtypeFloat32, static_cast<int64_t>(b.count), b.requested_dense});
-      }
-      newly_ready_.clear();
+      report = TakeNewlyReady();
       if (!schedule_.empty()) {
         batch = std::move(schedule_.front());
         schedule_.pop_front();
@@ -356,11 +363,7 @@ void Engine::ReportLoop() {
         newly_ready_.clear();
         continue;
       }
-      for (const std::string& name : newly_ready_) {
-        const Bucket& b = buckets_[name];
-        report.push_back({name, kDtypeFloat32, static_cast<int64_t>(b.count), b.requested_dense});
-      }
-      newly_ready_.clear();
+      report = TakeNewlyReady();
     }
     if (report.empty()) continue;
     if (absl::Status s = client_->Report(report); !s.ok()) Fail(s, /*report=*/false);
@@ -464,9 +467,7 @@ bool Engine::Cycle() {
     if (!failed_.ok()) return ran;
     for (size_t i = 0; i < agreed.size() * 64 && i < cached_.size(); ++i) {
       if (!((agreed[i / 64] >> (i % 64)) & 1)) continue;
-      const Bucket& b = *cached_[i];
-      cached.scheduled.push_back(
-          {b.name, kDtypeFloat32, static_cast<int64_t>(b.count), b.requested_dense});
+      cached.scheduled.push_back(InfoOf(*cached_[i]));
     }
   }
   if (!cached.scheduled.empty()) {

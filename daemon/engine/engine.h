@@ -191,6 +191,9 @@ class Engine final : public local::LocalHandler {
   void StagingFailed(const std::vector<const Work*>& works, const absl::Status& s);
   void RunFusedDense(std::vector<Work>& works);
   Work TakeWork(Bucket& b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static control::BucketInfo InfoOf(const Bucket& b);
+  // What to report to the coordinator: the buckets newly ready, not cached.
+  std::vector<control::BucketInfo> TakeNewlyReady() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status FailedStatus() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const EngineOptions options_;

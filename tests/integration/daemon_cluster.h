@@ -87,6 +87,11 @@ class DaemonCluster {
       if (p > 0) live.push_back(p);
     }
     WaitAll(live, std::chrono::seconds(20));
+    // MICROD_TEST_KEEP=1 keeps the daemons' logs and the outputs.
+    if (const char* keep = std::getenv("MICROD_TEST_KEEP"); keep != nullptr && *keep == '1') {
+      std::fprintf(stderr, "kept %s\n", dir_.c_str());
+      return;
+    }
     std::error_code ignored;
     std::filesystem::remove_all(dir_, ignored);
   }

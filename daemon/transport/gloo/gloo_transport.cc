@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <stdexcept>
 #include <vector>
 
@@ -226,9 +227,11 @@ class GlooTransport final : public Transport {
     if (bytes > 0) std::memmove(dst + r * bytes, in, bytes);
     if (n == 1 || bytes == 0) return;
     const auto deadline = std::chrono::steady_clock::now() + timeout;
+    // The buffers outlive the scope: Abort may touch them until it untracks.
+    std::unique_ptr<gloo::transport::UnboundBuffer> send, recv;
     ActiveScope scope{this};
-    auto send = Track(in, bytes);
-    auto recv = Track(out, bytes * n);
+    send = Track(in, bytes);
+    recv = Track(out, bytes * n);
     const uint64_t slot = gloo::Slot::build(kDirectAllgatherSlotPrefix, tag);
     for (int p = 0; p < n; ++p) {
       if (p == r) continue;
