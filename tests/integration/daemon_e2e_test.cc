@@ -441,6 +441,33 @@ TEST(DaemonFaults, SigtermEndsPendingWorkCleanlyAndRemovesTheSocket) {
   EXPECT_TRUE(status == 5 || status == 2) << line;  // the job ended, or the daemon went away
 }
 
+// With the response cache a bucket cached by a first step waits for the
+// other nodes in a cycle over the transport: SIGTERM still ends it at once.
+TEST(DaemonFaults, SigtermEndsACycleWaitingForTheOtherNodes) {
+  DaemonCluster cluster(2, 1, {"--response_cache"});
+  const std::string out0 = cluster.dir() + "/two_steps", out1 = cluster.dir() + "/one_step";
+  // Node 1's process leaves cleanly after one step; node 0's submits again.
+  const pid_t c0 = Spawn({MICROD_TEST_CLIENT, cluster.socket(0), "w:1000", "2", out0});
+  const pid_t c1 = Spawn({MICROD_TEST_CLIENT, cluster.socket(1), "w:1000", "1", out1});
+  EXPECT_EQ(WaitAll({c1}, std::chrono::seconds(20))[0], 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // node 0 waits in a cycle
+  auto status = cluster.Status(0);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->batches(), 1u);  // the first step, through the coordinator
+  const auto start = std::chrono::steady_clock::now();
+  kill(cluster.pid(0), SIGTERM);
+  const auto daemon_code = WaitAll({cluster.pid(0)}, std::chrono::seconds(20));
+  cluster.Forget(0);
+  EXPECT_EQ(daemon_code[0], 0);
+  const auto codes = WaitAll({c0}, std::chrono::seconds(20));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  std::string line;
+  const int code = FailedStatus(out0, &line);
+  EXPECT_EQ(codes[0], 3);
+  EXPECT_TRUE(code == 5 || code == 2) << line;  // the job ended, or the daemon went away
+  EXPECT_EQ(ReadLines(out0).size(), 2u) << "the first step completed, then the failure";
+}
+
 TEST(DaemonFaults, SigtermWhileWaitingForTheOtherNodesExitsAtOnce) {
   const std::string dir = MakeTempDir("e2e-join");
   // Node 0 of a 2-node job whose second node never comes: it waits to join.
