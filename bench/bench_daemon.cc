@@ -25,6 +25,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "bench/bench_stats.h"
 #include "daemon/sim/synthetic.h"
 #include "microd/microd.h"
 
@@ -49,11 +50,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
-}
+using microd::bench::Percentile;
 
 std::string Sibling(const char* self, const std::string& name) {
   std::string s = self;

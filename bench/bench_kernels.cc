@@ -14,6 +14,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
+#include "bench/bench_stats.h"
 #include "daemon/sim/synthetic.h"
 #include "daemon/sparsify/options.h"
 #include "kernels/sparse_ops.h"
@@ -28,10 +29,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using microd::bench::Median;
 
 double TimeMs(const std::function<void()>& f) {
   const auto t0 = Clock::now();

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_stats.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/sparse_ops.h"
 
@@ -91,10 +92,7 @@ __global__ void AddInPlace(float* e, const float* g, uint64_t n) {
   }
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+using microd::bench::Median;
 
 // Median over `reps` of the device time of what `enqueue` queues on `s`.
 template <typename F>

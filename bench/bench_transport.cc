@@ -26,6 +26,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "bench/bench_stats.h"
 #include "daemon/control/coordinator.h"
 #include "daemon/control/coordinator_client.h"
 #include "daemon/control/services.h"
@@ -54,16 +55,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5))];
-}
+using microd::bench::Median;
+using microd::bench::Percentile;
 
 constexpr uint64_t kSmallElements = 1024;
 

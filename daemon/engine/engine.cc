@@ -217,7 +217,6 @@ absl::Status Engine::OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t tick
     b.ready_at = absl::Now();
     if (b.cache_id >= 0) {
       cached_ready_[b.cache_id] = true;  // negotiated in the next cycle
-      ++cached_ready_count_;
       changed_ = true;
     } else {
       newly_ready_.push_back(b.name);
@@ -271,10 +270,7 @@ Engine::Work Engine::TakeWork(Bucket& b) {
   w.buffer_ids = b.buffer_ids;
   std::fill(b.tickets.begin(), b.tickets.end(), 0);
   b.submitted = 0;
-  if (b.cache_id >= 0 && cached_ready_[b.cache_id]) {
-    cached_ready_[b.cache_id] = false;
-    --cached_ready_count_;
-  }
+  if (b.cache_id >= 0) cached_ready_[b.cache_id] = false;
   return w;
 }
 
@@ -376,7 +372,8 @@ void Engine::CacheLoop() {
     {
       absl::MutexLock lock(&mu_);
       auto pending = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return cached_ready_count_ > 0 || !schedule_.empty();
+        return !schedule_.empty() ||
+               std::find(cached_ready_.begin(), cached_ready_.end(), true) != cached_ready_.end();
       };
       auto go = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return stop_ || (pending() && (changed_ || progressed));
@@ -404,9 +401,10 @@ bool Engine::Cycle() {
   const int n = membership_.node_count;
   // What this node has: schedule batches received, ready cached buckets.
   std::vector<uint64_t> mine;
+  size_t ids = 0;  // cached buckets at the time of the cycle
   {
     absl::MutexLock lock(&mu_);
-    const size_t ids = cached_.size();
+    ids = cached_.size();
     mine.assign(2 + (ids + 63) / 64, 0);
     mine[0] = log_run_ + schedule_.size();
     mine[1] = ids;
@@ -465,7 +463,8 @@ bool Engine::Cycle() {
   {
     absl::MutexLock lock(&mu_);
     if (!failed_.ok()) return ran;
-    for (size_t i = 0; i < agreed.size() * 64 && i < cached_.size(); ++i) {
+    // Ids assigned by the batches just run have no agreed bits yet.
+    for (size_t i = 0; i < ids; ++i) {
       if (!((agreed[i / 64] >> (i % 64)) & 1)) continue;
       cached.scheduled.push_back(InfoOf(*cached_[i]));
     }

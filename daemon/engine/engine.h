@@ -217,7 +217,6 @@ class Engine final : public local::LocalHandler {
   // whether anything changed since the last cycle.
   std::vector<Bucket*> cached_ ABSL_GUARDED_BY(mu_);
   std::vector<bool> cached_ready_ ABSL_GUARDED_BY(mu_);
-  size_t cached_ready_count_ ABSL_GUARDED_BY(mu_) = 0;
   bool changed_ ABSL_GUARDED_BY(mu_) = false;
   uint64_t log_run_ ABSL_GUARDED_BY(mu_) = 0;  // schedule batches taken from schedule_
   uint32_t next_slot_ = 1;  // engine thread only; slot 0 is the fused dense buffer

@@ -275,11 +275,11 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
   stats.budget = Budget(options_.DensityAt(step_), spec_.size);
   const int n = job_.num_nodes;
   const Range part = PartitionRange(spec_.size, n, OwnedPartition(job_.node_rank, step_, n));
-  float* acc = residual_[1 - current_].get();
   const float pass_threshold = controller_->PassThreshold();
   ASSIGN_OR_RETURN(const float* clipped, Clipped(grad, stats));
 
   kernels::FusedSelectArgs args = PassArgs(clipped);
+  float* const acc = args.acc;
   args.select_begin = part.begin;
   args.select_end = part.end;
   args.threshold = pass_threshold;
@@ -341,10 +341,10 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
   const float lambda = static_cast<float>(options_.hard_threshold > 0
                                               ? options_.hard_threshold
                                               : 1.0 / (2.0 * std::sqrt(static_cast<double>(k_))));
-  float* acc = residual_[1 - current_].get();
   ASSIGN_OR_RETURN(const float* clipped, Clipped(grad, stats));
 
   kernels::FusedSelectArgs args = PassArgs(clipped);
+  float* const acc = args.acc;
   args.select_begin = 0;
   args.select_end = hard ? spec_.size : 0;  // topk selects afterwards
   args.threshold = lambda;

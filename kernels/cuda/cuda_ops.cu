@@ -61,6 +61,12 @@ __device__ __forceinline__ void FlushCount(unsigned long long local, unsigned lo
   if ((threadIdx.x & 31) == 0 && w != 0) atomicAdd(target, w);
 }
 
+// Momentum correction u = beta * v + g, rounded multiply then add: no fused
+// multiply-add, as the CPU computes it.
+__device__ __forceinline__ float MomentumOf(float beta, float v, float g) {
+  return __fadd_rn(__fmul_rn(beta, v), g);
+}
+
 struct FusedParams {
   const float* grad = nullptr;      // kAccumulate only
   const float* residual = nullptr;  // kAccumulate only
@@ -106,10 +112,8 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedParams p) {
           float4 g = *reinterpret_cast<const float4*>(p.grad + i0);
           if (p.velocity_out != nullptr) {
             const float4 u = *reinterpret_cast<const float4*>(p.velocity_in + i0);
-            g = make_float4(__fadd_rn(__fmul_rn(p.beta, u.x), g.x),
-                            __fadd_rn(__fmul_rn(p.beta, u.y), g.y),
-                            __fadd_rn(__fmul_rn(p.beta, u.z), g.z),
-                            __fadd_rn(__fmul_rn(p.beta, u.w), g.w));
+            g = make_float4(MomentumOf(p.beta, u.x, g.x), MomentumOf(p.beta, u.y, g.y),
+                            MomentumOf(p.beta, u.z, g.z), MomentumOf(p.beta, u.w, g.w));
             *reinterpret_cast<float4*>(p.velocity_out + i0) = g;
           }
           a = make_float4(e.x + g.x, e.y + g.y, e.z + g.z, e.w + g.w);
@@ -130,7 +134,7 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedParams p) {
             if constexpr (kAccumulate) {
               float g = p.grad[i];
               if (p.velocity_out != nullptr) {
-                g = __fadd_rn(__fmul_rn(p.beta, p.velocity_in[i]), g);
+                g = MomentumOf(p.beta, p.velocity_in[i], g);
                 p.velocity_out[i] = g;
               }
               x = p.residual[i] + g;
@@ -231,8 +235,7 @@ __global__ void MomentumKernel(const float* grad, const float* vin, float beta, 
                                uint64_t size) {
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size; i += stride) {
-    // Rounded multiply, then add: no fused multiply-add, as the CPU computes it.
-    vout[i] = __fadd_rn(__fmul_rn(beta, vin[i]), grad[i]);
+    vout[i] = MomentumOf(beta, vin[i], grad[i]);
   }
 }
 

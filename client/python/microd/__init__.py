@@ -312,15 +312,20 @@ class Client:
             raise ClosedError(Status.CLOSED, "the client is closed")
         return self._handle
 
+    def _buffer_options(self, name, dense):
+        """The C options of a new buffer `name`; refuses a name already taken."""
+        if name in self.buffers:
+            raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"buffer '{name}' already registered")
+        opts = _BufferOptions()
+        _library().microd_buffer_options_init(ctypes.byref(opts))
+        opts.flags = BUFFER_DENSE if dense else 0
+        return opts
+
     def register(self, name, count, dense=False):
         """Allocates `count` float32 elements in shared memory and registers
         them under `name` (the same on every process). `dense`: never sparsify."""
-        if name in self.buffers:
-            raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"buffer '{name}' already registered")
+        opts = self._buffer_options(name, dense)
         lib = _library()
-        opts = _BufferOptions()
-        lib.microd_buffer_options_init(ctypes.byref(opts))
-        opts.flags = BUFFER_DENSE if dense else 0
         data = ctypes.POINTER(ctypes.c_float)()
         buffer_id = ctypes.c_int32(-1)
         self._check(lib.microd_register_buffer(self._live(), name.encode(), int(count),
@@ -337,13 +342,9 @@ class Client:
         The daemon maps it with CUDA IPC and writes each update into it in
         place. Loads the CUDA driver on first use; UnsupportedError when this
         process or the daemon has no usable GPU (see microd.h)."""
-        if name in self.buffers:
-            raise InvalidArgumentError(Status.INVALID_ARGUMENT, f"buffer '{name}' already registered")
+        opts = self._buffer_options(name, dense)
         ptr, n, tensor = _cuda_target(memory, count)
         lib = _library()
-        opts = _BufferOptions()
-        lib.microd_buffer_options_init(ctypes.byref(opts))
-        opts.flags = BUFFER_DENSE if dense else 0
         buffer_id = ctypes.c_int32(-1)
         self._check(lib.microd_register_cuda_buffer(self._live(), name.encode(),
                                                     ctypes.c_void_p(ptr), n, ctypes.byref(opts),
