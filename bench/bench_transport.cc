@@ -46,6 +46,7 @@ ABSL_FLAG(int, latency_iters, 0,
           "also time this many back-to-back allreduces of 1,024 floats through microd's Gloo "
           "transport (what a small bucket's exchange costs without the daemons)");
 ABSL_FLAG(std::string, json, "", "write results as JSON to this file");
+ABSL_FLAG(int, gloo_io_nice, 0, "nice value for Gloo's network thread (as microd --gloo_io_nice)");
 // Worker mode (set by the launcher).
 ABSL_FLAG(int, worker_rank, -1, "internal: run as worker with this rank");
 ABSL_FLAG(std::string, coordinator, "", "internal: coordinator address");
@@ -94,6 +95,7 @@ int Worker() {
   go.size = n;
   go.store = client->get();
   go.timeout = absl::Seconds(300);
+  go.io_nice = absl::GetFlag(FLAGS_gloo_io_nice);
   auto transport = microd::transport::CreateGlooTransport(go);
   if (!transport.ok()) {
     std::fprintf(stderr, "worker %d: %s\n", rank, transport.status().ToString().c_str());
@@ -252,7 +254,8 @@ int Launcher(char* self) {
         absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)),
         absl::StrCat("--reps=", absl::GetFlag(FLAGS_reps)),
         absl::StrCat("--dense_reps=", absl::GetFlag(FLAGS_dense_reps)),
-        absl::StrCat("--latency_iters=", absl::GetFlag(FLAGS_latency_iters))};
+        absl::StrCat("--latency_iters=", absl::GetFlag(FLAGS_latency_iters)),
+        absl::StrCat("--gloo_io_nice=", absl::GetFlag(FLAGS_gloo_io_nice))};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);

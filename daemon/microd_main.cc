@@ -47,6 +47,11 @@ ABSL_FLAG(std::string, admin, "127.0.0.1:7471", "Admin service address (port 0: 
 ABSL_FLAG(std::string, admin_port_file, "", "write the Admin port to this file once listening");
 ABSL_FLAG(std::string, transport, "gloo", "data plane: gloo (nccl needs a CUDA build)");
 ABSL_FLAG(std::string, hostname, "127.0.0.1", "address peers reach this node's data plane on");
+ABSL_FLAG(int, gloo_io_nice, 0,
+          "lower the priority of Gloo's network thread by this much (0-19); for several daemons "
+          "sharing a few cores (tests, one-machine runs), where that thread's busy-waiting "
+          "otherwise costs a scheduler time slice per small collective; leave 0 where training "
+          "keeps every core busy");
 ABSL_FLAG(std::string, sparsifier, "micro", "micro, topk, hard or dense");
 ABSL_FLAG(std::string, controller, "hist", "micro threshold controller: hist or paper");
 ABSL_FLAG(double, density, 0.01, "target density in (0, 1]");
@@ -209,6 +214,10 @@ int main(int argc, char** argv) {
     return Fatal("--transport",
                  absl::UnimplementedError(absl::StrCat("'", absl::GetFlag(FLAGS_transport),
                                                        "' is not available in this build (gloo)")));
+  }
+  if (const int nice = absl::GetFlag(FLAGS_gloo_io_nice); nice < 0 || nice > 19) {
+    return Fatal("--gloo_io_nice",
+                 absl::InvalidArgumentError(absl::StrCat("must be in [0, 19], not ", nice)));
   }
   const absl::Duration op_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
   const absl::Duration peer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_peer_timeout_ms));
@@ -392,6 +401,7 @@ int main(int argc, char** argv) {
   go.store = client.get();
   go.hostname = absl::GetFlag(FLAGS_hostname);
   go.timeout = op_timeout;
+  go.io_nice = absl::GetFlag(FLAGS_gloo_io_nice);
   auto created_transport = microd::transport::CreateGlooTransport(go);
   if (!created_transport.ok()) return Fatal("transport", created_transport.status());
   transport = std::move(created_transport).value();

@@ -63,3 +63,16 @@ def test_microd_reads_every_variable():
                            text=True, timeout=20)
         assert r.returncode != 0, f"microd accepted {var}={value}"
         assert var in r.stderr or name in r.stderr, (var, r.stderr)
+
+
+@pytest.mark.parametrize("var,value", [("MICROD_GLOO_IO_NICE", "20"), ("MICROD_GLOO_IO_NICE", "-1"),
+                                       ("MICROD_LOCAL_SIZE", "0"), ("MICROD_DENSITY", "0")])
+def test_microd_refuses_values_out_of_range(var, value):
+    """A value of the right type but out of range stops microd at start with
+    the flag's name, before it joins anything."""
+    microd = os.path.join(os.environ["MICROD_BUILD_DIR"], "daemon", "microd")
+    r = subprocess.run([microd], env={**os.environ, var: value}, capture_output=True, text=True,
+                       timeout=20)
+    assert r.returncode != 0, f"microd accepted {var}={value}"
+    flag = var[len("MICROD_"):].lower()
+    assert flag in r.stderr, (var, r.stderr)

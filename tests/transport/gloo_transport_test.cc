@@ -1,16 +1,24 @@
 // The contract suite against the Gloo transport: the ranks are threads of
 // this process, connected over loopback TCP through an in-memory store.
+#include <dirent.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <fstream>
+#include <map>
+#include <sstream>
 #include <thread>
 
 #include "daemon/control/kv_store.h"
 #include "daemon/transport/gloo/gloo_transport.h"
+#include "gtest/gtest.h"
 #include "tests/transport/transport_contract.h"
 
 namespace microd::transport::testing {
 namespace {
 
-std::vector<std::unique_ptr<Transport>> CreateGlooGroup(int size) {
+std::vector<std::unique_ptr<Transport>> CreateGlooGroup(int size, int io_nice = 0) {
   static control::InMemoryKeyValueStore store;
   static std::atomic<int> group_id{0};
   const std::string prefix = "group" + std::to_string(group_id++);
@@ -24,6 +32,7 @@ std::vector<std::unique_ptr<Transport>> CreateGlooGroup(int size) {
       o.store = &store;
       o.prefix = prefix;
       o.timeout = absl::Seconds(30);
+      o.io_nice = io_nice;
       auto t = CreateGlooTransport(o);
       EXPECT_TRUE(t.ok()) << t.status();
       if (t.ok()) group[r] = std::move(t).value();
@@ -36,10 +45,80 @@ std::vector<std::unique_ptr<Transport>> CreateGlooGroup(int size) {
   return group;
 }
 
+// Nice value of every thread of this process, by thread id (field 19 of
+// /proc/self/task/<tid>/stat, after the parenthesised command name).
+std::map<int, int> NiceByThread() {
+  std::map<int, int> nice;
+  DIR* d = opendir("/proc/self/task");
+  if (d == nullptr) return nice;
+  while (dirent* e = readdir(d)) {
+    if (e->d_name[0] == '.') continue;
+    std::ifstream in(std::string("/proc/self/task/") + e->d_name + "/stat");
+    std::string line;
+    std::getline(in, line);
+    const size_t paren = line.rfind(')');
+    if (paren == std::string::npos) continue;
+    std::istringstream rest(line.substr(paren + 2));
+    std::string field;
+    for (int i = 3; i <= 19 && rest >> field; ++i) {
+      if (i == 19) nice[std::stoi(e->d_name)] = std::stoi(field);
+    }
+  }
+  closedir(d);
+  return nice;
+}
+
 }  // namespace
 
+TEST(GlooTransportTest, IoNiceLowersTheNetworkThreadOnly) {
+  const int base = getpriority(PRIO_PROCESS, 0);
+  const std::map<int, int> before = NiceByThread();
+  std::vector<std::unique_ptr<Transport>> group = CreateGlooGroup(2, /*io_nice=*/7);
+  ASSERT_EQ(group.size(), 2u);
+  int lowered = 0;
+  for (const auto& [tid, nice] : NiceByThread()) {
+    if (before.count(tid) > 0) {
+      EXPECT_EQ(nice, before.at(tid)) << "thread " << tid << " existed before";
+    } else if (nice == std::min(19, base + 7)) {
+      ++lowered;
+    } else {
+      ADD_FAILURE() << "new thread " << tid << " has nice " << nice;
+    }
+  }
+  // Gloo's network thread: one per process (shared by the devices) or one
+  // per device, depending on the Gloo version.
+  EXPECT_GE(lowered, 1) << "no thread has the nice value";
+  EXPECT_LE(lowered, 2);
+  EXPECT_EQ(getpriority(PRIO_PROCESS, 0), base);
+  // The transports still work.
+  std::vector<std::thread> threads;
+  std::vector<float> x = {2.5f, 4.0f};
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      EXPECT_TRUE(group[r]->AllreduceSum(&x[r], 1, DataType::kFloat32, {}).ok());
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(x[0], 6.5f);
+  EXPECT_EQ(x[1], 6.5f);
+}
+
+TEST(GlooTransportTest, IoNiceOutOfRangeIsRefused) {
+  control::InMemoryKeyValueStore store;
+  for (int bad : {-1, 20}) {
+    GlooOptions o;
+    o.store = &store;
+    o.io_nice = bad;
+    auto t = CreateGlooTransport(o);
+    ASSERT_FALSE(t.ok());
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(t.status().message().find("io_nice"), std::string::npos) << t.status();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Gloo, TransportContractTest,
-                         ::testing::Values(TransportBackend{"gloo", CreateGlooGroup}),
+                         ::testing::Values(TransportBackend{
+                             "gloo", [](int size) { return CreateGlooGroup(size); }}),
                          [](const auto& info) { return info.param.name; });
 
 }  // namespace microd::transport::testing

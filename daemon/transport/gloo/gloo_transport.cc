@@ -19,10 +19,16 @@
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 #include <signal.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <future>
 #include <memory>
 #include <stdexcept>
 #include <vector>
@@ -328,6 +334,45 @@ class GlooTransport final : public Transport {
   bool aborted_ ABSL_GUARDED_BY(active_mu_) = false;
 };
 
+// Runs setpriority on Gloo's network thread itself: an eventfd registered
+// with the device's event loop, whose handler runs on that thread.
+class IoNiceSetter final : public gloo::transport::tcp::Handler {
+ public:
+  explicit IoNiceSetter(int nice) : nice_(nice) {}
+
+  absl::Status Apply(gloo::transport::tcp::Device& device) {
+    const int fd = eventfd(1, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd < 0) return absl::InternalError(absl::StrCat("eventfd: ", strerror(errno)));
+    std::future<int> done = result_.get_future();
+    device.registerDescriptor(fd, EPOLLIN, this);
+    const bool ran = done.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+    device.unregisterDescriptor(fd, this);  // waits for a loop tick: no call after this
+    close(fd);
+    if (!ran) return absl::DeadlineExceededError("gloo: the network thread did not run in 10 s");
+    if (const int err = done.get(); err != 0) {
+      return absl::InternalError(absl::StrCat("gloo: could not set the network thread's nice to ",
+                                              nice_, ": ", strerror(err)));
+    }
+    return absl::OkStatus();
+  }
+
+  void handleEvents(int) override {
+    if (fired_) return;  // level-triggered: may run again before unregistering
+    fired_ = true;
+    const id_t tid = static_cast<id_t>(gettid());
+    errno = 0;
+    const int current = getpriority(PRIO_PROCESS, tid);
+    int err = errno;
+    if (err == 0 && setpriority(PRIO_PROCESS, tid, std::min(19, current + nice_)) != 0) err = errno;
+    result_.set_value(err);
+  }
+
+ private:
+  const int nice_;
+  bool fired_ = false;  // touched by the network thread only
+  std::promise<int> result_;
+};
+
 void IgnoreSigpipe() {
   struct sigaction current {};
   if (sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
@@ -346,6 +391,10 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGlooTransport(const GlooOptions
   if (o.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("gloo: timeout must be positive");
   }
+  if (o.io_nice < 0 || o.io_nice > 19) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("gloo: io_nice must be 0 to 19, not ", o.io_nice));
+  }
   // Gloo writes to sockets without MSG_NOSIGNAL: a peer that died would kill
   // this process with SIGPIPE instead of failing the call.
   IgnoreSigpipe();
@@ -353,6 +402,12 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGlooTransport(const GlooOptions
     gloo::transport::tcp::attr attr;
     attr.hostname = o.hostname;
     auto device = gloo::transport::tcp::CreateDevice(attr);
+    if (o.io_nice > 0) {
+      auto* tcp = dynamic_cast<gloo::transport::tcp::Device*>(device.get());
+      if (tcp == nullptr) return absl::InternalError("gloo: the device is not a tcp device");
+      IoNiceSetter setter(o.io_nice);
+      if (absl::Status s = setter.Apply(*tcp); !s.ok()) return s;
+    }
     auto context = std::make_shared<gloo::rendezvous::Context>(o.rank, o.size);
     context->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(o.timeout)));
     if (o.size > 1) {

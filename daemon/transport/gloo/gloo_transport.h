@@ -23,6 +23,14 @@ struct GlooOptions {
   std::string hostname = "127.0.0.1";
   // Bound for creating the full mesh, and for calls made without a deadline.
   absl::Duration timeout = absl::Seconds(60);
+  // Nice value added to Gloo's network thread (0 to 19; 0 leaves it). That
+  // thread busy-waits while a collective is being posted by another thread
+  // of the process; where processes outnumber cores (several daemons on one
+  // machine) it takes the core from the thread it waits for, and a small
+  // collective costs a scheduler time slice (ms). A positive value lets the
+  // waited-for thread run first. Leave it at 0 where training processes keep
+  // every core busy: the network thread would then get little CPU.
+  int io_nice = 0;
 };
 
 // Connects the full mesh (blocking until every rank arrived or the timeout).
