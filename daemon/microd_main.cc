@@ -32,6 +32,10 @@
 #include "daemon/local/local_server.h"
 #include "daemon/transport/gloo/gloo_transport.h"
 #include "microd/config.h"
+#if MICROD_HAVE_NCCL
+#include "daemon/transport/nccl/nccl_transport.h"
+#include "kernels/cuda/cuda_ops.h"
+#endif
 
 ABSL_FLAG(std::string, socket, "/run/microd/microd.sock", "Unix socket for the training processes");
 ABSL_FLAG(int, local_size, 1, "training processes on this node");
@@ -45,7 +49,10 @@ ABSL_FLAG(std::string, coordinator_port_file, "",
           "write the coordinator's port to this file once listening");
 ABSL_FLAG(std::string, admin, "127.0.0.1:7471", "Admin service address (port 0: any)");
 ABSL_FLAG(std::string, admin_port_file, "", "write the Admin port to this file once listening");
-ABSL_FLAG(std::string, transport, "gloo", "data plane: gloo (nccl needs a CUDA build)");
+ABSL_FLAG(std::string, transport, "gloo",
+          "data plane: gloo (CPU, TCP; any buffers) or nccl (CUDA builds: the step runs on "
+          "--cuda_device and takes only CUDA buffers on it)");
+ABSL_FLAG(int, cuda_device, 0, "with --transport=nccl: the CUDA device (ordinal) to reduce on");
 ABSL_FLAG(std::string, hostname, "127.0.0.1", "address peers reach this node's data plane on");
 ABSL_FLAG(int, gloo_io_nice, 0,
           "lower the priority of Gloo's network thread by this much (0-19); for several daemons "
@@ -210,10 +217,15 @@ int main(int argc, char** argv) {
     return Fatal("--local_size", absl::InvalidArgumentError(absl::StrCat(
                                      "must be in [1, ", microd::control::kMaxLocalSize, "]")));
   }
-  if (absl::GetFlag(FLAGS_transport) != "gloo") {
+  const std::string transport_name = absl::GetFlag(FLAGS_transport);
+  if (transport_name != "gloo" && !(MICROD_HAVE_NCCL && transport_name == "nccl")) {
     return Fatal("--transport",
-                 absl::UnimplementedError(absl::StrCat("'", absl::GetFlag(FLAGS_transport),
-                                                       "' is not available in this build (gloo)")));
+                 absl::UnimplementedError(absl::StrCat(
+                     "'", transport_name, "' is not available in this build (",
+                     MICROD_HAVE_NCCL ? "gloo or nccl" : "gloo; nccl needs a CUDA build", ")")));
+  }
+  if (absl::GetFlag(FLAGS_cuda_device) < 0) {
+    return Fatal("--cuda_device", absl::InvalidArgumentError("must be >= 0"));
   }
   if (const int nice = absl::GetFlag(FLAGS_gloo_io_nice); nice < 0 || nice > 19) {
     return Fatal("--gloo_io_nice",
@@ -370,6 +382,21 @@ int main(int argc, char** argv) {
     std::ofstream(f) << (*admin)->port() << "\n";
   }
 
+#if MICROD_HAVE_NCCL
+  if (transport_name == "nccl") {
+    // Before joining: a node without a usable GPU must not hold the job up.
+    std::string why;
+    auto gpu_ops = microd::kernels::CreateCudaSparseOps(absl::GetFlag(FLAGS_cuda_device), &why);
+    if (gpu_ops == nullptr) {
+      return Fatal("--transport=nccl",
+                   absl::FailedPreconditionError(absl::StrCat(
+                       "no usable GPU ", absl::GetFlag(FLAGS_cuda_device), ": ", why)));
+    }
+    absl::MutexLock lock(&state_mu);
+    ops = std::move(gpu_ops);
+  }
+#endif
+
   // Join the job.
   microd::control::CoordinatorClientOptions cco;
   cco.address = coordinator_address;
@@ -395,18 +422,39 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "microd: node '%s' is rank %d of %d (world size %d)\n", node_name.c_str(),
                membership.node_rank, membership.node_count, membership.world_size);
 
-  microd::transport::GlooOptions go;
-  go.rank = membership.node_rank;
-  go.size = membership.node_count;
-  go.store = client.get();
-  go.hostname = absl::GetFlag(FLAGS_hostname);
-  go.timeout = op_timeout;
-  go.io_nice = absl::GetFlag(FLAGS_gloo_io_nice);
-  auto created_transport = microd::transport::CreateGlooTransport(go);
-  if (!created_transport.ok()) return Fatal("transport", created_transport.status());
-  transport = std::move(created_transport).value();
-  ops = microd::kernels::CreateCpuSparseOps();
   microd::engine::EngineOptions eo;
+  if (transport_name == "gloo") {
+    microd::transport::GlooOptions go;
+    go.rank = membership.node_rank;
+    go.size = membership.node_count;
+    go.store = client.get();
+    go.hostname = absl::GetFlag(FLAGS_hostname);
+    go.timeout = op_timeout;
+    go.io_nice = absl::GetFlag(FLAGS_gloo_io_nice);
+    auto created_transport = microd::transport::CreateGlooTransport(go);
+    if (!created_transport.ok()) return Fatal("transport", created_transport.status());
+    transport = std::move(created_transport).value();
+    ops = microd::kernels::CreateCpuSparseOps();
+  } else {
+#if MICROD_HAVE_NCCL
+    // The GPU path: kernels and collectives on --cuda_device, in place on
+    // the processes' CUDA buffers. The kernels queue on the legacy default
+    // stream; the transport's own stream is ordered after them.
+    const int device = absl::GetFlag(FLAGS_cuda_device);
+    microd::transport::NcclOptions no;
+    no.rank = membership.node_rank;
+    no.size = membership.node_count;
+    no.device = device;
+    no.store = client.get();
+    no.timeout = op_timeout;
+    auto created_transport = microd::transport::CreateNcclTransport(no);
+    if (!created_transport.ok()) return Fatal("transport", created_transport.status());
+    transport = std::move(created_transport).value();
+    eo.device_resident = true;
+    eo.device = device;
+    std::fprintf(stderr, "microd: reducing on GPU %d over NCCL (CUDA buffers only)\n", device);
+#endif
+  }
   eo.local_size = local_size;
   eo.sparsify = sparsify;
   eo.dense_floor = absl::GetFlag(FLAGS_dense_floor);

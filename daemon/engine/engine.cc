@@ -151,6 +151,17 @@ absl::Status Engine::OnRegister(uint64_t client, uint32_t buffer_id, const std::
 absl::Status Engine::RegisterBuffer(uint64_t client, uint32_t buffer_id, const std::string& name,
                                     bool dense, std::shared_ptr<local::HostBuffer> buffer,
                                     std::vector<Work>* refused) {
+  if (options_.device_resident) {
+    const local::DeviceMemory* dev = buffer->device();
+    if (dev == nullptr || dev->ordinal() != options_.device) {
+      return WithClientStatus(
+          absl::FailedPreconditionError(absl::StrCat(
+              "buffer '", name, "': this daemon reduces on GPU ", options_.device,
+              " (--transport=nccl) and takes only CUDA buffers on that GPU; this one is ",
+              dev == nullptr ? "host memory" : absl::StrCat("on GPU ", dev->ordinal()))),
+          ClientStatus::kUnsupported);
+    }
+  }
   absl::MutexLock lock(&mu_);
   if (!failed_.ok()) return failed_;
   auto pit = processes_.find(client);
@@ -538,7 +549,8 @@ absl::Status Engine::StageIn(const Work& w, absl::Time deadline) {
   for (size_t r = 0; r < w.buffers.size() && result.ok(); ++r) {
     local::DeviceMemory* dev = w.buffers[r] != nullptr ? w.buffers[r]->device() : nullptr;
     if (dev == nullptr) continue;
-    absl::Status s = dev->BeginCopyIn(deadline, abandoned);
+    absl::Status s = options_.device_resident ? dev->WaitReady(deadline, abandoned)
+                                              : dev->BeginCopyIn(deadline, abandoned);
     if (!s.ok()) result = InBucket(s, w.bucket->name, r);
   }
   // Every copy queued is awaited, also after a failure.
@@ -552,6 +564,13 @@ absl::Status Engine::StageIn(const Work& w, absl::Time deadline) {
 }
 
 absl::Status Engine::StageOut(const Work& w, absl::Time deadline) {
+  if (options_.device_resident) {
+    // The update was written in place by the step's GPU work: done when it is.
+    const kernels::KernelStatus k = ops_->Synchronize(nullptr);
+    if (k == kernels::KernelStatus::kOk) return absl::OkStatus();
+    return absl::InternalError(absl::StrCat("bucket '", w.bucket->name, "': the step's GPU work (",
+                                            ops_->name(), "): ", kernels::KernelStatusString(k)));
+  }
   absl::Status result;
   for (size_t r = 0; r < w.buffers.size() && result.ok(); ++r) {
     local::DeviceMemory* dev = w.buffers[r] != nullptr ? w.buffers[r]->device() : nullptr;
@@ -568,9 +587,30 @@ absl::Status Engine::StageOut(const Work& w, absl::Time deadline) {
   return result;
 }
 
+absl::Status Engine::CopyFloats(float* dst, const float* src, uint64_t count) {
+  if (count == 0) return absl::OkStatus();
+  kernels::KernelStatus k;
+  if (src == nullptr) {
+    const std::vector<float> zeros(count, 0.0f);
+    k = ops_->CopyToDevice(dst, zeros.data(), count * sizeof(float), nullptr);
+  } else {
+    // One input: a copy, in ops_'s memory (host or device).
+    k = ops_->LocalSum(&src, 1, count, dst, nullptr, nullptr);
+  }
+  return KernelCall(k, "copy");
+}
+
+absl::Status Engine::KernelCall(kernels::KernelStatus k, const char* what) const {
+  if (k == kernels::KernelStatus::kOk) return absl::OkStatus();
+  return absl::InternalError(
+      absl::StrCat(what, " (", ops_->name(), "): ", kernels::KernelStatusString(k)));
+}
+
 void Engine::StagingFailed(const std::vector<const Work*>& works, const absl::Status& s) {
   const absl::Status why = absl::Status(
-      s.code(), absl::StrCat("node ", membership_.node_rank, ": CUDA staging: ", s.message()));
+      s.code(), absl::StrCat("node ", membership_.node_rank,
+                             options_.device_resident ? ": GPU step: " : ": CUDA staging: ",
+                             s.message()));
   {
     absl::MutexLock lock(&mu_);
     for (const Work* w : works) ++w->bucket->stats.failures;
@@ -589,10 +629,12 @@ void Engine::NonFinite(const Work& w, const absl::Status& status) {
     return;
   }
   // Skip: nothing was reduced; every process applies a zero update.
+  absl::Status zeroed;
   for (const auto& buf : w.buffers) {
-    if (buf != nullptr) std::memset(buf->data(), 0, buf->count() * sizeof(float));
+    if (buf != nullptr && zeroed.ok()) zeroed = CopyFloats(Data(*buf), nullptr, buf->count());
   }
-  if (absl::Status s = StageOut(w, absl::Now() + options_.op_timeout); !s.ok()) {
+  absl::Status s = zeroed.ok() ? StageOut(w, absl::Now() + options_.op_timeout) : zeroed;
+  if (!s.ok()) {
     StagingFailed({&w}, s);
     return;
   }
@@ -656,15 +698,20 @@ void Engine::RunSparse(Work& w) {
     StagingFailed({&w}, s);
     return;
   }
-  const float* grad = w.buffers[0]->data();
+  const float* grad = Data(*w.buffers[0]);
   if (L > 1) {
     std::vector<const float*> inputs;
-    for (const auto& buf : w.buffers) inputs.push_back(buf->data());
-    ops_->LocalSum(inputs.data(), L, d, grad_.get(), nullptr, nullptr);
+    for (const auto& buf : w.buffers) inputs.push_back(Data(*buf));
+    if (absl::Status s = KernelCall(
+            ops_->LocalSum(inputs.data(), L, d, grad_.get(), nullptr, nullptr), "local sum");
+        !s.ok()) {
+      StagingFailed({&w}, absl::InternalError(absl::StrCat("bucket '", b.name, "': ", s.message())));
+      return;
+    }
     grad = grad_.get();
   }
   const double local_sum = Seconds(t0);
-  float* update = L > 1 ? update_.get() : w.buffers[0]->data();
+  float* update = L > 1 ? update_.get() : Data(*w.buffers[0]);
   auto st = b.state->Step(grad, update, *transport_, absl::Now() + options_.op_timeout);
   if (!st.ok()) {
     absl::Status s = st.status();
@@ -686,11 +733,15 @@ void Engine::RunSparse(Work& w) {
     absl::MutexLock lock(&mu_);
     if (!failed_.ok()) return;  // the job failed meanwhile; Fail() answered this work
   }
+  absl::Status written;
   if (L > 1) {
-    for (const auto& buf : w.buffers) std::memcpy(buf->data(), update, d * sizeof(float));
+    for (const auto& buf : w.buffers) {
+      if (written.ok()) written = CopyFloats(Data(*buf), update, d);
+    }
   }
-  if (absl::Status s = StageOut(w, absl::Now() + options_.op_timeout); !s.ok()) {
-    StagingFailed({&w}, s);
+  if (written.ok()) written = StageOut(w, absl::Now() + options_.op_timeout);
+  if (!written.ok()) {
+    StagingFailed({&w}, written);
     return;
   }
   const double writeback = Seconds(t1);
@@ -751,12 +802,20 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
         for (const Work& x : works) FinishWork(x, s);
         return;
       }
-      inputs.push_back(buf->data());
+      inputs.push_back(Data(*buf));
     }
-    ops_->LocalSum(inputs.data(), L, w.bucket->count, fusion_.get() + offset, scalars_.get(),
-                   nullptr);
     kernels::StepScalars sc;
-    ops_->CopyToHost(&sc, scalars_.get(), sizeof sc, nullptr);
+    kernels::KernelStatus k = ops_->LocalSum(inputs.data(), L, w.bucket->count,
+                                             fusion_.get() + offset, scalars_.get(), nullptr);
+    if (k == kernels::KernelStatus::kOk) k = ops_->CopyToHost(&sc, scalars_.get(), sizeof sc, nullptr);
+    if (k != kernels::KernelStatus::kOk) {
+      std::vector<const Work*> all;
+      for (const Work& x : works) all.push_back(&x);
+      StagingFailed(all, absl::InternalError(absl::StrCat("bucket '", w.bucket->name,
+                                                          "': local sum: ",
+                                                          kernels::KernelStatusString(k))));
+      return;
+    }
     nonfinite += sc.nonfinite;
     offset += w.bucket->count;
   }
@@ -764,13 +823,21 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
   const absl::Time t1 = absl::Now();
   // One allreduce carries the values and, in a last element, how many nodes
   // saw a NaN/Inf; only then does a second collective name them.
-  fusion_.get()[total] = nonfinite != 0 ? 1.0f : 0.0f;
+  const float flag = nonfinite != 0 ? 1.0f : 0.0f;
   CollectiveOptions o;
   o.deadline = absl::Now() + options_.op_timeout;
   o.tag = MakeTag(0, TagKind::kDense);
-  absl::Status s =
-      transport_->AllreduceSum(fusion_.get(), total + 1, transport::DataType::kFloat32, o);
-  if (s.ok() && fusion_.get()[total] != 0.0f) {
+  absl::Status s = KernelCall(ops_->CopyToDevice(fusion_.get() + total, &flag, sizeof flag, nullptr),
+                              "copy");
+  if (s.ok()) {
+    s = transport_->AllreduceSum(fusion_.get(), total + 1, transport::DataType::kFloat32, o);
+  }
+  float flags_sum = 0.0f;
+  if (s.ok()) {
+    s = KernelCall(ops_->CopyToHost(&flags_sum, fusion_.get() + total, sizeof flags_sum, nullptr),
+                   "copy");
+  }
+  if (s.ok() && flags_sum != 0.0f) {
     o.tag = MakeTag(0, TagKind::kHeader);
     std::vector<uint64_t> flags(membership_.node_count);
     s = transport_->Allgather(&nonfinite, sizeof nonfinite, flags.data(), o);
@@ -801,21 +868,28 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
     absl::MutexLock lock(&mu_);
     if (!failed_.ok()) return;  // the job failed meanwhile; Fail() answered this work
   }
-  ops_->Divide(fusion_.get(), total, static_cast<float>(membership_.world_size), nullptr, nullptr);
+  absl::Status written;
+  if (const auto k = ops_->Divide(fusion_.get(), total, static_cast<float>(membership_.world_size),
+                                  nullptr, nullptr);
+      k != kernels::KernelStatus::kOk) {
+    written = absl::InternalError(absl::StrCat("fused dense buffer: divide: ",
+                                               kernels::KernelStatusString(k)));
+  }
   offset = 0;
   for (const Work& w : works) {
     for (const auto& buf : w.buffers) {
-      std::memcpy(buf->data(), fusion_.get() + offset, w.bucket->count * sizeof(float));
+      if (written.ok()) written = CopyFloats(Data(*buf), fusion_.get() + offset, w.bucket->count);
     }
     offset += w.bucket->count;
   }
   for (const Work& w : works) {
-    if (absl::Status s = StageOut(w, absl::Now() + options_.op_timeout); !s.ok()) {
-      std::vector<const Work*> all;
-      for (const Work& x : works) all.push_back(&x);
-      StagingFailed(all, s);
-      return;
-    }
+    if (written.ok()) written = StageOut(w, absl::Now() + options_.op_timeout);
+  }
+  if (!written.ok()) {
+    std::vector<const Work*> all;
+    for (const Work& x : works) all.push_back(&x);
+    StagingFailed(all, written);
+    return;
   }
   const double writeback = Seconds(t2);
   {

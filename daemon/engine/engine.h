@@ -62,6 +62,14 @@ struct EngineOptions {
   size_t stats_history = 1024;
   // Negotiate buckets scheduled once over the data plane (see above).
   bool response_cache = false;
+  // The step runs on the GPU (ops are a GPU backend on CUDA ordinal
+  // `device`, the transport takes device memory): CUDA buffers are read and
+  // written in place (no host staging), after their ready event; every
+  // buffer must be a CUDA buffer on that GPU (others are refused at
+  // registration). Off: the step runs on host memory and CUDA buffers are
+  // staged through it.
+  bool device_resident = false;
+  int device = 0;
 };
 
 // One sparse step of one bucket.
@@ -185,8 +193,18 @@ class Engine final : public local::LocalHandler {
   void RunSparse(Work& w);
   // Staging of CUDA buffers: all copies are queued, then awaited (deadline:
   // the step's). A failure names the bucket and the local rank.
+  // Device-resident: StageIn waits for the ready events, StageOut for the
+  // step's GPU work (the update is then in place).
   absl::Status StageIn(const Work& w, absl::Time deadline);
   absl::Status StageOut(const Work& w, absl::Time deadline);
+  // Where the step reads a process's gradient and writes its update: the
+  // mapped device memory (device-resident) or host memory.
+  float* Data(const local::HostBuffer& b) const {
+    return options_.device_resident ? b.device()->mapped() : b.data();
+  }
+  // Copies `count` floats in ops_'s memory; fills with zeros when `src` is null.
+  absl::Status CopyFloats(float* dst, const float* src, uint64_t count);
+  absl::Status KernelCall(kernels::KernelStatus k, const char* what) const;
   // A staging failure fails the job (the other nodes are in the step).
   void StagingFailed(const std::vector<const Work*>& works, const absl::Status& s);
   void RunFusedDense(std::vector<Work>& works);

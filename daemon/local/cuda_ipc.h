@@ -4,12 +4,13 @@
 // lives in cuda/ and exists only in CUDA builds; CreateCudaIpcRegistry says
 // why there is none otherwise.
 //
-// First step of the GPU path: the engine stages these buffers through pinned
-// host memory (DeviceMemory) and runs the CPU step on them. Not yet: the step
-// on the GPU (kernels/cuda SparseOps, the NCCL transport) reading the mapped
-// memory in place, the daemon's stream waiting on the ready event
+// Two ways the engine uses them: with the Gloo transport it stages them
+// through pinned host memory (DeviceMemory) and runs the CPU step on them;
+// with --transport=nccl (device-resident) the step runs on the GPU
+// (kernels/cuda SparseOps, the NCCL transport) on the mapped memory in place.
+// Not yet: the daemon's stream waiting on the ready event
 // (cudaStreamWaitEvent) instead of the host polling it, and a completion
-// event for the client's stream instead of the host waiting for the copy.
+// event for the client's stream instead of the host waiting for the step.
 #pragma once
 
 #include <array>

@@ -27,12 +27,21 @@ namespace microd::local {
 
 class CudaIpcRegistry;
 
-// The GPU side of a CUDA buffer (daemon/local/cuda/). The engine computes on
-// a host copy of it (staging()) and moves the bytes with these calls, all on
-// the engine thread; at most one copy is in flight per buffer.
+// The GPU side of a CUDA buffer (daemon/local/cuda/). An engine on the CPU
+// computes on a host copy of it (staging()) and moves the bytes with the copy
+// calls; an engine on the GPU (device-resident) waits for the ready event and
+// computes on mapped() in place. All calls on the engine thread; at most one
+// copy is in flight per buffer.
 class DeviceMemory {
  public:
   virtual ~DeviceMemory() = default;
+  // The process's memory mapped into the daemon: count() floats on the GPU
+  // of ordinal() (the daemon's CUDA ordinal), in its primary context.
+  virtual float* mapped() const = 0;
+  virtual int ordinal() const = 0;
+  // Waits until the process's ready event completed (what BeginCopyIn waits
+  // for first), without copying. Same deadline and abandon rules.
+  virtual absl::Status WaitReady(absl::Time deadline, const std::function<bool()>& abandoned) = 0;
   // count() floats of host memory the copies go through.
   virtual float* staging() const = 0;
   virtual uint64_t count() const = 0;

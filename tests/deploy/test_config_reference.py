@@ -76,3 +76,21 @@ def test_microd_refuses_values_out_of_range(var, value):
     assert r.returncode != 0, f"microd accepted {var}={value}"
     flag = var[len("MICROD_"):].lower()
     assert flag in r.stderr, (var, r.stderr)
+
+
+def test_nccl_without_a_gpu_stops_before_joining():
+    """--transport=nccl on a machine without a usable GPU (or in a build
+    without NCCL) stops at once with the reason, instead of joining a job it
+    cannot serve."""
+    import shutil
+    if shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"],
+                                                     capture_output=True).returncode == 0:
+        pytest.skip("a GPU is visible here: the GPU path is checked by scripts/gpu-check.sh")
+    microd = os.path.join(os.environ["MICROD_BUILD_DIR"], "daemon", "microd")
+    r = subprocess.run([microd, "--transport=nccl", "--nodes=2", "--coordinator_listen=127.0.0.1:0",
+                        "--admin=127.0.0.1:0", "--join_timeout_ms=60000",
+                        f"--socket=/tmp/microd-nccl-test-{os.getpid()}/s.sock"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0
+    assert "no usable GPU" in r.stderr or "not available in this build" in r.stderr, r.stderr
+    assert "is rank" not in r.stderr, "it joined the job"

@@ -55,7 +55,9 @@ namespace {
 struct FakeGpu {
   std::atomic<bool> ready{true};  // the ready event "fired"
   std::atomic<int> copies_in{0}, copies_out{0}, opened{0}, forgotten{0}, abandoned{0};
-  std::atomic<int> waiting{0};  // copies in that found the event not fired yet
+  std::atomic<int> waiting{0};  // waits that found the event not fired yet
+  std::atomic<int> ready_waits{0};
+  int ordinal = 0;  // the GPU the buffers are on
   absl::Mutex mu;
   std::vector<local::CudaIpcRequest> requests ABSL_GUARDED_BY(mu);
 };
@@ -66,7 +68,10 @@ class FakeBuffer final : public local::DeviceMemory {
       : gpu_(gpu), device_(device), staging_(count) {}
   float* staging() const override { return const_cast<float*>(staging_.data()); }
   uint64_t count() const override { return staging_.size(); }
-  absl::Status BeginCopyIn(absl::Time deadline, const std::function<bool()>& abandoned) override {
+  float* mapped() const override { return device_; }
+  int ordinal() const override { return gpu_->ordinal; }
+  absl::Status WaitReady(absl::Time deadline, const std::function<bool()>& abandoned) override {
+    ++gpu_->ready_waits;
     if (!gpu_->ready.load()) ++gpu_->waiting;
     while (!gpu_->ready.load()) {
       if (absl::Now() >= deadline) {
@@ -79,6 +84,10 @@ class FakeBuffer final : public local::DeviceMemory {
       }
       absl::SleepFor(absl::Milliseconds(1));
     }
+    return absl::OkStatus();
+  }
+  absl::Status BeginCopyIn(absl::Time deadline, const std::function<bool()>& abandoned) override {
+    if (absl::Status s = WaitReady(deadline, abandoned); !s.ok()) return s;
     std::memcpy(staging_.data(), device_, staging_.size() * sizeof(float));
     ++gpu_->copies_in;
     return absl::OkStatus();
@@ -122,7 +131,8 @@ class FakeRegistry final : public local::CudaIpcRegistry {
 // One node of a job, in this process, as microd_main.cc assembles it.
 class Node {
  public:
-  Node(FakeGpu* gpu, absl::Duration op_timeout) : dir_(testing::MakeTempDir("staging")) {
+  Node(FakeGpu* gpu, absl::Duration op_timeout, bool device_resident = false, int local_size = 1)
+      : dir_(testing::MakeTempDir("staging")) {
     control::CoordinatorOptions co;
     co.expected_nodes = 1;
     coordinator_ = std::move(control::Coordinator::Create(co)).value();
@@ -138,6 +148,8 @@ class Node {
     ops_ = kernels::CreateCpuSparseOps();
     EngineOptions eo;
     eo.op_timeout = op_timeout;
+    eo.device_resident = device_resident;
+    eo.local_size = local_size;
     engine_ =
         std::make_unique<Engine>(eo, membership, client_.get(), transports_[0].get(), ops_.get());
     local::LocalServerOptions lo;
@@ -218,8 +230,10 @@ class Process {
     maps_.clear();
   }
 
-  // A host buffer (memfd) of `count` floats; returns its mapping.
-  float* RegisterHost(uint32_t id, const std::string& name, uint64_t count) {
+  // A host buffer (memfd) of `count` floats; returns its mapping. The
+  // daemon's answer goes to `status` when given, else it must be OK.
+  float* RegisterHost(uint32_t id, const std::string& name, uint64_t count,
+                      int* status = nullptr) {
     const size_t bytes = count * sizeof(float);
     const int mfd = memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
     EXPECT_GE(mfd, 0);
@@ -235,7 +249,12 @@ class Process {
     reg.dtype = MICROD_DTYPE_FLOAT32;
     reg.count = count;
     std::strcpy(reg.name, name.c_str());
-    EXPECT_EQ(Registered(&reg, sizeof reg, mfd), 0);
+    const int answer = Registered(&reg, sizeof reg, mfd);
+    if (status != nullptr) {
+      *status = answer;
+    } else {
+      EXPECT_EQ(answer, 0) << last_message_;
+    }
     close(mfd);
     return static_cast<float*>(p);
   }
@@ -256,6 +275,8 @@ class Process {
     reg.event_handle[0] = 0xE7;
     return Registered(&reg, sizeof reg, -1);
   }
+
+  const std::string& last_message() const { return last_message_; }
 
   void Submit(uint32_t id, uint64_t ticket) {
     microd_wire_submit sub{};
@@ -429,6 +450,120 @@ TEST(CudaStaging, AProcessThatVanishesEndsTheWaitForItsReadyEvent) {
   }
   // Not the 60 s deadline.
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
+}
+
+// Device-resident (the GPU engine, here over the CPU backend: the "device
+// memory" is host memory): CUDA buffers are reduced where they lie, with no
+// staging copies, after their ready event; the update is bit-equal to what
+// the staging engine gives host buckets from the same gradients.
+TEST(DeviceResident, CudaBucketsAreReducedInPlace) {
+  const std::vector<uint64_t> counts = {100003, 1000};  // sparse, dense (fused)
+  constexpr int kSteps = 4;
+  for (int local : {1, 2}) {
+    SCOPED_TRACE(absl::StrCat(local, " local processes"));
+    // Reference: host buckets through the staging engine.
+    std::vector<std::vector<std::vector<float>>> want(kSteps);  // [step][bucket]
+    {
+      FakeGpu gpu;
+      Node node(&gpu, absl::Seconds(20), /*device_resident=*/false, local);
+      std::vector<std::unique_ptr<Process>> procs;
+      std::vector<std::vector<float*>> host(local);
+      for (int l = 0; l < local; ++l) {
+        procs.push_back(std::make_unique<Process>(node.socket()));
+        for (uint32_t b = 0; b < 2; ++b) {
+          host[l].push_back(procs[l]->RegisterHost(b, absl::StrCat("g", b), counts[b]));
+        }
+      }
+      uint64_t ticket = 0;
+      for (int t = 0; t < kSteps; ++t) {
+        for (int l = 0; l < local; ++l) {
+          for (uint32_t b = 0; b < 2; ++b) {
+            e2e_fill(host[l][b], counts[b], l, static_cast<int>(b), t);
+            procs[l]->Submit(b, ++ticket);
+          }
+        }
+        for (int l = 0; l < local; ++l) {
+          for (int i = 0; i < 2; ++i) {
+            const auto done = procs[l]->Completion(std::chrono::seconds(30));
+            ASSERT_EQ(done.status, 0) << done.message;
+          }
+        }
+        for (uint32_t b = 0; b < 2; ++b) want[t].emplace_back(host[0][b], host[0][b] + counts[b]);
+      }
+    }
+    FakeGpu gpu;
+    Node node(&gpu, absl::Seconds(20), /*device_resident=*/true, local);
+    std::vector<std::unique_ptr<Process>> procs;
+    // Each process's two buckets in one allocation, with guard cells.
+    std::vector<std::vector<float>> alloc(local,
+                                          std::vector<float>(64 + counts[0] + 64 + counts[1] + 64));
+    const std::vector<uint64_t> offsets = {64 * 4, (64 + counts[0] + 64) * 4};
+    for (int l = 0; l < local; ++l) {
+      procs.push_back(std::make_unique<Process>(node.socket()));
+      for (uint32_t b = 0; b < 2; ++b) {
+        ASSERT_EQ(procs[l]->RegisterCuda(b, absl::StrCat("g", b), alloc[l].data(),
+                                         alloc[l].size() * sizeof(float), offsets[b], counts[b]),
+                  0)
+            << procs[l]->last_message();
+      }
+    }
+    uint64_t ticket = 0;
+    for (int t = 0; t < kSteps; ++t) {
+      for (int l = 0; l < local; ++l) {
+        for (uint32_t b = 0; b < 2; ++b) {
+          e2e_fill(alloc[l].data() + offsets[b] / 4, counts[b], l, static_cast<int>(b), t);
+          procs[l]->Submit(b, ++ticket);
+        }
+      }
+      for (int l = 0; l < local; ++l) {
+        for (int i = 0; i < 2; ++i) {
+          const auto done = procs[l]->Completion(std::chrono::seconds(30));
+          ASSERT_EQ(done.status, 0) << done.message;
+        }
+      }
+      for (int l = 0; l < local; ++l) {
+        for (uint32_t b = 0; b < 2; ++b) {
+          ASSERT_EQ(std::memcmp(want[t][b].data(), alloc[l].data() + offsets[b] / 4,
+                                counts[b] * sizeof(float)),
+                    0)
+              << "bucket " << b << " step " << t << " process " << l;
+        }
+      }
+    }
+    for (int l = 0; l < local; ++l) {
+      for (size_t i = 0; i < 64; ++i) EXPECT_EQ(alloc[l][i], 0.0f);
+      EXPECT_EQ(alloc[l].back(), 0.0f);
+    }
+    EXPECT_EQ(gpu.copies_in.load(), 0) << "staged although device-resident";
+    EXPECT_EQ(gpu.copies_out.load(), 0) << "staged although device-resident";
+    EXPECT_EQ(gpu.ready_waits.load(), kSteps * 2 * local) << "a ready event was not awaited";
+    EXPECT_TRUE(node.engine().Snapshot().failure.empty()) << node.engine().Snapshot().failure;
+  }
+}
+
+TEST(DeviceResident, HostBuffersAndBuffersOnAnotherGpuAreRefused) {
+  FakeGpu gpu;
+  Node node(&gpu, absl::Seconds(20), /*device_resident=*/true);
+  Process p(node.socket());
+  int status = 0;
+  p.RegisterHost(0, "host", 1000, &status);
+  EXPECT_EQ(status, MICROD_ERR_UNSUPPORTED);
+  EXPECT_TRUE(absl::StrContains(p.last_message(), "only CUDA buffers")) << p.last_message();
+  EXPECT_TRUE(absl::StrContains(p.last_message(), "host memory")) << p.last_message();
+  std::vector<float> alloc(1000, 1.0f);
+  gpu.ordinal = 1;  // the engine reduces on GPU 0
+  EXPECT_EQ(p.RegisterCuda(1, "other_gpu", alloc.data(), alloc.size() * 4, 0, alloc.size()),
+            MICROD_ERR_UNSUPPORTED);
+  EXPECT_TRUE(absl::StrContains(p.last_message(), "on GPU 1")) << p.last_message();
+  // Nothing was lost: a buffer on the right GPU still registers and reduces.
+  gpu.ordinal = 0;
+  ASSERT_EQ(p.RegisterCuda(2, "g", alloc.data(), alloc.size() * 4, 0, alloc.size()), 0)
+      << p.last_message();
+  p.Submit(2, 1);
+  const auto done = p.Completion(std::chrono::seconds(20));
+  EXPECT_EQ(done.status, 0) << done.message;
+  EXPECT_EQ(alloc[0], 1.0f);  // one process of one node: the average is itself
+  EXPECT_TRUE(node.engine().Snapshot().failure.empty()) << node.engine().Snapshot().failure;
 }
 
 // fake_libcuda.c's event.

@@ -49,7 +49,9 @@ inline std::string SpecString(const std::vector<BucketSpec>& buckets) {
 
 class DaemonCluster {
  public:
-  DaemonCluster(int nodes, int local, std::vector<std::string> extra = {})
+  // `env(r)`: environment entries (NAME=VALUE) for node r's daemon.
+  DaemonCluster(int nodes, int local, std::vector<std::string> extra = {},
+                const std::function<std::vector<std::string>(int)>& env = nullptr)
       : n_(nodes), L_(local), dir_(MakeTempDir("e2e")) {
     for (int r = 0; r < nodes; ++r) {
       std::vector<std::string> args = {MICROD_DAEMON,
@@ -70,7 +72,8 @@ class DaemonCluster {
         args.push_back(absl::StrCat("--coordinator=127.0.0.1:", coordinator_port_));
       }
       for (const auto& e : extra) args.push_back(e);
-      pids_.push_back(Spawn(args, absl::StrCat(dir_, "/daemon", r, ".log")));
+      pids_.push_back(Spawn(args, absl::StrCat(dir_, "/daemon", r, ".log"),
+                            env ? env(r) : std::vector<std::string>{}));
       if (r == 0) coordinator_port_ = ReadPortFile(dir_ + "/coordinator", std::chrono::seconds(20));
       admin_ports_.push_back(
           ReadPortFile(absl::StrCat(dir_, "/admin", r), std::chrono::seconds(20)));

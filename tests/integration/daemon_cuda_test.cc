@@ -52,11 +52,22 @@ bool GpuUsable(std::string* why) {
 
 // n daemons x L processes; mode(node, local) is the client's mode (cuda,
 // legacy or host): every update equals the reference's.
-void RunAndCompare(int n, int L, const std::function<std::string(int, int)>& mode) {
-  SCOPED_TRACE(absl::StrCat(n, " daemons x ", L, " processes"));
+// `nccl`: the daemons reduce on the GPU over NCCL (--transport=nccl), each
+// with its own NCCL_HOSTID (NCCL refuses two ranks of one communicator on one
+// GPU of one host). With 2 nodes every element's sum has two terms, so
+// NCCL's summation order cannot change a bit and the CPU reference holds.
+void RunAndCompare(int n, int L, const std::function<std::string(int, int)>& mode,
+                   bool nccl = false) {
+  SCOPED_TRACE(absl::StrCat(n, " daemons x ", L, " processes", nccl ? " over NCCL" : ""));
   const std::vector<BucketSpec> buckets = {{"embed", 1000}, {"conv", 70001}, {"fc", 200003}};
   const long steps = 20;
-  DaemonCluster cluster(n, L);
+  std::vector<std::string> flags;
+  std::function<std::vector<std::string>(int)> env;
+  if (nccl) {
+    flags = {"--transport=nccl", "--cuda_device=0"};
+    env = [](int r) { return std::vector<std::string>{absl::StrCat("NCCL_HOSTID=microd-test-", r)}; };
+  }
+  DaemonCluster cluster(n, L, flags, env);
   cluster.StartClients(buckets, steps, -1, -1, -1,
                        [&](int r, int l) { return std::vector<std::string>{mode(r, l)}; });
   const auto codes = cluster.WaitClients(std::chrono::seconds(240));
@@ -88,6 +99,14 @@ void RunAndCompare(int n, int L, const std::function<std::string(int, int)>& mod
 TEST(DaemonCuda, TwoDaemonsWithCudaBuffersEqualTheCpuPath) {
   REQUIRE_GPU();
   RunAndCompare(2, 1, [](int, int) { return "cuda"; });
+}
+
+// The GPU path end to end: selection in CUDA kernels and the exchange over
+// NCCL, in place on the processes' buffers (device-resident engine).
+TEST(DaemonCuda, NcclDaemonsReduceInPlaceAndEqualTheCpuPath) {
+  REQUIRE_GPU();
+  RunAndCompare(2, 1, [](int, int) { return "cuda"; }, /*nccl=*/true);
+  RunAndCompare(2, 2, [](int, int l) { return l == 0 ? "cuda" : "legacy"; }, /*nccl=*/true);
 }
 
 TEST(DaemonCuda, LegacyDefaultStreamSubmissionsEqualTheCpuPath) {

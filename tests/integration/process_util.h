@@ -32,10 +32,22 @@ inline std::string MakeTempDir(const std::string& name) {
 }
 
 // Starts argv[0] with the given arguments; output to `log` when given.
-inline pid_t Spawn(const std::vector<std::string>& args, const std::string& log = "") {
+// `env`: NAME=VALUE entries added to (and overriding) this process's environment.
+inline pid_t Spawn(const std::vector<std::string>& args, const std::string& log = "",
+                   const std::vector<std::string>& env = {}) {
   std::vector<char*> argv;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
+  std::vector<char*> envp;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    const std::string name = entry.substr(0, entry.find('='));
+    bool overridden = false;
+    for (const auto& x : env) overridden = overridden || x.substr(0, x.find('=')) == name;
+    if (!overridden) envp.push_back(*e);
+  }
+  for (const auto& x : env) envp.push_back(const_cast<char*>(x.c_str()));
+  envp.push_back(nullptr);
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   if (!log.empty()) {
@@ -43,7 +55,7 @@ inline pid_t Spawn(const std::vector<std::string>& args, const std::string& log 
     posix_spawn_file_actions_adddup2(&actions, 1, 2);
   }
   pid_t pid = -1;
-  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), envp.data());
   posix_spawn_file_actions_destroy(&actions);
   EXPECT_EQ(rc, 0) << "cannot start " << args[0];
   return pid;

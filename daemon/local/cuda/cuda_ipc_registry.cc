@@ -209,11 +209,16 @@ class Buffer final : public DeviceMemory {
   uint64_t count() const override { return count_; }
   std::string Describe() const override { return description_; }
 
-  absl::Status BeginCopyIn(absl::Time deadline, const std::function<bool()>& abandoned) override {
+  float* mapped() const override {
+    return reinterpret_cast<float*>(allocation_->base() + offset_);
+  }
+  int ordinal() const override { return allocation_->device()->ordinal(); }
+
+  absl::Status WaitReady(absl::Time deadline, const std::function<bool()>& abandoned) override {
     RETURN_IF_ERROR(allocation_->device()->Use());
     RETURN_IF_ERROR(CanStart());
     // Host-side wait: when the event does not fire in time nothing has been
-    // queued, so giving up leaves no copy behind.
+    // queued, so giving up leaves no work behind.
     absl::Status ready = WaitForEvent(ready_, deadline, "the process's ready event", abandoned);
     if (absl::IsDeadlineExceeded(ready)) {
       return WithClientStatus(
@@ -223,7 +228,11 @@ class Buffer final : public DeviceMemory {
               "submitting did not finish by the deadline)")),
           ClientStatus::kTimeout);
     }
-    RETURN_IF_ERROR(WithContext(ready));
+    return WithContext(ready);
+  }
+
+  absl::Status BeginCopyIn(absl::Time deadline, const std::function<bool()>& abandoned) override {
+    RETURN_IF_ERROR(WaitReady(deadline, abandoned));
     return Queue(cudaMemcpyDeviceToHost);
   }
 

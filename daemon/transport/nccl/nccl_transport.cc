@@ -111,8 +111,11 @@ class NcclTransport final : public Transport {
   absl::Status Init(const ncclUniqueId& id, absl::Time deadline) {
     RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
     if (stream_ == nullptr) {
-      RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
-                                 "cudaStreamCreate"));
+      // A blocking stream: its work starts after what the caller queued on
+      // the legacy default stream (the SparseOps calls of a step), and the
+      // legacy stream's later work waits for it.
+      RETURN_IF_ERROR(
+          CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamDefault), "cudaStreamCreate"));
       owns_stream_ = true;
     }
     RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming),

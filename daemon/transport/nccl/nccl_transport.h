@@ -44,8 +44,9 @@ struct NcclOptions {
   // prefix must not be reused for a second group.
   std::string prefix = "nccl";
   // cudaStream_t for the collectives (usually the kernels' stream); nullptr:
-  // the transport creates its own, and the caller must have finished writing
-  // the buffers it passes (e.g. SparseOps::Synchronize).
+  // the transport creates its own blocking stream, ordered after the work the
+  // caller queued on the legacy default stream (as SparseOps calls with
+  // stream nullptr are); work on other streams must be finished by the caller.
   void* stream = nullptr;
   // Bound for creating the communicator, and for calls made without a deadline.
   absl::Duration timeout = absl::Seconds(60);
