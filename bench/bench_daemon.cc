@@ -38,7 +38,7 @@ ABSL_FLAG(int, warmup, 3, "warm-up steps of the large bucket");
 ABSL_FLAG(int, reps, 5, "timed steps of the large bucket");
 ABSL_FLAG(std::string, json, "", "write results as JSON to this file");
 ABSL_FLAG(std::vector<std::string>, daemon_flags, {},
-          "more microd flags, comma-separated (e.g. --daemon_flags=--response_cache)");
+          "more microd flags, comma-separated (e.g. --daemon_flags=--response_cache=false)");
 ABSL_FLAG(int, gloo_io_nice, 0,
           "nice value for Gloo's network thread, in the daemons and in the transport-alone run "
           "(microd --gloo_io_nice; helps where the processes outnumber the cores)");

@@ -77,9 +77,10 @@ ABSL_FLAG(std::string, nonfinite, "fail",
           "a NaN/Inf in a gradient: fail that step on every node, or skip it (zero update)");
 ABSL_FLAG(uint64_t, stats_history, 1024,
           "sparse steps kept per bucket for `microctl --history buckets` (0: none)");
-ABSL_FLAG(bool, response_cache, false,
+ABSL_FLAG(bool, response_cache, true,
           "buckets scheduled once by the coordinator are then agreed between the daemons over "
-          "the data plane, without the coordinator (lower latency per step)");
+          "the data plane, without the coordinator (lower latency per step); false: every step "
+          "through the coordinator");
 ABSL_FLAG(uint64_t, dense_floor, 65536, "buckets with fewer elements are reduced dense, fused");
 ABSL_FLAG(int, timeout_ms, 60000, "deadline of one operation (a step, a report)");
 ABSL_FLAG(int, peer_timeout_ms, 10000, "a node silent this long fails the job");

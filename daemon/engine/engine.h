@@ -61,7 +61,7 @@ struct EngineOptions {
   // Sparse steps kept per bucket for the per-step history (0: none).
   size_t stats_history = 1024;
   // Negotiate buckets scheduled once over the data plane (see above).
-  bool response_cache = false;
+  bool response_cache = true;
   // The step runs on the GPU (ops are a GPU backend on CUDA ordinal
   // `device`, the transport takes device memory): CUDA buffers are read and
   // written in place (no host staging), after their ready event; every

@@ -4,7 +4,8 @@
 # L copies of the program per node with MICROD_SOCKET / MICROD_LOCAL_RANK set.
 # Logs go to one file per process. Everything is stopped when the program
 # copies finish, on Ctrl-C, or on any error; the exit status is the first
-# failing copy's.
+# failing copy's. With more processes than cores the daemons get
+# --gloo_io_nice=19 (unless MICROD_GLOO_IO_NICE is set).
 #
 #   deploy/local/launch.sh [--nodes N] [--local L] [--logs DIR] [--microd PATH]
 #                          [--daemon-arg ARG]... [--show-first] -- PROGRAM [ARGS...]
@@ -27,7 +28,7 @@ while [[ $# -gt 0 ]]; do
     --daemon-arg) DAEMON_ARGS+=("$2"); shift 2 ;;
     --show-first) SHOW_FIRST=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -68,10 +69,19 @@ wait_file() {  # wait_file PATH: until it holds a port, 30 s at most
   return 1
 }
 
+# All nodes share this machine: with more processes (daemons and programs)
+# than cores, Gloo's network thread busy-waiting would cost each small
+# collective a scheduler slice; lower its priority (microd --gloo_io_nice)
+# unless the environment or a --daemon-arg says otherwise.
+NICE_ARGS=()
+if [[ -z "${MICROD_GLOO_IO_NICE:-}" ]] && (( NODES * (LOCAL + 1) > $(nproc) )); then
+  NICE_ARGS=("--gloo_io_nice=19")
+fi
+
 for ((r = 0; r < NODES; r++)); do
   args=("--socket=$RUN/sock/node$r/microd.sock" "--local_size=$LOCAL" "--nodes=$NODES"
         "--node_rank=$r" "--node_name=node$r" "--admin=127.0.0.1:0"
-        "--admin_port_file=$RUN/admin$r")
+        "--admin_port_file=$RUN/admin$r" "${NICE_ARGS[@]}")
   if [[ $r -eq 0 ]]; then
     args+=("--coordinator_listen=127.0.0.1:0" "--coordinator_port_file=$RUN/coordinator")
   else

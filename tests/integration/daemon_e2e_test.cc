@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -27,15 +28,19 @@
 namespace microd::testing {
 namespace {
 
+std::vector<std::string> CacheFlags(bool response_cache) {
+  return {response_cache ? "--response_cache=true" : "--response_cache=false"};
+}
+
+// `cache`: the response cache on or off; unset: microd's default (on).
 // `reverse_nodes`: nodes whose processes submit the buckets last first, 2 ms apart.
-void RunAndCompare(int n, int L, bool response_cache = false, int reverse_nodes = 0) {
+void RunAndCompare(int n, int L, std::optional<bool> cache = std::nullopt, int reverse_nodes = 0) {
+  const bool response_cache = cache.value_or(true);
   SCOPED_TRACE(absl::StrCat(n, " daemons x ", L, " processes",
-                            response_cache ? ", response cache" : ""));
+                            response_cache ? ", response cache" : ", coordinator only"));
   const std::vector<BucketSpec> buckets = {{"embed", 1000}, {"conv", 70001}, {"fc", 200003}};
   const long steps = 50;
-  DaemonCluster cluster(n, L,
-                        response_cache ? std::vector<std::string>{"--response_cache"}
-                                       : std::vector<std::string>{});
+  DaemonCluster cluster(n, L, cache ? CacheFlags(*cache) : std::vector<std::string>{});
   cluster.StartClients(buckets, steps, -1, -1, -1, [&](int r, int) {
     return r < reverse_nodes ? std::vector<std::string>{"reverse"} : std::vector<std::string>{};
   });
@@ -104,12 +109,14 @@ void RunAndCompare(int n, int L, bool response_cache = false, int reverse_nodes 
   }
 }
 
+// With microd's defaults (the response cache on).
 TEST(DaemonEndToEnd, ThreeDaemonsOneProcessEach) { RunAndCompare(3, 1); }
 TEST(DaemonEndToEnd, ThreeDaemonsTwoProcessesEach) { RunAndCompare(3, 2); }
 TEST(DaemonEndToEnd, FourDaemonsOneProcessEach) { RunAndCompare(4, 1); }
 TEST(DaemonEndToEnd, FourDaemonsTwoProcessesEach) { RunAndCompare(4, 2); }
-TEST(DaemonEndToEnd, ResponseCacheThreeDaemonsTwoProcessesEach) { RunAndCompare(3, 2, true); }
-TEST(DaemonEndToEnd, ResponseCacheFourDaemonsOneProcessEach) { RunAndCompare(4, 1, true); }
+// Every step through the coordinator (--response_cache=false).
+TEST(DaemonEndToEnd, CoordinatorOnlyThreeDaemonsTwoProcessesEach) { RunAndCompare(3, 2, false); }
+TEST(DaemonEndToEnd, CoordinatorOnlyFourDaemonsOneProcessEach) { RunAndCompare(4, 1, false); }
 // Half the nodes submit in the other order and later: the cycles agree on
 // partial sets and run the rest in later cycles, with the same results.
 TEST(DaemonEndToEnd, ResponseCacheNodesSubmittingInOtherOrders) { RunAndCompare(4, 1, true, 2); }
@@ -121,11 +128,6 @@ int FailedStatus(const std::string& out, std::string* line) {
   int code = -1;
   if (std::sscanf(line->c_str(), "FAILED %d", &code) != 1) return -1;
   return code;
-}
-
-std::vector<std::string> CacheFlags(bool response_cache) {
-  return response_cache ? std::vector<std::string>{"--response_cache"}
-                        : std::vector<std::string>{};
 }
 
 void KilledTrainingProcess(bool response_cache) {
@@ -440,7 +442,7 @@ void ExpectSigtermEndsTheWait(DaemonCluster& cluster, pid_t client, const std::s
 }
 
 TEST(DaemonFaults, SigtermEndsPendingWorkCleanlyAndRemovesTheSocket) {
-  DaemonCluster cluster(2, 1);
+  DaemonCluster cluster(2, 1, CacheFlags(false));
   // Only node 0 has a training process: its bucket can never complete.
   const std::string out = cluster.dir() + "/pending";
   const pid_t client = Spawn({MICROD_TEST_CLIENT, cluster.socket(0), "w:1000", "1", out});
@@ -451,7 +453,7 @@ TEST(DaemonFaults, SigtermEndsPendingWorkCleanlyAndRemovesTheSocket) {
 // With the response cache a bucket cached by a first step waits for the
 // other nodes in a cycle over the transport: SIGTERM still ends it at once.
 TEST(DaemonFaults, SigtermEndsACycleWaitingForTheOtherNodes) {
-  DaemonCluster cluster(2, 1, {"--response_cache"});
+  DaemonCluster cluster(2, 1, CacheFlags(true));
   const std::string out0 = cluster.dir() + "/two_steps", out1 = cluster.dir() + "/one_step";
   // Node 1's process leaves cleanly after one step; node 0's submits again.
   const pid_t c0 = Spawn({MICROD_TEST_CLIENT, cluster.socket(0), "w:1000", "2", out0});
