@@ -8,10 +8,11 @@
 
 namespace microd::local {
 
-absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateCudaIpcRegistry() {
+absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateCudaIpcRegistry(bool staging) {
 #if MICROD_HAVE_CUDA
-  return cuda::CreateRegistry();
+  return cuda::CreateRegistry(staging);
 #else
+  (void)staging;
   return absl::UnimplementedError(
       "microd was built without CUDA (a CPU build): use host buffers, or a CUDA build of microd");
 #endif

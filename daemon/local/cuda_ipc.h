@@ -56,6 +56,8 @@ class CudaIpcRegistry {
 // The CUDA backend, or an error saying why there is none: a build without
 // CUDA, or no usable device (e.g. "CUDA driver version is insufficient").
 // Does not create a CUDA context.
-absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateCudaIpcRegistry();
+// `staging`: give each buffer its pinned host copy (staging()); false for a
+// device-resident engine, which computes on mapped() and never copies.
+absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateCudaIpcRegistry(bool staging = true);
 
 }  // namespace microd::local

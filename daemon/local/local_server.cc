@@ -558,7 +558,8 @@ bool LocalServer::HandleRegisterCuda(uint64_t id, Client& c, const microd_wire_r
         ClientStatus::kResource));
   }
   if (cuda_ == nullptr && cuda_unavailable_.empty()) {
-    auto registry = options_.cuda_registry ? options_.cuda_registry() : CreateCudaIpcRegistry();
+    auto registry = options_.cuda_registry ? options_.cuda_registry()
+                                           : CreateCudaIpcRegistry(options_.cuda_staging);
     if (registry.ok()) {
       cuda_ = std::move(registry).value();
     } else {

@@ -42,7 +42,8 @@ class DeviceMemory {
   // Waits until the process's ready event completed (what BeginCopyIn waits
   // for first), without copying. Same deadline and abandon rules.
   virtual absl::Status WaitReady(absl::Time deadline, const std::function<bool()>& abandoned) = 0;
-  // count() floats of host memory the copies go through.
+  // count() floats of host memory the copies go through (null where the
+  // registry was made without staging, for a device-resident engine).
   virtual float* staging() const = 0;
   virtual uint64_t count() const = 0;
   // Waits until the process's ready event completed (the client records it
@@ -123,6 +124,8 @@ struct LocalServerOptions {
   // Where CUDA buffers are opened, made at the first REGISTER_CUDA (tests
   // inject a fake; unset: CreateCudaIpcRegistry() of cuda_ipc.h).
   std::function<absl::StatusOr<std::unique_ptr<CudaIpcRegistry>>()> cuda_registry;
+  // Passed to CreateCudaIpcRegistry: false for a device-resident engine.
+  bool cuda_staging = true;
 };
 
 struct ClientSnapshot {

@@ -282,6 +282,10 @@ class Buffer final : public DeviceMemory {
   }
 
   absl::Status Queue(cudaMemcpyKind kind) {
+    if (staging_ == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(description_, ": no staging memory (a device-resident daemon)"));
+    }
     const bool in = kind == cudaMemcpyDeviceToHost;
     char* device = allocation_->base() + offset_;
     const size_t bytes = count_ * sizeof(float);
@@ -323,8 +327,8 @@ struct DeviceIds {
 
 class Registry final : public CudaIpcRegistry {
  public:
-  Registry(MemGetAddressRangeFn mem_get_address_range, std::vector<DeviceIds> ids)
-      : mem_get_address_range_(mem_get_address_range), ids_(std::move(ids)) {}
+  Registry(MemGetAddressRangeFn mem_get_address_range, std::vector<DeviceIds> ids, bool staging)
+      : mem_get_address_range_(mem_get_address_range), ids_(std::move(ids)), staging_(staging) {}
 
   absl::StatusOr<std::unique_ptr<DeviceMemory>> Open(const CudaIpcRequest& r) override {
     const std::string who =
@@ -372,7 +376,7 @@ class Registry final : public CudaIpcRegistry {
       return CudaError(e, absl::StrCat(who, ": cudaEventCreateWithFlags"));
     }
     void* staging = nullptr;
-    e = cudaHostAlloc(&staging, std::max<size_t>(bytes, 1), cudaHostAllocPortable);
+    if (staging_) e = cudaHostAlloc(&staging, std::max<size_t>(bytes, 1), cudaHostAllocPortable);
     if (e != cudaSuccess) {
       (void)cudaEventDestroy(done);
       (void)cudaEventDestroy(ready);
@@ -457,6 +461,7 @@ class Registry final : public CudaIpcRegistry {
 
   const MemGetAddressRangeFn mem_get_address_range_;
   const std::vector<DeviceIds> ids_;  // by this daemon's device ordinal
+  const bool staging_;                // allocate pinned staging memory per buffer
   absl::Mutex mu_;
   std::map<int, std::shared_ptr<Device>> devices_ ABSL_GUARDED_BY(mu_);
   // By process, then by the allocation's IPC handle.
@@ -466,7 +471,7 @@ class Registry final : public CudaIpcRegistry {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateRegistry() {
+absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateRegistry(bool staging) {
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
@@ -502,7 +507,7 @@ absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateRegistry() {
     }
   }
   return std::unique_ptr<CudaIpcRegistry>(
-      std::make_unique<Registry>(mem_get_address_range, std::move(ids)));
+      std::make_unique<Registry>(mem_get_address_range, std::move(ids), staging));
 }
 
 }  // namespace microd::local::cuda

@@ -11,6 +11,8 @@
 namespace microd::local::cuda {
 
 // Fails (UNSUPPORTED) without a usable device; creates no CUDA context.
-absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateRegistry();
+// `staging`: allocate each buffer's pinned host copy (not needed by a
+// device-resident engine, whose buffers' staging() is then null).
+absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateRegistry(bool staging);
 
 }  // namespace microd::local::cuda
