@@ -62,8 +62,10 @@ void PrintStatus(const microd::v1::GetStatusResponse& r) {
   std::printf("version     %s, up %.0f s, %llu schedule batches run\n", r.version().c_str(),
               r.uptime_seconds(), static_cast<unsigned long long>(r.batches()));
   if (r.response_cache()) {
-    std::printf("cache       on, %llu batches agreed between the daemons\n",
-                static_cast<unsigned long long>(r.cache_batches()));
+    std::printf("cache       on, %llu batches agreed between the daemons, %llu bucket steps "
+                "reduced by the cycle itself\n",
+                static_cast<unsigned long long>(r.cache_batches()),
+                static_cast<unsigned long long>(r.cycle_reductions()));
   }
   if (r.processes_size() > 0) {
     std::printf("\n%-11s %8s %8s %12s\n", "local rank", "pid", "buffers", "memory");

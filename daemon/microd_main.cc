@@ -81,6 +81,9 @@ ABSL_FLAG(bool, response_cache, true,
           "buckets scheduled once by the coordinator are then agreed between the daemons over "
           "the data plane, without the coordinator (lower latency per step); false: every step "
           "through the coordinator");
+ABSL_FLAG(uint64_t, cycle_floats, 4096,
+          "with the response cache: small dense buckets (up to this many floats in all) are "
+          "reduced by the cycle that agrees on them, one round instead of two (0: off)");
 ABSL_FLAG(uint64_t, dense_floor, 65536, "buckets with fewer elements are reduced dense, fused");
 ABSL_FLAG(int, timeout_ms, 60000, "deadline of one operation (a step, a report)");
 ABSL_FLAG(int, peer_timeout_ms, 10000, "a node silent this long fails the job");
@@ -228,6 +231,9 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_cuda_device) < 0) {
     return Fatal("--cuda_device", absl::InvalidArgumentError("must be >= 0"));
   }
+  if (absl::GetFlag(FLAGS_cycle_floats) > (uint64_t{1} << 20)) {
+    return Fatal("--cycle_floats", absl::InvalidArgumentError("must be at most 1048576"));
+  }
   if (const int nice = absl::GetFlag(FLAGS_gloo_io_nice); nice < 0 || nice > 19) {
     return Fatal("--gloo_io_nice",
                  absl::InvalidArgumentError(absl::StrCat("must be in [0, 19], not ", nice)));
@@ -337,6 +343,7 @@ int main(int argc, char** argv) {
           const auto snap = engine->Snapshot(req.include_history());
           r->set_batches(snap.batches);
           r->set_cache_batches(snap.cache_batches);
+          r->set_cycle_reductions(snap.cycle_reductions);
           if (!snap.failure.empty()) {
             r->set_job_state(microd::v1::JOB_STATE_FAILED);
             if (r->failure().empty()) r->set_failure(snap.failure);
@@ -462,6 +469,7 @@ int main(int argc, char** argv) {
   eo.skip_nonfinite = absl::GetFlag(FLAGS_nonfinite) == "skip";
   eo.stats_history = absl::GetFlag(FLAGS_stats_history);
   eo.response_cache = absl::GetFlag(FLAGS_response_cache);
+  eo.cycle_floats = absl::GetFlag(FLAGS_cycle_floats);
   eo.op_timeout = op_timeout;
   {
     absl::MutexLock lock(&state_mu);

@@ -410,18 +410,62 @@ void Engine::CacheLoop() {
 
 bool Engine::Cycle() {
   const int n = membership_.node_count;
-  // What this node has: schedule batches received, ready cached buckets.
+  constexpr uint64_t kNoSlot = ~uint64_t{0};
+  // What this node has: schedule batches received, ready cached buckets, and
+  // its share of the small dense buckets it can send along. Message layout
+  // in words: [batches received, ids, ready bits (bw), sent bits (bw), the
+  // floats of the sent buckets (fw)]. Every node derives the same layout from
+  // the cached buckets (same ids, counts and density everywhere).
   std::vector<uint64_t> mine;
-  size_t ids = 0;  // cached buckets at the time of the cycle
+  size_t ids = 0;        // cached buckets at the time of the cycle
+  uint64_t floats = 0;   // room taken in the message, in floats
+  std::vector<uint64_t> slot;
+  std::vector<std::pair<size_t, std::vector<std::shared_ptr<local::HostBuffer>>>> to_send;
   {
     absl::MutexLock lock(&mu_);
     ids = cached_.size();
-    mine.assign(2 + (ids + 63) / 64, 0);
+    slot.assign(ids, kNoSlot);
+    const bool ride = !options_.device_resident && options_.cycle_floats > 0;
+    for (size_t i = 0; i < ids && ride; ++i) {
+      const Bucket& b = *cached_[i];
+      if (!b.dense || floats + b.count > options_.cycle_floats) continue;
+      slot[i] = floats;
+      floats += b.count;
+      if (cached_ready_[i]) to_send.push_back({i, b.buffers});
+    }
+    const size_t bw = (ids + 63) / 64;
+    mine.assign(2 + 2 * bw + (floats + 1) / 2, 0);
     mine[0] = log_run_ + schedule_.size();
     mine[1] = ids;
     for (size_t i = 0; i < ids; ++i) {
       if (cached_ready_[i]) mine[2 + i / 64] |= uint64_t{1} << (i % 64);
     }
+  }
+  const size_t bw = (ids + 63) / 64;
+  const size_t area_word = 2 + 2 * bw;
+  const absl::Time t0 = absl::Now();
+  if (!to_send.empty()) {
+    // This node's local sums. Host buffers only (CUDA ones need staging),
+    // and none with a NaN/Inf: those go the usual way, which reports it.
+    std::vector<float> area(floats);
+    if (!scalars_.Reserve(ops_, 1)) to_send.clear();
+    for (const auto& [i, buffers] : to_send) {
+      std::vector<const float*> inputs;
+      for (const auto& buf : buffers) {
+        if (buf == nullptr || buf->device() != nullptr) break;
+        inputs.push_back(buf->data());
+      }
+      if (inputs.size() != buffers.size()) continue;
+      kernels::StepScalars sc{};
+      if (ops_->LocalSum(inputs.data(), static_cast<int>(inputs.size()), cached_[i]->count,
+                         area.data() + slot[i], scalars_.get(), nullptr) != kernels::KernelStatus::kOk ||
+          ops_->CopyToHost(&sc, scalars_.get(), sizeof sc, nullptr) != kernels::KernelStatus::kOk ||
+          sc.nonfinite != 0) {
+        continue;
+      }
+      mine[2 + bw + i / 64] |= uint64_t{1} << (i % 64);
+    }
+    if (floats > 0) std::memcpy(mine.data() + area_word, area.data(), floats * sizeof(float));
   }
   const size_t words = mine.size();
   std::vector<uint64_t> all(words * n);
@@ -449,11 +493,12 @@ bool Engine::Cycle() {
     Fail(s, /*report=*/true);
     return false;
   }
+  const double exchange = absl::ToDoubleSeconds(absl::Now() - t0);
   uint64_t agreed_log = mine[0];
-  std::vector<uint64_t> agreed(mine.begin() + 2, mine.end());
+  std::vector<uint64_t> agreed(mine.begin() + 2, mine.begin() + area_word);  // ready, sent
   for (int r = 0; r < n; ++r) {
     agreed_log = std::min(agreed_log, all[r * words]);
-    for (size_t w = 0; w + 2 < words; ++w) agreed[w] &= all[r * words + 2 + w];
+    for (size_t w = 0; w < 2 * bw; ++w) agreed[w] &= all[r * words + 2 + w];
   }
   bool ran = false;
   // First the schedule batches every node has, in log order.
@@ -469,22 +514,99 @@ bool Engine::Cycle() {
     RunBatch(*batch);
     ran = true;
   }
-  // Then the cached buckets ready on every node, in id order.
+  // Then the cached buckets ready on every node, in id order: those every
+  // node sent along are reduced already, the others run as a batch.
   control::ScheduleBatch cached;
+  std::vector<size_t> in_cycle;
   {
     absl::MutexLock lock(&mu_);
     if (!failed_.ok()) return ran;
     // Ids assigned by the batches just run have no agreed bits yet.
     for (size_t i = 0; i < ids; ++i) {
       if (!((agreed[i / 64] >> (i % 64)) & 1)) continue;
-      cached.scheduled.push_back(InfoOf(*cached_[i]));
+      if ((agreed[bw + i / 64] >> (i % 64)) & 1) {
+        in_cycle.push_back(i);
+      } else {
+        cached.scheduled.push_back(InfoOf(*cached_[i]));
+      }
     }
+  }
+  if (!in_cycle.empty()) {
+    std::vector<float> area(floats * n);
+    for (int r = 0; r < n && floats > 0; ++r) {
+      std::memcpy(area.data() + r * floats, all.data() + r * words + area_word,
+                  floats * sizeof(float));
+    }
+    RunInCycle(in_cycle, slot, area, floats, exchange, /*count_batch=*/cached.scheduled.empty());
+    ran = true;
   }
   if (!cached.scheduled.empty()) {
     RunBatch(cached, /*cached=*/true);
     ran = true;
   }
   return ran;
+}
+
+void Engine::RunInCycle(const std::vector<size_t>& ids, const std::vector<uint64_t>& slot,
+                        const std::vector<float>& area, uint64_t floats, double exchange_seconds,
+                        bool count_batch) {
+  const int n = membership_.node_count;
+  std::vector<Work> works;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!failed_.ok()) return;
+    if (count_batch) ++cache_batches_;
+    const absl::Time now = absl::Now();
+    for (size_t i : ids) {
+      Bucket& b = *cached_[i];
+      b.stats.negotiate_seconds += absl::ToDoubleSeconds(now - b.ready_at);
+      works.push_back(TakeWork(b));
+    }
+    in_flight_.insert(in_flight_.end(), works.begin(), works.end());
+  }
+  const absl::Time t0 = absl::Now();
+  uint64_t total = 0;
+  for (const Work& w : works) total += w.bucket->count;
+  for (size_t k = 0; k < works.size(); ++k) {
+    const Work& w = works[k];
+    const uint64_t d = w.bucket->count;
+    const uint64_t at = slot[ids[k]];
+    // The sum in node order, then the average: what the fused dense
+    // allreduce computes, to the bit.
+    std::vector<float> sum(area.begin() + at, area.begin() + at + d);
+    for (int r = 1; r < n; ++r) {
+      const float* in = area.data() + r * floats + at;
+      for (uint64_t j = 0; j < d; ++j) sum[j] += in[j];
+    }
+    absl::Status s = KernelCall(
+        ops_->Divide(sum.data(), d, static_cast<float>(membership_.world_size), nullptr, nullptr),
+        "divide");
+    for (const auto& buf : w.buffers) {
+      if (!s.ok()) break;
+      if (buf == nullptr) {
+        s = JobFailed(absl::AbortedError("a local process is gone"));
+        break;
+      }
+      s = CopyFloats(buf->data(), sum.data(), d);
+    }
+    if (!s.ok()) {
+      FinishWork(w, absl::IsAborted(s) ? s : JobFailed(s));
+      continue;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      BucketStats& st = w.bucket->stats;
+      const double share = static_cast<double>(d) / static_cast<double>(total);
+      ++st.steps;
+      ++cycle_reductions_;
+      st.budget = st.last_selected = d;
+      st.bytes_sent += d * sizeof(float);
+      st.bytes_received += d * sizeof(float);
+      st.exchange_seconds += exchange_seconds * share;
+      st.writeback_seconds += absl::ToDoubleSeconds(absl::Now() - t0) * share;
+    }
+    FinishWork(w, absl::OkStatus());
+  }
 }
 
 void Engine::RunBatch(const control::ScheduleBatch& batch, bool cached) {
@@ -915,6 +1037,7 @@ EngineSnapshot Engine::Snapshot(bool with_history) const {
   s.failure = failed_.ok() ? "" : std::string(failed_.message());
   s.batches = batches_;
   s.cache_batches = cache_batches_;
+  s.cycle_reductions = cycle_reductions_;
   for (const auto& [name, b] : buckets_) {
     s.buckets.push_back(b.stats);
     if (!with_history) s.buckets.back().history.clear();

@@ -21,6 +21,12 @@
 // not cached yet are reported to the coordinator by a thread of their own.
 // A node enters a cycle only with work pending; a cycle waits for the other
 // nodes as long as the job lives (peer failures end it through Fail()).
+// Small dense buckets ride in the cycle (EngineOptions::cycle_floats): each
+// node puts its local sum of the ones ready here into its cycle message, so
+// a bucket every node sent is reduced by the cycle's allgather itself (the
+// sum in node order, the very bits of the fused dense allreduce), one round
+// instead of two. A bucket some node could not send (not ready there, a
+// NaN/Inf, a CUDA buffer) takes the usual path.
 //
 // Failure model: a process that vanishes, a step that breaks the transport,
 // or a failure the coordinator reports ends the job: every pending and later
@@ -62,6 +68,10 @@ struct EngineOptions {
   size_t stats_history = 1024;
   // Negotiate buckets scheduled once over the data plane (see above).
   bool response_cache = true;
+  // Response cache: room in a cycle's message for small dense buckets, in
+  // floats per node (0: none). The cached dense buckets, in cache id order,
+  // that fit in it ride in the cycle (see above).
+  uint64_t cycle_floats = 4096;
   // The step runs on the GPU (ops are a GPU backend on CUDA ordinal
   // `device`, the transport takes device memory): CUDA buffers are read and
   // written in place (no host staging), after their ready event; every
@@ -111,6 +121,7 @@ struct EngineSnapshot {
   std::vector<BucketStats> buckets;
   uint64_t batches = 0;        // schedule batches run
   uint64_t cache_batches = 0;  // batches of cached buckets agreed over the data plane
+  uint64_t cycle_reductions = 0;  // bucket steps reduced by the cycle itself
 };
 
 class Engine final : public local::LocalHandler {
@@ -181,6 +192,11 @@ class Engine final : public local::LocalHandler {
   // One cycle: agree with every node on what to run, then run it. False if
   // nothing ran.
   bool Cycle();
+  // The buckets a cycle reduced itself (cache ids, in order): node r's local
+  // sum of bucket i is at area[r * floats + slot[i]].
+  void RunInCycle(const std::vector<size_t>& ids, const std::vector<uint64_t>& slot,
+                  const std::vector<float>& area, uint64_t floats, double exchange_seconds,
+                  bool count_batch);
   // `cached`: a batch of cached buckets agreed in a cycle, not from the log.
   void RunBatch(const control::ScheduleBatch& batch, bool cached = false);
   void CompleteWork(const Work& w, const absl::Status& status);
@@ -231,6 +247,7 @@ class Engine final : public local::LocalHandler {
   std::vector<Work> in_flight_ ABSL_GUARDED_BY(mu_);  // the running batch, not yet answered
   uint64_t batches_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t cache_batches_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t cycle_reductions_ ABSL_GUARDED_BY(mu_) = 0;
   // Response cache: buckets by cache id, the ids ready on this node, and
   // whether anything changed since the last cycle.
   std::vector<Bucket*> cached_ ABSL_GUARDED_BY(mu_);

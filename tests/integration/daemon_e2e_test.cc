@@ -34,13 +34,18 @@ std::vector<std::string> CacheFlags(bool response_cache) {
 
 // `cache`: the response cache on or off; unset: microd's default (on).
 // `reverse_nodes`: nodes whose processes submit the buckets last first, 2 ms apart.
-void RunAndCompare(int n, int L, std::optional<bool> cache = std::nullopt, int reverse_nodes = 0) {
+// `extra`: more daemon flags.
+void RunAndCompare(int n, int L, std::optional<bool> cache = std::nullopt, int reverse_nodes = 0,
+                   const std::vector<std::string>& extra = {}) {
   const bool response_cache = cache.value_or(true);
   SCOPED_TRACE(absl::StrCat(n, " daemons x ", L, " processes",
                             response_cache ? ", response cache" : ", coordinator only"));
   const std::vector<BucketSpec> buckets = {{"embed", 1000}, {"conv", 70001}, {"fc", 200003}};
   const long steps = 50;
-  DaemonCluster cluster(n, L, cache ? CacheFlags(*cache) : std::vector<std::string>{});
+  std::vector<std::string> flags = cache ? CacheFlags(*cache) : std::vector<std::string>{};
+  flags.insert(flags.end(), extra.begin(), extra.end());
+  const bool in_cycle = response_cache && extra.empty();  // the default --cycle_floats
+  DaemonCluster cluster(n, L, flags);
   cluster.StartClients(buckets, steps, -1, -1, -1, [&](int r, int) {
     return r < reverse_nodes ? std::vector<std::string>{"reverse"} : std::vector<std::string>{};
   });
@@ -77,6 +82,9 @@ void RunAndCompare(int n, int L, std::optional<bool> cache = std::nullopt, int r
     EXPECT_EQ(status->cache_batches(), 0u);
     EXPECT_GE(status->batches(), static_cast<uint64_t>(steps));
   }
+  // The small dense bucket ("embed") rode in the cycle at every step after
+  // the first (the coordinator's), unless that is off.
+  EXPECT_EQ(status->cycle_reductions(), in_cycle ? static_cast<uint64_t>(steps - 1) : 0u);
   ASSERT_EQ(status->buckets_size(), 3);
   for (const auto& b : status->buckets()) {
     EXPECT_EQ(b.steps(), static_cast<uint64_t>(steps)) << b.name();
@@ -120,6 +128,10 @@ TEST(DaemonEndToEnd, CoordinatorOnlyFourDaemonsOneProcessEach) { RunAndCompare(4
 // Half the nodes submit in the other order and later: the cycles agree on
 // partial sets and run the rest in later cycles, with the same results.
 TEST(DaemonEndToEnd, ResponseCacheNodesSubmittingInOtherOrders) { RunAndCompare(4, 1, true, 2); }
+// Small dense buckets not reduced by the cycle: a fused allreduce after it.
+TEST(DaemonEndToEnd, ResponseCacheWithoutCycleReductions) {
+  RunAndCompare(3, 2, true, 1, {"--cycle_floats=0"});
+}
 
 // Last line of a client's output, and its status code when it failed.
 int FailedStatus(const std::string& out, std::string* line) {
