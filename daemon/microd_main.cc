@@ -231,6 +231,13 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_cuda_device) < 0) {
     return Fatal("--cuda_device", absl::InvalidArgumentError("must be >= 0"));
   }
+  // Over NCCL a cycle would wait for the other nodes inside an NCCL kernel,
+  // spinning on the GPU the training shares: the coordinator negotiates.
+  const bool response_cache = absl::GetFlag(FLAGS_response_cache) && transport_name != "nccl";
+  if (absl::GetFlag(FLAGS_response_cache) && !response_cache) {
+    std::fprintf(stderr, "microd: --transport=nccl: the response cache is off (every step "
+                         "through the coordinator)\n");
+  }
   if (absl::GetFlag(FLAGS_cycle_floats) > (uint64_t{1} << 20)) {
     return Fatal("--cycle_floats", absl::InvalidArgumentError("must be at most 1048576"));
   }
@@ -310,7 +317,7 @@ int main(int argc, char** argv) {
         r->set_warmup_density(sparsify.warmup_density);
         r->set_warmup_decay_steps(sparsify.warmup_decay_steps);
         r->set_clip_norm(sparsify.clip_norm);
-        r->set_response_cache(absl::GetFlag(FLAGS_response_cache));
+        r->set_response_cache(response_cache);
         r->set_local_size(local_size);
         r->set_socket(absl::GetFlag(FLAGS_socket));
         r->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started));
@@ -468,7 +475,7 @@ int main(int argc, char** argv) {
   eo.dense_floor = absl::GetFlag(FLAGS_dense_floor);
   eo.skip_nonfinite = absl::GetFlag(FLAGS_nonfinite) == "skip";
   eo.stats_history = absl::GetFlag(FLAGS_stats_history);
-  eo.response_cache = absl::GetFlag(FLAGS_response_cache);
+  eo.response_cache = response_cache;
   eo.cycle_floats = absl::GetFlag(FLAGS_cycle_floats);
   eo.op_timeout = op_timeout;
   {
@@ -482,6 +489,7 @@ int main(int argc, char** argv) {
   lo.socket_path = absl::GetFlag(FLAGS_socket);
   lo.allow_gid = absl::GetFlag(FLAGS_allow_gid);
   lo.cuda_staging = !eo.device_resident;
+  lo.cuda_device = eo.device_resident ? eo.device : -1;
   auto server = microd::local::LocalServer::Start(lo, engine.get());
   if (!server.ok()) return Fatal("--socket", server.status());
   {

@@ -149,7 +149,7 @@ run_gtest transport_nccl_test 300
 # CUDA buffers registered through the C API, end to end through 2 daemons:
 # staged through host memory (--transport=gloo) and reduced in place on the
 # GPU (--transport=nccl: CUDA kernels and NCCL, the device-resident engine).
-run_gtest integration_daemon_cuda_test 300
+run_gtest integration_daemon_cuda_test 420
 
 # CUDA tensors through the Python binding and the DDP hook (needs a
 # CUDA-enabled PyTorch with numpy and pytest); a skip is a failure here.

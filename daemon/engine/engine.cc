@@ -646,6 +646,15 @@ void Engine::RunBatch(const control::ScheduleBatch& batch, bool cached) {
   }
   if (!dense.empty()) RunFusedDense(dense);
   for (Work& w : sparse) RunSparse(w);
+  if (options_.device_resident) {
+    // A step that ended early (a failure) may have left kernels queued on
+    // the processes' memory: let them finish before the Works let go of
+    // the buffers (the last reference to a departed process's mapping
+    // closes it).
+    if (ops_->Synchronize(nullptr) != kernels::KernelStatus::kOk) {
+      std::fprintf(stderr, "microd: waiting for the GPU after a batch failed\n");
+    }
+  }
 }
 
 namespace {
@@ -713,8 +722,8 @@ absl::Status Engine::CopyFloats(float* dst, const float* src, uint64_t count) {
   if (count == 0) return absl::OkStatus();
   kernels::KernelStatus k;
   if (src == nullptr) {
-    const std::vector<float> zeros(count, 0.0f);
-    k = ops_->CopyToDevice(dst, zeros.data(), count * sizeof(float), nullptr);
+    // Scattering nothing: the output zero-filled, in ops_'s memory.
+    k = ops_->ScatterAverage(nullptr, nullptr, 0, 1.0f, dst, count, nullptr);
   } else {
     // One input: a copy, in ops_'s memory (host or device).
     k = ops_->LocalSum(&src, 1, count, dst, nullptr, nullptr);

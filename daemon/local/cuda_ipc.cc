@@ -8,11 +8,13 @@
 
 namespace microd::local {
 
-absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateCudaIpcRegistry(bool staging) {
+absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateCudaIpcRegistry(bool staging,
+                                                                       int only_device) {
 #if MICROD_HAVE_CUDA
-  return cuda::CreateRegistry(staging);
+  return cuda::CreateRegistry(staging, only_device);
 #else
   (void)staging;
+  (void)only_device;
   return absl::UnimplementedError(
       "microd was built without CUDA (a CPU build): use host buffers, or a CUDA build of microd");
 #endif

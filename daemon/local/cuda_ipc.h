@@ -58,6 +58,9 @@ class CudaIpcRegistry {
 // Does not create a CUDA context.
 // `staging`: give each buffer its pinned host copy (staging()); false for a
 // device-resident engine, which computes on mapped() and never copies.
-absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateCudaIpcRegistry(bool staging = true);
+// `only_device` >= 0: only buffers on that GPU (this daemon's ordinal) are
+// opened; others are refused (UNSUPPORTED) before any CUDA call on them.
+absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateCudaIpcRegistry(bool staging = true,
+                                                                       int only_device = -1);
 
 }  // namespace microd::local

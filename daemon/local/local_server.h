@@ -126,6 +126,8 @@ struct LocalServerOptions {
   std::function<absl::StatusOr<std::unique_ptr<CudaIpcRegistry>>()> cuda_registry;
   // Passed to CreateCudaIpcRegistry: false for a device-resident engine.
   bool cuda_staging = true;
+  // Passed to CreateCudaIpcRegistry: the only GPU to take buffers on (-1: any).
+  int cuda_device = -1;
 };
 
 struct ClientSnapshot {

@@ -327,8 +327,12 @@ struct DeviceIds {
 
 class Registry final : public CudaIpcRegistry {
  public:
-  Registry(MemGetAddressRangeFn mem_get_address_range, std::vector<DeviceIds> ids, bool staging)
-      : mem_get_address_range_(mem_get_address_range), ids_(std::move(ids)), staging_(staging) {}
+  Registry(MemGetAddressRangeFn mem_get_address_range, std::vector<DeviceIds> ids, bool staging,
+           int only_device)
+      : mem_get_address_range_(mem_get_address_range),
+        ids_(std::move(ids)),
+        staging_(staging),
+        only_device_(only_device) {}
 
   absl::StatusOr<std::unique_ptr<DeviceMemory>> Open(const CudaIpcRequest& r) override {
     const std::string who =
@@ -346,6 +350,14 @@ class Registry final : public CudaIpcRegistry {
                                   who, ": that GPU is not visible to microd (it sees ", ids_.size(),
                                   " GPUs): give the trainer and the sidecar the same GPUs")),
                               ClientStatus::kUnsupported);
+    }
+    if (only_device_ >= 0 && ordinal != only_device_) {
+      // Refused before anything opens (no CUDA context on that GPU).
+      return WithClientStatus(
+          absl::FailedPreconditionError(absl::StrCat(
+              who, ": it is GPU ", ordinal, " here; this daemon reduces on GPU ", only_device_,
+              " (--cuda_device) and takes only CUDA buffers on that GPU")),
+          ClientStatus::kUnsupported);
     }
     absl::MutexLock lock(&mu_);
     ASSIGN_OR_RETURN(std::shared_ptr<Device> device, GetDevice(ordinal));
@@ -462,6 +474,7 @@ class Registry final : public CudaIpcRegistry {
   const MemGetAddressRangeFn mem_get_address_range_;
   const std::vector<DeviceIds> ids_;  // by this daemon's device ordinal
   const bool staging_;                // allocate pinned staging memory per buffer
+  const int only_device_;             // -1: any GPU
   absl::Mutex mu_;
   std::map<int, std::shared_ptr<Device>> devices_ ABSL_GUARDED_BY(mu_);
   // By process, then by the allocation's IPC handle.
@@ -471,7 +484,7 @@ class Registry final : public CudaIpcRegistry {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateRegistry(bool staging) {
+absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateRegistry(bool staging, int only_device) {
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
@@ -507,7 +520,7 @@ absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateRegistry(bool staging) {
     }
   }
   return std::unique_ptr<CudaIpcRegistry>(
-      std::make_unique<Registry>(mem_get_address_range, std::move(ids), staging));
+      std::make_unique<Registry>(mem_get_address_range, std::move(ids), staging, only_device));
 }
 
 }  // namespace microd::local::cuda
