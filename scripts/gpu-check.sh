@@ -5,7 +5,8 @@
 # buffers through the daemons; a skipped test is a failure
 # here), runs the kernel benchmark at d = 25,557,032 and 1e9 against the
 # memory floor and against torch.topk (when PyTorch with CUDA is importable),
-# and prints a summary. Needs the build dependencies of scripts/install-deps.sh
+# and prints a summary; last, the CPU daemon path's latency on this machine's
+# cores (microd-bench-daemon). Needs the build dependencies of scripts/install-deps.sh
 # plus the CUDA toolkit with NCCL.
 #
 #   scripts/gpu-check.sh [--build-dir DIR] [--arch 90] [--sizes 25557032,1000000000]
@@ -174,6 +175,19 @@ if [[ -n "$PYTHON" ]] && "$PYTHON" -c "import pytest, numpy" 2>/dev/null; then
 else
   echo "no python3 with CUDA-enabled torch, numpy and pytest: tests/python/test_torch_cuda.py not run"
   NOT_RUN="tests/python/test_torch_cuda.py (no CUDA-enabled PyTorch)"
+fi
+
+# The CPU daemon path (issue C) where every process has a core of its own:
+# this machine has more cores than the 2-core development VM. Informational
+# (a figure, not a GPU test): 4 daemons x 1 process, 1,024-float round trip
+# and the 25,557,032-element step, beside the transport alone.
+phase "daemon path on $(nproc) cores (microd-bench-daemon, limit 240s)"
+if cmake --build "$BUILD_DIR" -j"$(nproc)" --target microd microd-bench-daemon \
+    microd-bench-transport >>"$OUT_DIR/build.log" 2>&1; then
+  timeout --kill-after=10 240 "$BUILD_DIR/bench/microd-bench-daemon" --latency_iters=2000 \
+    --json="$OUT_DIR/bench_daemon.json" 2>&1 | tee "$OUT_DIR/bench_daemon.log" | grep -v "^$" | tail -8
+else
+  echo "microd-bench-daemon did not build (see $OUT_DIR/build.log)"
 fi
 
 phase "summary"
