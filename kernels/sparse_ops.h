@@ -29,6 +29,7 @@ enum class KernelStatus : int {
   kInvalidArgument = 1,  // null pointer, bad range, size too large
   kDeviceError = 2,      // the device reported an error (CUDA only)
   kUnsupported = 3,      // not available in this build or on this machine
+  kTimedOut = 4,         // SynchronizeFor: the work was still running at the deadline
 };
 const char* KernelStatusString(KernelStatus status);
 
@@ -114,6 +115,9 @@ class SparseOps {
                                     void* stream) = 0;
   // Waits until all work queued on `stream` has finished.
   virtual KernelStatus Synchronize(void* stream) = 0;
+  // The same, for at most `seconds`: kTimedOut when the work is still
+  // running then (it stays queued; the memory it uses must stay valid).
+  virtual KernelStatus SynchronizeFor(void* stream, double seconds) = 0;
 
   // See FusedSelectArgs.
   virtual KernelStatus FusedAccumulateSelect(const FusedSelectArgs& args, void* stream) = 0;

@@ -650,9 +650,23 @@ void Engine::RunBatch(const control::ScheduleBatch& batch, bool cached) {
     // A step that ended early (a failure) may have left kernels queued on
     // the processes' memory: let them finish before the Works let go of
     // the buffers (the last reference to a departed process's mapping
-    // closes it).
-    if (ops_->Synchronize(nullptr) != kernels::KernelStatus::kOk) {
-      std::fprintf(stderr, "microd: waiting for the GPU after a batch failed\n");
+    // closes it). Work still running at the deadline keeps its buffers
+    // mapped for the life of the daemon.
+    const double seconds = absl::ToDoubleSeconds(options_.op_timeout);
+    if (const auto k = ops_->SynchronizeFor(nullptr, seconds); k != kernels::KernelStatus::kOk) {
+      std::fprintf(stderr, "microd: the GPU work of a batch did not end (%s): its buffers stay "
+                           "mapped until the daemon exits\n", kernels::KernelStatusString(k));
+      {
+        absl::MutexLock lock(&mu_);
+        for (const std::vector<Work>* ws : {&dense, &sparse}) {
+          for (const Work& w : *ws) {
+            kept_buffers_.insert(kept_buffers_.end(), w.buffers.begin(), w.buffers.end());
+          }
+        }
+      }
+      Fail(absl::DeadlineExceededError(absl::StrCat("node ", membership_.node_rank,
+                                                    ": the GPU work of a batch did not end")),
+           /*report=*/true);
     }
   }
 }
@@ -697,7 +711,8 @@ absl::Status Engine::StageIn(const Work& w, absl::Time deadline) {
 absl::Status Engine::StageOut(const Work& w, absl::Time deadline) {
   if (options_.device_resident) {
     // The update was written in place by the step's GPU work: done when it is.
-    const kernels::KernelStatus k = ops_->Synchronize(nullptr);
+    const kernels::KernelStatus k = ops_->SynchronizeFor(
+        nullptr, std::max(0.0, absl::ToDoubleSeconds(deadline - absl::Now())));
     if (k == kernels::KernelStatus::kOk) return absl::OkStatus();
     return absl::InternalError(absl::StrCat("bucket '", w.bucket->name, "': the step's GPU work (",
                                             ops_->name(), "): ", kernels::KernelStatusString(k)));

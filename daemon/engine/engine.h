@@ -256,6 +256,8 @@ class Engine final : public local::LocalHandler {
   uint64_t log_run_ ABSL_GUARDED_BY(mu_) = 0;  // schedule batches taken from schedule_
   uint32_t next_slot_ = 1;  // engine thread only; slot 0 is the fused dense buffer
 
+  // Buffers whose GPU work never ended: kept mapped, never released.
+  std::vector<std::shared_ptr<local::HostBuffer>> kept_buffers_ ABSL_GUARDED_BY(mu_);
   // Engine-thread scratch buffers (device memory of ops_).
   sparsify::DeviceBuffer<float> grad_, update_, fusion_;
   sparsify::DeviceBuffer<kernels::StepScalars> scalars_;

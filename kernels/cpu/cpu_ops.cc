@@ -55,6 +55,7 @@ class CpuSparseOps final : public SparseOps {
     return CopyToHost(dst, src, bytes, s);
   }
   KernelStatus Synchronize(void*) override { return KernelStatus::kOk; }
+  KernelStatus SynchronizeFor(void*, double) override { return KernelStatus::kOk; }
 
   KernelStatus FusedAccumulateSelect(const FusedSelectArgs& a, void*) override {
     if (!FusedSelectArgsValid(a)) return KernelStatus::kInvalidArgument;
@@ -251,6 +252,8 @@ const char* KernelStatusString(KernelStatus status) {
       return "device error";
     case KernelStatus::kUnsupported:
       return "unsupported";
+    case KernelStatus::kTimedOut:
+      return "timed out";
   }
   return "unknown kernel status";
 }

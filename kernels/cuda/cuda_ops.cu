@@ -12,6 +12,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cub/device/device_radix_sort.cuh>
@@ -19,6 +20,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "kernels/cuda/cuda_ops.h"
 
@@ -455,6 +457,34 @@ class CudaSparseOps final : public SparseOps {
   KernelStatus Synchronize(void* stream) override {
     if (!SetDevice()) return KernelStatus::kDeviceError;
     return Check(cudaStreamSynchronize(S(stream)), "cudaStreamSynchronize");
+  }
+  KernelStatus SynchronizeFor(void* stream, double seconds) override {
+    if (!SetDevice()) return KernelStatus::kDeviceError;
+    // An event after the queued work, polled until the deadline (a host
+    // wait with no deadline could hang on a stuck kernel).
+    cudaEvent_t done = nullptr;
+    TRY(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
+    KernelStatus result = Check(cudaEventRecord(done, S(stream)), "cudaEventRecord");
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration<double>(std::max(0.0, seconds));
+    auto nap = std::chrono::microseconds(10);
+    while (result == KernelStatus::kOk) {
+      const cudaError_t e = cudaEventQuery(done);
+      if (e == cudaSuccess) break;
+      if (e != cudaErrorNotReady) {
+        result = Check(e, "cudaEventQuery");
+        break;
+      }
+      if (std::chrono::steady_clock::now() >= deadline) {
+        (void)cudaGetLastError();
+        result = KernelStatus::kTimedOut;
+        break;
+      }
+      std::this_thread::sleep_for(nap);
+      nap = std::min(nap * 2, std::chrono::microseconds(1000));
+    }
+    cudaEventDestroy(done);  // released once the event completes, even if still pending
+    return result;
   }
 
   KernelStatus FusedAccumulateSelect(const FusedSelectArgs& a, void* stream) override {

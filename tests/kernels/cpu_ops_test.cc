@@ -93,6 +93,14 @@ class CpuOpsTest : public ::testing::TestWithParam<CpuIsa> {
   std::vector<void*> owned_;
 };
 
+// The CPU backend's work is done when a call returns: waits end at once.
+TEST_P(CpuOpsTest, SynchronizeReturnsAtOnceAndStatusesHaveNames) {
+  EXPECT_EQ(ops_->Synchronize(nullptr), KernelStatus::kOk);
+  EXPECT_EQ(ops_->SynchronizeFor(nullptr, 0.0), KernelStatus::kOk);
+  EXPECT_STREQ(KernelStatusString(KernelStatus::kTimedOut), "timed out");
+  EXPECT_STREQ(KernelStatusString(KernelStatus::kDeviceError), "device error");
+}
+
 TEST_P(CpuOpsTest, FusedAccumulateSelectMatchesReference) {
   for (uint64_t d : kSizes) {
     const std::vector<float> g = RandomValues(d, 1 + d);

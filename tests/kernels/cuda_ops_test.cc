@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -489,6 +490,35 @@ TEST_F(CudaOpsTest, LocalSumMatchesCpuInInputOrder) {
       }
     }
   }
+}
+
+// SynchronizeFor: a zero deadline on queued work ends at once (kOk if it
+// already finished, else kTimedOut, the work left running); a long one
+// waits for it, after which the result is there.
+TEST_F(CudaOpsTest, SynchronizeForWaitsUntilItsDeadline) {
+  const uint64_t n = uint64_t{1} << 26;  // 256 MiB per input
+  std::vector<const float*> in(17);
+  float* big = Zeros<float>(n);
+  for (auto& p : in) p = big;
+  float* out = Zeros<float>(n);
+  const std::vector<float> one = {1.0f};
+  ASSERT_EQ(gpu_->CopyToDevice(big + n - 1, one.data(), sizeof(float), stream()),
+            KernelStatus::kOk);
+  for (int rep = 0; rep < 4; ++rep) {
+    ASSERT_EQ(gpu_->LocalSum(in.data(), 17, n, out, nullptr, stream()), KernelStatus::kOk);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const KernelStatus quick = gpu_->SynchronizeFor(stream(), 0.0);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(100));
+  EXPECT_TRUE(quick == KernelStatus::kOk || quick == KernelStatus::kTimedOut)
+      << KernelStatusString(quick);
+  ASSERT_EQ(gpu_->SynchronizeFor(stream(), 60.0), KernelStatus::kOk);
+  std::vector<float> last(1);
+  ASSERT_EQ(cudaMemcpy(last.data(), out + n - 1, sizeof(float), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_EQ(last[0], 17.0f);
+  EXPECT_EQ(cpu_->SynchronizeFor(nullptr, 0.0), KernelStatus::kOk);
+  EXPECT_STREQ(KernelStatusString(KernelStatus::kTimedOut), "timed out");
 }
 
 TEST_F(CudaOpsTest, GatherScatterZeroMatchCpu) {
