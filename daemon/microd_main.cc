@@ -478,6 +478,10 @@ int main(int argc, char** argv) {
   eo.response_cache = response_cache;
   eo.cycle_floats = absl::GetFlag(FLAGS_cycle_floats);
   eo.op_timeout = op_timeout;
+  if (absl::Status s = microd::engine::CheckOptionsAgree(*transport, eo, absl::Now() + op_timeout);
+      !s.ok()) {
+    return Fatal("options", s);
+  }
   {
     absl::MutexLock lock(&state_mu);
     engine = std::make_unique<microd::engine::Engine>(eo, membership, client.get(), transport.get(),

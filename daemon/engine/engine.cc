@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/common/status_map.h"
 
 namespace microd::engine {
@@ -30,6 +31,50 @@ absl::Status JobFailed(const absl::Status& why) {
 }
 
 }  // namespace
+
+absl::Status CheckOptionsAgree(transport::Transport& transport, const EngineOptions& o,
+                               absl::Time deadline) {
+  const sparsify::SparsifyOptions& s = o.sparsify;
+  // (flag, value) in a fixed order; doubles by their bits.
+  auto bits = [](double x) {
+    uint64_t b;
+    std::memcpy(&b, &x, sizeof b);
+    return b;
+  };
+  const std::vector<std::pair<const char*, uint64_t>> mine = {
+      {"--sparsifier", static_cast<uint64_t>(s.sparsifier)},
+      {"--controller", static_cast<uint64_t>(s.controller)},
+      {"--density", bits(s.density)},
+      {"--hard_threshold", bits(s.hard_threshold)},
+      {"--momentum_correction", bits(s.momentum)},
+      {"--clip_norm", bits(s.clip_norm)},
+      {"--warmup_steps", s.warmup_steps},
+      {"--warmup_density", bits(s.warmup_density)},
+      {"--warmup_decay_steps", s.warmup_decay_steps},
+      {"--dense_floor", o.dense_floor},
+      {"--nonfinite", o.skip_nonfinite ? 1u : 0u},
+      {"--response_cache", o.response_cache ? 1u : 0u},
+      {"--cycle_floats", o.cycle_floats},
+      {"--transport", o.device_resident ? 1u : 0u},
+  };
+  const size_t k = mine.size();
+  std::vector<uint64_t> values(k), all(k * transport.size());
+  for (size_t i = 0; i < k; ++i) values[i] = mine[i].second;
+  transport::CollectiveOptions co;
+  co.tag = transport::MakeTag(0, transport::TagKind::kControl);
+  co.deadline = deadline;
+  RETURN_IF_ERROR(transport.Allgather(values.data(), k * sizeof(uint64_t), all.data(), co));
+  for (size_t i = 0; i < k; ++i) {
+    for (int r = 1; r < transport.size(); ++r) {
+      if (all[r * k + i] != all[i]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            mine[i].first, " differs between node 0 and node ", r,
+            ": every node's microd must run with the same value"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
 
 Engine::Engine(EngineOptions options, control::Membership membership,
                control::CoordinatorClient* client, transport::Transport* transport,
@@ -420,18 +465,29 @@ bool Engine::Cycle() {
   size_t ids = 0;        // cached buckets at the time of the cycle
   uint64_t floats = 0;   // room taken in the message, in floats
   std::vector<uint64_t> slot;
-  std::vector<std::pair<size_t, std::vector<std::shared_ptr<local::HostBuffer>>>> to_send;
+  struct ToSend {
+    size_t id;
+    uint64_t count;
+    std::vector<std::shared_ptr<local::HostBuffer>> buffers;
+  };
+  std::vector<ToSend> to_send;
+  // The room, in floats: --cycle_floats, but the whole allgather kept under
+  // 256 KiB, where the transport sends it to every peer in one round.
+  const uint64_t room =
+      std::min<uint64_t>(options_.cycle_floats, (uint64_t{64} << 10) / n > 512
+                                                    ? (uint64_t{64} << 10) / n - 512
+                                                    : 0);
   {
     absl::MutexLock lock(&mu_);
     ids = cached_.size();
     slot.assign(ids, kNoSlot);
-    const bool ride = !options_.device_resident && options_.cycle_floats > 0;
+    const bool ride = !options_.device_resident && room > 0;
     for (size_t i = 0; i < ids && ride; ++i) {
       const Bucket& b = *cached_[i];
-      if (!b.dense || floats + b.count > options_.cycle_floats) continue;
+      if (!b.dense || floats + b.count > room) continue;
       slot[i] = floats;
       floats += b.count;
-      if (cached_ready_[i]) to_send.push_back({i, b.buffers});
+      if (cached_ready_[i]) to_send.push_back({i, b.count, b.buffers});
     }
     const size_t bw = (ids + 63) / 64;
     mine.assign(2 + 2 * bw + (floats + 1) / 2, 0);
@@ -443,30 +499,36 @@ bool Engine::Cycle() {
   }
   const size_t bw = (ids + 63) / 64;
   const size_t area_word = 2 + 2 * bw;
-  const absl::Time t0 = absl::Now();
+  double local_sum = 0;
   if (!to_send.empty()) {
-    // This node's local sums. Host buffers only (CUDA ones need staging),
-    // and none with a NaN/Inf: those go the usual way, which reports it.
+    // This node's local sums (host memory: the CPU backend, as for every
+    // engine that is not device-resident). Host buffers only (CUDA ones
+    // need staging), and none with a NaN/Inf: those go the usual way,
+    // which reports it.
+    const absl::Time start = absl::Now();
     std::vector<float> area(floats);
     if (!scalars_.Reserve(ops_, 1)) to_send.clear();
-    for (const auto& [i, buffers] : to_send) {
+    for (const ToSend& t : to_send) {
       std::vector<const float*> inputs;
-      for (const auto& buf : buffers) {
+      for (const auto& buf : t.buffers) {
         if (buf == nullptr || buf->device() != nullptr) break;
         inputs.push_back(buf->data());
       }
-      if (inputs.size() != buffers.size()) continue;
+      if (inputs.size() != t.buffers.size()) continue;
       kernels::StepScalars sc{};
-      if (ops_->LocalSum(inputs.data(), static_cast<int>(inputs.size()), cached_[i]->count,
-                         area.data() + slot[i], scalars_.get(), nullptr) != kernels::KernelStatus::kOk ||
+      if (ops_->LocalSum(inputs.data(), static_cast<int>(inputs.size()), t.count,
+                         area.data() + slot[t.id], scalars_.get(),
+                         nullptr) != kernels::KernelStatus::kOk ||
           ops_->CopyToHost(&sc, scalars_.get(), sizeof sc, nullptr) != kernels::KernelStatus::kOk ||
           sc.nonfinite != 0) {
         continue;
       }
-      mine[2 + bw + i / 64] |= uint64_t{1} << (i % 64);
+      mine[2 + bw + t.id / 64] |= uint64_t{1} << (t.id % 64);
     }
     if (floats > 0) std::memcpy(mine.data() + area_word, area.data(), floats * sizeof(float));
+    local_sum = absl::ToDoubleSeconds(absl::Now() - start);
   }
+  const absl::Time t0 = absl::Now();
   const size_t words = mine.size();
   std::vector<uint64_t> all(words * n);
   CollectiveOptions o;
@@ -537,7 +599,8 @@ bool Engine::Cycle() {
       std::memcpy(area.data() + r * floats, all.data() + r * words + area_word,
                   floats * sizeof(float));
     }
-    RunInCycle(in_cycle, slot, area, floats, exchange, /*count_batch=*/cached.scheduled.empty());
+    RunInCycle(in_cycle, slot, area, floats, local_sum, exchange,
+               /*count_batch=*/cached.scheduled.empty());
     ran = true;
   }
   if (!cached.scheduled.empty()) {
@@ -548,8 +611,8 @@ bool Engine::Cycle() {
 }
 
 void Engine::RunInCycle(const std::vector<size_t>& ids, const std::vector<uint64_t>& slot,
-                        const std::vector<float>& area, uint64_t floats, double exchange_seconds,
-                        bool count_batch) {
+                        const std::vector<float>& area, uint64_t floats, double local_sum_seconds,
+                        double exchange_seconds, bool count_batch) {
   const int n = membership_.node_count;
   std::vector<Work> works;
   {
@@ -564,13 +627,19 @@ void Engine::RunInCycle(const std::vector<size_t>& ids, const std::vector<uint64
     }
     in_flight_.insert(in_flight_.end(), works.begin(), works.end());
   }
-  const absl::Time t0 = absl::Now();
   uint64_t total = 0;
   for (const Work& w : works) total += w.bucket->count;
   for (size_t k = 0; k < works.size(); ++k) {
     const Work& w = works[k];
+    const absl::Time t0 = absl::Now();
     const uint64_t d = w.bucket->count;
     const uint64_t at = slot[ids[k]];
+    if (std::find(w.buffers.begin(), w.buffers.end(), nullptr) != w.buffers.end()) {
+      // A process left meanwhile (its disconnect fails the job).
+      FinishWork(w, JobFailed(absl::AbortedError(
+                        absl::StrCat("bucket '", w.bucket->name, "': a local process is gone"))));
+      continue;
+    }
     // The sum in node order, then the average: what the fused dense
     // allreduce computes, to the bit.
     std::vector<float> sum(area.begin() + at, area.begin() + at + d);
@@ -581,17 +650,17 @@ void Engine::RunInCycle(const std::vector<size_t>& ids, const std::vector<uint64
     absl::Status s = KernelCall(
         ops_->Divide(sum.data(), d, static_cast<float>(membership_.world_size), nullptr, nullptr),
         "divide");
+    {
+      absl::MutexLock lock(&mu_);
+      if (!failed_.ok()) return;  // the job failed meanwhile; Fail() answered this work
+    }
     for (const auto& buf : w.buffers) {
-      if (!s.ok()) break;
-      if (buf == nullptr) {
-        s = JobFailed(absl::AbortedError("a local process is gone"));
-        break;
-      }
-      s = CopyFloats(buf->data(), sum.data(), d);
+      if (s.ok()) s = CopyFloats(buf->data(), sum.data(), d);
     }
     if (!s.ok()) {
-      FinishWork(w, absl::IsAborted(s) ? s : JobFailed(s));
-      continue;
+      StagingFailed({&w}, absl::InternalError(absl::StrCat("bucket '", w.bucket->name,
+                                                           "': write-back: ", s.message())));
+      return;
     }
     {
       absl::MutexLock lock(&mu_);
@@ -602,8 +671,9 @@ void Engine::RunInCycle(const std::vector<size_t>& ids, const std::vector<uint64
       st.budget = st.last_selected = d;
       st.bytes_sent += d * sizeof(float);
       st.bytes_received += d * sizeof(float);
+      st.local_sum_seconds += local_sum_seconds * share;
       st.exchange_seconds += exchange_seconds * share;
-      st.writeback_seconds += absl::ToDoubleSeconds(absl::Now() - t0) * share;
+      st.writeback_seconds += absl::ToDoubleSeconds(absl::Now() - t0);
     }
     FinishWork(w, absl::OkStatus());
   }

@@ -25,8 +25,11 @@
 // node puts its local sum of the ones ready here into its cycle message, so
 // a bucket every node sent is reduced by the cycle's allgather itself (the
 // sum in node order, the very bits of the fused dense allreduce), one round
-// instead of two. A bucket some node could not send (not ready there, a
-// NaN/Inf, a CUDA buffer) takes the usual path.
+// instead of two. A bucket ready everywhere that some node could not send
+// (a NaN/Inf there, a CUDA buffer) takes the usual path (a fused dense
+// allreduce after the cycle). Under --nonfinite=skip this means a NaN/Inf
+// skips only its own bucket's step where the fused path would skip every
+// bucket fused with it.
 //
 // Failure model: a process that vanishes, a step that breaks the transport,
 // or a failure the coordinator reports ends the job: every pending and later
@@ -124,6 +127,14 @@ struct EngineSnapshot {
   uint64_t cycle_reductions = 0;  // bucket steps reduced by the cycle itself
 };
 
+// Every node must run with the same step options (the collectives' sizes
+// and the results depend on them): one fixed-size allgather of this node's
+// options over `transport`; InvalidArgument naming the first option that
+// differs and the nodes it differs on. Call before the engine starts (it
+// uses the control tag), on every node.
+absl::Status CheckOptionsAgree(transport::Transport& transport, const EngineOptions& options,
+                               absl::Time deadline);
+
 class Engine final : public local::LocalHandler {
  public:
   // `client` (negotiation), `transport` and `ops` must outlive the engine.
@@ -195,8 +206,8 @@ class Engine final : public local::LocalHandler {
   // The buckets a cycle reduced itself (cache ids, in order): node r's local
   // sum of bucket i is at area[r * floats + slot[i]].
   void RunInCycle(const std::vector<size_t>& ids, const std::vector<uint64_t>& slot,
-                  const std::vector<float>& area, uint64_t floats, double exchange_seconds,
-                  bool count_batch);
+                  const std::vector<float>& area, uint64_t floats, double local_sum_seconds,
+                  double exchange_seconds, bool count_batch);
   // `cached`: a batch of cached buckets agreed in a cycle, not from the log.
   void RunBatch(const control::ScheduleBatch& batch, bool cached = false);
   void CompleteWork(const Work& w, const absl::Status& status);

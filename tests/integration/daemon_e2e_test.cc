@@ -479,6 +479,23 @@ TEST(DaemonFaults, SigtermEndsACycleWaitingForTheOtherNodes) {
   EXPECT_EQ(ReadLines(out0).size(), 2u) << "the first step completed, then the failure";
 }
 
+// A node whose step options differ (here through the environment) stops
+// every daemon at start, each naming the option, instead of a crash or a
+// hang at the first step.
+TEST(DaemonFaults, DifferentOptionsOnOneNodeStopEveryDaemonNamingTheOption) {
+  DaemonCluster cluster(2, 1, {}, [](int r) {
+    return r == 1 ? std::vector<std::string>{"MICROD_CYCLE_FLOATS=0"} : std::vector<std::string>{};
+  });
+  const auto codes = WaitAll({cluster.pid(0), cluster.pid(1)}, std::chrono::seconds(30));
+  for (int r = 0; r < 2; ++r) {
+    cluster.Forget(r);
+    EXPECT_NE(codes[r], 0) << "node " << r << " kept running";
+    const auto log = ReadLines(absl::StrCat(cluster.dir(), "/daemon", r, ".log"));
+    const std::string all = absl::StrJoin(log, "\n");
+    EXPECT_TRUE(absl::StrContains(all, "--cycle_floats differs between node 0 and node 1")) << all;
+  }
+}
+
 TEST(DaemonFaults, SigtermWhileWaitingForTheOtherNodesExitsAtOnce) {
   const std::string dir = MakeTempDir("e2e-join");
   // Node 0 of a 2-node job whose second node never comes: it waits to join.
