@@ -26,6 +26,11 @@ while [[ $# -gt 0 ]]; do
     --logs) LOGS=$2; shift 2 ;;
     --microd) MICROD=$2; shift 2 ;;
     --daemon-arg) DAEMON_ARGS+=("$2"); shift 2 ;;
+    --nodes=*) NODES=${1#*=}; shift ;;
+    --local=*) LOCAL=${1#*=}; shift ;;
+    --logs=*) LOGS=${1#*=}; shift ;;
+    --microd=*) MICROD=${1#*=}; shift ;;
+    --daemon-arg=*) DAEMON_ARGS+=("${1#*=}"); shift ;;
     --show-first) SHOW_FIRST=1; shift ;;
     --) shift; break ;;
     -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
