@@ -492,8 +492,7 @@ int main(int argc, char** argv) {
   microd::local::LocalServerOptions lo;
   lo.socket_path = absl::GetFlag(FLAGS_socket);
   lo.allow_gid = absl::GetFlag(FLAGS_allow_gid);
-  lo.cuda_staging = !eo.device_resident;
-  lo.cuda_device = eo.device_resident ? eo.device : -1;
+  lo.cuda_resident_device = eo.device_resident ? eo.device : -1;
   auto server = microd::local::LocalServer::Start(lo, engine.get());
   if (!server.ok()) return Fatal("--socket", server.status());
   {

@@ -822,6 +822,12 @@ absl::Status Engine::KernelCall(kernels::KernelStatus k, const char* what) const
       absl::StrCat(what, " (", ops_->name(), "): ", kernels::KernelStatusString(k)));
 }
 
+void Engine::StagingFailed(const std::vector<Work>& works, const absl::Status& s) {
+  std::vector<const Work*> all;
+  for (const Work& w : works) all.push_back(&w);
+  StagingFailed(all, s);
+}
+
 void Engine::StagingFailed(const std::vector<const Work*>& works, const absl::Status& s) {
   const absl::Status why = absl::Status(
       s.code(), absl::StrCat("node ", membership_.node_rank,
@@ -1006,30 +1012,19 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
       }
     }
     if (absl::Status s = StageIn(w, t0 + options_.op_timeout); !s.ok()) {
-      std::vector<const Work*> all;
-      for (const Work& x : works) all.push_back(&x);
-      StagingFailed(all, s);
+      StagingFailed(works, s);
       return;
     }
     std::vector<const float*> inputs;
-    for (const auto& buf : w.buffers) {
-      if (buf == nullptr) {
-        const absl::Status s = JobFailed(absl::AbortedError("a local process is gone"));
-        for (const Work& x : works) FinishWork(x, s);
-        return;
-      }
-      inputs.push_back(Data(*buf));
-    }
+    for (const auto& buf : w.buffers) inputs.push_back(Data(*buf));  // none null: checked above
     kernels::StepScalars sc;
-    kernels::KernelStatus k = ops_->LocalSum(inputs.data(), L, w.bucket->count,
-                                             fusion_.get() + offset, scalars_.get(), nullptr);
-    if (k == kernels::KernelStatus::kOk) k = ops_->CopyToHost(&sc, scalars_.get(), sizeof sc, nullptr);
-    if (k != kernels::KernelStatus::kOk) {
-      std::vector<const Work*> all;
-      for (const Work& x : works) all.push_back(&x);
-      StagingFailed(all, absl::InternalError(absl::StrCat("bucket '", w.bucket->name,
-                                                          "': local sum: ",
-                                                          kernels::KernelStatusString(k))));
+    absl::Status s = KernelCall(ops_->LocalSum(inputs.data(), L, w.bucket->count,
+                                               fusion_.get() + offset, scalars_.get(), nullptr),
+                                "local sum");
+    if (s.ok()) s = KernelCall(ops_->CopyToHost(&sc, scalars_.get(), sizeof sc, nullptr), "copy");
+    if (!s.ok()) {
+      StagingFailed(works, absl::Status(s.code(), absl::StrCat("bucket '", w.bucket->name,
+                                                               "': ", s.message())));
       return;
     }
     nonfinite += sc.nonfinite;
@@ -1102,9 +1097,7 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
     if (written.ok()) written = StageOut(w, absl::Now() + options_.op_timeout);
   }
   if (!written.ok()) {
-    std::vector<const Work*> all;
-    for (const Work& x : works) all.push_back(&x);
-    StagingFailed(all, written);
+    StagingFailed(works, written);
     return;
   }
   const double writeback = Seconds(t2);

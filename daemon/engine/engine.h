@@ -234,6 +234,7 @@ class Engine final : public local::LocalHandler {
   absl::Status KernelCall(kernels::KernelStatus k, const char* what) const;
   // A staging failure fails the job (the other nodes are in the step).
   void StagingFailed(const std::vector<const Work*>& works, const absl::Status& s);
+  void StagingFailed(const std::vector<Work>& works, const absl::Status& s);
   void RunFusedDense(std::vector<Work>& works);
   Work TakeWork(Bucket& b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static control::BucketInfo InfoOf(const Bucket& b);

@@ -8,13 +8,11 @@
 
 namespace microd::local {
 
-absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateCudaIpcRegistry(bool staging,
-                                                                       int only_device) {
+absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateCudaIpcRegistry(int resident_device) {
 #if MICROD_HAVE_CUDA
-  return cuda::CreateRegistry(staging, only_device);
+  return cuda::CreateRegistry(resident_device);
 #else
-  (void)staging;
-  (void)only_device;
+  (void)resident_device;
   return absl::UnimplementedError(
       "microd was built without CUDA (a CPU build): use host buffers, or a CUDA build of microd");
 #endif

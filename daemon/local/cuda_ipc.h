@@ -56,11 +56,11 @@ class CudaIpcRegistry {
 // The CUDA backend, or an error saying why there is none: a build without
 // CUDA, or no usable device (e.g. "CUDA driver version is insufficient").
 // Does not create a CUDA context.
-// `staging`: give each buffer its pinned host copy (staging()); false for a
-// device-resident engine, which computes on mapped() and never copies.
-// `only_device` >= 0: only buffers on that GPU (this daemon's ordinal) are
-// opened; others are refused (UNSUPPORTED) before any CUDA call on them.
-absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateCudaIpcRegistry(bool staging = true,
-                                                                       int only_device = -1);
+// `resident_device` >= 0: for a device-resident engine on that GPU (this
+// daemon's ordinal), which computes on mapped() and never copies: buffers on
+// other GPUs are refused (UNSUPPORTED) before any CUDA call on them, and
+// none gets a pinned host copy (staging() is null). -1: any GPU, each buffer
+// with its host copy.
+absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateCudaIpcRegistry(int resident_device = -1);
 
 }  // namespace microd::local

@@ -559,8 +559,7 @@ bool LocalServer::HandleRegisterCuda(uint64_t id, Client& c, const microd_wire_r
   }
   if (cuda_ == nullptr && cuda_unavailable_.empty()) {
     auto registry = options_.cuda_registry ? options_.cuda_registry()
-                                           : CreateCudaIpcRegistry(options_.cuda_staging,
-                                                                   options_.cuda_device);
+                                           : CreateCudaIpcRegistry(options_.cuda_resident_device);
     if (registry.ok()) {
       cuda_ = std::move(registry).value();
     } else {

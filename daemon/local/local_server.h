@@ -124,10 +124,9 @@ struct LocalServerOptions {
   // Where CUDA buffers are opened, made at the first REGISTER_CUDA (tests
   // inject a fake; unset: CreateCudaIpcRegistry() of cuda_ipc.h).
   std::function<absl::StatusOr<std::unique_ptr<CudaIpcRegistry>>()> cuda_registry;
-  // Passed to CreateCudaIpcRegistry: false for a device-resident engine.
-  bool cuda_staging = true;
-  // Passed to CreateCudaIpcRegistry: the only GPU to take buffers on (-1: any).
-  int cuda_device = -1;
+  // Passed to CreateCudaIpcRegistry: the GPU of a device-resident engine
+  // (-1: none; buffers on any GPU, staged through host memory).
+  int cuda_resident_device = -1;
 };
 
 struct ClientSnapshot {

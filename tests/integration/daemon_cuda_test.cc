@@ -8,7 +8,6 @@
 #include <cuda_runtime_api.h>
 
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -21,6 +20,7 @@
 #include "microd/microd.h"
 #include "tests/integration/daemon_cluster.h"
 #include "tests/integration/process_util.h"
+#include "tests/transport/nccl_test_env.h"
 
 namespace microd::testing {
 namespace {
@@ -66,16 +66,7 @@ void RunAndCompare(int n, int L, const std::function<std::string(int, int)>& mod
   std::function<std::vector<std::string>(int)> env;
   if (nccl) {
     flags = {"--transport=nccl", "--cuda_device=0"};
-    // As transport_nccl_test: loopback sockets between the "hosts", no
-    // InfiniBand or NVLink SHARP, unless the environment says otherwise.
-    env = [](int r) {
-      std::vector<std::string> e = {absl::StrCat("NCCL_HOSTID=microd-test-", r)};
-      for (const char* kv : {"NCCL_SOCKET_IFNAME=lo", "NCCL_IB_DISABLE=1", "NCCL_NVLS_ENABLE=0"}) {
-        const std::string name = std::string(kv).substr(0, std::string(kv).find('='));
-        if (std::getenv(name.c_str()) == nullptr) e.push_back(kv);
-      }
-      return e;
-    };
+    env = [](int r) { return NcclLoopbackVariables(absl::StrCat("microd-test-", r)); };
   }
   DaemonCluster cluster(n, L, flags, env);
   cluster.StartClients(buckets, steps, -1, -1, -1,

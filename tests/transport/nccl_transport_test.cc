@@ -23,6 +23,7 @@
 
 #include "kernels/cuda/device_info.h"
 #include "tests/transport/nccl_rank_protocol.h"
+#include "tests/transport/nccl_test_env.h"
 #include "tests/transport/transport_contract.h"
 
 #ifndef MICROD_NCCL_RANK_WORKER
@@ -195,11 +196,8 @@ std::vector<std::string> WorkerEnvironment(const std::string& host_id) {
   for (char** e = environ; *e != nullptr; ++e) {
     if (std::strncmp(*e, "NCCL_HOSTID=", 12) != 0) env.push_back(*e);
   }
-  env.push_back("NCCL_HOSTID=" + host_id);
-  for (const char* kv : {"NCCL_SOCKET_IFNAME=lo", "NCCL_IB_DISABLE=1", "NCCL_NVLS_ENABLE=0",
-                         "NCCL_DEBUG=WARN"}) {
-    const std::string name(kv, std::strchr(kv, '=') - kv);
-    if (std::getenv(name.c_str()) == nullptr) env.push_back(kv);
+  for (std::string& v : microd::testing::NcclLoopbackVariables(host_id)) {
+    env.push_back(std::move(v));
   }
   return env;
 }

@@ -327,12 +327,11 @@ struct DeviceIds {
 
 class Registry final : public CudaIpcRegistry {
  public:
-  Registry(MemGetAddressRangeFn mem_get_address_range, std::vector<DeviceIds> ids, bool staging,
-           int only_device)
+  Registry(MemGetAddressRangeFn mem_get_address_range, std::vector<DeviceIds> ids,
+           int resident_device)
       : mem_get_address_range_(mem_get_address_range),
         ids_(std::move(ids)),
-        staging_(staging),
-        only_device_(only_device) {}
+        resident_device_(resident_device) {}
 
   absl::StatusOr<std::unique_ptr<DeviceMemory>> Open(const CudaIpcRequest& r) override {
     const std::string who =
@@ -351,11 +350,11 @@ class Registry final : public CudaIpcRegistry {
                                   " GPUs): give the trainer and the sidecar the same GPUs")),
                               ClientStatus::kUnsupported);
     }
-    if (only_device_ >= 0 && ordinal != only_device_) {
+    if (resident_device_ >= 0 && ordinal != resident_device_) {
       // Refused before anything opens (no CUDA context on that GPU).
       return WithClientStatus(
           absl::FailedPreconditionError(absl::StrCat(
-              who, ": it is GPU ", ordinal, " here; this daemon reduces on GPU ", only_device_,
+              who, ": it is GPU ", ordinal, " here; this daemon reduces on GPU ", resident_device_,
               " (--cuda_device) and takes only CUDA buffers on that GPU")),
           ClientStatus::kUnsupported);
     }
@@ -388,7 +387,7 @@ class Registry final : public CudaIpcRegistry {
       return CudaError(e, absl::StrCat(who, ": cudaEventCreateWithFlags"));
     }
     void* staging = nullptr;
-    if (staging_) e = cudaHostAlloc(&staging, std::max<size_t>(bytes, 1), cudaHostAllocPortable);
+    if (resident_device_ < 0) e = cudaHostAlloc(&staging, std::max<size_t>(bytes, 1), cudaHostAllocPortable);
     if (e != cudaSuccess) {
       (void)cudaEventDestroy(done);
       (void)cudaEventDestroy(ready);
@@ -473,8 +472,9 @@ class Registry final : public CudaIpcRegistry {
 
   const MemGetAddressRangeFn mem_get_address_range_;
   const std::vector<DeviceIds> ids_;  // by this daemon's device ordinal
-  const bool staging_;                // allocate pinned staging memory per buffer
-  const int only_device_;             // -1: any GPU
+  // The GPU of a device-resident engine: buffers there only, no pinned
+  // staging copies. -1: any GPU, each buffer with its staging copy.
+  const int resident_device_;
   absl::Mutex mu_;
   std::map<int, std::shared_ptr<Device>> devices_ ABSL_GUARDED_BY(mu_);
   // By process, then by the allocation's IPC handle.
@@ -484,7 +484,7 @@ class Registry final : public CudaIpcRegistry {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateRegistry(bool staging, int only_device) {
+absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateRegistry(int resident_device) {
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess) {
@@ -520,7 +520,7 @@ absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateRegistry(bool staging, in
     }
   }
   return std::unique_ptr<CudaIpcRegistry>(
-      std::make_unique<Registry>(mem_get_address_range, std::move(ids), staging, only_device));
+      std::make_unique<Registry>(mem_get_address_range, std::move(ids), resident_device));
 }
 
 }  // namespace microd::local::cuda

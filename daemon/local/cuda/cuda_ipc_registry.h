@@ -11,9 +11,7 @@
 namespace microd::local::cuda {
 
 // Fails (UNSUPPORTED) without a usable device; creates no CUDA context.
-// `staging`: allocate each buffer's pinned host copy (not needed by a
-// device-resident engine, whose buffers' staging() is then null).
-// `only_device` >= 0: buffers on any other GPU are refused before opening.
-absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateRegistry(bool staging, int only_device);
+// `resident_device`: see CreateCudaIpcRegistry.
+absl::StatusOr<std::unique_ptr<CudaIpcRegistry>> CreateRegistry(int resident_device);
 
 }  // namespace microd::local::cuda
