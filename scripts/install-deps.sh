@@ -23,6 +23,9 @@ TEST_PACKAGES=(
   dataset-fashion-mnist
   # Packaging tests: pip-installing client/python, linting the deployment files.
   python3-pip python3-setuptools python3-yaml yamllint
+  # The emulated cluster (deploy/netlab): namespaces, veth, tc, iptables, and
+  # the delay helper's NFQUEUE library.
+  iproute2 iptables libnetfilter-queue-dev
 )
 case "${1:-}" in
   "") PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}") ;;
