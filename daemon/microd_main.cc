@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "daemon/control/address.h"
 #include "daemon/control/coordinator.h"
 #include "daemon/control/coordinator_client.h"
 #include "daemon/control/services.h"
@@ -53,7 +54,11 @@ ABSL_FLAG(std::string, transport, "gloo",
           "data plane: gloo (CPU, TCP; any buffers) or nccl (CUDA builds: the step runs on "
           "--cuda_device and takes only CUDA buffers on it)");
 ABSL_FLAG(int, cuda_device, 0, "with --transport=nccl: the CUDA device (ordinal) to reduce on");
-ABSL_FLAG(std::string, hostname, "127.0.0.1", "address peers reach this node's data plane on");
+ABSL_FLAG(std::string, hostname, "",
+          "address peers reach this node's data plane on (default: the local address of the "
+          "route to the coordinator; on node 0 the --coordinator_listen address, or this host's "
+          "address when that is a wildcard). Give it when the coordinator is on this host but "
+          "other hosts must reach this node (several daemons per host)");
 ABSL_FLAG(int, gloo_io_nice, 0,
           "lower the priority of Gloo's network thread by this much (0-19); for several daemons "
           "sharing a few cores (tests, one-machine runs), where that thread's busy-waiting "
@@ -173,6 +178,32 @@ std::string HostName() {
   return buf;
 }
 
+// The address this node's data plane is reached on (--hostname).
+absl::StatusOr<std::string> DataPlaneAddress(const std::string& coordinator_address) {
+  std::string chosen = absl::GetFlag(FLAGS_hostname);
+  std::string why = "--hostname";
+  if (chosen.empty()) {
+    const std::string listen = absl::GetFlag(FLAGS_coordinator_listen);
+    auto listen_hp = microd::control::ParseHostPort(listen);
+    if (!listen.empty() && listen_hp.ok() && microd::control::IsWildcardHost(listen_hp->host)) {
+      chosen = microd::control::PrimaryHostAddress();
+      why = "this host's address (the coordinator listens on every interface)";
+    } else {
+      auto local = microd::control::LocalAddressToward(coordinator_address);
+      if (!local.ok()) {
+        return absl::Status(local.status().code(),
+                            absl::StrCat("cannot tell this node's address from the route to the "
+                                         "coordinator (give --hostname): ",
+                                         local.status().message()));
+      }
+      chosen = *local;
+      why = absl::StrCat("the route to the coordinator at ", coordinator_address);
+    }
+  }
+  std::fprintf(stderr, "microd: data plane on %s (%s)\n", chosen.c_str(), why.c_str());
+  return chosen;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -280,7 +311,11 @@ int main(int argc, char** argv) {
     if (!server.ok()) return Fatal("coordinator", server.status());
     coordinator_server = std::move(server).value();
     if (coordinator_address.empty()) {
-      coordinator_address = absl::StrCat("127.0.0.1:", coordinator_server->port());
+      // Where this node reaches the coordinator it serves: its listen
+      // address (on a multi-homed host that may not be loopback).
+      auto self = microd::control::SelfDialAddress(listen, coordinator_server->port());
+      if (!self.ok()) return Fatal("--coordinator_listen", self.status());
+      coordinator_address = *self;
     }
     std::fprintf(stderr, "microd: coordinator listening on %s for %d nodes\n",
                  coordinator_server->address().c_str(), co.expected_nodes);
@@ -439,11 +474,13 @@ int main(int argc, char** argv) {
 
   microd::engine::EngineOptions eo;
   if (transport_name == "gloo") {
+    auto data_address = DataPlaneAddress(coordinator_address);
+    if (!data_address.ok()) return Fatal("--hostname", data_address.status());
     microd::transport::GlooOptions go;
     go.rank = membership.node_rank;
     go.size = membership.node_count;
     go.store = client.get();
-    go.hostname = absl::GetFlag(FLAGS_hostname);
+    go.hostname = *data_address;
     go.timeout = op_timeout;
     go.io_nice = absl::GetFlag(FLAGS_gloo_io_nice);
     auto created_transport = microd::transport::CreateGlooTransport(go);

@@ -411,16 +411,27 @@ void Coordinator::Watchdog() {
     absl::MutexLock lock(&mu_);
     if (state_ != JobState::kRunning) continue;
     const absl::Time now = absl::Now();
+    // The first node past the peer timeout fails the job; others silent for
+    // over half of it are named too (a partition silences several at once,
+    // a few heartbeats apart).
+    const Node* first = nullptr;
+    std::string also;
     for (const Node& n : nodes_) {
       if (n.left) continue;
       const absl::Duration silent = now - n.last_seen;
-      if (silent > options_.peer_timeout) {
-        FailLocked(absl::StrCat("node ", n.rank, " (", n.name, ") silent for ",
-                                absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))),
-                                " (peer timeout ", absl::FormatDuration(options_.peer_timeout),
-                                ")"));
-        break;
+      if (silent > options_.peer_timeout && first == nullptr) {
+        first = &n;
+      } else if (silent > options_.peer_timeout / 2) {
+        absl::StrAppend(&also, also.empty() ? "; also silent: " : ", ", "node ", n.rank, " (",
+                        n.name, ") for ",
+                        absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))));
       }
+    }
+    if (first != nullptr) {
+      FailLocked(absl::StrCat(
+          "node ", first->rank, " (", first->name, ") silent for ",
+          absl::FormatDuration(absl::Trunc(now - first->last_seen, absl::Milliseconds(1))),
+          " (peer timeout ", absl::FormatDuration(options_.peer_timeout), ")", also));
     }
   }
 }

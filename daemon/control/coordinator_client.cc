@@ -146,8 +146,10 @@ void CoordinatorClient::HeartbeatLoop() {
     if (ok) last_ok = now;
     if (!job_status().ok()) return;
     if (!ok && now - last_ok > options_.peer_timeout) {
+      // Either side may be the one cut off: name both.
       MarkFailed(absl::UnavailableError(absl::StrCat(
-          "job failed: coordinator ", options_.address, " unreachable for ",
+          "job failed: node ", membership_.node_rank, " ('", options_.node_name,
+          "') lost the coordinator (node 0 at ", options_.address, "): unreachable for ",
           absl::FormatDuration(absl::Trunc(now - last_ok, absl::Milliseconds(1))),
           " (peer timeout ", absl::FormatDuration(options_.peer_timeout), ")")));
       return;

@@ -5,6 +5,7 @@
 
 #include <chrono>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/common/grpc_status.h"
@@ -173,8 +174,15 @@ absl::StatusOr<std::unique_ptr<ControlServer>> ControlServer::Start(
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &server->port_);
   for (grpc::Service* s : services) builder.RegisterService(s);
   server->server_ = builder.BuildAndStart();
-  if (server->server_ == nullptr || server->port_ == 0) {
+  // A unix: address has no port (gRPC reports a placeholder for it).
+  const bool unix_socket = absl::StartsWith(address, "unix:");
+  if (server->server_ == nullptr || (!unix_socket && server->port_ == 0)) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", address));
+  }
+  if (unix_socket) {
+    server->port_ = 0;
+    server->address_ = address;
+    return server;
   }
   const std::string host = address.substr(0, address.rfind(':'));
   server->address_ = absl::StrCat(host, ":", server->port_);

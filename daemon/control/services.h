@@ -67,7 +67,7 @@ class ControlServer {
   static absl::StatusOr<std::unique_ptr<ControlServer>> Start(const std::string& address,
                                                               std::vector<grpc::Service*> services);
   ~ControlServer();
-  int port() const { return port_; }
+  int port() const { return port_; }  // 0 for a unix: address
   std::string address() const { return address_; }
   // Stops accepting calls and waits for running ones until `deadline`
   // (then cancels them).

@@ -22,11 +22,13 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "daemon/sparsify/bucket.h"
 #include "daemon/transport/inproc/inproc_transport.h"
 #include "gtest/gtest.h"
 #include "kernels/sparse_ops.h"
 #include "microd/v1/admin.grpc.pb.h"
+#include "tests/integration/netlab.h"
 #include "tests/integration/process_util.h"
 extern "C" {
 #include "tests/integration/e2e_grad.h"
@@ -47,39 +49,78 @@ inline std::string SpecString(const std::vector<BucketSpec>& buckets) {
   return absl::StrJoin(parts, ",");
 }
 
+struct ClusterOptions {
+  std::vector<std::string> extra;  // more daemon flags
+  // Environment entries (NAME=VALUE) for node r's daemon.
+  std::function<std::vector<std::string>(int)> env;
+  // Every node (its daemon and its training processes) in its namespace of
+  // this lab; node 0's coordinator on node 0's own address, the Admin
+  // services on Unix sockets (reachable from the test's namespace).
+  NetLab* lab = nullptr;
+  // Node 0's --coordinator_listen host (default: the lab's node 0 address,
+  // or loopback); the others still dial node 0's address.
+  std::string coordinator_listen_host;
+  int peer_timeout_ms = 3000;
+};
+
 class DaemonCluster {
  public:
-  // `env(r)`: environment entries (NAME=VALUE) for node r's daemon.
   DaemonCluster(int nodes, int local, std::vector<std::string> extra = {},
                 const std::function<std::vector<std::string>(int)>& env = nullptr)
-      : n_(nodes), L_(local), dir_(MakeTempDir("e2e")) {
+      : DaemonCluster(nodes, local, ClusterOptions{std::move(extra), env}) {}
+
+  DaemonCluster(int nodes, int local, const ClusterOptions& o)
+      : n_(nodes), L_(local), dir_(MakeTempDir("e2e")), lab_(o.lab) {
     for (int r = 0; r < nodes; ++r) {
+      const std::string admin =
+          lab_ != nullptr ? absl::StrCat("unix:", dir_, "/admin", r, ".sock") : "127.0.0.1:0";
       std::vector<std::string> args = {MICROD_DAEMON,
                                        "--socket=" + socket(r),
                                        absl::StrCat("--local_size=", local),
                                        absl::StrCat("--nodes=", nodes),
                                        absl::StrCat("--node_rank=", r),
                                        absl::StrCat("--node_name=node", r),
-                                       "--admin=127.0.0.1:0",
-                                       absl::StrCat("--admin_port_file=", dir_, "/admin", r),
-                                       "--peer_timeout_ms=3000",
+                                       "--admin=" + admin,
+                                       absl::StrCat("--peer_timeout_ms=", o.peer_timeout_ms),
                                        "--timeout_ms=20000",
                                        absl::StrCat("--dense_floor=", kDenseFloor)};
+      if (lab_ == nullptr) {
+        args.push_back(absl::StrCat("--admin_port_file=", dir_, "/admin", r));
+      }
+      const std::string host = lab_ != nullptr ? lab_->addr(0) : "127.0.0.1";
       if (r == 0) {
-        args.push_back("--coordinator_listen=127.0.0.1:0");
+        args.push_back(absl::StrCat("--coordinator_listen=",
+                                    o.coordinator_listen_host.empty() ? host
+                                                                      : o.coordinator_listen_host,
+                                    ":0"));
         args.push_back(absl::StrCat("--coordinator_port_file=", dir_, "/coordinator"));
       } else {
-        args.push_back(absl::StrCat("--coordinator=127.0.0.1:", coordinator_port_));
+        args.push_back(absl::StrCat("--coordinator=", host, ":", coordinator_port_));
       }
-      for (const auto& e : extra) args.push_back(e);
+      for (const auto& e : o.extra) args.push_back(e);
+      if (lab_ != nullptr) args = lab_->InNode(r, args);
       pids_.push_back(Spawn(args, absl::StrCat(dir_, "/daemon", r, ".log"),
-                            env ? env(r) : std::vector<std::string>{}));
+                            o.env ? o.env(r) : std::vector<std::string>{}));
       if (r == 0) coordinator_port_ = ReadPortFile(dir_ + "/coordinator", std::chrono::seconds(20));
-      admin_ports_.push_back(
-          ReadPortFile(absl::StrCat(dir_, "/admin", r), std::chrono::seconds(20)));
+      if (lab_ == nullptr) {
+        admin_targets_.push_back(absl::StrCat(
+            "127.0.0.1:", ReadPortFile(absl::StrCat(dir_, "/admin", r), std::chrono::seconds(20))));
+      } else {
+        admin_targets_.push_back(admin);
+      }
     }
   }
   pid_t pid(int r) const { return pids_[r]; }
+  // SIGTERM to every daemon; their exit codes (-1: killed by a signal, -2:
+  // still running at the deadline, then killed and a test failure).
+  std::vector<int> Terminate(std::chrono::seconds limit) {
+    for (pid_t p : pids_) {
+      if (p > 0) kill(p, SIGTERM);
+    }
+    auto codes = WaitAll(pids_, limit);
+    for (pid_t& p : pids_) p = -1;
+    return codes;
+  }
   void Forget(int r) { pids_[r] = -1; }
   ~DaemonCluster() {
     for (pid_t p : pids_) {
@@ -108,8 +149,8 @@ class DaemonCluster {
   }
 
   absl::StatusOr<microd::v1::GetStatusResponse> Status(int r, bool history = false) {
-    auto stub = microd::v1::Admin::NewStub(grpc::CreateChannel(
-        absl::StrCat("127.0.0.1:", admin_ports_[r]), grpc::InsecureChannelCredentials()));
+    auto stub = microd::v1::Admin::NewStub(
+        grpc::CreateChannel(admin_targets_[r], grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     microd::v1::GetStatusResponse resp;
@@ -141,6 +182,7 @@ class DaemonCluster {
         if (extra) {
           for (auto& a : extra(r, l)) args.push_back(std::move(a));
         }
+        if (lab_ != nullptr) args = lab_->InNode(r, args);
         clients_.push_back(Spawn(args, out + ".log"));
       }
     }
@@ -152,18 +194,21 @@ class DaemonCluster {
  private:
   const int n_, L_;
   const std::string dir_;
+  NetLab* const lab_;
   int coordinator_port_ = 0;
   std::vector<pid_t> pids_;
-  std::vector<int> admin_ports_;
+  std::vector<std::string> admin_targets_;  // gRPC targets of the Admin services
   std::vector<pid_t> clients_;
   std::vector<std::string> outs_;
 };
 
 // Reference: per node, the local sum of its processes' gradients, the step of
 // issue A over the in-process transport, the hash of the update every local
-// process receives. ref[node][step][bucket].
-inline std::vector<std::vector<std::vector<uint64_t>>> Reference(
-    int n, int L, const std::vector<BucketSpec>& buckets, long steps) {
+// process receives. ref[node][step][bucket]. `base`: the sparsifier of the
+// buckets at or above kDenseFloor (the daemons' flags must say the same).
+using ReferenceHashes = std::vector<std::vector<std::vector<uint64_t>>>;
+inline ReferenceHashes Reference(int n, int L, const std::vector<BucketSpec>& buckets, long steps,
+                                 const sparsify::SparsifyOptions& base = {}) {
   auto ops = kernels::CreateCpuSparseOps();
   auto group = transport::CreateInprocGroup(n);
   std::vector<std::vector<std::vector<uint64_t>>> ref(
@@ -173,8 +218,7 @@ inline std::vector<std::vector<std::vector<uint64_t>>> Reference(
     threads.emplace_back([&, r] {
       std::vector<std::unique_ptr<sparsify::BucketState>> state;
       for (size_t b = 0; b < buckets.size(); ++b) {
-        sparsify::SparsifyOptions o;
-        o.density = 0.01;
+        sparsify::SparsifyOptions o = base;
         if (buckets[b].count < kDenseFloor) o.sparsifier = sparsify::SparsifierKind::kDense;
         state.push_back(*sparsify::BucketState::Create(
             {buckets[b].name, buckets[b].count, static_cast<uint32_t>(b + 1)}, {n, r, n * L}, o,
@@ -201,6 +245,30 @@ inline std::vector<std::vector<std::vector<uint64_t>>> Reference(
   }
   for (auto& t : threads) t.join();
   return ref;
+}
+
+// Every process's output ("step bucket hash" lines) against the reference:
+// all steps, bit for bit. `codes`: the processes' exit codes (node-major).
+inline void ExpectMatchesReference(const DaemonCluster& cluster, const std::vector<int>& codes,
+                                   const ReferenceHashes& ref, int n, int L,
+                                   const std::vector<BucketSpec>& buckets, long steps) {
+  for (int r = 0; r < n; ++r) {
+    for (int l = 0; l < L; ++l) {
+      const auto lines = ReadLines(cluster.outs()[r * L + l]);
+      ASSERT_EQ(codes[r * L + l], 0)
+          << "node " << r << " local " << l << ": " << (lines.empty() ? "no output" : lines.back());
+      ASSERT_EQ(lines.size(), steps * buckets.size());
+      for (const std::string& line : lines) {
+        std::vector<std::string> f = absl::StrSplit(line, ' ');
+        ASSERT_EQ(f.size(), 3u) << line;
+        const long t = std::stol(f[0]);
+        const int b = std::stoi(f[1]);
+        const uint64_t h = std::stoull(f[2], nullptr, 16);
+        ASSERT_EQ(h, ref[r][t][b])
+            << "node " << r << " local " << l << " step " << t << " bucket " << buckets[b].name;
+      }
+    }
+  }
 }
 
 }  // namespace microd::testing

@@ -51,23 +51,8 @@ void RunAndCompare(int n, int L, std::optional<bool> cache = std::nullopt, int r
   });
   const auto codes = cluster.WaitClients(std::chrono::seconds(240));
   const auto ref = Reference(n, L, buckets, steps);
-  for (int r = 0; r < n; ++r) {
-    for (int l = 0; l < L; ++l) {
-      const auto lines = ReadLines(cluster.outs()[r * L + l]);
-      ASSERT_EQ(codes[r * L + l], 0)
-          << "node " << r << " local " << l << ": " << (lines.empty() ? "no output" : lines.back());
-      ASSERT_EQ(lines.size(), steps * buckets.size());
-      for (const std::string& line : lines) {
-        std::vector<std::string> f = absl::StrSplit(line, ' ');
-        ASSERT_EQ(f.size(), 3u) << line;
-        const long t = std::stol(f[0]);
-        const int b = std::stoi(f[1]);
-        const uint64_t h = std::stoull(f[2], nullptr, 16);
-        ASSERT_EQ(h, ref[r][t][b])
-            << "node " << r << " local " << l << " step " << t << " bucket " << buckets[b].name;
-      }
-    }
-  }
+  ExpectMatchesReference(cluster, codes, ref, n, L, buckets, steps);
+  if (::testing::Test::HasFatalFailure()) return;
   // The daemons report what they did.
   auto status = cluster.Status(0);
   ASSERT_TRUE(status.ok()) << status.status();

@@ -1,0 +1,47 @@
+// Addresses of a multi-host job: what node 0 dials to reach the coordinator
+// it serves, and which local address a node's data plane is reached on.
+// Nothing here assumes that the nodes share a machine.
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace microd::control {
+
+struct HostPort {
+  std::string host;  // without brackets for IPv6 literals
+  int port = 0;
+};
+
+// Splits "host:port", "[v6]:port" or "unix:PATH" (host "unix:PATH", port 0).
+// A missing or out-of-range port is an error.
+absl::StatusOr<HostPort> ParseHostPort(const std::string& address);
+
+// "host:port", with brackets around an IPv6 literal.
+std::string JoinHostPort(const std::string& host, int port);
+
+// True for the addresses that mean "every interface" (0.0.0.0, ::, "", *).
+bool IsWildcardHost(const std::string& host);
+
+// The address node 0 dials to reach the coordinator it serves on `listen`
+// (the address as given, on the port actually bound): the host itself when
+// it is a specific address (a multi-homed host listening on one interface is
+// not listening on loopback), loopback for a wildcard.
+absl::StatusOr<std::string> SelfDialAddress(const std::string& listen, int bound_port);
+
+// The local IP address this host uses to reach `address` ("host:port"; the
+// name is resolved): the source address of the route towards it. That is
+// the address peers on the same network reach this node on. Sends nothing.
+absl::StatusOr<std::string> LocalAddressToward(const std::string& address);
+
+// This host's address for peers on other hosts, for a node that cannot tell
+// it from a route (node 0 serving the coordinator on every interface): the
+// host name's address if an interface that is up has it, else the first
+// non-loopback address of such an interface, else 127.0.0.1 (a host alone).
+std::string PrimaryHostAddress();
+
+// True for 127.0.0.0/8 and ::1.
+bool IsLoopbackAddress(const std::string& ip);
+
+}  // namespace microd::control

@@ -1,0 +1,254 @@
+// microd on an emulated cluster (deploy/netlab): every node, its daemon and
+// its training processes in a network namespace of its own, with its own
+// address, reaching the others only through shaped links. The results are
+// compared bit for bit with the reference, as on loopback; then the network
+// faults a deployment meets: cut links, short outages, loss and delay, a
+// partitioned coordinator. Needs root; skipped (and reported so) without.
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/integration/daemon_cluster.h"
+#include "tests/integration/netlab.h"
+#include "tests/integration/process_util.h"
+
+namespace microd::testing {
+namespace {
+
+using std::chrono::seconds;
+using Clock = std::chrono::steady_clock;
+
+const std::vector<BucketSpec> kBuckets = {{"embed", 1000}, {"conv", 70001}, {"fc", 200003}};
+
+std::unique_ptr<NetLab> MakeLab(int nodes, const std::vector<std::string>& shape) {
+  auto lab = NetLab::Create(nodes, shape);
+  EXPECT_TRUE(lab.ok()) << lab.status();
+  return lab.ok() ? std::move(lab).value() : nullptr;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+class NetLabTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (const std::string why = NetLab::SkipReason(); !why.empty()) GTEST_SKIP() << why;
+  }
+};
+
+struct SparsifierCase {
+  std::string name;
+  std::vector<std::string> flags;
+  sparsify::SparsifyOptions options;
+};
+
+void PrintTo(const SparsifierCase& c, std::ostream* os) { *os << c.name; }
+
+SparsifierCase Case(const std::string& name, sparsify::SparsifierKind kind,
+                    sparsify::ControllerKind controller = sparsify::ControllerKind::kHistogram) {
+  SparsifierCase c;
+  c.name = name;
+  c.options.sparsifier = kind;
+  c.options.controller = controller;
+  c.flags = {absl::StrCat("--sparsifier=", sparsify::SparsifierName(kind)),
+             absl::StrCat("--controller=", sparsify::ControllerName(controller))};
+  return c;
+}
+
+class NetLabEverySparsifier : public NetLabTest,
+                              public ::testing::WithParamInterface<SparsifierCase> {};
+
+// 4 nodes x 2 processes on 1 Gbit/s links with 0.1 ms of delay each way, the
+// coordinator on node 0's own address: the same bits as the reference.
+TEST_P(NetLabEverySparsifier, FourNodesTwoProcessesEqualTheReference) {
+  const SparsifierCase& c = GetParam();
+  const int n = 4, L = 2;
+  const long steps = 30;
+  auto lab = MakeLab(n, {"--rate=1gbit", "--delay=0.1ms"});
+  ASSERT_NE(lab, nullptr);
+  ClusterOptions o;
+  o.extra = c.flags;
+  o.lab = lab.get();
+  DaemonCluster cluster(n, L, o);
+  cluster.StartClients(kBuckets, steps);
+  const auto codes = cluster.WaitClients(seconds(240));
+  ExpectMatchesReference(cluster, codes, Reference(n, L, kBuckets, steps, c.options), n, L,
+                         kBuckets, steps);
+  if (HasFatalFailure()) return;
+  for (int r = 0; r < n; ++r) {
+    // Each node's data plane is on its own address, found from the route
+    // to the coordinator (no --hostname given).
+    const std::string log = ReadFile(absl::StrCat(cluster.dir(), "/daemon", r, ".log"));
+    EXPECT_TRUE(absl::StrContains(log, absl::StrCat("data plane on ", lab->addr(r), " ")))
+        << "node " << r << ":\n" << log;
+    auto status = cluster.Status(r);
+    ASSERT_TRUE(status.ok()) << "node " << r << ": " << status.status();
+    EXPECT_EQ(status->job_state(), microd::v1::JOB_STATE_RUNNING) << "node " << r;
+    EXPECT_EQ(status->sparsifier(), sparsify::SparsifierName(c.options.sparsifier));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sparsifiers, NetLabEverySparsifier,
+    ::testing::Values(Case("micro_hist", sparsify::SparsifierKind::kMicro),
+                      Case("micro_paper", sparsify::SparsifierKind::kMicro,
+                           sparsify::ControllerKind::kPaper),
+                      Case("topk", sparsify::SparsifierKind::kTopK),
+                      Case("hard", sparsify::SparsifierKind::kHard),
+                      Case("dense", sparsify::SparsifierKind::kDense)),
+    [](const ::testing::TestParamInfo<SparsifierCase>& info) { return info.param.name; });
+
+// Node 0 serving the coordinator on every interface (0.0.0.0): it dials
+// loopback itself, and its data plane is on its own address, not loopback.
+TEST_F(NetLabTest, CoordinatorOnEveryInterface) {
+  const int n = 3, L = 1;
+  const long steps = 10;
+  auto lab = MakeLab(n, {"--rate=1gbit"});
+  ASSERT_NE(lab, nullptr);
+  ClusterOptions o;
+  o.lab = lab.get();
+  o.coordinator_listen_host = "0.0.0.0";
+  DaemonCluster cluster(n, L, o);
+  cluster.StartClients(kBuckets, steps);
+  const auto codes = cluster.WaitClients(seconds(120));
+  ExpectMatchesReference(cluster, codes, Reference(n, L, kBuckets, steps), n, L, kBuckets, steps);
+  const std::string log0 = ReadFile(cluster.dir() + "/daemon0.log");
+  EXPECT_TRUE(absl::StrContains(log0, absl::StrCat("data plane on ", lab->addr(0), " "))) << log0;
+}
+
+// Lines of output of client i so far.
+size_t Progress(const DaemonCluster& cluster, size_t i) {
+  return ReadLines(cluster.outs()[i]).size();
+}
+
+void WaitForProgress(const DaemonCluster& cluster, size_t lines) {
+  for (int i = 0; i < 1500 && Progress(cluster, 0) < lines; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_GE(Progress(cluster, 0), lines) << "the job did not get going";
+}
+
+// Last line of a client's output and the status in it ("FAILED <status> ...").
+int FailedStatus(const std::string& out, std::string* line) {
+  const auto lines = ReadLines(out);
+  *line = lines.empty() ? "" : lines.back();
+  int code = -1;
+  if (std::sscanf(line->c_str(), "FAILED %d", &code) != 1) return -1;
+  return code;
+}
+
+// A link cut for longer than the peer timeout: every training process gets
+// an error naming the node within the peer timeout + 5 s; nothing hangs, and
+// the daemons still stop cleanly.
+TEST_F(NetLabTest, LinkCutLongerThanThePeerTimeoutFailsEveryProcessNamingTheNode) {
+  const int n = 3, L = 1;
+  auto lab = MakeLab(n, {"--rate=1gbit"});
+  ASSERT_NE(lab, nullptr);
+  ClusterOptions o;
+  o.lab = lab.get();
+  o.peer_timeout_ms = 3000;
+  DaemonCluster cluster(n, L, o);
+  cluster.StartClients({{"fc", 100003}, {"b", 1000}}, 100000);
+  WaitForProgress(cluster, 6);
+  if (HasFatalFailure()) return;
+  const auto cut = Clock::now();
+  ASSERT_TRUE(lab->Cut(2).ok());
+  const auto codes = cluster.WaitClients(seconds(60));
+  EXPECT_LT(Clock::now() - cut, seconds(3 + 5));
+  for (int r = 0; r < n; ++r) {
+    std::string line;
+    const int status = FailedStatus(cluster.outs()[r], &line);
+    EXPECT_EQ(codes[r], 3) << "node " << r << ": " << line;
+    EXPECT_NE(status, -1) << "node " << r << ": " << line;
+    EXPECT_TRUE(absl::StrContains(line, "node 2")) << "node " << r << ": " << line;
+  }
+  const auto exits = cluster.Terminate(seconds(15));
+  for (int r = 0; r < n; ++r) EXPECT_EQ(exits[r], 0) << "node " << r << "'s daemon";
+}
+
+// An outage (nothing gets through) shorter than the peer timeout: the job
+// rides it out and every result is still exact.
+TEST_F(NetLabTest, OutageShorterThanThePeerTimeoutIsRiddenOutExactly) {
+  const int n = 3, L = 2;
+  const long steps = 150;
+  auto lab = MakeLab(n, {"--rate=1gbit"});
+  ASSERT_NE(lab, nullptr);
+  ClusterOptions o;
+  o.lab = lab.get();
+  o.peer_timeout_ms = 10000;
+  DaemonCluster cluster(n, L, o);
+  cluster.StartClients(kBuckets, steps);
+  WaitForProgress(cluster, 3 * kBuckets.size());
+  if (HasFatalFailure()) return;
+  ASSERT_TRUE(lab->Shape(1, {"--loss=100"}).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const size_t stalled_at = Progress(cluster, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1700));
+  // The outage held the job up (at most the step in flight finished).
+  EXPECT_LE(Progress(cluster, 0), stalled_at + kBuckets.size());
+  ASSERT_LT(Progress(cluster, 0), steps * kBuckets.size()) << "the job ended before the outage";
+  ASSERT_TRUE(lab->Shape(1, {"--loss=0"}).ok());
+  const auto codes = cluster.WaitClients(seconds(120));
+  ExpectMatchesReference(cluster, codes, Reference(n, L, kBuckets, steps), n, L, kBuckets, steps);
+}
+
+// 1 % of the packets lost and 20 ms of delay on every link: exact.
+TEST_F(NetLabTest, LossAndDelayKeepTheResultsExact) {
+  const int n = 4, L = 2;
+  const long steps = 15;
+  auto lab = MakeLab(n, {"--rate=1gbit", "--delay=20ms", "--loss=1"});
+  ASSERT_NE(lab, nullptr);
+  ClusterOptions o;
+  o.lab = lab.get();
+  o.peer_timeout_ms = 10000;
+  DaemonCluster cluster(n, L, o);
+  cluster.StartClients(kBuckets, steps);
+  const auto codes = cluster.WaitClients(seconds(240));
+  ExpectMatchesReference(cluster, codes, Reference(n, L, kBuckets, steps), n, L, kBuckets, steps);
+}
+
+// Node 0 (the coordinator) partitioned from the others: every process gets
+// an error naming the other side: node 0 on the other nodes, and on node 0
+// the nodes it no longer hears.
+TEST_F(NetLabTest, CoordinatorPartitionedFailsEveryProcess) {
+  const int n = 4, L = 1;
+  auto lab = MakeLab(n, {"--rate=1gbit"});
+  ASSERT_NE(lab, nullptr);
+  ClusterOptions o;
+  o.lab = lab.get();
+  o.peer_timeout_ms = 3000;
+  DaemonCluster cluster(n, L, o);
+  cluster.StartClients({{"fc", 100003}, {"b", 1000}}, 100000);
+  WaitForProgress(cluster, 6);
+  if (HasFatalFailure()) return;
+  const auto cut = Clock::now();
+  ASSERT_TRUE(lab->Partition({"0", "1,2,3"}).ok());
+  const auto codes = cluster.WaitClients(seconds(60));
+  EXPECT_LT(Clock::now() - cut, seconds(3 + 5));
+  for (int r = 0; r < n; ++r) {
+    std::string line;
+    const int status = FailedStatus(cluster.outs()[r], &line);
+    EXPECT_EQ(codes[r], 3) << "node " << r << ": " << line;
+    EXPECT_NE(status, -1) << "node " << r << ": " << line;
+    if (r > 0) EXPECT_TRUE(absl::StrContains(line, "node 0")) << "node " << r << ": " << line;
+    for (int q = 1; r == 0 && q < n; ++q) {
+      EXPECT_TRUE(absl::StrContains(line, absl::StrCat("node ", q))) << "node 0: " << line;
+    }
+  }
+  const auto exits = cluster.Terminate(seconds(15));
+  for (int r = 0; r < n; ++r) EXPECT_EQ(exits[r], 0) << "node " << r << "'s daemon";
+}
+
+}  // namespace
+}  // namespace microd::testing
