@@ -399,12 +399,21 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
   options.tag = MakeTag(spec_.slot, TagKind::kDense);
   stats.bytes_sent += spec_.size * sizeof(float);
   stats.bytes_received += spec_.size * sizeof(float);
-  RETURN_IF_ERROR(transport.AllreduceSum(update, spec_.size, DataType::kFloat32, options));
+  const float divisor = static_cast<float>(job_.world_size);
+  // The division folded into the collective where the backend can (host
+  // memory); the same bits as dividing afterwards.
+  absl::Status averaged = transport.AllreduceAverage(update, spec_.size, divisor, options);
+  const bool divided = averaged.code() != absl::StatusCode::kUnimplemented;
+  if (divided) RETURN_IF_ERROR(averaged);
+  if (!divided) {
+    RETURN_IF_ERROR(transport.AllreduceSum(update, spec_.size, DataType::kFloat32, options));
+  }
   const absl::Time apply_start = absl::Now();
   stats.exchange_seconds = absl::ToDoubleSeconds(apply_start - start);
-  RETURN_IF_ERROR(
-      Check(ops_->Divide(update, spec_.size, static_cast<float>(job_.world_size), nullptr, stream_),
-            "divide"));
+  if (!divided) {
+    RETURN_IF_ERROR(
+        Check(ops_->Divide(update, spec_.size, divisor, nullptr, stream_), "divide"));
+  }
   stats.selected = spec_.size;
   stats.sum_of_counts = spec_.size;
   stats.local_selected = spec_.size;

@@ -15,13 +15,16 @@
 //   memory passed in must stay valid until the call returns.
 // - Buffers are memory the backend can read: host memory for in-process and
 //   Gloo, device memory for NCCL (same memory space as the kernels' device).
-// - AllreduceSum leaves the identical result on every rank.
+// - AllreduceSum leaves the identical result on every rank. The host
+//   backends (in-process, Gloo) sum floats in rank order (((x0 + x1) + x2)
+//   + ...), so their results are the same bits; NCCL sums in its own order.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 
@@ -80,6 +83,17 @@ class Transport {
   // In-place element-wise sum of `count` elements across ranks.
   virtual absl::Status AllreduceSum(void* data, size_t count, DataType type,
                                     const CollectiveOptions& options) = 0;
+
+  // AllreduceSum of floats, then every sum divided by `divisor`: the same
+  // bits as AllreduceSum followed by a division on every rank. Host backends
+  // fold the division into the collective (a chunk's owner divides it once,
+  // before sending it on: no extra pass over the buffer). The default, for
+  // backends that cannot (NCCL: device memory), is kUnimplemented without
+  // touching `data` or breaking the transport: divide with the kernels then.
+  virtual absl::Status AllreduceAverage(float* data, size_t count, float divisor,
+                                        const CollectiveOptions& options) {
+    return absl::UnimplementedError(absl::StrCat(name(), ": no AllreduceAverage"));
+  }
 
   virtual absl::Status Barrier(const CollectiveOptions& options) = 0;
 

@@ -8,8 +8,17 @@
 # --gloo_io_nice=19 (unless MICROD_GLOO_IO_NICE is set).
 #
 #   deploy/local/launch.sh [--nodes N] [--local L] [--logs DIR] [--microd PATH]
-#                          [--daemon-arg ARG]... [--show-first] -- PROGRAM [ARGS...]
+#                          [--daemon-arg ARG]... [--show-first]
+#                          [--net-rate R] [--net-delay D] [--net-loss P] [--netlab LAB]
+#                          -- PROGRAM [ARGS...]
 # --show-first also shows the first copy's output (node 0, local rank 0).
+# --net-*: on an emulated network instead of loopback (deploy/netlab, root):
+# every node, its daemon and its program copies in a network namespace of its
+# own with its own address, links shaped as given (100mbit, 1gbit; 0.1ms;
+# 1%), the lab removed at the end; --netlab LAB uses a lab made with
+# `netlab.sh up`. The copies also get MICROD_NODE_ADDR (their node's address),
+# MICROD_MASTER_ADDR (node 0's) and GLOO_SOCKET_IFNAME=eth0 for a framework's
+# own rendezvous; MICROD_ADMIN is then a unix: address.
 set -euo pipefail
 
 NODES=4
@@ -19,6 +28,8 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 MICROD=${MICROD_BIN:-$ROOT/build/daemon/microd}
 DAEMON_ARGS=()
 SHOW_FIRST=0
+NET_SHAPE=()
+NETLAB=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --nodes) NODES=$2; shift 2 ;;
@@ -32,8 +43,12 @@ while [[ $# -gt 0 ]]; do
     --microd=*) MICROD=${1#*=}; shift ;;
     --daemon-arg=*) DAEMON_ARGS+=("${1#*=}"); shift ;;
     --show-first) SHOW_FIRST=1; shift ;;
+    --net-rate|--net-delay|--net-loss) NET_SHAPE+=("--${1#--net-}" "$2"); shift 2 ;;
+    --net-rate=*|--net-delay=*|--net-loss=*) o=${1%%=*}; NET_SHAPE+=("--${o#--net-}" "${1#*=}"); shift ;;
+    --netlab) NETLAB=$2; shift 2 ;;
+    --netlab=*) NETLAB=${1#*=}; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "launch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -41,6 +56,32 @@ done
 [[ "$NODES" =~ ^[1-9][0-9]*$ && "$LOCAL" =~ ^[1-9][0-9]*$ ]] || {
   echo "launch.sh: --nodes and --local must be positive integers" >&2; exit 2; }
 [[ -x "$MICROD" ]] || { echo "launch.sh: no microd at $MICROD (build first)" >&2; exit 2; }
+
+NETLAB_SH=$ROOT/deploy/netlab/netlab.sh
+OWN_LAB=0
+if [[ ${#NET_SHAPE[@]} -gt 0 && -z "$NETLAB" ]]; then
+  NETLAB=$("$NETLAB_SH" up --nodes "$NODES" --owner $$ "${NET_SHAPE[@]}") || {
+    echo "launch.sh: could not make the emulated network (see above)" >&2; exit 1; }
+  OWN_LAB=1
+elif [[ -n "$NETLAB" && ${#NET_SHAPE[@]} -gt 0 ]]; then
+  "$NETLAB_SH" shape "$NETLAB" all "${NET_SHAPE[@]}" || exit 1
+fi
+ADDR=()
+NS=()
+if [[ -n "$NETLAB" ]]; then
+  for ((r = 0; r < NODES; r++)); do
+    ADDR+=("$("$NETLAB_SH" addr "$NETLAB" "$r")") || {
+      echo "launch.sh: lab $NETLAB has no node $r (--nodes $NODES)" >&2; exit 2; }
+    NS+=("$("$NETLAB_SH" ns "$NETLAB" "$r")")
+  done
+fi
+# The command prefix that runs something in node r's namespace (nothing on
+# loopback); it execs, so $! is the program's own pid.
+in_node() {
+  IN_NODE=(env)
+  [[ -n "$NETLAB" ]] && IN_NODE=(ip netns exec "${NS[$1]}")
+  return 0
+}
 
 RUN=$(mktemp -d "${TMPDIR:-/tmp}/microd-local-XXXXXX")
 [[ -n "$LOGS" ]] || LOGS=$RUN/logs
@@ -60,6 +101,7 @@ cleanup() {
   done
   for p in "${DAEMONS[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
   rm -rf "$RUN/sock"
+  [[ $OWN_LAB -eq 1 ]] && "$NETLAB_SH" down "$NETLAB"
   exit $code
 }
 trap cleanup EXIT
@@ -85,19 +127,32 @@ fi
 
 for ((r = 0; r < NODES; r++)); do
   args=("--socket=$RUN/sock/node$r/microd.sock" "--local_size=$LOCAL" "--nodes=$NODES"
-        "--node_rank=$r" "--node_name=node$r" "--admin=127.0.0.1:0"
-        "--admin_port_file=$RUN/admin$r" "${NICE_ARGS[@]}")
-  if [[ $r -eq 0 ]]; then
-    args+=("--coordinator_listen=127.0.0.1:0" "--coordinator_port_file=$RUN/coordinator")
+        "--node_rank=$r" "--node_name=node$r" "${NICE_ARGS[@]}")
+  if [[ -n "$NETLAB" ]]; then
+    args+=("--admin=unix:$RUN/admin$r.sock")
+    host=${ADDR[0]}
   else
-    args+=("--coordinator=127.0.0.1:$COORDINATOR_PORT")
+    args+=("--admin=127.0.0.1:0" "--admin_port_file=$RUN/admin$r")
+    host=127.0.0.1
   fi
-  "$MICROD" "${args[@]}" "${DAEMON_ARGS[@]}" > "$LOGS/microd-node$r.log" 2>&1 &
+  if [[ $r -eq 0 ]]; then
+    args+=("--coordinator_listen=$host:0" "--coordinator_port_file=$RUN/coordinator")
+  else
+    args+=("--coordinator=$host:$COORDINATOR_PORT")
+  fi
+  in_node "$r"
+  "${IN_NODE[@]}" "$MICROD" "${args[@]}" "${DAEMON_ARGS[@]}" > "$LOGS/microd-node$r.log" 2>&1 &
   DAEMONS+=($!)
   [[ $r -eq 0 ]] && COORDINATOR_PORT=$(wait_file "$RUN/coordinator")
 done
-ADMIN_PORTS=()
-for ((r = 0; r < NODES; r++)); do ADMIN_PORTS+=("$(wait_file "$RUN/admin$r")"); done
+ADMINS=()
+for ((r = 0; r < NODES; r++)); do
+  if [[ -n "$NETLAB" ]]; then
+    ADMINS+=("unix:$RUN/admin$r.sock")
+  else
+    ADMINS+=("127.0.0.1:$(wait_file "$RUN/admin$r")")
+  fi
+done
 # Serving once the socket exists; a daemon that exited instead is an error.
 for ((r = 0; r < NODES; r++)); do
   for _ in $(seq 600); do
@@ -112,17 +167,27 @@ for ((r = 0; r < NODES; r++)); do
   [[ -S "$RUN/sock/node$r/microd.sock" ]] || {
     echo "launch.sh: node $r never opened its socket (see $LOGS)" >&2; exit 1; }
 done
-echo "launch.sh: $NODES daemons up (admin ports ${ADMIN_PORTS[*]}; logs in $LOGS)" >&2
+if [[ -n "$NETLAB" ]]; then
+  echo "launch.sh: $NODES daemons up on emulated network $NETLAB (${ADDR[*]}; admin ${ADMINS[*]}; logs in $LOGS)" >&2
+else
+  echo "launch.sh: $NODES daemons up (admin ${ADMINS[*]}; logs in $LOGS)" >&2
+fi
 
 for ((r = 0; r < NODES; r++)); do
+  envs=()
+  if [[ -n "$NETLAB" ]]; then
+    envs=("MICROD_NODE_ADDR=${ADDR[$r]}" "MICROD_MASTER_ADDR=${ADDR[0]}"
+          "GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-eth0}")
+  fi
   for ((l = 0; l < LOCAL; l++)); do
     log="$LOGS/program-node$r-local$l.log"
+    in_node "$r"
+    run=("${IN_NODE[@]}" env "${envs[@]}" MICROD_SOCKET="$RUN/sock/node$r/microd.sock"
+         MICROD_LOCAL_RANK="$l" MICROD_ADMIN="${ADMINS[$r]}" "$@")
     if [[ $SHOW_FIRST -eq 1 && $r -eq 0 && $l -eq 0 ]]; then
-      MICROD_SOCKET=$RUN/sock/node$r/microd.sock MICROD_LOCAL_RANK=$l \
-        MICROD_ADMIN=127.0.0.1:${ADMIN_PORTS[$r]} "$@" > >(tee "$log" >&2) 2>&1 &
+      "${run[@]}" > >(tee "$log" >&2) 2>&1 &
     else
-      MICROD_SOCKET=$RUN/sock/node$r/microd.sock MICROD_LOCAL_RANK=$l \
-        MICROD_ADMIN=127.0.0.1:${ADMIN_PORTS[$r]} "$@" > "$log" 2>&1 &
+      "${run[@]}" > "$log" 2>&1 &
     fi
     PROGRAMS+=($!)
   done

@@ -117,9 +117,14 @@ rate_bytes() {
 }
 
 # tbf on one device: burst of 1 ms worth (at least 64 KiB: whole GSO
-# packets), a queue of 20 ms worth (at least 256 KiB).
-apply_rate() {  # apply_rate NS DEV RATE
-  local ns=$1 dev=$2 rate=$3
+# packets). The queue: on a node's own uplink (its NIC) 100 ms worth (at
+# least 1 MiB), so that the host does not drop its own packets (a real NIC
+# pushes back instead: several connections sending at once would otherwise
+# lose packets before they leave the host); on the bridge's port towards a
+# node (a switch's buffer, where traffic of several senders meets) 20 ms
+# worth (at least 256 KiB).
+apply_rate() {  # apply_rate NS DEV RATE QUEUE_MS
+  local ns=$1 dev=$2 rate=$3 queue_ms=$4
   if [[ "$rate" == none ]]; then
     tc -n "$ns" qdisc del dev "$dev" root 2>/dev/null || true
     return
@@ -127,7 +132,8 @@ apply_rate() {  # apply_rate NS DEV RATE
   local bps burst limit
   bps=$(rate_bytes "$rate")
   burst=$(( bps / 1000 > 65536 ? bps / 1000 : 65536 ))
-  limit=$(( bps / 50 > 262144 ? bps / 50 : 262144 ))
+  local floor=$(( queue_ms >= 100 ? 1048576 : 262144 ))
+  limit=$(( bps * queue_ms / 1000 > floor ? bps * queue_ms / 1000 : floor ))
   tc -n "$ns" qdisc replace dev "$dev" root tbf rate "$rate" burst "$burst" limit "$limit"
 }
 
@@ -208,8 +214,8 @@ cmd_shape() {
     [[ -n "$jitter" ]] && echo "$jitter" > "$state/jitter_us"
     [[ -n "$loss" ]] && echo "$loss" > "$state/loss"
     if [[ -n "$rate" ]]; then
-      apply_rate "$(ns_of "$lab" "$r")" eth0 "$rate"
-      apply_rate "$(br_of "$lab")" "p$r" "$rate"
+      apply_rate "$(ns_of "$lab" "$r")" eth0 "$rate" 100
+      apply_rate "$(br_of "$lab")" "p$r" "$rate" 20
     fi
     apply_ingress "$lab" "$r"
   done

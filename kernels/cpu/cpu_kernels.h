@@ -25,5 +25,6 @@ uint64_t SelectRangeAvx2(const float* acc, uint64_t begin, uint64_t end, float t
 
 // Number of NaN/Inf values in data[0..size).
 uint64_t CountNonFiniteScalar(const float* data, uint64_t size);
+uint64_t CountNonFiniteAvx2(const float* data, uint64_t size);
 
 }  // namespace microd::kernels::cpu

@@ -186,14 +186,14 @@ class CpuSparseOps final : public SparseOps {
         for (uint64_t i = c0; i < c1; ++i) out[i] += in[i];
       }
     }
-    if (scalars != nullptr) scalars->nonfinite = cpu::CountNonFiniteScalar(out, size);
+    if (scalars != nullptr) scalars->nonfinite = CountNonFinite(out, size);
     return KernelStatus::kOk;
   }
 
   KernelStatus Divide(float* data, uint64_t size, float divisor, StepScalars* scalars,
                       void*) override {
     if (size > 0 && data == nullptr) return KernelStatus::kInvalidArgument;
-    if (scalars != nullptr) scalars->nonfinite = cpu::CountNonFiniteScalar(data, size);
+    if (scalars != nullptr) scalars->nonfinite = CountNonFinite(data, size);
     for (uint64_t i = 0; i < size; ++i) data[i] /= divisor;
     return KernelStatus::kOk;
   }
@@ -201,7 +201,7 @@ class CpuSparseOps final : public SparseOps {
   KernelStatus CountNonFinite(const float* data, uint64_t size, StepScalars* scalars,
                               void*) override {
     if (scalars == nullptr || (size > 0 && data == nullptr)) return KernelStatus::kInvalidArgument;
-    scalars->nonfinite = cpu::CountNonFiniteScalar(data, size);
+    scalars->nonfinite = CountNonFinite(data, size);
     return KernelStatus::kOk;
   }
 
@@ -237,6 +237,11 @@ class CpuSparseOps final : public SparseOps {
   }
 
  private:
+  uint64_t CountNonFinite(const float* data, uint64_t size) const {
+    return isa_ == CpuIsa::kAvx2 ? cpu::CountNonFiniteAvx2(data, size)
+                                 : cpu::CountNonFiniteScalar(data, size);
+  }
+
   const CpuIsa isa_;
 };
 

@@ -218,3 +218,35 @@ def test_node_out_of_range_is_an_error(lab):
     assert r.returncode != 0 and "not in [0, 2)" in r.stderr
     r = netlab("shape", name, "all", "--delay", "soon", check=False)
     assert r.returncode != 0 and "bad time 'soon'" in r.stderr
+
+
+def test_launcher_runs_every_node_in_its_own_namespace():
+    """deploy/local/launch.sh --net-rate: daemons and program copies in their
+    nodes' namespaces, each copy on its node's address, the job done, and the
+    lab it made gone afterwards."""
+    build = pathlib.Path(os.environ.get("MICROD_BUILD_DIR", ROOT / "build"))
+    before = namespaces()
+    script = ('echo "addr $(ip -4 -o addr show dev eth0 | awk \'{print $4}\') '
+              'node $MICROD_NODE_ADDR master $MICROD_MASTER_ADDR"; exec "$0"')
+    logs = pathlib.Path(subprocess.run(["mktemp", "-d"], capture_output=True, text=True,
+                                       check=True).stdout.strip())
+    r = subprocess.run([str(ROOT / "deploy" / "local" / "launch.sh"), "--nodes", "3", "--local", "2",
+                        "--net-rate", "1gbit", "--net-delay=0.1ms", "--logs", str(logs),
+                        "--microd", str(build / "daemon" / "microd"), "--", "sh", "-c", script,
+                        str(build / "client" / "microd-example")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "daemons up on emulated network" in r.stderr
+    masters = set()
+    for node in range(3):
+        for local in range(2):
+            out = (logs / f"program-node{node}-local{local}.log").read_text()
+            first = out.splitlines()[0].split()
+            assert first[1] == first[3] + "/24", out  # eth0 carries the node's own address
+            masters.add(first[5])
+            # 6 processes, ranks 0..5 contribute rank + 1: the average is 3.5.
+            assert "first value of the averaged update 3.5" in out, out
+    assert len(masters) == 1
+    daemon0 = (logs / "microd-node0.log").read_text()
+    assert f"data plane on {masters.pop()} " in daemon0, daemon0
+    assert namespaces() == before

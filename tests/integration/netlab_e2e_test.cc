@@ -241,7 +241,9 @@ TEST_F(NetLabTest, CoordinatorPartitionedFailsEveryProcess) {
     const int status = FailedStatus(cluster.outs()[r], &line);
     EXPECT_EQ(codes[r], 3) << "node " << r << ": " << line;
     EXPECT_NE(status, -1) << "node " << r << ": " << line;
-    if (r > 0) EXPECT_TRUE(absl::StrContains(line, "node 0")) << "node " << r << ": " << line;
+    if (r > 0) {
+      EXPECT_TRUE(absl::StrContains(line, "node 0")) << "node " << r << ": " << line;
+    }
     for (int q = 1; r == 0 && q < n; ++q) {
       EXPECT_TRUE(absl::StrContains(line, absl::StrCat("node ", q))) << "node 0: " << line;
     }

@@ -383,6 +383,28 @@ TEST_P(CpuOpsTest, LocalSumDivideAndNonFinite) {
       StepScalars s;
       ASSERT_EQ(ops_->CountNonFinite(bad.data(), d, &s, nullptr), KernelStatus::kOk);
       EXPECT_EQ(s.nonfinite, 1u);
+      // NaN (of either sign), +-Inf anywhere (vector body and tail) counted;
+      // the largest finite values and denormals not.
+      std::vector<float> mixed = RandomValues(d, 9);
+      uint64_t planted = 0;
+      const float kinds[] = {std::numeric_limits<float>::quiet_NaN(),
+                             -std::numeric_limits<float>::quiet_NaN(),
+                             std::numeric_limits<float>::infinity(),
+                             -std::numeric_limits<float>::infinity()};
+      for (uint64_t i = 0; i < d; i += 13) {
+        mixed[i] = kinds[(i / 13) % 4];
+        ++planted;
+      }
+      for (uint64_t i = 5; i < d; i += 13) {
+        mixed[i] = (i % 2 ? 1 : -1) * std::numeric_limits<float>::max();
+      }
+      for (uint64_t i = 7; i < d; i += 13) mixed[i] = std::numeric_limits<float>::denorm_min();
+      ASSERT_EQ(ops_->CountNonFinite(mixed.data(), d, &s, nullptr), KernelStatus::kOk);
+      EXPECT_EQ(s.nonfinite, planted) << "d = " << d;
+      ASSERT_EQ(ops_->LocalSum(std::vector<const float*>{mixed.data()}.data(), 1, d, mixed.data(),
+                               &s, nullptr),
+                KernelStatus::kOk);
+      EXPECT_EQ(s.nonfinite, planted) << "d = " << d;
     }
   }
 }

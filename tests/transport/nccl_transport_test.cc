@@ -270,9 +270,11 @@ std::vector<std::unique_ptr<Transport>> CreateGroup(int size, bool device_buffer
 INSTANTIATE_TEST_SUITE_P(
     Nccl, TransportContractTest,
     ::testing::Values(TransportBackend{"nccl_host_buffers",
-                                       [](int n) { return CreateGroup(n, false); }, NoGpuReason},
+                                       [](int n) { return CreateGroup(n, false); }, NoGpuReason,
+                                       /*rank_order_sums=*/false},
                       TransportBackend{"nccl_device_buffers",
-                                       [](int n) { return CreateGroup(n, true); }, NoGpuReason}),
+                                       [](int n) { return CreateGroup(n, true); }, NoGpuReason,
+                                       /*rank_order_sums=*/false}),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace microd::transport::testing

@@ -97,6 +97,63 @@ TEST_P(TransportContractTest, AllreduceSumAllTypesIdenticalOnEveryRank) {
   }
 }
 
+// Large float sums (several segments per chunk on the Gloo backend, chunks
+// of unequal size) are the rank-order sums, bit for bit, where the backend
+// promises it.
+TEST_P(TransportContractTest, LargeFloatSumsAreTheRankOrderSumsBitForBit) {
+  if (!GetParam().rank_order_sums) GTEST_SKIP() << GetParam().name << " sums in its own order";
+  const size_t count = 3000017;
+  for (int n : {2, 3, 4}) {
+    auto group = GetParam().create(n);
+    auto value = [](int q, size_t i) {
+      return (float(q) + 0.37f) * 1e-3f * float((i * 2654435761u) % 1000 + 1) * (q % 2 ? -1 : 1);
+    };
+    RunRanks(group, [&](int r, Transport& t) {
+      std::vector<float> f(count);
+      for (size_t i = 0; i < count; ++i) f[i] = value(r, i);
+      ASSERT_TRUE(t.AllreduceSum(f.data(), count, DataType::kFloat32, Opts(21)).ok());
+      for (size_t i = 0; i < count; ++i) {
+        float want = value(0, i);
+        for (int q = 1; q < n; ++q) want += value(q, i);
+        ASSERT_EQ(0, std::memcmp(&f[i], &want, sizeof want))
+            << "rank " << r << " of " << n << " element " << i << ": " << f[i] << " vs " << want;
+      }
+    });
+  }
+}
+
+// AllreduceAverage: the bits of AllreduceSum, then a division, on every
+// rank; or, where the backend cannot fold the division in, kUnimplemented
+// with the data untouched and the transport still usable.
+TEST_P(TransportContractTest, AllreduceAverageIsTheSumDividedOrUnimplemented) {
+  for (int n : kRanks) {
+    auto group = GetParam().create(n);
+    for (size_t count : {size_t{0}, size_t{5}, size_t{100003}, size_t{3000017}}) {
+      RunRanks(group, [&](int r, Transport& t) {
+        std::vector<float> sum(count), avg(count);
+        for (size_t i = 0; i < count; ++i) {
+          sum[i] = avg[i] = (float(r) - 1.3f) * 1e-3f * float(i % 977 + 1);
+        }
+        const std::vector<float> mine = avg;
+        ASSERT_TRUE(t.AllreduceSum(sum.data(), count, DataType::kFloat32, Opts(31)).ok());
+        absl::Status s = t.AllreduceAverage(avg.data(), count, 7.0f, Opts(32));
+        if (s.code() == absl::StatusCode::kUnimplemented) {
+          ASSERT_EQ(0, std::memcmp(avg.data(), mine.data(), count * sizeof(float)));
+        } else {
+          ASSERT_TRUE(s.ok()) << s;
+          for (size_t i = 0; i < count; ++i) {
+            const float want = sum[i] / 7.0f;
+            ASSERT_EQ(0, std::memcmp(&avg[i], &want, sizeof want)) << "element " << i;
+          }
+        }
+        int64_t v = 1;
+        ASSERT_TRUE(t.AllreduceSum(&v, 1, DataType::kInt64, Opts(33)).ok());
+        ASSERT_EQ(v, n);
+      });
+    }
+  }
+}
+
 TEST_P(TransportContractTest, BarrierAndManyCollectivesInOrder) {
   for (int n : kRanks) {
     auto group = GetParam().create(n);

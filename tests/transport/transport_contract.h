@@ -21,6 +21,10 @@ struct TransportBackend {
   std::function<std::vector<std::unique_ptr<Transport>>(int size)> create;
   // Optional: a non-empty reason skips every test (e.g. no GPU for NCCL).
   std::function<std::string()> skip_reason;
+  // Float sums are in rank order (((x0 + x1) + x2) + ...): the same bits on
+  // every such backend (in-process, Gloo), so results do not depend on the
+  // backend. NCCL sums in its own order.
+  bool rank_order_sums = true;
 };
 
 inline void PrintTo(const TransportBackend& b, std::ostream* os) { *os << b.name; }

@@ -5,6 +5,8 @@
 // an abort or a mismatch breaks the group for every rank.
 #include "daemon/transport/inproc/inproc_transport.h"
 
+#include "daemon/common/status_macros.h"
+
 #include <cstring>
 #include <string>
 #include <vector>
@@ -171,6 +173,13 @@ class InprocTransport final : public Transport {
     });
     if (!status.ok()) return status;
     if (bytes > 0) std::memcpy(data, result.data(), bytes);
+    return absl::OkStatus();
+  }
+
+  absl::Status AllreduceAverage(float* data, size_t count, float divisor,
+                                const CollectiveOptions& o) override {
+    RETURN_IF_ERROR(AllreduceSum(data, count, DataType::kFloat32, o));
+    for (size_t i = 0; i < count; ++i) data[i] /= divisor;
     return absl::OkStatus();
   }
 

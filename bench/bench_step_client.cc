@@ -1,0 +1,138 @@
+// microd-bench-step-client: one training process of the network benchmark
+// (bench/network/run.py), written against the C API. Times every step of one
+// large bucket through its node's daemon: before each step the processes of
+// all nodes line up with a small-bucket round trip, then the large bucket is
+// submitted and waited for (submit to completion). Every step's time goes to
+// --out as JSON, the first one apart (its set-up is part of it).
+//
+// --floor instead times the least a step can cost on this node without any
+// network: `e += g` over the bucket plus one dense write of it (the update),
+// on the same memory sizes; run by every node at once, it is the floor the
+// sparse steps are compared with.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/sim/synthetic.h"
+#include "microd/microd.h"
+
+ABSL_FLAG(std::string, socket, "", "the node's microd socket");
+ABSL_FLAG(uint64_t, size, 25557032, "bucket size (fp32 elements)");
+ABSL_FLAG(int, steps, 8, "steps to time (the first is reported apart)");
+ABSL_FLAG(int, node, 0, "this node's rank (seeds its synthetic gradients)");
+ABSL_FLAG(int, timeout_ms, 600000, "wait of one step");
+ABSL_FLAG(bool, floor, false, "time the local floor instead (no daemon)");
+ABSL_FLAG(std::string, out, "", "write the step times (ms) here as JSON");
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Ms(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+int Write(const std::vector<double>& ms, const std::string& what) {
+  const std::string path = absl::GetFlag(FLAGS_out);
+  std::string list = absl::StrJoin(ms, ",", [](std::string* o, double v) {
+    absl::StrAppend(o, v);
+  });
+  const std::string json = absl::StrCat("{\"what\":\"", what, "\",\"size\":", absl::GetFlag(FLAGS_size),
+                                        ",\"step_ms\":[", list, "]}\n");
+  if (path.empty()) {
+    std::fputs(json.c_str(), stdout);
+    return 0;
+  }
+  std::ofstream out(path);
+  out << json;
+  return out ? 0 : 2;
+}
+
+// e += g, then one dense write of the bucket (the update), as a step's
+// least memory traffic.
+int Floor() {
+  const uint64_t d = absl::GetFlag(FLAGS_size);
+  std::vector<float> e(d, 0.0f), g(d), u(d);
+  microd::sim::SyntheticOptions so;
+  so.size = d;
+  microd::sim::SyntheticGradients stream(so, absl::GetFlag(FLAGS_node));
+  stream.Next(g.data());
+  std::vector<double> ms;
+  for (int s = 0; s < absl::GetFlag(FLAGS_steps); ++s) {
+    const auto t0 = Clock::now();
+    float* __restrict ep = e.data();
+    const float* __restrict gp = g.data();
+    for (uint64_t i = 0; i < d; ++i) ep[i] += gp[i];
+    std::fill(u.begin(), u.end(), 0.0f);
+    ms.push_back(Ms(t0, Clock::now()));
+  }
+  // Keep the passes from being optimised away.
+  volatile float sink = e[d / 2] + u[d / 3];
+  (void)sink;
+  return Write(ms, "floor");
+}
+
+int Steps() {
+  microd_options o;
+  microd_options_init(&o);
+  const std::string sock = absl::GetFlag(FLAGS_socket);
+  o.socket_path = sock.c_str();
+  o.timeout_ms = 120000;
+  microd_client* c = nullptr;
+  if (microd_connect(&o, &c) != MICROD_OK) {
+    std::fprintf(stderr, "step-client: %s\n", microd_last_error(nullptr));
+    return 2;
+  }
+  const uint64_t d = absl::GetFlag(FLAGS_size);
+  float* small = nullptr;
+  float* big = nullptr;
+  int32_t small_id = -1, big_id = -1;
+  if (microd_register_host_buffer(c, "line-up", 16, &small, &small_id) != MICROD_OK ||
+      microd_register_host_buffer(c, "bucket", d, &big, &big_id) != MICROD_OK) {
+    std::fprintf(stderr, "step-client: %s\n", microd_last_error(c));
+    return 2;
+  }
+  microd::sim::SyntheticOptions so;
+  so.size = d;
+  microd::sim::SyntheticGradients stream(so, absl::GetFlag(FLAGS_node));
+  std::vector<float> g0(d), g1(d);
+  stream.Next(g0.data());
+  stream.Next(g1.data());
+  const int timeout = absl::GetFlag(FLAGS_timeout_ms);
+  std::vector<double> ms;
+  for (int s = 0; s < absl::GetFlag(FLAGS_steps); ++s) {
+    const std::vector<float>& g = s % 2 ? g1 : g0;
+    std::copy(g.begin(), g.end(), big);
+    if (microd_allreduce(c, small_id, timeout) != MICROD_OK) {
+      std::fprintf(stderr, "step-client: line-up: %s\n", microd_last_error(c));
+      return 3;
+    }
+    const auto t0 = Clock::now();
+    if (microd_allreduce(c, big_id, timeout) != MICROD_OK) {
+      std::fprintf(stderr, "step-client: step %d: %s\n", s, microd_last_error(c));
+      return 3;
+    }
+    ms.push_back(Ms(t0, Clock::now()));
+  }
+  microd_close(c);
+  return Write(ms, "microd");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_floor)) return Floor();
+  if (absl::GetFlag(FLAGS_socket).empty()) {
+    std::fprintf(stderr, "step-client: give --socket (or --floor)\n");
+    return 2;
+  }
+  return Steps();
+}
