@@ -275,8 +275,13 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
   stats.budget = Budget(options_.DensityAt(step_), spec_.size);
   const int n = job_.num_nodes;
   const Range part = PartitionRange(spec_.size, n, OwnedPartition(job_.node_rank, step_, n));
-  const float pass_threshold = controller_->PassThreshold();
   ASSIGN_OR_RETURN(const float* clipped, Clipped(grad, stats));
+  CollectiveOptions options;
+  options.deadline = deadline;
+  if (controller_->WantsPrime()) {
+    RETURN_IF_ERROR(PrimeController(clipped, part, transport, options, stats));
+  }
+  const float pass_threshold = controller_->PassThreshold();
 
   kernels::FusedSelectArgs args = PassArgs(clipped);
   float* const acc = args.acc;
@@ -286,8 +291,6 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
   RETURN_IF_ERROR(Check(ops_->FusedAccumulateSelect(args, stream_), "fused selection"));
   ASSIGN_OR_RETURN(kernels::StepScalars scalars, ReadScalars());
 
-  CollectiveOptions options;
-  options.deadline = deadline;
   options.tag = MakeTag(spec_.slot, TagKind::kHeader);
   ASSIGN_OR_RETURN(std::vector<Header> headers,
                    ExchangeHeaders({scalars.count, scalars.nonfinite}, transport, options, stats));
@@ -328,6 +331,50 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
   ++step_;
   controller_->Commit(K, stats.budget);
   return stats;
+}
+
+absl::Status BucketState::PrimeController(const float* grad, Range part,
+                                          transport::Transport& transport,
+                                          const CollectiveOptions& options, StepStats& stats) {
+  // This step's accumulated gradient (e + g; the velocity of momentum
+  // correction is still zero before a bucket's first sparse step) at up to
+  // kPrimeSamples evenly spread positions of the owned partition.
+  constexpr uint64_t kPrimeSamples = 1 << 16;
+  const uint64_t p = part.end - part.begin;
+  const uint64_t m = std::min(p, kPrimeSamples);
+  std::vector<float> sample(m), residual(m);
+  if (m > 0) {
+    std::vector<uint32_t> at(m);
+    for (uint64_t j = 0; j < m; ++j) at[j] = static_cast<uint32_t>(part.begin + j * p / m);
+    DeviceBuffer<uint32_t> index(ops_, m);
+    DeviceBuffer<float> values(ops_, m);
+    if (!index.ok() || !values.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("bucket '", spec_.name, "': out of memory for the threshold sample"));
+    }
+    RETURN_IF_ERROR(Check(ops_->CopyToDevice(index.get(), at.data(), m * sizeof(uint32_t), stream_),
+                          "sample copy"));
+    RETURN_IF_ERROR(Check(ops_->Gather(grad, index.get(), m, values.get(), stream_), "sample"));
+    RETURN_IF_ERROR(Check(ops_->CopyToHost(sample.data(), values.get(), m * sizeof(float), stream_),
+                          "sample copy"));
+    RETURN_IF_ERROR(Check(ops_->Gather(residual_[current_].get(), index.get(), m, values.get(),
+                                       stream_),
+                          "sample"));
+    RETURN_IF_ERROR(Check(
+        ops_->CopyToHost(residual.data(), values.get(), m * sizeof(float), stream_), "sample copy"));
+    for (uint64_t j = 0; j < m; ++j) sample[j] += residual[j];
+  }
+  ControllerContext ctx;
+  ctx.ops = ops_;
+  ctx.stream = stream_;
+  ctx.transport = &transport;
+  ctx.options = options;
+  ctx.options.tag = MakeTag(spec_.slot, TagKind::kHistogram);
+  ctx.k = stats.budget;
+  ctx.bytes_sent = &stats.bytes_sent;
+  ctx.bytes_received = &stats.bytes_received;
+  return controller_->Prime(sample, m > 0 ? static_cast<double>(p) / static_cast<double>(m) : 0.0,
+                            ctx);
 }
 
 absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* update,

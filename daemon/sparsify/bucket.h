@@ -101,6 +101,9 @@ class BucketState {
                               transport::Transport& transport,
                               const transport::CollectiveOptions& options, StepStats& stats);
 
+  // The controller's first lower bound, from a sample of this step.
+  absl::Status PrimeController(const float* grad, Range part, transport::Transport& transport,
+                               const transport::CollectiveOptions& options, StepStats& stats);
   absl::StatusOr<StepStats> StepMicro(const float* grad, float* update, transport::Transport& t,
                                       absl::Time deadline);
   absl::StatusOr<StepStats> StepUnion(const float* grad, float* update, transport::Transport& t,

@@ -47,7 +47,42 @@ void PaperController::Commit(uint64_t selected, uint64_t budget) {
 HistogramController::HistogramController()
     : lower_bound_(kSmallestPositive), pending_lower_bound_(kSmallestPositive) {}
 
-void HistogramController::Commit(uint64_t, uint64_t) { lower_bound_ = pending_lower_bound_; }
+void HistogramController::Commit(uint64_t, uint64_t) {
+  lower_bound_ = pending_lower_bound_;
+  primed_ = true;
+}
+
+absl::Status HistogramController::Prime(const std::vector<float>& sample, double scale,
+                                        const ControllerContext& ctx) {
+  // Coarse bins over every finite magnitude (NaN/Inf are the step's to report).
+  constexpr uint32_t kBins = (0x7f800000u >> kCoarseShift) + 1;
+  std::vector<double> local(kBins, 0.0);
+  for (float v : sample) {
+    const uint32_t b = Bits(std::fabs(v));
+    if (b < 0x7f800000u && b != 0) local[b >> kCoarseShift] += 1.0;
+  }
+  std::vector<int64_t> global(kBins);
+  for (uint32_t b = 0; b < kBins; ++b) global[b] = std::llround(local[b] * scale);
+  if (ctx.bytes_sent != nullptr) *ctx.bytes_sent += kBins * sizeof(int64_t);
+  if (ctx.bytes_received != nullptr) *ctx.bytes_received += kBins * sizeof(int64_t);
+  RETURN_IF_ERROR(ctx.transport->AllreduceSum(global.data(), kBins, transport::DataType::kInt64,
+                                              ctx.options));
+  // The highest bin edge with twice the usual candidate margin above it
+  // (sampling error; too few after all costs one rescan).
+  const uint64_t want = 2 * kCandidateMargin * ctx.k;
+  uint64_t above = 0;
+  float bound = kSmallestPositive;
+  for (int b = static_cast<int>(kBins) - 1; b > 0; --b) {
+    above += static_cast<uint64_t>(std::max<int64_t>(global[b], 0));
+    if (above >= want) {
+      bound = FromBits(static_cast<uint32_t>(b) << kCoarseShift);
+      break;
+    }
+  }
+  lower_bound_ = pending_lower_bound_ = std::max(bound, kSmallestPositive);
+  primed_ = true;
+  return absl::OkStatus();
+}
 
 absl::StatusOr<float> HistogramController::Resolve(CandidateSet& candidates,
                                                    const ControllerContext& ctx) {
