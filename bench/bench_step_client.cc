@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -30,6 +31,10 @@ ABSL_FLAG(int, node, 0, "this node's rank (seeds its synthetic gradients)");
 ABSL_FLAG(int, timeout_ms, 600000, "wait of one step");
 ABSL_FLAG(bool, floor, false, "time the local floor instead (no daemon)");
 ABSL_FLAG(std::string, out, "", "write the step times (ms) here as JSON");
+ABSL_FLAG(std::string, barrier, "",
+          "--floor: a folder shared by the nodes' copies; every step starts when all --nodes "
+          "copies reached it");
+ABSL_FLAG(int, nodes, 1, "--floor: copies meeting at --barrier");
 
 namespace {
 
@@ -55,6 +60,26 @@ int Write(const std::vector<double>& ms, const std::string& what) {
   return out ? 0 : 2;
 }
 
+// With --barrier: waits until every copy reached step s (one file per copy
+// and step in a shared folder; 60 s at most).
+bool Barrier(int s) {
+  const std::string dir = absl::GetFlag(FLAGS_barrier);
+  if (dir.empty()) return true;
+  const int n = absl::GetFlag(FLAGS_nodes);
+  std::ofstream(absl::StrCat(dir, "/", s, ".", absl::GetFlag(FLAGS_node))) << "\n";
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  while (Clock::now() < deadline) {
+    int here = 0;
+    for (int r = 0; r < n; ++r) {
+      here += std::ifstream(absl::StrCat(dir, "/", s, ".", r)).good() ? 1 : 0;
+    }
+    if (here == n) return true;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  std::fprintf(stderr, "step-client: the other copies did not reach step %d in 60 s\n", s);
+  return false;
+}
+
 // e += g, then one dense write of the bucket (the update), as a step's
 // least memory traffic.
 int Floor() {
@@ -66,6 +91,7 @@ int Floor() {
   stream.Next(g.data());
   std::vector<double> ms;
   for (int s = 0; s < absl::GetFlag(FLAGS_steps); ++s) {
+    if (!Barrier(s)) return 3;
     const auto t0 = Clock::now();
     float* __restrict ep = e.data();
     const float* __restrict gp = g.data();

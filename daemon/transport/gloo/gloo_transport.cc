@@ -72,6 +72,9 @@ constexpr uint8_t kAllgatherSlotPrefix = 0x42;
 // at most kMaxSegments (slot deltas are 8 bits).
 constexpr size_t kSegmentBytes = 8 << 20;
 constexpr size_t kMaxSegments = 64;
+// Up to this many bytes converging on one receiver, the large allreduce
+// sends each phase's transfers all at once (ReduceBurst).
+constexpr size_t kBurstIncastBytes = 128 << 10;
 
 // Gloo matches operations by tag alone and aborts the process when two
 // ranks use one tag for buffers of different sizes. The kind of collective
@@ -251,28 +254,46 @@ class GlooTransport final : public Transport {
 
   void GatherDirect(void* in, size_t bytes, void* out, uint32_t tag,
                     std::chrono::milliseconds timeout) {
+    GatherDirectV(in, std::vector<size_t>(size(), bytes), out, tag, timeout);
+  }
+
+  // Rank q's bytes[q] from every rank at once over Gloo's point-to-point
+  // buffers, into `out` in rank order: one round.
+  void GatherDirectV(const void* in, const std::vector<size_t>& bytes, void* out, uint32_t tag,
+                     std::chrono::milliseconds timeout) {
     const int n = size();
     const int r = rank();
+    std::vector<size_t> at(n, 0);
+    for (int q = 1; q < n; ++q) at[q] = at[q - 1] + bytes[q - 1];
+    const size_t total = at[n - 1] + bytes[n - 1];
     char* const dst = static_cast<char*>(out);
-    if (bytes > 0) std::memmove(dst + r * bytes, in, bytes);
-    if (n == 1 || bytes == 0) return;
+    if (bytes[r] > 0) std::memmove(dst + at[r], in, bytes[r]);
+    if (n == 1 || total == 0) return;
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     // The buffers outlive the scope: Abort may touch them until it untracks.
     std::unique_ptr<gloo::transport::UnboundBuffer> send, recv;
     ActiveScope scope{this};
-    send = Track(in, bytes);
-    recv = Track(out, bytes * n);
+    char dummy = 0;
+    send = Track(bytes[r] > 0 ? const_cast<void*>(in) : &dummy, bytes[r]);
+    recv = Track(total > 0 ? out : &dummy, total);
     const uint64_t slot = gloo::Slot::build(kDirectAllgatherSlotPrefix, tag);
+    int recvs = 0, sends = 0;
     for (int p = 0; p < n; ++p) {
       if (p == r) continue;
-      recv->recv(p, slot, p * bytes, bytes);
-      send->send(p, slot);
+      if (bytes[p] > 0) {
+        recv->recv(p, slot, at[p], bytes[p]);
+        ++recvs;
+      }
+      if (bytes[r] > 0) {
+        send->send(p, slot);
+        ++sends;
+      }
     }
     // Each wait ends one transfer; false means Abort woke it.
-    for (int i = 0; i < n - 1; ++i) {
+    for (int i = 0; i < recvs; ++i) {
       if (!recv->waitRecv(deadline)) throw std::runtime_error("transport aborted");
     }
-    for (int i = 0; i < n - 1; ++i) {
+    for (int i = 0; i < sends; ++i) {
       if (!send->waitSend(deadline)) throw std::runtime_error("transport aborted");
     }
   }
@@ -290,6 +311,10 @@ class GlooTransport final : public Transport {
     if (total == 0) return;
     if (size() == 1) {
       std::memmove(out, in, bytes[0]);
+      return;
+    }
+    if (total <= kDirectAllgatherBytes) {
+      GatherDirectV(in, bytes, out, tag, timeout);
       return;
     }
     gloo::AllgathervOptions opts(context_);
@@ -320,7 +345,84 @@ class GlooTransport final : public Transport {
       Divide(data, count, divisor);
       return;
     }
-    ReduceLarge(data, count, tag, timeout, divisor);
+    // What converges on a receiver at once when every transfer goes out
+    // together: small enough for any switch queue, one round per phase.
+    if ((n - 1) * ((count + n - 1) / n) * sizeof(T) <= kBurstIncastBytes) {
+      ReduceBurst(data, count, tag, timeout, divisor);
+    } else {
+      ReduceLarge(data, count, tag, timeout, divisor);
+    }
+  }
+
+  // A medium allreduce (a few hundred KiB at most): the reduce-scatter and
+  // the allgather of ReduceLarge's chunks, every transfer of a phase at once
+  // (two rounds in all, where ReduceLarge's lockstep takes 2 (n - 1)).
+  template <typename T>
+  void ReduceBurst(T* data, size_t count, uint32_t tag, std::chrono::milliseconds timeout,
+                   float divisor) {
+    const int n = size();
+    const int r = rank();
+    std::vector<size_t> chunk(n), offset(n);
+    for (int j = 0; j < n; ++j) {
+      chunk[j] = count / n + (static_cast<size_t>(j) < count % n ? 1 : 0);
+      offset[j] = j == 0 ? 0 : offset[j - 1] + chunk[j - 1];
+    }
+    const size_t len = chunk[r];
+    T* c = static_cast<T*>(Scratch(len * n * sizeof(T) + sizeof(T)));
+    T* const out = data + offset[r];
+    if (len > 0) std::memcpy(c + r * len, out, len * sizeof(T));
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    ActiveScope scope{this};
+    T dummy{};
+    std::unique_ptr<gloo::transport::UnboundBuffer> whole = Track(data, count * sizeof(T));
+    std::unique_ptr<gloo::transport::UnboundBuffer> parts =
+        Track(len > 0 ? c : &dummy, len * n * sizeof(T));
+    const uint64_t rs_slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
+    const uint64_t ag_slot = gloo::Slot::build(kAllgatherSlotPrefix, tag);
+    int rs_recvs = 0, ag_recvs = 0, sends = 0;
+    for (int q = 0; q < n; ++q) {
+      if (q == r) continue;
+      if (len > 0) {
+        parts->recv(q, rs_slot, q * len * sizeof(T), len * sizeof(T));
+        ++rs_recvs;
+      }
+      if (chunk[q] > 0) {
+        whole->recv(q, ag_slot, offset[q] * sizeof(T), chunk[q] * sizeof(T));
+        ++ag_recvs;
+      }
+    }
+    for (int s = 1; s < n; ++s) {
+      const int to = (r + s) % n;
+      if (chunk[to] == 0) continue;
+      whole->send(to, rs_slot, offset[to] * sizeof(T), chunk[to] * sizeof(T));
+      ++sends;
+    }
+    for (int i = 0; i < rs_recvs; ++i) {
+      if (!parts->waitRecv(deadline)) throw std::runtime_error("transport aborted");
+    }
+    // Every send of the reduce-scatter has left (its buffer is sent again
+    // below, and the allgather writes into the other chunks).
+    for (; sends > 0; --sends) {
+      if (!whole->waitSend(deadline)) throw std::runtime_error("transport aborted");
+    }
+    if (len > 0) {
+      for (size_t i = 0; i < len; ++i) out[i] = c[i] + c[len + i];
+      for (int q = 2; q < n; ++q) {
+        const T* in = c + q * len;
+        for (size_t i = 0; i < len; ++i) out[i] += in[i];
+      }
+      Divide(out, len, divisor);
+      for (int s = 1; s < n; ++s) {
+        whole->send((r + s) % n, ag_slot, offset[r] * sizeof(T), len * sizeof(T));
+        ++sends;
+      }
+    }
+    for (int i = 0; i < ag_recvs; ++i) {
+      if (!whole->waitRecv(deadline)) throw std::runtime_error("transport aborted");
+    }
+    for (; sends > 0; --sends) {
+      if (!whole->waitSend(deadline)) throw std::runtime_error("transport aborted");
+    }
   }
 
   template <typename T>

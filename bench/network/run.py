@@ -1,0 +1,291 @@
+"""The raw step on an emulated network: 4 nodes, each in a network namespace
+of its own (deploy/netlab), links shaped to each rate in turn. Per rate, one
+after another on the same lab: what the link actually carries (probe.py),
+torch.distributed's Gloo dense allreduce (the baseline), microd dense, micro
+1 % and micro 0.1 % (one training process per node, microd-bench-step-client)
+and the local floor (`e += g` plus one dense write of the bucket, every node
+at once). Every step is timed; the first one is reported apart (it maps the
+bucket's state), the rest as a median. Needs root.
+
+    /usr/bin/python3 bench/network/run.py --build build --out results/bench/network.json
+    /usr/bin/python3 bench/network/run.py --rates 1gbit --size 1000000 --steps 4
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+NETLAB = os.path.join(ROOT, "deploy", "netlab", "netlab.sh")
+PROBE = os.path.join(ROOT, "deploy", "netlab", "probe.py")
+PYTHON = "/usr/bin/python3"
+
+# name, daemon flags (None: not through microd)
+METHODS = [
+    ("gloo", None),
+    ("microd-dense", ["--sparsifier=dense"]),
+    ("microd-micro-1%", ["--sparsifier=micro", "--density=0.01"]),
+    ("microd-micro-0.1%", ["--sparsifier=micro", "--density=0.001"]),
+    ("floor", None),
+]
+
+
+def netlab(*args, timeout=120):
+    r = subprocess.run([NETLAB, *args], capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"netlab.sh {' '.join(args)}: {r.stderr.strip()}")
+    return r.stdout.strip()
+
+
+class Lab:
+    def __init__(self, nodes, rate, delay, env):
+        self.nodes = nodes
+        self.env = env
+        self.name = netlab("up", "--nodes", str(nodes), "--owner", str(os.getpid()),
+                           "--rate", rate, "--delay", delay)
+        self.addr = [netlab("addr", self.name, str(r)) for r in range(nodes)]
+        self.ns = [netlab("ns", self.name, str(r)) for r in range(nodes)]
+
+    def cmd(self, r, args):
+        return ["ip", "netns", "exec", self.ns[r], *args]
+
+    def down(self):
+        netlab("down", self.name)
+
+
+def wait_all(procs, timeout, what):
+    deadline = time.time() + timeout
+    codes = []
+    for p in procs:
+        left = max(1.0, deadline - time.time())
+        try:
+            codes.append(p.wait(timeout=left))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"{what}: timed out after {timeout:.0f} s")
+    if any(codes):
+        raise RuntimeError(f"{what}: exit status {codes}")
+
+
+def read_steps(paths):
+    steps = []
+    for p in paths:
+        with open(p) as f:
+            steps.append(json.load(f)["step_ms"])
+    return steps
+
+
+def summary(steps_per_node):
+    """Per step the slowest node (a step is done when every node is), then
+    the first step apart and the median of the rest."""
+    per_step = [max(s[i] for s in steps_per_node) for i in range(len(steps_per_node[0]))]
+    rest = per_step[1:]
+    return {"first_ms": per_step[0], "ms": statistics.median(rest) if rest else per_step[0],
+            "step_ms": per_step}
+
+
+def run_probe(lab, work, timeout):
+    server = subprocess.Popen(lab.cmd(1, [PYTHON, PROBE, "serve", "--port", "5201",
+                                          "--timeout", str(timeout)]),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out = subprocess.run(lab.cmd(0, [PYTHON, PROBE, "measure", "--host", lab.addr[1],
+                                         "--port", "5201", "--bytes", str(work["probe_bytes"]),
+                                         "--pings", "50", "--timeout", str(timeout)]),
+                             capture_output=True, text=True, timeout=3 * timeout)
+    finally:
+        server.kill()
+        server.wait()
+    if out.returncode != 0:
+        raise RuntimeError(f"probe: {out.stderr.strip()}")
+    return json.loads(out.stdout)
+
+
+def run_gloo(lab, args, d):
+    outs = [os.path.join(d, f"gloo{r}.json") for r in range(lab.nodes)]
+    env = dict(lab.env, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
+    procs = []
+    for r in range(lab.nodes):
+        log = open(os.path.join(d, f"gloo{r}.log"), "w")
+        procs.append(subprocess.Popen(
+            lab.cmd(r, [PYTHON, os.path.join(HERE, "gloo_allreduce.py"), "--rank", str(r),
+                        "--world", str(lab.nodes), "--master", f"{lab.addr[0]}:29500",
+                        "--size", str(args.size), "--steps", str(args.steps), "--out", outs[r]]),
+            env=env, stdout=log, stderr=subprocess.STDOUT))
+    wait_all(procs, args.timeout, "gloo allreduce")
+    return summary(read_steps(outs))
+
+
+def run_floor(lab, args, d):
+    client = os.path.join(args.build, "bench", "microd-bench-step-client")
+    outs = [os.path.join(d, f"floor{r}.json") for r in range(lab.nodes)]
+    barrier = os.path.join(d, "barrier")
+    os.makedirs(barrier, exist_ok=True)
+    procs = [subprocess.Popen(lab.cmd(r, [client, "--floor", f"--node={r}", f"--size={args.size}",
+                                          f"--steps={args.steps}", f"--out={outs[r]}",
+                                          f"--barrier={barrier}", f"--nodes={lab.nodes}"]))
+             for r in range(lab.nodes)]
+    wait_all(procs, args.timeout, "floor")
+    return summary(read_steps(outs))
+
+
+def run_microd(lab, args, d, flags):
+    microd = os.path.join(args.build, "daemon", "microd")
+    microctl = os.path.join(args.build, "daemon", "microctl")
+    client = os.path.join(args.build, "bench", "microd-bench-step-client")
+    daemons = []
+    try:
+        for r in range(lab.nodes):
+            dargs = [microd, f"--socket={d}/node{r}/sock", f"--nodes={lab.nodes}",
+                     f"--node_rank={r}", f"--node_name=node{r}", f"--admin=unix:{d}/admin{r}",
+                     "--timeout_ms=600000", *flags]
+            dargs.append(f"--coordinator_listen={lab.addr[0]}:7470" if r == 0
+                         else f"--coordinator={lab.addr[0]}:7470")
+            log = open(os.path.join(d, f"microd{r}.log"), "w")
+            daemons.append(subprocess.Popen(lab.cmd(r, dargs), stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.time() + 60
+        for r in range(lab.nodes):
+            while not os.path.exists(f"{d}/node{r}/sock"):
+                if daemons[r].poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"microd of node {r} did not start (see {d}/microd{r}.log)")
+                time.sleep(0.1)
+        outs = [os.path.join(d, f"steps{r}.json") for r in range(lab.nodes)]
+        procs = [subprocess.Popen(lab.cmd(r, [client, f"--socket={d}/node{r}/sock", f"--node={r}",
+                                              f"--size={args.size}", f"--steps={args.steps}",
+                                              f"--out={outs[r]}"]),
+                                  stdout=open(os.path.join(d, f"client{r}.log"), "w"),
+                                  stderr=subprocess.STDOUT)
+                 for r in range(lab.nodes)]
+        wait_all(procs, args.timeout, "microd steps")
+        result = summary(read_steps(outs))
+        # The daemons' own split of the step (node 0), per step.
+        st = subprocess.run([microctl, f"--admin=unix:{d}/admin0", "--json", "buckets"],
+                            capture_output=True, text=True, timeout=30)
+        if st.returncode == 0:
+            for b in json.loads(st.stdout).get("buckets", []):
+                if b.get("name") != "bucket":
+                    continue
+                n = max(1, int(b.get("steps", 1)))
+                result["split_ms_per_step"] = {
+                    k: 1e3 * float(b.get(k + "Seconds", 0)) / n
+                    for k in ("negotiate", "localSum", "select", "exchange", "writeback")}
+                result["bytes_sent_per_step"] = int(b.get("bytesSent", 0)) / n
+                result["selected"] = int(b.get("lastSelected", 0))
+                result["budget"] = int(b.get("budget", 0))
+        return result
+    finally:
+        for p in daemons:
+            p.terminate()
+        for p in daemons:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def targets(rate_results, rate):
+    """The issue's targets, each beside its figure."""
+    m = rate_results["methods"]
+    out = []
+
+    def ms(name):
+        r = m.get(name)
+        return r["ms"] if r and "ms" in r else None
+
+    gloo, dense, floor, micro01 = ms("gloo"), ms("microd-dense"), ms("floor"), ms("microd-micro-0.1%")
+    if gloo and dense:
+        out.append({"what": "microd dense vs Gloo's allreduce (speed)", "value": gloo / dense,
+                    "target": ">= 0.95", "met": gloo / dense >= 0.95})
+    if rate == "1gbit" and gloo and micro01:
+        out.append({"what": "micro 0.1 % faster than Gloo dense", "value": gloo / micro01,
+                    "target": ">= 25x", "met": gloo / micro01 >= 25})
+    if rate == "1gbit" and floor and micro01:
+        out.append({"what": "micro 0.1 % over the local floor", "value": micro01 / floor,
+                    "target": "<= 1.25x", "met": micro01 / floor <= 1.25})
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "results", "bench", "network.json"))
+    ap.add_argument("--rates", default="10gbit,1gbit,100mbit")
+    ap.add_argument("--delay", default="0.05ms",
+                    help="one-way delay per link ingress (a round trip crosses two: 0.05ms "
+                         "gives about 0.2 ms with this machine's own latency)")
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--size", type=int, default=25_557_032)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per method (first apart)")
+    ap.add_argument("--slow-steps", type=int, default=5,
+                    help="steps of the dense methods at rates below 1 Gbit/s")
+    ap.add_argument("--methods", default=",".join(m[0] for m in METHODS))
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per method")
+    ap.add_argument("--work", default="", help="per-run files (default: a temporary folder)")
+    args = ap.parse_args()
+    args.build = os.path.abspath(args.build)
+    if os.geteuid() != 0:
+        sys.exit("bench/network/run.py: the emulated network needs root")
+    chosen = [m for m in METHODS if m[0] in args.methods.split(",")]
+    env = dict(os.environ, NETLAB_DELAY_BIN=os.path.join(args.build, "deploy", "netlab",
+                                                         "microd-netlab-delay"))
+    work = args.work or tempfile.mkdtemp(prefix="microd-bench-network-")
+    results = {"config": {"nodes": args.nodes, "size": args.size, "steps": args.steps,
+                          "delay": args.delay}, "rates": {}}
+    for rate in args.rates.split(","):
+        print(f"== {args.nodes} nodes, links at {rate}, {args.delay} each way", flush=True)
+        lab = Lab(args.nodes, rate, args.delay, env)
+        rr = {"methods": {}}
+        try:
+            rr["link"] = run_probe(lab, {"probe_bytes": 200_000_000 if rate.endswith("gbit")
+                                         else 20_000_000}, 60)
+            print(f"   link: {rr['link']['mb_per_s']:.1f} MB/s, round trip "
+                  f"{rr['link']['rtt_ms_median']:.3f} ms (median)", flush=True)
+            slow = rate.endswith("mbit") or rate.endswith("kbit")
+            for name, flags in chosen:
+                d = os.path.join(work, rate, name)
+                shutil.rmtree(d, ignore_errors=True)
+                os.makedirs(d)
+                steps = args.steps
+                if slow and name in ("gloo", "microd-dense"):
+                    steps = min(steps, args.slow_steps)
+                sub = argparse.Namespace(**vars(args))
+                sub.steps = steps
+                try:
+                    if name == "gloo":
+                        r = run_gloo(lab, sub, d)
+                    elif name == "floor":
+                        r = run_floor(lab, sub, d)
+                    else:
+                        r = run_microd(lab, sub, d, flags)
+                except RuntimeError as e:
+                    r = {"error": str(e), "logs": d}
+                rr["methods"][name] = r
+                if "error" in r:
+                    print(f"   {name:<20} FAILED: {r['error']}", flush=True)
+                else:
+                    print(f"   {name:<20} {r['ms']:9.1f} ms/step  (first step {r['first_ms']:.0f} ms)",
+                          flush=True)
+        finally:
+            lab.down()
+        rr["targets"] = targets(rr, rate)
+        for t in rr["targets"]:
+            print(f"   target: {t['what']}: {t['value']:.2f} (target {t['target']}) "
+                  f"{'met' if t['met'] else 'MISSED'}", flush=True)
+        results["rates"][rate] = rr
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"   written {args.out}")
+    ok = all("error" not in m for r in results["rates"].values() for m in r["methods"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
