@@ -1,7 +1,8 @@
 """Builds the benchmark report of `make bench` from the JSON the benchmark
-programs wrote: results/bench/{kernels,transport,daemon,training}.json ->
-report.md, report.json and PNG charts in the same folder, and a short summary
-on stdout.
+programs wrote: results/bench/{network,training-<rate>,tta,kernels,transport,
+daemon,training}.json -> report.md, report.json and PNG charts in the same
+folder, and a short summary on stdout. The emulated network's figures come
+first (the headline); the loopback ones follow.
 
     /usr/bin/python3 bench/report.py --dir results/bench
 
@@ -131,6 +132,89 @@ def check_targets(rows):
     return t
 
 
+NETWORK_RATES = ("10gbit", "1gbit", "100mbit")
+TRAINING_RATES = ("1gbit", "100mbit")
+TTA_SPARSE = "microd-micro-1%"
+
+
+def network_rows(network):
+    """Per rate: the measured link, every method's step (first step apart)
+    and its ratios to Gloo's dense allreduce and to the local floor."""
+    out = []
+    for rate, rr in network.get("rates", {}).items():
+        m = rr.get("methods", {})
+        gloo = m.get("gloo", {}).get("ms")
+        floor = m.get("floor", {}).get("ms")
+        row = {"rate": rate, "link": rr.get("link", {}), "methods": {}, "targets": rr.get("targets", [])}
+        for name, r in m.items():
+            if "error" in r:
+                row["methods"][name] = {"error": r["error"]}
+                continue
+            row["methods"][name] = {
+                "ms": r["ms"], "first_ms": r["first_ms"],
+                "vs_gloo": ratio(gloo, r["ms"]) if name != "gloo" else 1.0,
+                "vs_floor": ratio(r["ms"], floor) if name != "floor" else 1.0,
+                "split": r.get("split_ms_per_step")}
+        # Why the micro 0.1 % targets are missed where they are: its split,
+        # and what the floor allows (a step cannot beat it).
+        s = row["methods"].get("microd-micro-0.1%")
+        if s and "ms" in s and gloo and floor:
+            row["best_possible_vs_gloo"] = gloo / floor
+        out.append(row)
+    order = {r: i for i, r in enumerate(NETWORK_RATES)}
+    return sorted(out, key=lambda r: order.get(r["rate"], len(order)))
+
+
+def network_training_targets(rows, rate):
+    """At 100 Mbit/s: microd's step >= 5x faster than DDP's, within 1.15x of
+    the no-communication floor (the fastest microd variant)."""
+    by = {r["name"]: r for r in rows if not r.get("error")}
+    ddp, floor = by.get(BASELINE), by.get(FLOOR)
+    micro = [r for r in rows if r["name"].startswith("microd-micro") and not r.get("error")]
+    if rate != "100mbit" or not ddp or not floor or not micro:
+        return []
+    best = min(micro, key=lambda r: r["step_ms"])
+    speedup = ddp["step_ms"] / best["step_ms"]
+    over = best["step_ms"] / floor["step_ms"]
+    return [{"target": "microd's step >= 5x faster than DDP's at 100 Mbit/s", "met": speedup >= 5,
+             "value": f"{speedup:.1f}x ({best['name']} {best['step_ms']:.0f} ms vs DDP "
+                      f"{ddp['step_ms']:.0f} ms)", "reason": ""},
+            {"target": "microd's step within 1.15x of the no-communication floor at 100 Mbit/s",
+             "met": over <= 1.15,
+             "value": f"{over:.2f}x ({best['step_ms']:.0f} ms vs {floor['step_ms']:.0f} ms)",
+             "reason": "" if over <= 1.15 else
+             "the daemons' passes over the gradient (selection, write-back) share the cores the "
+             "training processes compute on (4 nodes on this machine's 2 cores)"}]
+
+
+def time_to_accuracy(tta):
+    """Each method's test accuracy against training seconds; the target:
+    microd (1 %) reaches the accuracy DDP has at the end of its budget in at
+    most a third of DDP's time."""
+    curves = {m["name"]: m["curve"] for m in tta.get("methods", []) if m.get("curve")}
+    out = {"curves": curves, "config": tta.get("config", {}), "targets": []}
+    ddp, micro = curves.get(BASELINE), curves.get(TTA_SPARSE)
+    errors = {m["name"]: m.get("error") for m in tta.get("methods", []) if m.get("error")}
+    out["errors"] = errors
+    if ddp and micro:
+        goal = ddp[-1][2]
+        ddp_time = ddp[-1][0]
+        reached = next((t for t, _, acc in micro if acc >= goal), None)
+        out["ddp_final_accuracy"] = goal
+        out["ddp_seconds"] = ddp_time
+        out["micro_seconds_to_goal"] = reached
+        met = reached is not None and reached <= ddp_time / 3
+        out["targets"].append({
+            "target": "microd (1 %) reaches DDP's final test accuracy in <= 1/3 of DDP's time",
+            "met": met,
+            "value": (f"{reached:.0f} s vs DDP's {ddp_time:.0f} s for {100 * goal:.1f} % "
+                      f"({ddp_time / reached:.1f}x sooner)" if reached else
+                      f"not reached within the budget (DDP: {100 * goal:.1f} % after "
+                      f"{ddp_time:.0f} s; microd ended at {100 * micro[-1][2]:.1f} %)"),
+            "reason": ""})
+    return out
+
+
 def fmt(v, spec, none="-"):
     return none if v is None else format(v, spec)
 
@@ -140,8 +224,107 @@ def times(v, spec):
     return "-" if v is None else format(v, spec) + "x"
 
 
+def render_network(report):
+    L = []
+    net = report.get("network")
+    if not net:
+        return ["## On an emulated network", "",
+                "Not run (no network.json: `make bench` runs it as root)."]
+    c = net["config"]
+    L += ["## On an emulated network (deploy/netlab)", "",
+          f"{c['nodes']} nodes, each in a network namespace of its own, one training process "
+          f"each; every node's link shaped both ways (tc tbf) with {c['delay']} of delay per "
+          f"ingress; d = {c['size']:,} fp32 (one bucket); the step through the daemons, submit "
+          f"to completion, median of {c['steps'] - 1} steps after the first (shown apart: it maps "
+          f"the bucket's state). Gloo = torch.distributed's Gloo allreduce of the same tensor "
+          f"plus its division by the world size. Floor = `e += g` plus one dense write of the "
+          f"bucket on every node at once: the least memory traffic a step can have. All nodes "
+          f"share this machine's cores.", "",
+          "| link (measured) | Gloo dense | microd dense | micro 1 % | micro 0.1 % | floor |",
+          "|---|---:|---:|---:|---:|---:|"]
+    for row in net["rows"]:
+        link = row["link"]
+        cells = [f"{row['rate']} ({link.get('mb_per_s', 0):.1f} MB/s, RTT "
+                 f"{link.get('rtt_ms_median', 0):.2f} ms)"]
+        for name in ("gloo", "microd-dense", "microd-micro-1%", "microd-micro-0.1%", "floor"):
+            r = row["methods"].get(name)
+            if not r:
+                cells.append("-")
+            elif "error" in r:
+                cells.append("FAILED")
+            elif name in ("gloo", "floor"):
+                cells.append(f"{r['ms']:,.1f} ms")
+            elif name == "microd-dense":
+                cells.append(f"{r['ms']:,.1f} ms ({r['vs_gloo']:.2f}x Gloo's speed)")
+            else:
+                cells.append(f"{r['ms']:,.1f} ms ({r['vs_gloo']:.1f}x faster; "
+                             f"{r['vs_floor']:.2f}x floor)")
+        L.append("| " + " | ".join(cells) + " |")
+    L += ["", "First steps (ms): " + "; ".join(
+        f"{row['rate']}: " + ", ".join(f"{n} {r['first_ms']:,.0f}" for n, r in row["methods"].items()
+                                        if "first_ms" in r) for row in net["rows"])]
+    L += ["", "Where microd's step goes (daemon of node 0, ms per step, every step counted):", "",
+          "| link | method | waiting | selection | exchange | write-back |", "|---|---|---:|---:|---:|---:|"]
+    for row in net["rows"]:
+        for name, r in row["methods"].items():
+            sp = r.get("split")
+            if sp:
+                L.append(f"| {row['rate']} | {name} | {sp['negotiate']:.1f} | {sp['select']:.1f} | "
+                         f"{sp['exchange']:.1f} | {sp['writeback']:.1f} |")
+    L += ["", "Targets:", ""]
+    for row in net["rows"]:
+        for t in row["targets"]:
+            line = (f"- {'met' if t['met'] else '**MISSED**'} ({row['rate']}): {t['what']}: "
+                    f"{t['value']:.2f} (target {t['target']})")
+            if not t["met"] and "faster than Gloo" in t["what"] and row.get("best_possible_vs_gloo"):
+                line += (f". The local floor alone allows at most "
+                         f"{row['best_possible_vs_gloo']:.1f}x here: the nodes' passes over the "
+                         f"bucket share this machine's cores")
+            L.append(line)
+    for rate, tr in report.get("network_training", {}).items():
+        cfg = tr["config"]
+        L += ["", f"### Training on the emulated network at {rate}", "",
+              f"{cfg['nodes']} processes (one per node), MLP of {tr['parameters'] / 1e6:.1f} M "
+              f"parameters, batch {cfg['batch']} per process, {cfg['steps']} steps, medians after "
+              f"{cfg['warmup']}.", "",
+              "| method | ms / step | speed-up vs DDP | MB sent / step | fewer bytes | over the floor |",
+              "|---|---:|---:|---:|---:|---:|"]
+        floor = next((r for r in tr["rows"] if r["name"] == FLOOR and not r.get("error")), None)
+        for r in tr["rows"]:
+            if r.get("error"):
+                L.append(f"| {r['name']} | FAILED: {r['error']} | | | | |")
+                continue
+            over = ratio(r["step_ms"], floor["step_ms"]) if floor else None
+            L.append(f"| {r['name']} | {r['step_ms']:,.1f} | {times(r.get('speedup'), '.2f')} | "
+                     f"{r['bytes'] / 1e6:.3f} | {times(r.get('bytes_ratio'), ',.0f')} | "
+                     f"{times(over, '.2f')} |")
+        if tr["targets"]:
+            L.append("")
+        for t in tr["targets"]:
+            L.append(f"- {'met' if t['met'] else '**MISSED**'}: {t['target']}: {t['value']}"
+                     + (f". Reason: {t['reason']}." if t["reason"] and not t["met"] else ""))
+    tta = report.get("tta")
+    if tta:
+        cfg = tta["config"]
+        L += ["", f"### Time to accuracy at {cfg.get('netlab_rate') or 'loopback'}", "",
+              f"The same model and data, {cfg.get('budget', 0):.0f} s of training per method "
+              f"(evaluations excluded), test accuracy on 2,000 test images every "
+              f"{cfg.get('eval_every', 0):.0f} s (`tta.png`).", "",
+              "| method | steps | final test accuracy |", "|---|---:|---:|"]
+        for name, curve in tta["curves"].items():
+            L.append(f"| {name} | {curve[-1][1]} | {100 * curve[-1][2]:.1f} % |")
+        for name, err in tta.get("errors", {}).items():
+            L.append(f"| {name} | FAILED: {err} | |")
+        L.append("")
+        for t in tta["targets"]:
+            L.append(f"- {'met' if t['met'] else '**MISSED**'}: {t['target']}: {t['value']}")
+    return L
+
+
 def render_markdown(report):
-    L = ["# microd benchmark report", "", NOTE, ""]
+    L = ["# microd benchmark report", ""]
+    L += render_network(report)
+    L += ["", "# On loopback", "", NOTE, ""]
     tr = report.get("training")
     if tr:
         c = tr["config"]
@@ -229,17 +412,34 @@ def render_markdown(report):
 
 def plot(report, out_dir):
     """PNG charts; returns the files written (none without matplotlib or data)."""
-    tr = report.get("training")
-    if not tr:
-        return []
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    rows = [r for r in tr["rows"] if not r.get("error")]
     written = []
+    tta = report.get("tta")
+    if tta and tta["curves"]:
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        for name, curve in tta["curves"].items():
+            ax.plot([c[0] for c in curve], [100 * c[2] for c in curve], marker="o", ms=3,
+                    label=name, color="tab:gray" if name.startswith("ddp") else None)
+        if tta.get("ddp_final_accuracy"):
+            ax.axhline(100 * tta["ddp_final_accuracy"], ls=":", color="tab:gray")
+        ax.set_xlabel("training seconds")
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_title(f"Time to accuracy, links at {tta['config'].get('netlab_rate') or 'loopback'}")
+        ax.legend()
+        fig.tight_layout()
+        path = os.path.join(out_dir, "tta.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    tr = report.get("training")
+    if not tr:
+        return written
+    rows = [r for r in tr["rows"] if not r.get("error")]
     for key, label, fname, log in (("step_ms", "ms per step (median)", "time_per_step.png", False),
                                    ("bytes", "bytes sent per process per step", "bytes_per_step.png",
                                     True)):
@@ -278,6 +478,21 @@ def plot(report, out_dir):
 
 def build_report(dir_):
     report = {"note": NOTE}
+    network = load(os.path.join(dir_, "network.json"))
+    if network:
+        report["network"] = {"config": network["config"], "rows": network_rows(network)}
+    report["network_training"] = {}
+    for rate in TRAINING_RATES:
+        t = load(os.path.join(dir_, f"training-{rate}.json"))
+        if t:
+            rows = compare_methods(t)
+            params = next((m["parameters"] for m in t["methods"] if "parameters" in m), 0)
+            report["network_training"][rate] = {"config": t["config"], "parameters": params,
+                                                "rows": rows,
+                                                "targets": network_training_targets(rows, rate)}
+    tta = load(os.path.join(dir_, "tta.json"))
+    if tta:
+        report["tta"] = time_to_accuracy(tta)
     for name in ("kernels", "transport", "daemon"):
         report[name] = load(os.path.join(dir_, f"{name}.json"))
     training = load(os.path.join(dir_, "training.json"))
@@ -291,6 +506,18 @@ def build_report(dir_):
 
 def summary(report):
     lines = []
+    for row in (report.get("network") or {}).get("rows", []):
+        parts = [f"{n} {r['ms']:,.1f}" for n, r in row["methods"].items() if "ms" in r]
+        lines.append(f"  network {row['rate']}: " + ", ".join(parts) + " ms/step")
+        for t in row["targets"]:
+            lines.append(f"  {'met   ' if t['met'] else 'MISSED'} {row['rate']}: {t['what']}: "
+                         f"{t['value']:.2f} (target {t['target']})")
+    for rate, tr in report.get("network_training", {}).items():
+        for t in tr["targets"]:
+            lines.append(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']}")
+    if report.get("tta"):
+        for t in report["tta"]["targets"]:
+            lines.append(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']}")
     tr = report.get("training")
     if tr:
         for r in tr["rows"]:

@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
-# `make bench`: the kernel, transport and daemon benchmarks, the training-step
-# comparison against PyTorch DDP (Gloo allreduce, fp16 and PowerSGD hooks),
+# `make bench`: on an emulated network first (deploy/netlab, root; about 25
+# minutes): the raw step at 10 Gbit/s, 1 Gbit/s and 100 Mbit/s beside Gloo's
+# dense allreduce and the local floor, the training comparison at 1 Gbit/s
+# and 100 Mbit/s, and a time-to-accuracy run at 100 Mbit/s; then on loopback
+# the kernel, transport and daemon benchmarks and the training-step
+# comparison against PyTorch DDP (Gloo allreduce, fp16 and PowerSGD hooks);
 # then one report (report.md, report.json, PNG charts) in the output folder.
 #   scripts/bench.sh BUILD [--out DIR] [--smoke] [--skip-training]
+#                    [--skip-network | --network-only]
 # --smoke runs everything at tiny sizes for a few steps: it checks that the
 # pipeline works (make test runs it), its figures mean nothing.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=$(cd "${1:-$ROOT/build}" && pwd)
 shift || true
-OUT=$ROOT/results/bench SMOKE=0 TRAINING=1
+OUT=$ROOT/results/bench SMOKE=0 TRAINING=1 NETWORK=1 LOOPBACK=1
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
     --smoke) SMOKE=1; shift ;;
     --skip-training) TRAINING=0; shift ;;
+    --skip-network) NETWORK=0; shift ;;
+    --network-only) LOOPBACK=0; shift ;;
     *) echo "bench.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -28,6 +35,38 @@ if [[ $SMOKE == 1 ]]; then
   TRAIN=(--smoke)
 else
   KERNELS=() TRANSPORT=() DAEMON=() TRAIN=()
+fi
+PY=/usr/bin/python3
+if [[ $NETWORK == 1 && $(id -u) -ne 0 ]]; then
+  echo "== emulated network: skipped (network namespaces need root)"
+  NETWORK=0
+fi
+if [[ $NETWORK == 1 ]]; then
+  TRAIN_METHODS=no-communication,ddp,ddp-fp16,ddp-powersgd-r1,microd-micro-1%,microd-micro-0.1%
+  if [[ $SMOKE == 1 ]]; then
+    NET=(--rates 1gbit --size 100000 --steps 3)
+    NET_TRAIN_1G=(--smoke) NET_TRAIN_100M=(--smoke)
+    TTA=(--smoke --budget 4 --eval-every 2)
+  else
+    NET=() NET_TRAIN_1G=(--steps 20 --warmup 3) NET_TRAIN_100M=(--steps 10 --warmup 2)
+    TTA=(--budget 240 --eval-every 30)
+  fi
+  echo "== emulated network: the raw step per link rate"
+  "$PY" "$ROOT/bench/network/run.py" "${NET[@]}" --build "$BUILD" --out "$OUT/network.json"
+  echo "== emulated network: training at 1 Gbit/s"
+  "$PY" "$ROOT/bench/training/run.py" "${NET_TRAIN_1G[@]}" --build "$BUILD" --netlab-rate 1gbit \
+    --methods "$TRAIN_METHODS" --out "$OUT/training-1gbit.json"
+  echo "== emulated network: training at 100 Mbit/s"
+  "$PY" "$ROOT/bench/training/run.py" "${NET_TRAIN_100M[@]}" --build "$BUILD" --netlab-rate 100mbit \
+    --methods "$TRAIN_METHODS" --out "$OUT/training-100mbit.json"
+  echo "== emulated network: time to accuracy at 100 Mbit/s"
+  "$PY" "$ROOT/bench/training/run.py" "${TTA[@]}" --build "$BUILD" --netlab-rate 100mbit \
+    --methods ddp,microd-micro-1% --out "$OUT/tta.json"
+fi
+if [[ $LOOPBACK == 0 ]]; then
+  echo "== report"
+  "$PY" "$ROOT/bench/report.py" --dir "$OUT"
+  exit 0
 fi
 echo "== kernels"
 "$B/microd-bench-kernels" "${KERNELS[@]}" --json="$OUT/kernels.json"

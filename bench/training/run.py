@@ -5,7 +5,12 @@ microd (its DDP hook, a local cluster of daemons), one method after another.
     /usr/bin/python3 bench/training/run.py --build build --out results/bench/training.json
     /usr/bin/python3 bench/training/run.py --smoke ...   # tiny model, a few steps
 
-Every method runs --nodes processes on this machine's loopback. Results per
+Every method runs --nodes processes on this machine's loopback, or with
+--netlab-rate on an emulated network (deploy/netlab, root): every process and
+its daemon in a network namespace of its own, links shaped to that rate.
+--budget S runs each method for S seconds of training instead of --steps,
+rank 0 recording the test accuracy against training time (time to accuracy).
+Results per
 method: median time per step after the warm-up steps, bytes written to
 sockets per process per step (measured from /proc/PID/io: the trainer's for
 DDP, its daemon's for microd), the loss on a fixed test subset after the last
@@ -69,7 +74,27 @@ def wait_all(procs, deadline):
     return status
 
 
-def run_method(name, method, extra, daemon_args, args, env):
+class Lab:
+    """An emulated network of --nodes nodes (deploy/netlab), removed by close()."""
+
+    def __init__(self, nodes, rate, delay):
+        netlab = os.path.join(ROOT, "deploy", "netlab", "netlab.sh")
+        def run(*a):
+            r = subprocess.run([netlab, *a], capture_output=True, text=True, timeout=120)
+            if r.returncode != 0:
+                raise RuntimeError(f"netlab.sh {' '.join(a)}: {r.stderr.strip()}")
+            return r.stdout.strip()
+        self.run = run
+        self.name = run("up", "--nodes", str(nodes), "--owner", str(os.getpid()), "--rate", rate,
+                        "--delay", delay)
+        self.addr = [run("addr", self.name, str(r)) for r in range(nodes)]
+        self.ns = [run("ns", self.name, str(r)) for r in range(nodes)]
+
+    def close(self):
+        self.run("down", self.name)
+
+
+def run_method(name, method, extra, daemon_args, args, env, lab=None):
     out_dir = os.path.join(args.work, name)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.makedirs(out_dir)
@@ -77,6 +102,8 @@ def run_method(name, method, extra, daemon_args, args, env):
               "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
               "--width", str(args.width), "--lr", str(args.lr), "--port", str(free_port()),
               "--out-dir", out_dir, "--microctl", os.path.join(args.build, "daemon", "microctl")]
+    if args.budget > 0:
+        worker += ["--budget", str(args.budget), "--eval-every", str(args.eval_every)]
     deadline = time.time() + args.timeout
     logs = os.path.join(out_dir, "logs")
     os.makedirs(logs)
@@ -87,6 +114,8 @@ def run_method(name, method, extra, daemon_args, args, env):
         cmd = [os.path.join(ROOT, "deploy", "local", "launch.sh"), "--nodes", str(args.nodes),
                "--local", "1", "--microd", os.path.join(args.build, "daemon", "microd"),
                "--logs", logs]
+        if lab is not None:
+            cmd += ["--netlab", lab.name]
         for a in dargs:
             cmd += ["--daemon-arg", a]
         procs = [subprocess.Popen(cmd + ["--", *worker], env=env, start_new_session=True,
@@ -96,8 +125,12 @@ def run_method(name, method, extra, daemon_args, args, env):
         procs = []
         for r in range(args.nodes):
             e = dict(env, RANK=str(r), WORLD_SIZE=str(args.nodes))
+            cmd = worker
+            if lab is not None:
+                e.update(GLOO_SOCKET_IFNAME="eth0", MICROD_MASTER_ADDR=lab.addr[0])
+                cmd = ["ip", "netns", "exec", lab.ns[r], *worker]
             with open(os.path.join(logs, f"rank{r}.log"), "w") as log:
-                procs.append(subprocess.Popen(worker, env=e, start_new_session=True,
+                procs.append(subprocess.Popen(cmd, env=e, start_new_session=True,
                                               stdout=log, stderr=subprocess.STDOUT))
     t0 = time.time()
     code = wait_all(procs, deadline)
@@ -135,6 +168,8 @@ def summarize(ranks, warmup):
         "loss": r0["loss"],
         "diverged_at": r0.get("diverged_at"),
     }
+    if "curve" in r0:
+        out["curve"] = r0["curve"]
     buckets = r0.get("daemon_buckets")
     if buckets is not None:
         steps = max(1, out["steps"])
@@ -173,6 +208,13 @@ def main():
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per method")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model, 2 processes, 4 steps: checks the pipeline, not the figures")
+    ap.add_argument("--netlab-rate", default="",
+                    help="on an emulated network with links at this rate (100mbit, 1gbit; root)")
+    ap.add_argument("--netlab-delay", default="0.05ms", help="one-way delay per link ingress")
+    ap.add_argument("--budget", type=float, default=0,
+                    help="time to accuracy: seconds of training per method instead of --steps")
+    ap.add_argument("--eval-every", type=float, default=20,
+                    help="with --budget: seconds of training between test-accuracy evaluations")
     args = ap.parse_args()
     if args.smoke:
         args.nodes, args.steps, args.warmup, args.width, args.batch = 2, 4, 1, 64, 8
@@ -187,17 +229,32 @@ def main():
                MICROD_LIBRARY=os.path.join(args.build, "client", "libmicrod.so"),
                OMP_NUM_THREADS="1")
     results = []
-    for name, method, extra, dargs in chosen:
-        print(f"  {name:<24}", end="", flush=True)
-        r = run_method(name, method, extra, dargs, args, env)
-        results.append(r)
-        if "error" in r:
-            print(f"FAILED: {r['error']}")
-        else:
-            print(f"{r['step_ms']:9.1f} ms/step {r['bytes_per_process_per_step'] / 1e6:10.3f} MB/step"
-                  f"  test loss {r['test_loss']:.4f}  ({r['wall_seconds']:.0f} s)")
+    lab = None
+    if args.netlab_rate:
+        env["NETLAB_DELAY_BIN"] = os.path.join(args.build, "deploy", "netlab", "microd-netlab-delay")
+        lab = Lab(args.nodes, args.netlab_rate, args.netlab_delay)
+        print(f"  on an emulated network: {args.nodes} nodes, links at {args.netlab_rate}, "
+              f"{args.netlab_delay} each way (lab {lab.name})", flush=True)
+    try:
+        for name, method, extra, dargs in chosen:
+            print(f"  {name:<24}", end="", flush=True)
+            r = run_method(name, method, extra, dargs, args, env, lab)
+            results.append(r)
+            if "error" in r:
+                print(f"FAILED: {r['error']}")
+            elif "curve" in r:
+                last = r["curve"][-1] if r["curve"] else [0, 0, 0]
+                print(f"{r['step_ms']:9.1f} ms/step  {last[1]} steps in {last[0]:.0f} s: test "
+                      f"accuracy {100 * last[2]:.1f} %  ({r['wall_seconds']:.0f} s)")
+            else:
+                print(f"{r['step_ms']:9.1f} ms/step {r['bytes_per_process_per_step'] / 1e6:10.3f} "
+                      f"MB/step  test loss {r['test_loss']:.4f}  ({r['wall_seconds']:.0f} s)")
+    finally:
+        if lab is not None:
+            lab.close()
     config = {k: getattr(args, k) for k in ("nodes", "steps", "warmup", "batch", "width", "lr",
-                                            "momentum", "smoke")}
+                                            "momentum", "smoke", "netlab_rate", "netlab_delay",
+                                            "budget", "eval_every")}
     if args.update and os.path.exists(args.out):
         with open(args.out) as f:
             old = json.load(f)

@@ -87,6 +87,13 @@ def main():
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--port", type=int, required=True, help="TCP rendezvous port of rank 0")
+    ap.add_argument("--master", default=os.environ.get("MICROD_MASTER_ADDR", "127.0.0.1"),
+                    help="rank 0's address (on an emulated network: node 0's)")
+    ap.add_argument("--budget", type=float, default=0,
+                    help="time-to-accuracy: train for this many seconds (not --steps), "
+                         "evaluating the test accuracy every --eval-every seconds")
+    ap.add_argument("--eval-every", type=float, default=20)
+    ap.add_argument("--eval-size", type=int, default=2000)
     ap.add_argument("--microctl", default=os.environ.get("MICROCTL", ""))
     ap.add_argument("--out-dir", required=True)
     args = ap.parse_args()
@@ -99,7 +106,7 @@ def main():
         rank, world = client.rank, client.world_size
     else:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=rank,
                             world_size=world, timeout=__import__("datetime").timedelta(seconds=300))
 
     torch.manual_seed(0)
@@ -134,7 +141,31 @@ def main():
     record = {"rank": rank, "world_size": world, "method": args.method,
               "parameters": sum(p.numel() for p in model.parameters()),
               "step_seconds": [], "loss": []}
-    for step in range(args.steps):
+    if args.budget > 0:
+        record["curve"] = []  # [training seconds, step, test accuracy] (rank 0)
+        xt, yt = load("t10k", limit=args.eval_size)
+    w0 = d0 = None
+    trained = 0.0  # seconds of training so far (evaluations excluded)
+    next_eval = 0.0
+    stop = torch.zeros(1)
+    step = 0
+    while True:
+        if args.budget > 0:
+            # Rank 0 evaluates on a schedule of training time and decides
+            # when the budget is spent; every rank stops at the same step.
+            done = rank == 0 and trained >= args.budget
+            if rank == 0 and (trained >= next_eval or done) and \
+                    (not record["curve"] or record["curve"][-1][1] != step):
+                with torch.no_grad():
+                    acc = (net(xt).argmax(1) == yt).float().mean().item()
+                record["curve"].append([trained, step, acc])
+                next_eval += args.eval_every
+            stop[0] = 1.0 if done else 0.0
+            dist.broadcast(stop, 0)
+            if stop[0] > 0:
+                break
+        elif step >= args.steps:
+            break
         if step == args.warmup:
             w0, d0 = wchar(), wchar(daemon) if daemon else -1
         idx = torch.randint(0, len(xs), (args.batch,), generator=g)
@@ -144,10 +175,14 @@ def main():
         loss.backward()
         opt.step()
         record["step_seconds"].append(time.perf_counter() - t0)
+        trained += record["step_seconds"][-1]
         record["loss"].append(loss.item())
+        step += 1
         if not np.isfinite(record["loss"][-1]):
-            record["diverged_at"] = step
+            record["diverged_at"] = step - 1
             break
+    if w0 is None:  # stopped within the warm-up
+        w0, d0 = wchar(), wchar(daemon) if daemon else -1
     timed = max(1, len(record["step_seconds"]) - args.warmup)
     record["socket_bytes_per_step"] = (wchar() - w0) / timed
     if daemon:

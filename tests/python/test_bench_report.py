@@ -137,6 +137,55 @@ def test_report_files_from_a_folder(tmp_path):
         assert (tmp_path / png).stat().st_size > 1000
 
 
+def network_fixture():
+    def m(ms, first, split=None):
+        r = {"ms": ms, "first_ms": first, "step_ms": [first, ms, ms]}
+        if split:
+            r["split_ms_per_step"] = split
+        return r
+    split = {"negotiate": 1.0, "localSum": 0.0, "select": 30.0, "exchange": 5.0, "writeback": 10.0}
+    return {"config": {"nodes": 4, "size": 1000, "steps": 3, "delay": "0.05ms"},
+            "rates": {"1gbit": {"link": {"mb_per_s": 119.5, "rtt_ms_median": 0.27},
+                                "methods": {"gloo": m(1300.0, 1310.0),
+                                            "microd-dense": m(1350.0, 1500.0, split),
+                                            "microd-micro-1%": m(120.0, 400.0, split),
+                                            "microd-micro-0.1%": m(90.0, 160.0, split),
+                                            "floor": m(70.0, 55.0)},
+                                "targets": [{"what": "micro 0.1 % faster than Gloo dense",
+                                             "value": 1300 / 90, "target": ">= 25x",
+                                             "met": False}]}}}
+
+
+def test_network_section_ratios_and_the_floor_bound():
+    rows = report.network_rows(network_fixture())
+    assert len(rows) == 1
+    m = rows[0]["methods"]
+    assert m["microd-dense"]["vs_gloo"] == pytest.approx(1300 / 1350)
+    assert m["microd-micro-0.1%"]["vs_gloo"] == pytest.approx(1300 / 90)
+    assert m["microd-micro-0.1%"]["vs_floor"] == pytest.approx(90 / 70)
+    # No step can beat the local floor: the best a sparse step could be here.
+    assert rows[0]["best_possible_vs_gloo"] == pytest.approx(1300 / 70)
+    md = report.render_markdown({"network": {"config": network_fixture()["config"], "rows": rows}})
+    assert "1,350.0 ms (0.96x Gloo's speed)" in md
+    assert "90.0 ms (14.4x faster; 1.29x floor)" in md
+    assert "allows at most 18.6x here" in md
+
+
+def test_time_to_accuracy_target():
+    tta = {"config": {"netlab_rate": "100mbit", "budget": 100, "eval_every": 10},
+           "methods": [{"name": "ddp", "curve": [[0, 0, 0.1], [50, 4, 0.5], [100, 8, 0.6]]},
+                       {"name": "microd-micro-1%",
+                        "curve": [[0, 0, 0.1], [20, 30, 0.55], [30, 45, 0.62], [100, 150, 0.8]]}]}
+    t = report.time_to_accuracy(tta)
+    assert t["ddp_final_accuracy"] == 0.6 and t["micro_seconds_to_goal"] == 30
+    assert t["targets"][0]["met"] == (30 <= 100 / 3)
+    tta["methods"][1]["curve"][2] = [40, 45, 0.62]
+    assert report.time_to_accuracy(tta)["targets"][0]["met"] is False
+    tta["methods"][1]["curve"] = [[0, 0, 0.1], [100, 150, 0.5]]
+    t = report.time_to_accuracy(tta)
+    assert not t["targets"][0]["met"] and "not reached" in t["targets"][0]["value"]
+
+
 def test_smoke_run_of_make_bench(tmp_path):
     """`make bench` end to end at tiny sizes (scripts/bench.sh --smoke): the
     benchmark programs, every method of the training comparison (2 processes,
@@ -161,6 +210,29 @@ def test_smoke_run_of_make_bench(tmp_path):
     for section in ("kernels", "transport", "daemon", "training"):
         assert rep[section], section
     md = (tmp_path / "report.md").read_text()
-    assert "ddp-powersgd-r4" in md and "Not run" not in md
+    assert "ddp-powersgd-r4" in md
     for png in ("time_per_step.png", "bytes_per_step.png", "cre.png"):
         assert (tmp_path / png).exists(), png
+    if os.geteuid() != 0:
+        assert "network namespaces need root" in r.stdout
+        return
+    # The emulated network's section (root): every method at the smoke's one rate.
+    assert "Not run" not in md
+    net = json.loads((tmp_path / "network.json").read_text())
+    methods = net["rates"]["1gbit"]["methods"]
+    assert set(methods) == {"gloo", "microd-dense", "microd-micro-1%", "microd-micro-0.1%", "floor"}
+    for name, m in methods.items():
+        assert "error" not in m, (name, m)
+        assert len(m["step_ms"]) == 3 and m["ms"] > 0, name
+    assert net["rates"]["1gbit"]["link"]["mb_per_s"] > 0
+    for rate in ("1gbit", "100mbit"):
+        t = json.loads((tmp_path / f"training-{rate}.json").read_text())
+        assert t["config"]["netlab_rate"] == rate
+        for m in t["methods"]:
+            assert "error" not in m, (rate, m)
+    tta = json.loads((tmp_path / "tta.json").read_text())
+    assert [m["name"] for m in tta["methods"]] == ["ddp", "microd-micro-1%"]
+    for m in tta["methods"]:
+        assert len(m["curve"]) >= 2, m  # the start and the end of the budget at least
+    assert "## On an emulated network" in md and "### Time to accuracy at 100mbit" in md
+    assert (tmp_path / "tta.png").exists()
