@@ -199,13 +199,20 @@ def time_to_accuracy(tta):
     if ddp and micro:
         goal = ddp[-1][2]
         ddp_time = ddp[-1][0]
-        reached = next((t for t, _, acc in micro if acc >= goal), None)
+        # When microd's curve first reaches the goal: linear between the two
+        # evaluations around the crossing (at the first one if it starts above).
+        reached = None
+        for (t0, _, a0), (t1, _, a1) in zip([micro[0]] + micro[:-1], micro):
+            if a1 >= goal:
+                reached = t1 if a1 == a0 or a0 >= goal else t0 + (goal - a0) / (a1 - a0) * (t1 - t0)
+                break
         out["ddp_final_accuracy"] = goal
         out["ddp_seconds"] = ddp_time
         out["micro_seconds_to_goal"] = reached
         met = reached is not None and reached <= ddp_time / 3
         out["targets"].append({
-            "target": "microd (1 %) reaches DDP's final test accuracy in <= 1/3 of DDP's time",
+            "target": "microd (1 %) reaches DDP's final test accuracy in <= 1/3 of DDP's time "
+                      "(between evaluations: linear)",
             "met": met,
             "value": (f"{reached:.0f} s vs DDP's {ddp_time:.0f} s for {100 * goal:.1f} % "
                       f"({ddp_time / reached:.1f}x sooner)" if reached else
@@ -308,8 +315,8 @@ def render_network(report):
         cfg = tta["config"]
         L += ["", f"### Time to accuracy at {cfg.get('netlab_rate') or 'loopback'}", "",
               f"The same model and data, {cfg.get('budget', 0):.0f} s of training per method "
-              f"(evaluations excluded), test accuracy on 2,000 test images every "
-              f"{cfg.get('eval_every', 0):.0f} s (`tta.png`).", "",
+              f"(evaluations excluded), test accuracy on the same {cfg.get('eval_size', 2000):,} "
+              f"test images every {cfg.get('eval_every', 0):.0f} s of training (`tta.png`).", "",
               "| method | steps | final test accuracy |", "|---|---:|---:|"]
         for name, curve in tta["curves"].items():
             L.append(f"| {name} | {curve[-1][1]} | {100 * curve[-1][2]:.1f} % |")

@@ -103,7 +103,8 @@ def run_method(name, method, extra, daemon_args, args, env, lab=None):
               "--width", str(args.width), "--lr", str(args.lr), "--port", str(free_port()),
               "--out-dir", out_dir, "--microctl", os.path.join(args.build, "daemon", "microctl")]
     if args.budget > 0:
-        worker += ["--budget", str(args.budget), "--eval-every", str(args.eval_every)]
+        worker += ["--budget", str(args.budget), "--eval-every", str(args.eval_every),
+                   "--eval-size", str(args.eval_size)]
     deadline = time.time() + args.timeout
     logs = os.path.join(out_dir, "logs")
     os.makedirs(logs)
@@ -213,14 +214,18 @@ def main():
     ap.add_argument("--netlab-delay", default="0.05ms", help="one-way delay per link ingress")
     ap.add_argument("--budget", type=float, default=0,
                     help="time to accuracy: seconds of training per method instead of --steps")
-    ap.add_argument("--eval-every", type=float, default=20,
+    ap.add_argument("--eval-every", type=float, default=15,
                     help="with --budget: seconds of training between test-accuracy evaluations")
+    ap.add_argument("--eval-size", type=int, default=1000,
+                    help="with --budget: test images per evaluation (the same ones every time)")
     args = ap.parse_args()
     if args.smoke:
         args.nodes, args.steps, args.warmup, args.width, args.batch = 2, 4, 1, 64, 8
         args.timeout = min(args.timeout, 180)
     args.build = os.path.abspath(args.build)
-    args.work = args.work or os.path.join(os.path.dirname(os.path.abspath(args.out)), "training")
+    # Per-run files beside --out, in a folder named after it (training.json ->
+    # training/), so that runs written to other files keep their own.
+    args.work = args.work or os.path.splitext(os.path.abspath(args.out))[0]
     chosen = [m for m in METHODS if not args.methods or m[0] in args.methods.split(",")]
     unknown = set(filter(None, args.methods.split(","))) - {m[0] for m in METHODS}
     if unknown:
@@ -254,7 +259,7 @@ def main():
             lab.close()
     config = {k: getattr(args, k) for k in ("nodes", "steps", "warmup", "batch", "width", "lr",
                                             "momentum", "smoke", "netlab_rate", "netlab_delay",
-                                            "budget", "eval_every")}
+                                            "budget", "eval_every", "eval_size")}
     if args.update and os.path.exists(args.out):
         with open(args.out) as f:
             old = json.load(f)

@@ -156,9 +156,11 @@ def main():
             done = rank == 0 and trained >= args.budget
             if rank == 0 and (trained >= next_eval or done) and \
                     (not record["curve"] or record["curve"][-1][1] != step):
+                e0 = time.perf_counter()
                 with torch.no_grad():
                     acc = (net(xt).argmax(1) == yt).float().mean().item()
                 record["curve"].append([trained, step, acc])
+                record["eval_seconds"] = record.get("eval_seconds", 0) + time.perf_counter() - e0
                 next_eval += args.eval_every
             stop[0] = 1.0 if done else 0.0
             dist.broadcast(stop, 0)

@@ -177,9 +177,12 @@ def test_time_to_accuracy_target():
                        {"name": "microd-micro-1%",
                         "curve": [[0, 0, 0.1], [20, 30, 0.55], [30, 45, 0.62], [100, 150, 0.8]]}]}
     t = report.time_to_accuracy(tta)
-    assert t["ddp_final_accuracy"] == 0.6 and t["micro_seconds_to_goal"] == 30
-    assert t["targets"][0]["met"] == (30 <= 100 / 3)
+    # 0.6 is crossed between 0.55 at 20 s and 0.62 at 30 s: at 20 + 5/7 * 10 s.
+    assert t["ddp_final_accuracy"] == 0.6
+    assert t["micro_seconds_to_goal"] == pytest.approx(20 + 10 * 5 / 7)
+    assert t["targets"][0]["met"] is True
     tta["methods"][1]["curve"][2] = [40, 45, 0.62]
+    assert report.time_to_accuracy(tta)["micro_seconds_to_goal"] == pytest.approx(20 + 20 * 5 / 7)
     assert report.time_to_accuracy(tta)["targets"][0]["met"] is False
     tta["methods"][1]["curve"] = [[0, 0, 0.1], [100, 150, 0.5]]
     t = report.time_to_accuracy(tta)
