@@ -7,6 +7,7 @@ root (network namespaces): skipped, and reported so, without it.
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -31,6 +32,11 @@ def netlab(*args, check=True, timeout=60):
 def namespaces():
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def of_lab(name):
+    """The namespaces of one lab (other tests may make labs at the same time)."""
+    return {ns for ns in namespaces() if ns.startswith(name + "-")}
 
 
 def root_links():
@@ -74,12 +80,12 @@ def probe(name, a, b, nbytes=1000, pings=20, timeout=10.0, port=5201):
 
 
 def test_up_makes_its_own_namespaces_and_down_removes_them(lab):
-    before_ns, before_links = namespaces(), root_links()
+    before_links = root_links()
     a = lab("--nodes", "3")
     b = lab("--nodes", "2")
     assert a != b
-    made = namespaces() - before_ns
-    assert made == {f"{a}-br", f"{a}-n0", f"{a}-n1", f"{a}-n2", f"{b}-br", f"{b}-n0", f"{b}-n1"}
+    assert of_lab(a) == {f"{a}-br", f"{a}-n0", f"{a}-n1", f"{a}-n2"}
+    assert of_lab(b) == {f"{b}-br", f"{b}-n0", f"{b}-n1"}
     addrs_a = [netlab("addr", a, str(r)).stdout.strip() for r in range(3)]
     addrs_b = [netlab("addr", b, str(r)).stdout.strip() for r in range(2)]
     assert len(set(addrs_a)) == 3
@@ -93,7 +99,7 @@ def test_up_makes_its_own_namespaces_and_down_removes_them(lab):
     assert probe(a, 0, 2) is not None
     netlab("down", a)
     netlab("down", b)
-    assert namespaces() == before_ns
+    assert not of_lab(a) and not of_lab(b)
     listed = netlab("list").stdout.split()
     assert a not in listed and b not in listed
 
@@ -197,10 +203,13 @@ def test_cut_and_partition_silence_links_until_healed(lab):
 
 
 def test_bad_input_is_an_error_and_leaves_nothing_behind():
-    before = namespaces()
     r = netlab("up", "--nodes", "2", "--rate", "fast", check=False)
     assert r.returncode != 0 and "bad rate 'fast'" in r.stderr
-    assert namespaces() == before
+    # The lab it had begun is gone (namespaces and state).
+    failed = re.search(r"making lab (mdl[0-9a-f]{6}) failed", r.stderr)
+    assert failed, r.stderr
+    assert not of_lab(failed.group(1))
+    assert failed.group(1) not in netlab("list").stdout.split()
     r = netlab("up", "--nodes", "0", check=False)
     assert r.returncode != 0 and "--nodes" in r.stderr
     r = netlab("shape", "mdl000000", "all", "--rate", "1gbit", check=False)
@@ -209,7 +218,6 @@ def test_bad_input_is_an_error_and_leaves_nothing_behind():
     assert r.returncode != 0 and "not a lab name" in r.stderr
     r = netlab("frobnicate", check=False)
     assert r.returncode != 0 and "unknown command" in r.stderr
-    assert namespaces() == before
 
 
 def test_node_out_of_range_is_an_error(lab):
@@ -225,7 +233,6 @@ def test_launcher_runs_every_node_in_its_own_namespace():
     nodes' namespaces, each copy on its node's address, the job done, and the
     lab it made gone afterwards."""
     build = pathlib.Path(os.environ.get("MICROD_BUILD_DIR", ROOT / "build"))
-    before = namespaces()
     script = ('echo "addr $(ip -4 -o addr show dev eth0 | awk \'{print $4}\') '
               'node $MICROD_NODE_ADDR master $MICROD_MASTER_ADDR"; exec "$0"')
     logs = pathlib.Path(subprocess.run(["mktemp", "-d"], capture_output=True, text=True,
@@ -249,4 +256,5 @@ def test_launcher_runs_every_node_in_its_own_namespace():
     assert len(masters) == 1
     daemon0 = (logs / "microd-node0.log").read_text()
     assert f"data plane on {masters.pop()} " in daemon0, daemon0
-    assert namespaces() == before
+    made = re.search(r"emulated network (mdl[0-9a-f]{6})", r.stderr).group(1)
+    assert not of_lab(made)  # the lab the launcher made is gone

@@ -481,21 +481,22 @@ class GlooTransport final : public Transport {
     }
     const gloo::Slot rs_slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
     const gloo::Slot ag_slot = gloo::Slot::build(kAllgatherSlotPrefix, tag);
-    // The rounds, in the same order on every rank. In round (k, s) rank r
-    // receives segment k from rank r - s: its contribution to my chunk
-    // (reduce-scatter) or its summed segment of its own chunk (allgather).
+    // The rounds, in the same order on every rank. In round s rank r sends
+    // to r + s and receives from r - s: segment `rs` of the receiver's chunk
+    // (reduce-scatter) and, behind it on the same connection, the summed
+    // segment `ag` of the sender's own chunk (allgather); -1: none. Segment
+    // k is shared (ag) in the rounds that carry segment k + 1's
+    // contributions (rs), so each round is one transfer per link and way.
     struct Round {
-      bool allgather;
-      int k, s;
+      int rs, ag, s;
     };
     std::vector<Round> rounds;
-    for (int s = 1; s < n; ++s) rounds.push_back({false, 0, s});
+    for (int s = 1; s < n; ++s) rounds.push_back({0, -1, s});
     for (int k = 0; k < segments; ++k) {
-      for (int s = 1; s < n && k + 1 < segments; ++s) rounds.push_back({false, k + 1, s});
-      for (int s = 1; s < n; ++s) rounds.push_back({true, k, s});
+      for (int s = 1; s < n; ++s) rounds.push_back({k + 1 < segments ? k + 1 : -1, k, s});
     }
-    // Sums segment k of my chunk into place, in rank order (every
-    // contribution is in).
+    // Sums segment k of my chunk into place, in rank order (and divides it,
+    // for an average): every contribution is in.
     auto sum = [&](int k) {
       const size_t len = seg_len(r, k);
       if (len == 0) return;
@@ -510,43 +511,55 @@ class GlooTransport final : public Transport {
     };
     // Round by round, every rank in step: Gloo sends only once the
     // receiver has posted the matching receive, and a rank posts the next
-    // round's receive only when this round is done both ways.
+    // round's receives only when this round is done both ways.
     int summed = 0;
     for (const Round& x : rounds) {
       const int to = (r + x.s) % n;
       const int from = (r - x.s + n) % n;
-      const int j = x.allgather ? r : to;  // what I send: theirs, or my summed segment
-      const size_t in_len = x.allgather ? seg_len(from, x.k) : seg_len(r, x.k);
-      if (!x.allgather && x.s == 1) {
-        // My own contribution to this segment, beside the others'.
-        const size_t len = seg_len(r, x.k);
-        if (len > 0) {
-          std::memcpy(contributions(x.k) + r * len, data + offset[r] + seg_begin(r, x.k),
+      int recvs_rs = 0, recvs_ag = 0, sends = 0;
+      if (x.rs >= 0) {
+        const size_t len = seg_len(r, x.rs);
+        if (x.s == 1 && len > 0) {
+          // My own contribution to this segment, beside the others'.
+          std::memcpy(contributions(x.rs) + r * len, data + offset[r] + seg_begin(r, x.rs),
                       len * sizeof(T));
         }
-      }
-      gloo::transport::UnboundBuffer& in = x.allgather ? *whole : *parts[x.k];
-      if (in_len > 0) {
-        if (x.allgather) {
-          in.recv(from, ag_slot + static_cast<uint8_t>(x.k),
-                  (offset[from] + seg_begin(from, x.k)) * sizeof(T), in_len * sizeof(T));
-        } else {
-          in.recv(from, rs_slot + static_cast<uint8_t>(x.k), from * in_len * sizeof(T),
-                  in_len * sizeof(T));
+        if (len > 0) {
+          parts[x.rs]->recv(from, rs_slot + static_cast<uint8_t>(x.rs), from * len * sizeof(T),
+                            len * sizeof(T));
+          ++recvs_rs;
+        }
+        if (seg_len(to, x.rs) > 0) {
+          whole->send(to, rs_slot + static_cast<uint8_t>(x.rs),
+                      (offset[to] + seg_begin(to, x.rs)) * sizeof(T),
+                      seg_len(to, x.rs) * sizeof(T));
+          ++sends;
         }
       }
-      // An allgather round sends a summed segment.
-      if (x.allgather && summed <= x.k) sum(summed++);
-      const bool sending = seg_len(j, x.k) > 0;
-      if (sending) {
-        whole->send(to, (x.allgather ? ag_slot : rs_slot) + static_cast<uint8_t>(x.k),
-                    (offset[j] + seg_begin(j, x.k)) * sizeof(T), seg_len(j, x.k) * sizeof(T));
+      if (x.ag >= 0) {
+        if (seg_len(from, x.ag) > 0) {
+          whole->recv(from, ag_slot + static_cast<uint8_t>(x.ag),
+                      (offset[from] + seg_begin(from, x.ag)) * sizeof(T),
+                      seg_len(from, x.ag) * sizeof(T));
+          ++recvs_ag;
+        }
+        // Summed while this round's reduce-scatter part is on the wire.
+        if (summed <= x.ag) sum(summed++);
+        if (seg_len(r, x.ag) > 0) {
+          whole->send(to, ag_slot + static_cast<uint8_t>(x.ag),
+                      (offset[r] + seg_begin(r, x.ag)) * sizeof(T), seg_len(r, x.ag) * sizeof(T));
+          ++sends;
+        }
       }
-      // While this round is on the wire: sum the segment whose contributions
-      // all came in (the one before this reduce-scatter segment).
-      if (!x.allgather && x.k == summed + 1 && x.s == 1) sum(summed++);
-      if (in_len > 0 && !in.waitRecv(deadline)) throw std::runtime_error("transport aborted");
-      if (sending && !whole->waitSend(deadline)) throw std::runtime_error("transport aborted");
+      for (int i = 0; i < recvs_rs; ++i) {
+        if (!parts[x.rs]->waitRecv(deadline)) throw std::runtime_error("transport aborted");
+      }
+      for (int i = 0; i < recvs_ag; ++i) {
+        if (!whole->waitRecv(deadline)) throw std::runtime_error("transport aborted");
+      }
+      for (int i = 0; i < sends; ++i) {
+        if (!whole->waitSend(deadline)) throw std::runtime_error("transport aborted");
+      }
     }
   }
 
