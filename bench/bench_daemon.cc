@@ -25,6 +25,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "bench/bench_client.h"
 #include "bench/bench_stats.h"
 #include "daemon/sim/synthetic.h"
 #include "microd/microd.h"
@@ -63,25 +64,15 @@ std::string Sibling(const char* self, const std::string& name) {
 }
 
 int Client() {
-  microd_options o;
-  microd_options_init(&o);
-  const std::string sock = absl::GetFlag(FLAGS_socket);
-  o.socket_path = sock.c_str();
-  o.timeout_ms = 120000;
-  microd_client* c = nullptr;
-  if (microd_connect(&o, &c) != MICROD_OK) {
-    std::fprintf(stderr, "client: %s\n", microd_last_error(nullptr));
-    return 2;
-  }
   const uint64_t d = absl::GetFlag(FLAGS_size);
-  float* small;
-  float* big;
-  int32_t small_id, big_id;
-  if (microd_register_host_buffer(c, "small", 1024, &small, &small_id) != MICROD_OK ||
-      microd_register_host_buffer(c, "big", d, &big, &big_id) != MICROD_OK) {
-    std::fprintf(stderr, "client: %s\n", microd_last_error(c));
+  microd::bench::BenchClient bc;
+  if (!microd::bench::ConnectWithBuckets(absl::GetFlag(FLAGS_socket), "client", 1024, d, &bc)) {
     return 2;
   }
+  microd_client* const c = bc.client;
+  float* const small = bc.small;
+  float* const big = bc.big;
+  const int32_t small_id = bc.small_id, big_id = bc.big_id;
   std::vector<double> latency_us;
   for (int i = 0; i < absl::GetFlag(FLAGS_latency_iters) + 20; ++i) {
     for (int j = 0; j < 1024; ++j) small[j] = static_cast<float>(j);

@@ -21,6 +21,7 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "bench/bench_client.h"
 #include "daemon/sim/synthetic.h"
 #include "microd/microd.h"
 
@@ -106,25 +107,14 @@ int Floor() {
 }
 
 int Steps() {
-  microd_options o;
-  microd_options_init(&o);
-  const std::string sock = absl::GetFlag(FLAGS_socket);
-  o.socket_path = sock.c_str();
-  o.timeout_ms = 120000;
-  microd_client* c = nullptr;
-  if (microd_connect(&o, &c) != MICROD_OK) {
-    std::fprintf(stderr, "step-client: %s\n", microd_last_error(nullptr));
-    return 2;
-  }
   const uint64_t d = absl::GetFlag(FLAGS_size);
-  float* small = nullptr;
-  float* big = nullptr;
-  int32_t small_id = -1, big_id = -1;
-  if (microd_register_host_buffer(c, "line-up", 16, &small, &small_id) != MICROD_OK ||
-      microd_register_host_buffer(c, "bucket", d, &big, &big_id) != MICROD_OK) {
-    std::fprintf(stderr, "step-client: %s\n", microd_last_error(c));
+  microd::bench::BenchClient bc;
+  if (!microd::bench::ConnectWithBuckets(absl::GetFlag(FLAGS_socket), "step-client", 16, d, &bc)) {
     return 2;
   }
+  microd_client* const c = bc.client;
+  float* const big = bc.big;
+  const int32_t small_id = bc.small_id, big_id = bc.big_id;
   microd::sim::SyntheticOptions so;
   so.size = d;
   microd::sim::SyntheticGradients stream(so, absl::GetFlag(FLAGS_node));

@@ -426,6 +426,15 @@ def plot(report, out_dir):
     except ImportError:
         return []
     written = []
+
+    def save(fig, ax, name):
+        ax.legend()
+        fig.tight_layout()
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
     tta = report.get("tta")
     if tta and tta["curves"]:
         fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -437,12 +446,7 @@ def plot(report, out_dir):
         ax.set_xlabel("training seconds")
         ax.set_ylabel("test accuracy (%)")
         ax.set_title(f"Time to accuracy, links at {tta['config'].get('netlab_rate') or 'loopback'}")
-        ax.legend()
-        fig.tight_layout()
-        path = os.path.join(out_dir, "tta.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(save(fig, ax, "tta.png"))
     tr = report.get("training")
     if not tr:
         return written
@@ -474,12 +478,7 @@ def plot(report, out_dir):
         ax.set_xlabel("step")
         ax.set_ylabel("CRE |K - k| / k (%)")
         ax.set_title("Compression-ratio error per step, micro at 1 %")
-        ax.legend()
-        fig.tight_layout()
-        path = os.path.join(out_dir, "cre.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(save(fig, ax, "cre.png"))
     return written
 
 

@@ -298,15 +298,7 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
   float threshold = pass_threshold;
   if (controller_->Refines()) {
     Candidates candidates(this, acc, part, scalars.count);
-    ControllerContext ctx;
-    ctx.ops = ops_;
-    ctx.stream = stream_;
-    ctx.transport = &transport;
-    ctx.options = options;
-    ctx.options.tag = MakeTag(spec_.slot, TagKind::kHistogram);
-    ctx.k = stats.budget;
-    ctx.bytes_sent = &stats.bytes_sent;
-    ctx.bytes_received = &stats.bytes_received;
+    ControllerContext ctx = ControllerContextFor(transport, options, stats);
     ctx.rescans = &stats.rescans;
     ASSIGN_OR_RETURN(threshold, controller_->Resolve(candidates, ctx));
     RETURN_IF_ERROR(Check(ops_->TrimBelow(candidate_index_.get(), candidate_value_.get(),
@@ -364,6 +356,13 @@ absl::Status BucketState::PrimeController(const float* grad, Range part,
         ops_->CopyToHost(residual.data(), values.get(), m * sizeof(float), stream_), "sample copy"));
     for (uint64_t j = 0; j < m; ++j) sample[j] += residual[j];
   }
+  return controller_->Prime(sample, m > 0 ? static_cast<double>(p) / static_cast<double>(m) : 0.0,
+                            ControllerContextFor(transport, options, stats));
+}
+
+ControllerContext BucketState::ControllerContextFor(transport::Transport& transport,
+                                                    const CollectiveOptions& options,
+                                                    StepStats& stats) const {
   ControllerContext ctx;
   ctx.ops = ops_;
   ctx.stream = stream_;
@@ -373,8 +372,7 @@ absl::Status BucketState::PrimeController(const float* grad, Range part,
   ctx.k = stats.budget;
   ctx.bytes_sent = &stats.bytes_sent;
   ctx.bytes_received = &stats.bytes_received;
-  return controller_->Prime(sample, m > 0 ? static_cast<double>(p) / static_cast<double>(m) : 0.0,
-                            ctx);
+  return ctx;
 }
 
 absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* update,

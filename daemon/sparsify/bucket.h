@@ -101,6 +101,11 @@ class BucketState {
                               transport::Transport& transport,
                               const transport::CollectiveOptions& options, StepStats& stats);
 
+  // What the controller's collectives need: this step's transport, deadline,
+  // budget and byte accounting, under the bucket's histogram tag.
+  ControllerContext ControllerContextFor(transport::Transport& transport,
+                                         const transport::CollectiveOptions& options,
+                                         StepStats& stats) const;
   // The controller's first lower bound, from a sample of this step.
   absl::Status PrimeController(const float* grad, Range part, transport::Transport& transport,
                                const transport::CollectiveOptions& options, StepStats& stats);

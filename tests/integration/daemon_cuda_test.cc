@@ -72,23 +72,8 @@ void RunAndCompare(int n, int L, const std::function<std::string(int, int)>& mod
   cluster.StartClients(buckets, steps, -1, -1, -1,
                        [&](int r, int l) { return std::vector<std::string>{mode(r, l)}; });
   const auto codes = cluster.WaitClients(std::chrono::seconds(240));
-  const auto ref = Reference(n, L, buckets, steps);
-  for (int r = 0; r < n; ++r) {
-    for (int l = 0; l < L; ++l) {
-      SCOPED_TRACE(absl::StrCat("node ", r, " local ", l, " (", mode(r, l), ")"));
-      const auto lines = ReadLines(cluster.outs()[r * L + l]);
-      ASSERT_EQ(codes[r * L + l], 0) << (lines.empty() ? "no output" : lines.back());
-      ASSERT_EQ(lines.size(), steps * buckets.size());
-      for (const std::string& line : lines) {
-        std::vector<std::string> f = absl::StrSplit(line, ' ');
-        ASSERT_EQ(f.size(), 3u) << line;
-        const long t = std::stol(f[0]);
-        const int b = std::stoi(f[1]);
-        ASSERT_EQ(std::stoull(f[2], nullptr, 16), ref[r][t][b])
-            << "step " << t << " bucket " << buckets[b].name;
-      }
-    }
-  }
+  ExpectMatchesReference(cluster, codes, Reference(n, L, buckets, steps), n, L, buckets, steps);
+  if (::testing::Test::HasFatalFailure()) return;
   auto status = cluster.Status(0);
   ASSERT_TRUE(status.ok()) << status.status();
   EXPECT_EQ(status->job_state(), microd::v1::JOB_STATE_RUNNING);

@@ -354,6 +354,17 @@ class GlooTransport final : public Transport {
     }
   }
 
+  // Rank j's chunk of a large allreduce: count / n elements, the first
+  // count % n one more, in rank order.
+  static void Chunks(size_t count, int n, std::vector<size_t>* chunk, std::vector<size_t>* offset) {
+    chunk->resize(n);
+    offset->resize(n);
+    for (int j = 0; j < n; ++j) {
+      (*chunk)[j] = count / n + (static_cast<size_t>(j) < count % n ? 1 : 0);
+      (*offset)[j] = j == 0 ? 0 : (*offset)[j - 1] + (*chunk)[j - 1];
+    }
+  }
+
   // A medium allreduce (a few hundred KiB at most): the reduce-scatter and
   // the allgather of ReduceLarge's chunks, every transfer of a phase at once
   // (two rounds in all, where ReduceLarge's lockstep takes 2 (n - 1)).
@@ -362,11 +373,8 @@ class GlooTransport final : public Transport {
                    float divisor) {
     const int n = size();
     const int r = rank();
-    std::vector<size_t> chunk(n), offset(n);
-    for (int j = 0; j < n; ++j) {
-      chunk[j] = count / n + (static_cast<size_t>(j) < count % n ? 1 : 0);
-      offset[j] = j == 0 ? 0 : offset[j - 1] + chunk[j - 1];
-    }
+    std::vector<size_t> chunk, offset;
+    Chunks(count, n, &chunk, &offset);
     const size_t len = chunk[r];
     T* c = static_cast<T*>(Scratch(len * n * sizeof(T) + sizeof(T)));
     T* const out = data + offset[r];
@@ -455,11 +463,8 @@ class GlooTransport final : public Transport {
                    float divisor) {
     const int n = size();
     const int r = rank();
-    std::vector<size_t> chunk(n), offset(n);
-    for (int j = 0; j < n; ++j) {
-      chunk[j] = count / n + (static_cast<size_t>(j) < count % n ? 1 : 0);
-      offset[j] = j == 0 ? 0 : offset[j - 1] + chunk[j - 1];
-    }
+    std::vector<size_t> chunk, offset;
+    Chunks(count, n, &chunk, &offset);
     // The same segment count on every rank (from count alone).
     const size_t chunk_bytes = (count / n) * sizeof(T);
     const int segments = static_cast<int>(std::clamp<size_t>(
