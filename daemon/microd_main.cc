@@ -96,6 +96,12 @@ ABSL_FLAG(int, join_timeout_ms, 300000, "how long to wait for all nodes to join"
 ABSL_FLAG(std::string, job_id, "microd", "job identifier (all nodes must agree)");
 ABSL_FLAG(std::string, token_file, "", "file holding the job token (all nodes must agree)");
 ABSL_FLAG(int, allow_gid, -1, "also accept training processes of this group id");
+ABSL_FLAG(int, max_processes, 256, "training processes connected at once, at most");
+ABSL_FLAG(int, max_buffers_per_process, 4096, "buffers one training process may register");
+ABSL_FLAG(uint64_t, max_bytes_per_process, 1099511627776,
+          "bytes of buffers one training process may register");
+ABSL_FLAG(int, hello_timeout_ms, 10000,
+          "a connection that says no hello this long after connecting is closed");
 
 namespace {
 
@@ -278,8 +284,15 @@ int main(int argc, char** argv) {
   }
   const absl::Duration op_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
   const absl::Duration peer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_peer_timeout_ms));
-  if (op_timeout <= absl::ZeroDuration() || peer_timeout <= absl::ZeroDuration()) {
+  if (op_timeout <= absl::ZeroDuration() || peer_timeout <= absl::ZeroDuration() ||
+      absl::GetFlag(FLAGS_hello_timeout_ms) <= 0) {
     return Fatal("timeouts", absl::InvalidArgumentError("timeouts must be positive"));
+  }
+  if (absl::GetFlag(FLAGS_max_processes) < 1 || absl::GetFlag(FLAGS_max_buffers_per_process) < 1 ||
+      absl::GetFlag(FLAGS_max_bytes_per_process) < 1) {
+    return Fatal("limits", absl::InvalidArgumentError(
+                               "--max_processes, --max_buffers_per_process and "
+                               "--max_bytes_per_process must be at least 1"));
   }
   std::string token;
   if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
@@ -529,6 +542,13 @@ int main(int argc, char** argv) {
   microd::local::LocalServerOptions lo;
   lo.socket_path = absl::GetFlag(FLAGS_socket);
   lo.allow_gid = absl::GetFlag(FLAGS_allow_gid);
+  lo.max_clients = absl::GetFlag(FLAGS_max_processes);
+  lo.max_buffers_per_client = absl::GetFlag(FLAGS_max_buffers_per_process);
+  lo.max_bytes_per_client = absl::GetFlag(FLAGS_max_bytes_per_process);
+  lo.hello_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_hello_timeout_ms));
+  // A process that reads none of its completions for a whole operation's
+  // deadline is not coming back.
+  lo.stuck_after = op_timeout;
   lo.cuda_resident_device = eo.device_resident ? eo.device : -1;
   auto server = microd::local::LocalServer::Start(lo, engine.get());
   if (!server.ok()) return Fatal("--socket", server.status());

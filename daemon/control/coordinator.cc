@@ -241,8 +241,8 @@ absl::StatusOr<std::vector<std::string>> Coordinator::KeyGet(uint64_t session,
   return store_.Get(keys, deadline);
 }
 
-absl::Status Coordinator::Report(uint64_t session, int rank,
-                                const std::vector<BucketInfo>& ready) {
+absl::Status Coordinator::Report(uint64_t session, int rank, const std::vector<BucketInfo>& ready,
+                                uint64_t seq) {
   if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("node rank ", rank, " is negative"));
   if (ready.size() > kMaxBucketsPerReport) {
     return absl::InvalidArgumentError(absl::StrCat(ready.size(), " buckets in one report (limit ",
@@ -267,6 +267,13 @@ absl::Status Coordinator::Report(uint64_t session, int rank,
   absl::MutexLock lock(&mu_);
   if (absl::Status s = CheckMember(session, rank); !s.ok()) return s;
   if (absl::Status s = JobError(); !s.ok()) return s;
+  if (seq != 0) {
+    if (seq <= nodes_[rank].report_seq) return absl::OkStatus();  // taken already
+    if (seq != nodes_[rank].report_seq + 1) {
+      return absl::InvalidArgumentError(absl::StrCat("node ", rank, " sent report ", seq,
+                                                     " after report ", nodes_[rank].report_seq));
+    }
+  }
   for (const BucketInfo& b : ready) {
     auto it = pending_.find(b.name);
     if (it != pending_.end() && it->second.by_rank.count(rank) != 0) {
@@ -274,6 +281,7 @@ absl::Status Coordinator::Report(uint64_t session, int rank,
           "bucket '", b.name, "' already reported by node ", rank, " and not scheduled yet"));
     }
   }
+  if (seq != 0) nodes_[rank].report_seq = seq;
   const int n = static_cast<int>(nodes_.size());
   std::vector<std::pair<uint64_t, std::string>> complete;
   for (const BucketInfo& b : ready) {

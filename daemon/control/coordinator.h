@@ -95,7 +95,10 @@ class Coordinator {
                                                   absl::Time deadline);
   // Node `rank` has these buckets ready. Buckets every node has now
   // reported are appended to the schedule as one batch. Never blocks.
-  absl::Status Report(uint64_t session, int rank, const std::vector<BucketInfo>& ready);
+  // `seq` > 0: the node's report number; one at or below the last taken is
+  // a resend after a lost answer, answered OK and not taken again.
+  absl::Status Report(uint64_t session, int rank, const std::vector<BucketInfo>& ready,
+                      uint64_t seq = 0);
   // The batches from index `next` on, waiting until there is one or
   // `deadline` (then an empty list). Fails at once when the job failed.
   absl::StatusOr<std::vector<ScheduleBatch>> Poll(uint64_t session, int rank, uint64_t next,
@@ -119,6 +122,7 @@ class Coordinator {
     absl::Time last_seen;
     bool left = false;
     uint64_t polled = 0;  // the node has seen every batch below this index
+    uint64_t report_seq = 0;  // the last numbered report taken
   };
   struct Pending {
     uint64_t order = 0;                  // first report, for a stable schedule

@@ -51,6 +51,34 @@ std::unique_ptr<grpc::ClientContext> CoordinatorClient::Context(absl::Time deadl
   return ctx;
 }
 
+void CoordinatorClient::Answered() {
+  absl::MutexLock lock(&mu_);
+  last_answer_ = absl::Now();
+}
+
+absl::Status CoordinatorClient::Unreachable(const grpc::Status& s, const char* what) {
+  absl::Duration silent;
+  {
+    absl::MutexLock lock(&mu_);
+    silent = absl::Now() - last_answer_;
+  }
+  const bool transient = s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                         s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+  if (transient && silent <= options_.peer_timeout) return absl::OkStatus();
+  const absl::Status st = FromGrpcStatus(s);
+  if (!transient) {
+    return absl::Status(st.code(), absl::StrCat("node ", membership_.node_rank, " ('",
+                                                options_.node_name, "'): ", what,
+                                                " refused by the coordinator (node 0 at ",
+                                                options_.address, "): ", st.message()));
+  }
+  return absl::UnavailableError(absl::StrCat(
+      "node ", membership_.node_rank, " ('", options_.node_name, "') lost the coordinator (node 0 at ",
+      options_.address, "): no answer to its ", what, " for ",
+      absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))), " (peer timeout ",
+      absl::FormatDuration(options_.peer_timeout), "): ", st.message()));
+}
+
 absl::Status CoordinatorClient::job_status() const {
   absl::MutexLock lock(&mu_);
   return failed_;
@@ -92,6 +120,7 @@ absl::StatusOr<Membership> CoordinatorClient::Join(absl::Time deadline) {
     absl::Status st = FromGrpcStatus(s);
     return absl::Status(st.code(), absl::StrCat("join ", options_.address, ": ", st.message()));
   }
+  Answered();
   membership_.node_rank = resp.node_rank();
   membership_.node_count = resp.node_count();
   membership_.local_sizes.assign(resp.local_sizes().begin(), resp.local_sizes().end());
@@ -106,7 +135,7 @@ absl::StatusOr<Membership> CoordinatorClient::Join(absl::Time deadline) {
   return membership_;
 }
 
-bool CoordinatorClient::HeartbeatOnce(absl::Duration timeout) {
+grpc::Status CoordinatorClient::HeartbeatOnce(absl::Duration timeout) {
   microd::v1::HeartbeatRequest req;
   req.set_session(membership_.session);
   req.set_node_rank(membership_.node_rank);
@@ -115,19 +144,20 @@ bool CoordinatorClient::HeartbeatOnce(absl::Duration timeout) {
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   grpc::Status s = stub_->Heartbeat(&ctx, req, &resp);
   if (s.ok()) {
+    Answered();
     if (resp.state() == microd::v1::JOB_STATE_FAILED) {
       MarkFailed(absl::AbortedError(absl::StrCat("job failed: ", resp.failure())));
     } else if (resp.state() == microd::v1::JOB_STATE_FINISHED) {
       MarkFailed(absl::FailedPreconditionError(absl::StrCat("job finished: ", resp.failure())));
     }
-    return true;
+    return s;
   }
   if (s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED &&
       s.error_code() != grpc::StatusCode::UNAVAILABLE) {
     MarkFailed(absl::AbortedError(
         absl::StrCat("job failed: coordinator refused heartbeat: ", s.error_message())));
   }
-  return false;
+  return s;
 }
 
 absl::Status CoordinatorClient::RefreshJobStatus() {
@@ -139,19 +169,13 @@ void CoordinatorClient::HeartbeatLoop() {
   const absl::Duration interval = options_.heartbeat_interval > absl::ZeroDuration()
                                       ? options_.heartbeat_interval
                                       : options_.peer_timeout / 10;
-  absl::Time last_ok = absl::Now();
   do {
-    const bool ok = HeartbeatOnce(std::max(interval, absl::Milliseconds(200)));
-    const absl::Time now = absl::Now();
-    if (ok) last_ok = now;
+    const grpc::Status s = HeartbeatOnce(std::max(interval, absl::Milliseconds(200)));
     if (!job_status().ok()) return;
-    if (!ok && now - last_ok > options_.peer_timeout) {
-      // Either side may be the one cut off: name both.
-      MarkFailed(absl::UnavailableError(absl::StrCat(
-          "job failed: node ", membership_.node_rank, " ('", options_.node_name,
-          "') lost the coordinator (node 0 at ", options_.address, "): unreachable for ",
-          absl::FormatDuration(absl::Trunc(now - last_ok, absl::Milliseconds(1))),
-          " (peer timeout ", absl::FormatDuration(options_.peer_timeout), ")")));
+    if (s.ok()) continue;
+    // Either side may be the one cut off: the message names both.
+    if (absl::Status lost = Unreachable(s, "heartbeats"); !lost.ok()) {
+      MarkFailed(absl::Status(lost.code(), absl::StrCat("job failed: ", lost.message())));
       return;
     }
   } while (!stop_.WaitForNotificationWithTimeout(interval));
@@ -195,14 +219,22 @@ absl::Status CoordinatorClient::Report(const std::vector<BucketInfo>& ready) {
     r->set_count(b.count);
     r->set_dense(b.dense);
   }
-  microd::v1::ReportResponse resp;
-  auto ctx = Context(absl::Now() + options_.call_timeout);
-  grpc::Status s = stub_->Report(ctx.get(), req, &resp);
-  if (!s.ok()) {
+  // Numbered, so that a resend after a lost answer is taken once.
+  req.set_seq(++report_seq_);
+  for (;;) {
+    microd::v1::ReportResponse resp;
+    auto ctx = Context(absl::Now() + std::min(options_.call_timeout, options_.peer_timeout));
+    grpc::Status s = stub_->Report(ctx.get(), req, &resp);
+    if (s.ok()) {
+      Answered();
+      return absl::OkStatus();
+    }
     if (absl::Status failed = job_status(); !failed.ok()) return failed;
-    return FromGrpcStatus(s);
+    if (absl::Status lost = Unreachable(s, "report"); !lost.ok()) return lost;
+    if (stop_.WaitForNotificationWithTimeout(absl::Milliseconds(100))) {
+      return absl::CancelledError("report: the node is stopping");
+    }
   }
-  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<ScheduleBatch>> CoordinatorClient::Poll(uint64_t next,
@@ -216,11 +248,18 @@ absl::StatusOr<std::vector<ScheduleBatch>> CoordinatorClient::Poll(uint64_t next
   microd::v1::PollResponse resp;
   auto ctx = Context(deadline + kAnswerGrace);
   grpc::Status s = stub_->Poll(ctx.get(), req, &resp);
+  std::vector<ScheduleBatch> out;
   if (!s.ok()) {
     if (absl::Status failed = job_status(); !failed.ok()) return failed;
-    return FromGrpcStatus(s);
+    if (absl::Status lost = Unreachable(s, "poll"); !lost.ok()) return lost;
+    // No news yet: the caller polls again (not at once if it failed early).
+    const absl::Duration left = deadline - absl::Now();
+    if (left > absl::ZeroDuration()) {
+      stop_.WaitForNotificationWithTimeout(std::min(left, absl::Milliseconds(100)));
+    }
+    return out;
   }
-  std::vector<ScheduleBatch> out;
+  Answered();
   uint64_t expect = next;
   for (const auto& b : resp.batches()) {
     if (b.index() != expect) return absl::InternalError("poll: batches out of order");

@@ -2,6 +2,9 @@
 // informed that it is alive (and learns when the job failed), serves the
 // data plane's rendezvous as a KeyValueStore and reads the schedule log.
 // Every call has a deadline; once the job failed every call fails at once.
+// The coordinator may be out of reach for up to the peer timeout (a pause,
+// a lost answer) without harm: polls and reports are retried until the
+// peer timeout since the last call it answered, then fail naming both ends.
 #pragma once
 
 #include <functional>
@@ -51,7 +54,8 @@ class CoordinatorClient final : public KeyValueStore {
   // This node's newly ready buckets (returns at once).
   absl::Status Report(const std::vector<BucketInfo>& ready);
   // Schedule batches from index `next` on; an empty list when `deadline`
-  // passed without news.
+  // passed without news (or the coordinator did not answer, for less than
+  // the peer timeout since it last did).
   absl::StatusOr<std::vector<ScheduleBatch>> Poll(uint64_t next, absl::Time deadline);
   // Leaves cleanly and stops heartbeats.
   absl::Status Leave();
@@ -71,9 +75,15 @@ class CoordinatorClient final : public KeyValueStore {
   explicit CoordinatorClient(CoordinatorClientOptions options);
   void MarkFailed(const absl::Status& status);
   void HeartbeatLoop();
-  // One heartbeat; updates the failure state. False when the RPC failed.
-  bool HeartbeatOnce(absl::Duration timeout);
+  // One heartbeat; updates the failure state. The RPC's status.
+  grpc::Status HeartbeatOnce(absl::Duration timeout);
   std::unique_ptr<grpc::ClientContext> Context(absl::Time deadline) const;
+  // A call the coordinator answered / did not answer. Unreachable: OK while
+  // it has answered a call within the peer timeout (and `s` says it may
+  // just be slow or away: UNAVAILABLE, DEADLINE_EXCEEDED), else the error
+  // to fail with, naming this node, the coordinator and `what`.
+  void Answered();
+  absl::Status Unreachable(const grpc::Status& s, const char* what);
 
   const CoordinatorClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -82,6 +92,8 @@ class CoordinatorClient final : public KeyValueStore {
 
   mutable absl::Mutex mu_;
   absl::Status failed_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_answer_ ABSL_GUARDED_BY(mu_) = absl::Now();
+  uint64_t report_seq_ = 0;  // reports are sent from one thread at a time
   std::function<void(const absl::Status&)> on_failure_ ABSL_GUARDED_BY(mu_);
   absl::Notification stop_;
   std::thread heartbeat_;

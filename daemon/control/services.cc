@@ -84,7 +84,7 @@ grpc::Status CoordinatorService::Report(grpc::ServerContext*, const microd::v1::
   std::vector<BucketInfo> ready;
   ready.reserve(req->ready_size());
   for (const auto& b : req->ready()) ready.push_back({b.name(), b.dtype(), b.count(), b.dense()});
-  return ToGrpcStatus(coordinator_->Report(req->session(), req->node_rank(), ready));
+  return ToGrpcStatus(coordinator_->Report(req->session(), req->node_rank(), ready, req->seq()));
 }
 
 grpc::Status CoordinatorService::Poll(grpc::ServerContext* ctx, const microd::v1::PollRequest* req,

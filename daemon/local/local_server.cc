@@ -147,10 +147,8 @@ LocalServer::~LocalServer() { Stop(); }
 void LocalServer::Stop() {
   if (stopped_) return;
   stopped_ = true;
-  if (wake_fd_ >= 0) {
-    const uint64_t one = 1;
-    (void)!write(wake_fd_, &one, sizeof one);
-  }
+  stopping_ = true;
+  Wake();
   if (thread_.joinable()) thread_.join();
   std::vector<uint64_t> ids;
   {
@@ -166,10 +164,85 @@ void LocalServer::Stop() {
   listen_fd_ = wake_fd_ = -1;
 }
 
-bool LocalServer::Send(int fd, const void* msg, size_t len) {
-  // Never block on a client: one that does not read its completions is dropped.
-  const ssize_t n = send(fd, msg, len, MSG_NOSIGNAL | MSG_DONTWAIT);
-  return n == static_cast<ssize_t>(len);
+void LocalServer::Wake() {
+  if (wake_fd_ < 0) return;
+  const uint64_t one = 1;
+  (void)!write(wake_fd_, &one, sizeof one);
+}
+
+bool LocalServer::Send(Client& c, const void* msg, size_t len) {
+  if (!c.broken.empty()) return false;
+  if (c.outbox.empty()) {
+    // Never block on a client: what its socket cannot take now waits.
+    ssize_t n;
+    do {
+      n = send(c.fd, msg, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    } while (n < 0 && errno == EINTR);
+    if (n == static_cast<ssize_t>(len)) return true;
+    if (n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
+      c.broken = n >= 0 ? "short send" : std::strerror(errno);
+      Wake();
+      return false;
+    }
+    c.outbox_since = absl::Now();
+    Wake();  // the server thread now waits for the socket to be writable
+  }
+  // A client has at most one submission in flight per buffer; beyond that
+  // and the slack, it is not reading at all.
+  if (c.outbox.size() >= c.buffers.size() + options_.outbox_slack) {
+    c.broken = absl::StrCat("it does not read its completions (", c.outbox.size(),
+                            " messages waiting, it has ", c.buffers.size(), " buffers)");
+    Wake();
+    return false;
+  }
+  c.outbox.emplace_back(static_cast<const char*>(msg), len);
+  return true;
+}
+
+void LocalServer::Flush(Client& c) {
+  while (!c.outbox.empty() && c.broken.empty()) {
+    const std::string& front = c.outbox.front();
+    ssize_t n;
+    do {
+      n = send(c.fd, front.data(), front.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    if (n != static_cast<ssize_t>(front.size())) {
+      c.broken = n >= 0 ? "short send" : std::strerror(errno);
+      return;
+    }
+    c.outbox.pop_front();
+    c.outbox_since = absl::Now();  // it reads: the wait starts again
+  }
+}
+
+void LocalServer::Reap() {
+  std::vector<std::pair<uint64_t, std::string>> drop;
+  std::vector<uint64_t> silent;
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    for (const auto& [id, c] : clients_) {
+      if (!c.broken.empty()) {
+        drop.push_back({id, absl::StrCat("sending to it failed: ", c.broken)});
+      } else if (!c.outbox.empty() && now - c.outbox_since > options_.stuck_after) {
+        drop.push_back(
+            {id, absl::StrCat("it read no message for ",
+                              absl::FormatDuration(
+                                  absl::Trunc(now - c.outbox_since, absl::Milliseconds(100))),
+                              " (", c.outbox.size(), " waiting; limit ",
+                              absl::FormatDuration(options_.stuck_after), ")")});
+      } else if (!c.greeted && now - c.connected_at > options_.hello_timeout) {
+        silent.push_back(id);
+      }
+    }
+  }
+  for (const auto& [id, why] : drop) Drop(id, false, why);
+  for (uint64_t id : silent) {
+    Refuse(id, static_cast<int>(ClientStatus::kProtocol),
+           absl::StrCat("no hello within ", absl::FormatDuration(options_.hello_timeout),
+                        " of connecting"));
+  }
 }
 
 void LocalServer::Complete(uint64_t client, uint64_t ticket, uint32_t buffer_id,
@@ -183,17 +256,15 @@ void LocalServer::Complete(uint64_t client, uint64_t ticket, uint32_t buffer_id,
   absl::MutexLock lock(&mu_);
   auto it = clients_.find(client);
   if (it == clients_.end()) return;
-  if (!Send(it->second.fd, &m, sizeof m)) {
-    // The server thread notices the dead or stuck connection; shut it down.
-    shutdown(it->second.fd, SHUT_RDWR);
-  }
+  Send(it->second, &m, sizeof m);  // a failure: the server thread drops it
 }
 
 std::vector<ClientSnapshot> LocalServer::Clients() const {
   absl::MutexLock lock(&mu_);
   std::vector<ClientSnapshot> out;
   for (const auto& [id, c] : clients_) {
-    out.push_back({id, c.pid, c.uid, c.local_rank, static_cast<int>(c.buffers.size()), c.bytes});
+    out.push_back({id, c.pid, c.uid, c.local_rank, static_cast<int>(c.buffers.size()), c.bytes,
+                   c.outbox.size()});
   }
   return out;
 }
@@ -209,12 +280,17 @@ void LocalServer::Loop() {
     {
       absl::MutexLock lock(&mu_);
       for (const auto& [id, c] : clients_) {
-        fds.push_back({c.fd, POLLIN, 0});
+        const bool waiting = !c.outbox.empty() && c.broken.empty();
+        fds.push_back({c.fd, static_cast<short>(POLLIN | (waiting ? POLLOUT : 0)), 0});
         ids.push_back(id);
       }
     }
     if (poll(fds.data(), fds.size(), 1000) < 0 && errno != EINTR) return;
-    if (fds[0].revents != 0) return;
+    if (fds[0].revents != 0) {
+      uint64_t ignored;
+      (void)!read(wake_fd_, &ignored, sizeof ignored);
+      if (stopping_) return;
+    }
     if (fds[1].revents & POLLIN) Accept();
     for (size_t i = 2; i < fds.size(); ++i) {
       if (fds[i].revents == 0) continue;
@@ -225,10 +301,13 @@ void LocalServer::Loop() {
         auto it = clients_.find(id);
         if (it == clients_.end()) continue;
         c = &it->second;
+        if (fds[i].revents & POLLOUT) Flush(*c);
       }
       // Only this thread erases clients, so `c` stays valid here.
-      if (!HandleMessage(id, *c)) continue;
+      if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+      HandleMessage(id, *c);
     }
+    Reap();
   }
 }
 
@@ -246,11 +325,11 @@ void LocalServer::Accept() {
     size_t count;
     {
       absl::MutexLock lock(&mu_);
-      Client c;
+      Client& c = clients_[id];
       c.fd = fd;
       c.pid = cred.pid;
       c.uid = cred.uid;
-      clients_[id] = c;
+      c.connected_at = absl::Now();
       count = clients_.size();
     }
     const bool same_user = cred.uid == geteuid();
@@ -275,7 +354,8 @@ void LocalServer::Refuse(uint64_t id, int status, const std::string& why) {
   {
     absl::MutexLock lock(&mu_);
     auto it = clients_.find(id);
-    if (it != clients_.end()) Send(it->second.fd, &e, sizeof e);
+    // Best effort, past anything queued: the connection ends here.
+    if (it != clients_.end()) (void)send(it->second.fd, &e, sizeof e, MSG_NOSIGNAL | MSG_DONTWAIT);
   }
   Drop(id, false, why);
 }
@@ -416,7 +496,7 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
       ack.world_size = info->world_size;
       ack.momentum_correction = info->momentum_correction;
       absl::MutexLock lock(&mu_);
-      if (!Send(c.fd, &ack, sizeof ack)) shutdown(c.fd, SHUT_RDWR);
+      Send(c, &ack, sizeof ack);  // a failure: Reap() drops it
       return true;
     }
     case MICROD_MSG_REGISTER: {
@@ -489,6 +569,14 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
     case MICROD_MSG_REGISTER_CUDA:
       return HandleRegisterCuda(id, c, m.reg_cuda);
     case MICROD_MSG_SUBMIT: {
+      // Ticket 0 means "none" to the engine; tickets start at 1.
+      if (m.submit.ticket == 0 || m.submit.reserved != 0) {
+        Refuse(id, kProtocol,
+               absl::StrCat("submit of buffer id ", m.submit.buffer_id, " with ticket ",
+                            m.submit.ticket, " and reserved field ", m.submit.reserved,
+                            " (tickets start at 1, the reserved field is 0)"));
+        return false;
+      }
       if (c.buffers.count(m.submit.buffer_id) == 0) {
         Refuse(id, static_cast<int>(ClientStatus::kInvalidArgument),
                absl::StrCat("submit of unknown buffer id ", m.submit.buffer_id));
@@ -513,7 +601,7 @@ bool LocalServer::AnswerRegister(Client& c, uint32_t buffer_id, const absl::Stat
   ack.status = static_cast<int32_t>(ToClientStatus(s));
   CopyMessage(ack.message, std::string(s.message()));
   absl::MutexLock lock(&mu_);
-  if (!Send(c.fd, &ack, sizeof ack)) shutdown(c.fd, SHUT_RDWR);
+  Send(c, &ack, sizeof ack);  // a failure: Reap() drops it
   return true;
 }
 

@@ -3,12 +3,20 @@
 // checked with SO_PEERCRED, host buffers mapped from the memfds they send,
 // CUDA buffers opened from their IPC handles (CUDA builds, cuda_ipc.h).
 // Every message is validated; a malformed one gets an ERROR reply and only
-// that client is disconnected. The server thread never blocks on a client.
+// that client is disconnected. The server thread never blocks on a client:
+// what a client's socket cannot take yet waits in that client's outbox and
+// goes out when the socket is writable, so a trainer busy elsewhere may
+// read its completions late. A client is dropped, with that reason, only
+// when it truly stops reading (its oldest unread message older than
+// `stuck_after`, or more queued than it could ever have in flight) or never
+// says hello (`hello_timeout`).
 #pragma once
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -121,6 +129,14 @@ struct LocalServerOptions {
   int max_clients = 256;
   int max_buffers_per_client = 4096;
   uint64_t max_bytes_per_client = uint64_t{1} << 40;
+  // A connection that sent no HELLO this long after it connected is dropped.
+  absl::Duration hello_timeout = absl::Seconds(10);
+  // A client whose oldest unread message waited this long is dropped.
+  absl::Duration stuck_after = absl::Seconds(60);
+  // Messages an outbox may hold beyond one per registered buffer (the
+  // completions a client can have in flight): answers to refused
+  // submissions, register answers.
+  size_t outbox_slack = 1024;
   // Where CUDA buffers are opened, made at the first REGISTER_CUDA (tests
   // inject a fake; unset: CreateCudaIpcRegistry() of cuda_ipc.h).
   std::function<absl::StatusOr<std::unique_ptr<CudaIpcRegistry>>()> cuda_registry;
@@ -136,6 +152,7 @@ struct ClientSnapshot {
   int local_rank = -1;
   int buffers = 0;
   uint64_t bytes = 0;
+  size_t queued = 0;  // messages waiting in its outbox
 };
 
 class LocalServer {
@@ -162,6 +179,12 @@ class LocalServer {
     int local_rank = -1;
     std::map<uint32_t, uint64_t> buffers;  // id -> bytes
     uint64_t bytes = 0;
+    absl::Time connected_at;
+    // Messages the socket could not take yet, oldest first, and when the
+    // oldest was queued.
+    std::deque<std::string> outbox;
+    absl::Time outbox_since;
+    std::string broken;  // why a send failed (the server thread then drops it)
   };
 
   LocalServer(LocalServerOptions options, LocalHandler* handler);
@@ -175,12 +198,21 @@ class LocalServer {
   void Drop(uint64_t id, bool clean, const std::string& why);
   // Sends an ERROR message (best effort) and drops the client.
   void Refuse(uint64_t id, int status, const std::string& why);
-  bool Send(int fd, const void* msg, size_t len);
+  // Sends a message, or queues it behind the ones already waiting; false
+  // when the connection is broken or the outbox is over its bound (the
+  // server thread then drops the client).
+  bool Send(Client& c, const void* msg, size_t len) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends what the outbox holds until the socket is full.
+  void Flush(Client& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops clients that broke, stopped reading or never said hello.
+  void Reap();
+  void Wake();
 
   const LocalServerOptions options_;
   LocalHandler* const handler_;
   int listen_fd_ = -1;
-  int wake_fd_ = -1;  // eventfd: stop
+  int wake_fd_ = -1;  // eventfd: stop, or an outbox to watch
+  std::atomic<bool> stopping_{false};
   uint64_t next_id_ = 1;
   mutable absl::Mutex mu_;  // guards clients_ (sends happen from other threads)
   std::map<uint64_t, Client> clients_ ABSL_GUARDED_BY(mu_);

@@ -1,0 +1,326 @@
+// What must not end a job: a trainer that reads its completions late, a
+// daemon paused for less than the peer timeout; and what must be refused
+// without harm: ticket 0, a connection that never says hello. Daemons on
+// loopback, trainers written against the C API in this process (one thread
+// per node).
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/integration/daemon_cluster.h"
+#include "wire.h"
+extern "C" {
+#include "microd/microd.h"
+}
+
+namespace microd::testing {
+namespace {
+
+// A training process of node `node`: `buckets` host buffers of `count`
+// floats each, filled with node + 1 before every step, so that the average
+// over n nodes is exactly (n + 1) / 2.
+class Trainer {
+ public:
+  Trainer(const std::string& socket, int node, int buckets, uint64_t count)
+      : node_(node), count_(count) {
+    microd_options o;
+    microd_options_init(&o);
+    o.socket_path = socket.c_str();
+    o.timeout_ms = 20000;
+    status_ = microd_connect(&o, &c_);
+    if (status_ != MICROD_OK) {
+      error_ = microd_last_error(nullptr);
+      return;
+    }
+    for (int b = 0; b < buckets && status_ == MICROD_OK; ++b) {
+      float* data = nullptr;
+      int32_t id = -1;
+      status_ = microd_register_host_buffer(c_, absl::StrCat("b", b).c_str(), count, &data, &id);
+      data_.push_back(data);
+      ids_.push_back(id);
+    }
+    if (status_ != MICROD_OK) error_ = microd_last_error(c_);
+  }
+  ~Trainer() { microd_close(c_); }
+
+  // Submits every bucket, sleeps `late`, then waits for each: the first
+  // failure's text, or "" when every bucket holds the exact average.
+  std::string Step(int nodes, std::chrono::milliseconds late = std::chrono::milliseconds(0)) {
+    if (status_ != MICROD_OK) return absl::StrCat("set-up failed: ", error_);
+    std::vector<uint64_t> tickets(ids_.size());
+    for (size_t b = 0; b < ids_.size(); ++b) {
+      std::fill(data_[b], data_[b] + count_, static_cast<float>(node_ + 1));
+      if (microd_allreduce_async(c_, ids_[b], &tickets[b]) != MICROD_OK) {
+        return absl::StrCat("submit of b", b, ": ", microd_last_error(c_));
+      }
+    }
+    std::this_thread::sleep_for(late);
+    const float want = (nodes + 1) / 2.0f;
+    for (size_t b = 0; b < ids_.size(); ++b) {
+      if (microd_wait(c_, tickets[b], 30000) != MICROD_OK) {
+        return absl::StrCat("wait for b", b, ": ", microd_last_error(c_));
+      }
+      for (uint64_t i = 0; i < count_; ++i) {
+        if (data_[b][i] != want) {
+          return absl::StrCat("b", b, "[", i, "] = ", data_[b][i], ", want ", want);
+        }
+      }
+    }
+    return "";
+  }
+
+ private:
+  const int node_;
+  const uint64_t count_;
+  microd_client* c_ = nullptr;
+  microd_status status_ = MICROD_OK;
+  std::string error_;
+  std::vector<float*> data_;
+  std::vector<int32_t> ids_;
+};
+
+// One thread per node, each running `body(node)`; their results by node.
+std::vector<std::string> OnEveryNode(int n, const std::function<std::string(int)>& body) {
+  std::vector<std::string> out(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) threads.emplace_back([&, r] { out[r] = body(r); });
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+// Issue J: 400 buckets submitted at once and their completions read a
+// second later (a trainer busy in backward) filled the daemon's socket
+// buffer after about 167 completions, and the daemon dropped the trainer,
+// failing the job on every node.
+TEST(Hardening, ATrainerReadingItsCompletionsLateKeepsTheJob) {
+  constexpr int kNodes = 2;
+  DaemonCluster cluster(kNodes, 1);
+  const auto results = OnEveryNode(kNodes, [&](int r) {
+    Trainer t(cluster.socket(r), r, 400, 1000);
+    for (int step = 0; step < 3; ++step) {
+      if (std::string e = t.Step(kNodes, std::chrono::milliseconds(1000)); !e.empty()) {
+        return absl::StrCat("step ", step, ": ", e);
+      }
+    }
+    return std::string();
+  });
+  for (int r = 0; r < kNodes; ++r) EXPECT_EQ(results[r], "") << "node " << r;
+  auto status = cluster.Status(0);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->job_state(), microd::v1::JOB_STATE_RUNNING) << status->failure();
+}
+
+// Runs steps on every node until `stop`, counting them; the first failure.
+struct Steady {
+  std::atomic<bool> stop{false};
+  std::vector<std::atomic<int>> steps;
+  explicit Steady(int n) : steps(n) {}
+};
+
+std::vector<std::string> RunUntilStopped(DaemonCluster& cluster, int n, Steady& s) {
+  return OnEveryNode(n, [&](int r) {
+    Trainer t(cluster.socket(r), r, 3, 1000);
+    while (!s.stop) {
+      if (std::string e = t.Step(n); !e.empty()) return e;
+      ++s.steps[r];
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return std::string();
+  });
+}
+
+// Issue J: node 0's daemon stopped for 4 s (peer timeout 10 s) failed every
+// process with "Deadline Exceeded", naming nothing: its poll of the
+// coordinator failed once and that ended the job.
+TEST(Hardening, Node0PausedShorterThanThePeerTimeoutKeepsTheJob) {
+  constexpr int kNodes = 3;
+  ClusterOptions o;
+  o.peer_timeout_ms = 10000;
+  DaemonCluster cluster(kNodes, 1, o);
+  Steady s(kNodes);
+  std::thread pauser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    const int before = s.steps[1];
+    kill(cluster.pid(0), SIGSTOP);
+    std::this_thread::sleep_for(std::chrono::seconds(4));
+    kill(cluster.pid(0), SIGCONT);
+    // Steps go on after the pause.
+    for (int i = 0; i < 100 && s.steps[1] < before + 20; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    s.stop = true;
+  });
+  const auto results = RunUntilStopped(cluster, kNodes, s);
+  pauser.join();
+  for (int r = 0; r < kNodes; ++r) EXPECT_EQ(results[r], "") << "node " << r;
+  EXPECT_GE(s.steps[1], 40) << "the job did not go on after the pause";
+  auto status = cluster.Status(1);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->job_state(), microd::v1::JOB_STATE_RUNNING) << status->failure();
+}
+
+// Paused for twice the peer timeout, node 0 is lost: every process gets an
+// error naming node 0, within the peer timeout and a few seconds.
+TEST(Hardening, Node0PausedTwiceThePeerTimeoutFailsEveryProcessNamingIt) {
+  constexpr int kNodes = 3;
+  ClusterOptions o;
+  o.peer_timeout_ms = 3000;
+  DaemonCluster cluster(kNodes, 1, o);
+  Steady s(kNodes);
+  std::atomic<int64_t> paused_at_ms{0};
+  std::thread pauser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    paused_at_ms = absl::ToUnixMillis(absl::Now());
+    kill(cluster.pid(0), SIGSTOP);
+    std::this_thread::sleep_for(std::chrono::seconds(6));
+    kill(cluster.pid(0), SIGCONT);
+  });
+  // Nodes 1 and 2 only: node 0's trainer waits on a stopped daemon.
+  std::vector<std::string> results(kNodes);
+  std::vector<int64_t> failed_at_ms(kNodes, 0);
+  std::vector<std::thread> threads;
+  for (int r = 1; r < kNodes; ++r) {
+    threads.emplace_back([&, r] {
+      Trainer t(cluster.socket(r), r, 3, 1000);
+      for (int i = 0; i < 100000; ++i) {
+        if (std::string e = t.Step(kNodes); !e.empty()) {
+          results[r] = e;
+          failed_at_ms[r] = absl::ToUnixMillis(absl::Now());
+          return;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    });
+  }
+  std::thread node0([&] {
+    Trainer t(cluster.socket(0), 0, 3, 1000);
+    for (int i = 0; i < 100000 && t.Step(kNodes).empty(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  for (auto& t : threads) t.join();
+  pauser.join();
+  node0.join();
+  for (int r = 1; r < kNodes; ++r) {
+    EXPECT_TRUE(absl::StrContains(results[r], "node 0")) << "node " << r << ": " << results[r];
+    EXPECT_LE(failed_at_ms[r] - paused_at_ms, 3000 + 5000) << "node " << r;
+  }
+}
+
+int RawConnect(const std::string& path) {
+  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strcpy(addr.sun_path, path.c_str());
+  for (int i = 0; i < 200; ++i) {
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) return fd;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  close(fd);
+  return -1;
+}
+
+microd_wire_header Header(uint16_t type, uint32_t length) {
+  microd_wire_header h{};
+  h.magic = MICROD_WIRE_MAGIC;
+  h.version = MICROD_WIRE_VERSION;
+  h.type = type;
+  h.length = length;
+  return h;
+}
+
+// The next message on `fd` within 15 s: an ERROR's status and text, or
+// why there was none.
+std::pair<int, std::string> ReadError(int fd) {
+  timeval tv{15, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  microd_wire_error e{};
+  const ssize_t n = recv(fd, &e, sizeof e, 0);
+  if (n != static_cast<ssize_t>(sizeof e) || e.h.type != MICROD_MSG_ERROR) {
+    return {-1, n == 0 ? "closed without an error" : "no error within 15 s"};
+  }
+  e.message[sizeof e.message - 1] = '\0';
+  return {e.status, e.message};
+}
+
+// Issue J: a SUBMIT with ticket 0 ("none" inside the engine) was accepted;
+// sent twice it was counted twice. Now a protocol error, and the daemon
+// serves the others as before.
+TEST(Hardening, TicketZeroIsAProtocolError) {
+  DaemonCluster cluster(1, 2);
+  const int fd = RawConnect(cluster.socket(0));
+  ASSERT_GE(fd, 0);
+  microd_wire_hello hello{};
+  hello.h = Header(MICROD_MSG_HELLO, sizeof hello);
+  hello.local_rank = 0;
+  ASSERT_EQ(send(fd, &hello, sizeof hello, 0), static_cast<ssize_t>(sizeof hello));
+  microd_wire_hello_ack ack{};
+  ASSERT_EQ(recv(fd, &ack, sizeof ack, 0), static_cast<ssize_t>(sizeof ack));
+  ASSERT_EQ(ack.status, 0);
+  microd_wire_submit sub{};
+  sub.h = Header(MICROD_MSG_SUBMIT, sizeof sub);
+  sub.buffer_id = 0;
+  sub.ticket = 0;
+  ASSERT_EQ(send(fd, &sub, sizeof sub, 0), static_cast<ssize_t>(sizeof sub));
+  const auto [status, message] = ReadError(fd);
+  close(fd);
+  EXPECT_EQ(status, MICROD_ERR_PROTOCOL) << message;
+  EXPECT_TRUE(absl::StrContains(message, "ticket 0")) << message;
+  // Both local ranks are free again and a job of two processes runs.
+  const std::string path = cluster.socket(0);
+  const auto results = OnEveryNode(2, [&](int l) {
+    microd_options o;
+    microd_options_init(&o);
+    o.socket_path = path.c_str();
+    o.local_rank = l;
+    o.timeout_ms = 20000;
+    microd_client* c = nullptr;
+    if (microd_connect(&o, &c) != MICROD_OK) return std::string(microd_last_error(nullptr));
+    float* data = nullptr;
+    int32_t id = -1;
+    std::string out;
+    if (microd_register_host_buffer(c, "w", 100, &data, &id) != MICROD_OK) {
+      out = microd_last_error(c);
+    } else {
+      std::fill(data, data + 100, static_cast<float>(l));
+      if (microd_allreduce(c, id, 20000) != MICROD_OK) {
+        out = microd_last_error(c);
+      } else if (data[0] != 0.5f) {
+        out = absl::StrCat("got ", data[0]);
+      }
+    }
+    microd_close(c);
+    return out;
+  });
+  EXPECT_EQ(results, (std::vector<std::string>{"", ""}));
+}
+
+// Issue J: a connection that never sends HELLO held its slot forever.
+TEST(Hardening, AConnectionThatNeverSaysHelloIsClosed) {
+  DaemonCluster cluster(1, 1, {"--hello_timeout_ms=1500"});
+  const int fd = RawConnect(cluster.socket(0));
+  ASSERT_GE(fd, 0);
+  const auto start = std::chrono::steady_clock::now();
+  const auto [status, message] = ReadError(fd);
+  const auto waited = std::chrono::steady_clock::now() - start;
+  close(fd);
+  EXPECT_EQ(status, MICROD_ERR_PROTOCOL) << message;
+  EXPECT_TRUE(absl::StrContains(message, "no hello")) << message;
+  EXPECT_LT(waited, std::chrono::seconds(10));
+  // A real process is served.
+  Trainer t(cluster.socket(0), 0, 1, 10);
+  EXPECT_EQ(t.Step(1), "");
+}
+
+}  // namespace
+}  // namespace microd::testing
