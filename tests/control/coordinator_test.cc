@@ -355,3 +355,40 @@ TEST_F(CoordinatorTest, LeaveEndsTheJobCleanly) {
 
 }  // namespace
 }  // namespace microd::control
+
+namespace microd::control {
+namespace {
+
+// A report sent again after a lost answer (same number) is taken once: the
+// bucket is not pending twice, and the next step's report schedules again.
+TEST(CoordinatorReports, AResentReportIsTakenOnce) {
+  CoordinatorOptions o;
+  o.job_id = "job";
+  o.expected_nodes = 2;
+  auto c = *Coordinator::Create(o);
+  std::vector<absl::StatusOr<Membership>> m(2, absl::UnknownError(""));
+  std::thread t0([&] { m[0] = c->Join("job", "a", 1, "", 0, absl::Now() + absl::Seconds(10)); });
+  std::thread t1([&] { m[1] = c->Join("job", "b", 1, "", 1, absl::Now() + absl::Seconds(10)); });
+  t0.join();
+  t1.join();
+  ASSERT_TRUE(m[0].ok()) << m[0].status();
+  const uint64_t session = m[0]->session;
+  const std::vector<BucketInfo> w = {{"w", 1, 10}};
+  ASSERT_TRUE(c->Report(session, 0, w, 1).ok());
+  EXPECT_TRUE(c->Report(session, 0, w, 1).ok()) << "a resend is answered OK";
+  ASSERT_TRUE(c->Report(session, 1, w, 1).ok());
+  auto batches = c->Poll(session, 0, 0, absl::Now() + absl::Seconds(1));
+  ASSERT_TRUE(batches.ok()) << batches.status();
+  ASSERT_EQ(batches->size(), 1u);
+  // Nothing pending from the resend: the next reports schedule "w" again.
+  ASSERT_TRUE(c->Report(session, 0, w, 2).ok());
+  ASSERT_TRUE(c->Report(session, 1, w, 2).ok());
+  batches = c->Poll(session, 0, 1, absl::Now() + absl::Seconds(1));
+  ASSERT_TRUE(batches.ok()) << batches.status();
+  EXPECT_EQ(batches->size(), 1u);
+  // A number out of order is an error.
+  EXPECT_EQ(c->Report(session, 0, w, 5).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace microd::control
