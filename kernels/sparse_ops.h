@@ -164,6 +164,12 @@ class SparseOps {
   // acc[index[j]] = 0 for j in [0, count).
   virtual KernelStatus ZeroAt(float* acc, const uint32_t* index, uint64_t count, void* stream) = 0;
 
+  // scalars->count = how many of index[0..count) lie outside [begin, end);
+  // scalars->nonfinite = 0. The check of indices a peer sent, before any
+  // kernel above uses them.
+  virtual KernelStatus CountOutside(const uint32_t* index, uint64_t count, uint64_t begin,
+                                    uint64_t end, StepScalars* scalars, void* stream) = 0;
+
   // out = inputs[0] + inputs[1] + ... (summed in that order). `inputs` is a
   // host array of num_inputs device pointers; out may alias inputs[0].
   // scalars->nonfinite counts non-finite sums (scalars may be null).

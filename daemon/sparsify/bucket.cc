@@ -75,23 +75,31 @@ absl::StatusOr<std::unique_ptr<BucketState>> BucketState::Create(const BucketSpe
   return b;
 }
 
-absl::Status BucketState::Allocate() {
+uint64_t BucketState::CandidateCapacity() const {
   const uint64_t d = spec_.size;
-  uint64_t capacity = 0;
   switch (options_.sparsifier) {
     case SparsifierKind::kMicro:
-      capacity = PartitionRange(d, job_.num_nodes, 0).size();  // partition 0 is the largest
-      break;
+      return PartitionRange(d, job_.num_nodes, 0).size();  // partition 0 is the largest
     case SparsifierKind::kHard:
-      capacity = d;
-      break;
+      return d;
     case SparsifierKind::kTopK:
       // The largest budget of the schedule.
-      capacity = std::min(Budget(std::max(options_.density, options_.warmup_density), d), d);
-      break;
+      return std::min(Budget(std::max(options_.density, options_.warmup_density), d), d);
     case SparsifierKind::kDense:
       break;
   }
+  return 0;
+}
+
+Range BucketState::SenderRange(int r) const {
+  if (options_.sparsifier != SparsifierKind::kMicro) return {0, spec_.size};
+  const int n = job_.num_nodes;
+  return PartitionRange(spec_.size, n, OwnedPartition(r, step_, n));
+}
+
+absl::Status BucketState::Allocate() {
+  const uint64_t d = spec_.size;
+  const uint64_t capacity = CandidateCapacity();
   scalars_.Reset(ops_, 1);
   bool ok = scalars_.ok();
   if (options_.sparsifier != SparsifierKind::kDense) {
@@ -182,7 +190,15 @@ absl::StatusOr<uint64_t> BucketState::GatherIndices(const std::vector<Header>& h
   std::vector<size_t> bytes(job_.num_nodes);
   uint64_t total = 0;
   stats.node_counts.resize(job_.num_nodes);
+  const uint64_t capacity = CandidateCapacity();
   for (int r = 0; r < job_.num_nodes; ++r) {
+    const uint64_t most = std::min(capacity, SenderRange(r).size());
+    if (headers[r].count > most) {
+      return absl::DataLossError(absl::StrCat(
+          "bucket '", spec_.name, "' step ", step_, ": node ", r, " says it selected ",
+          headers[r].count, " values, more than the ", most,
+          " it can select from; a bad peer, step failed on every node"));
+    }
     stats.node_counts[r] = headers[r].count;
     bytes[r] = headers[r].count * sizeof(uint32_t);
     total += headers[r].count;
@@ -198,6 +214,21 @@ absl::StatusOr<uint64_t> BucketState::GatherIndices(const std::vector<Header>& h
   CollectiveOptions o = options;
   o.tag = MakeTag(spec_.slot, TagKind::kIndices);
   RETURN_IF_ERROR(transport.AllgatherV(candidate_index_.get(), bytes, global_index_.get(), o));
+  uint64_t at = 0;
+  for (int r = 0; r < job_.num_nodes; ++r) {
+    const Range range = SenderRange(r);
+    RETURN_IF_ERROR(Check(ops_->CountOutside(global_index_.get() + at, headers[r].count,
+                                             range.begin, range.end, scalars_.get(), stream_),
+                          "index check"));
+    ASSIGN_OR_RETURN(const kernels::StepScalars outside, ReadScalars());
+    if (outside.count != 0) {
+      return absl::DataLossError(absl::StrCat(
+          "bucket '", spec_.name, "' step ", step_, ": node ", r, " sent ", outside.count, " of ",
+          headers[r].count, " indices outside [", range.begin, ", ", range.end,
+          "), the elements it selects from; a bad peer, step failed on every node"));
+    }
+    at += headers[r].count;
+  }
   return total;
 }
 

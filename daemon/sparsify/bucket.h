@@ -91,7 +91,15 @@ class BucketState {
                                                       transport::Transport& transport,
                                                       const transport::CollectiveOptions& options,
                                                       StepStats& stats);
-  // Allgather-v of the candidates' indices into global_index_; returns the total.
+  // What node r may send this step: the indices it selects from (its
+  // partition under MiCRO, the whole bucket otherwise) and how many at most
+  // (what its candidate buffer holds).
+  Range SenderRange(int r) const;
+  uint64_t CandidateCapacity() const;
+  // Allgather-v of the candidates' indices into global_index_; returns the
+  // total. A peer's count over its capacity or an index outside its range
+  // fails the step on every node (each checks what every node sent), naming
+  // that node, before anything is allocated or indexed with them.
   absl::StatusOr<uint64_t> GatherIndices(const std::vector<Header>& headers,
                                          transport::Transport& transport,
                                          const transport::CollectiveOptions& options,

@@ -197,6 +197,15 @@ class CpuSparseOps final : public SparseOps {
     return KernelStatus::kOk;
   }
 
+  KernelStatus CountOutside(const uint32_t* index, uint64_t count, uint64_t begin, uint64_t end,
+                            StepScalars* scalars, void*) override {
+    if (scalars == nullptr || (count > 0 && index == nullptr)) return KernelStatus::kInvalidArgument;
+    uint64_t outside = 0;
+    for (uint64_t j = 0; j < count; ++j) outside += index[j] < begin || index[j] >= end;
+    *scalars = {outside, 0};
+    return KernelStatus::kOk;
+  }
+
   KernelStatus LocalSum(const float* const* inputs, int num_inputs, uint64_t size, float* out,
                         StepScalars* scalars, void*) override {
     if (num_inputs < 1 || inputs == nullptr || (size > 0 && out == nullptr)) {

@@ -293,6 +293,16 @@ __global__ void ScatterAverageKernel(const float* values, const uint32_t* index,
   }
 }
 
+__global__ void CountOutsideKernel(const uint32_t* index, uint64_t count, uint64_t begin,
+                                   uint64_t end, StepScalars* scalars) {
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  unsigned long long outside = 0;
+  for (uint64_t j = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < count; j += stride) {
+    outside += index[j] < begin || index[j] >= end;
+  }
+  FlushCount(outside, CountPtr(scalars));
+}
+
 __global__ void ZeroAtKernel(float* acc, const uint32_t* index, uint64_t count) {
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   for (uint64_t j = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < count; j += stride) {
@@ -688,6 +698,18 @@ class CudaSparseOps final : public SparseOps {
     ScatterAverageKernel<<<Grid(count, kThreads), kThreads, 0, s>>>(values, index, count, divisor,
                                                                     out, size);
     return Check(cudaGetLastError(), "scatter launch");
+  }
+
+  KernelStatus CountOutside(const uint32_t* index, uint64_t count, uint64_t begin, uint64_t end,
+                            StepScalars* scalars, void* stream) override {
+    if (scalars == nullptr || (count > 0 && index == nullptr)) return KernelStatus::kInvalidArgument;
+    if (!SetDevice()) return KernelStatus::kDeviceError;
+    cudaStream_t s = S(stream);
+    TRY(cudaMemsetAsync(scalars, 0, sizeof(StepScalars), s), "memset scalars");
+    if (count == 0) return KernelStatus::kOk;
+    CountOutsideKernel<<<Grid(count, kThreads), kThreads, 0, s>>>(index, count, begin, end,
+                                                                  scalars);
+    return Check(cudaGetLastError(), "index check launch");
   }
 
   KernelStatus ZeroAt(float* acc, const uint32_t* index, uint64_t count, void* stream) override {

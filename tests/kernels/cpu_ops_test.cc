@@ -353,6 +353,20 @@ TEST_P(CpuOpsTest, GatherScatterZero) {
   }
 }
 
+// The check of a peer's indices: those outside [begin, end) are counted.
+TEST_P(CpuOpsTest, CountOutsideCountsIndicesOutsideTheRange) {
+  const std::vector<uint32_t> idx = {0, 9, 10, 19, 20, 4294967295u, 15};
+  StepScalars s{7, 7};
+  ASSERT_EQ(ops_->CountOutside(idx.data(), idx.size(), 10, 20, &s, nullptr), KernelStatus::kOk);
+  EXPECT_EQ(s.count, 4u);  // 0, 9, 20, 2^32 - 1
+  EXPECT_EQ(s.nonfinite, 0u);
+  ASSERT_EQ(ops_->CountOutside(idx.data(), 0, 10, 20, &s, nullptr), KernelStatus::kOk);
+  EXPECT_EQ(s.count, 0u);
+  EXPECT_EQ(ops_->CountOutside(nullptr, 3, 0, 1, &s, nullptr), KernelStatus::kInvalidArgument);
+  EXPECT_EQ(ops_->CountOutside(idx.data(), 3, 0, 1, nullptr, nullptr),
+            KernelStatus::kInvalidArgument);
+}
+
 TEST_P(CpuOpsTest, LocalSumDivideAndNonFinite) {
   for (uint64_t d : kSizes) {
     for (int L : {1, 2, 3, 5}) {

@@ -554,6 +554,21 @@ TEST_F(CudaOpsTest, GatherScatterZeroMatchCpu) {
   }
 }
 
+TEST_F(CudaOpsTest, CountOutsideMatchesCpu) {
+  for (uint64_t n : kSizes) {
+    std::vector<uint32_t> idx(n);
+    for (uint64_t j = 0; j < n; ++j) idx[j] = static_cast<uint32_t>((j * 2654435761u) % (3 * n + 1));
+    const uint32_t* idxd = Up(idx);
+    StepScalars want{}, got{};
+    ASSERT_EQ(cpu_->CountOutside(idx.data(), n, n / 3, 2 * n, &want, nullptr), KernelStatus::kOk);
+    StepScalars* sd = Zeros<StepScalars>(1);
+    ASSERT_EQ(gpu_->CountOutside(idxd, n, n / 3, 2 * n, sd, stream()), KernelStatus::kOk);
+    got = Down(sd, 1)[0];
+    EXPECT_EQ(got.count, want.count) << n;
+    EXPECT_EQ(got.nonfinite, 0u);
+  }
+}
+
 TEST_F(CudaOpsTest, TopKMatchesCpuIncludingTies) {
   for (uint64_t n : kSizes) {
     for (bool ties : {false, true}) {

@@ -485,5 +485,118 @@ TEST_P(StepTest, NonFiniteGradientFailsEveryNodeAndChangesNothing) {
   }
 }
 
+// A peer that lies (issue J): node 1's transport, wrapped, sends a count
+// larger than it can have selected, or indices outside what it selects from.
+// Every node fails the step with an error naming node 1, before anything is
+// allocated for or indexed with the lie (clean under ASan).
+class HostileTransport final : public transport::Transport {
+ public:
+  enum class Lie { kHugeCount, kIndexOutOfBucket, kIndexInAnotherPartition };
+  HostileTransport(transport::Transport* inner, Lie lie, uint64_t d)
+      : inner_(inner), lie_(lie), d_(d) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  const char* name() const override { return "hostile"; }
+  absl::Status Allgather(const void* in, size_t bytes, void* out,
+                         const transport::CollectiveOptions& o) override {
+    if (armed_ && lie_ == Lie::kHugeCount && (o.tag & 0xFF) == uint32_t(transport::TagKind::kHeader) &&
+        bytes >= sizeof(uint64_t)) {
+      std::vector<char> lied(static_cast<const char*>(in), static_cast<const char*>(in) + bytes);
+      const uint64_t huge = uint64_t{1} << 40;
+      std::memcpy(lied.data(), &huge, sizeof huge);  // the header's count
+      return inner_->Allgather(lied.data(), bytes, out, o);
+    }
+    return inner_->Allgather(in, bytes, out, o);
+  }
+  absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv_bytes, void* out,
+                          const transport::CollectiveOptions& o) override {
+    const size_t mine = recv_bytes[rank()] / sizeof(uint32_t);
+    if (!armed_ || lie_ == Lie::kHugeCount || mine == 0) {
+      return inner_->AllgatherV(in, recv_bytes, out, o);
+    }
+    const uint32_t* index = static_cast<const uint32_t*>(in);
+    std::vector<uint32_t> lied(index, index + mine);
+    if (lie_ == Lie::kIndexOutOfBucket) {
+      lied[mine / 2] = static_cast<uint32_t>(d_ + 7);
+    } else {
+      for (uint32_t& i : lied) i = static_cast<uint32_t>((i + d_ / 2) % d_);
+    }
+    return inner_->AllgatherV(lied.data(), recv_bytes, out, o);
+  }
+  absl::Status AllreduceSum(void* data, size_t count, transport::DataType type,
+                            const transport::CollectiveOptions& o) override {
+    return inner_->AllreduceSum(data, count, type, o);
+  }
+  absl::Status Barrier(const transport::CollectiveOptions& o) override { return inner_->Barrier(o); }
+  void Abort(const absl::Status& reason) override { inner_->Abort(reason); }
+  void Arm() { armed_ = true; }
+
+ private:
+  transport::Transport* const inner_;
+  const Lie lie_;
+  const uint64_t d_;
+  bool armed_ = false;
+};
+
+struct HostileCase {
+  SparsifierKind sparsifier;
+  HostileTransport::Lie lie;
+};
+
+class StepHostilePeer : public ::testing::TestWithParam<HostileCase> {};
+
+TEST_P(StepHostilePeer, FailsTheStepOnEveryNodeNamingThePeer) {
+  const HostileCase c = GetParam();
+  const int n = 3;
+  const uint64_t d = 3001;
+  SparsifyOptions o;
+  o.sparsifier = c.sparsifier;
+  o.density = 0.02;
+  auto ops = kernels::CreateCpuSparseOps();
+  auto group = transport::CreateInprocGroup(n);
+  HostileTransport liar(group[1].get(), c.lie, d);
+  std::vector<std::unique_ptr<BucketState>> buckets;
+  for (int r = 0; r < n; ++r) {
+    auto b = BucketState::Create({"grads.0", d, 3}, {n, r, n}, o, ops.get());
+    ASSERT_TRUE(b.ok()) << b.status();
+    buckets.push_back(std::move(b).value());
+  }
+  for (uint64_t t = 0; t < 3; ++t) {
+    if (t == 2) liar.Arm();
+    const auto g = MakeGrads(n, d, t, 5);
+    std::vector<Vec> updates(n, Vec(d));
+    std::vector<absl::Status> status(n);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        transport::Transport& tr = r == 1 ? liar : *group[r];
+        auto s = buckets[r]->Step(g[r].data(), updates[r].data(), tr,
+                                  absl::Now() + absl::Seconds(20));
+        status[r] = s.status();
+      });
+    }
+    for (auto& th : threads) th.join();
+    for (int r = 0; r < n; ++r) {
+      if (t < 2) {
+        ASSERT_TRUE(status[r].ok()) << "node " << r << " step " << t << ": " << status[r];
+        continue;
+      }
+      EXPECT_EQ(status[r].code(), absl::StatusCode::kDataLoss) << "node " << r << ": " << status[r];
+      EXPECT_TRUE(absl::StrContains(status[r].message(), "node 1 ")) << status[r];
+      EXPECT_TRUE(absl::StrContains(status[r].message(), "grads.0")) << status[r];
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Lies, StepHostilePeer,
+    ::testing::Values(HostileCase{SparsifierKind::kMicro, HostileTransport::Lie::kHugeCount},
+                      HostileCase{SparsifierKind::kMicro, HostileTransport::Lie::kIndexOutOfBucket},
+                      HostileCase{SparsifierKind::kMicro,
+                                  HostileTransport::Lie::kIndexInAnotherPartition},
+                      HostileCase{SparsifierKind::kTopK, HostileTransport::Lie::kHugeCount},
+                      HostileCase{SparsifierKind::kTopK, HostileTransport::Lie::kIndexOutOfBucket},
+                      HostileCase{SparsifierKind::kHard, HostileTransport::Lie::kIndexOutOfBucket}));
+
 }  // namespace
 }  // namespace microd::sparsify
