@@ -1,5 +1,5 @@
 // microctl: status of a microd daemon over its Admin service.
-//   microctl [--admin=host:port] [--json] status|buckets|history [BUCKET]
+//   microctl [--admin=host:port] [--json] status|buckets|stalls|history [BUCKET]
 #include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
@@ -67,6 +67,7 @@ void PrintStatus(const microd::v1::GetStatusResponse& r) {
                 static_cast<unsigned long long>(r.cache_batches()),
                 static_cast<unsigned long long>(r.cycle_reductions()));
   }
+  for (const auto& s : r.stalls()) std::printf("stall       %s\n", s.c_str());
   if (r.processes_size() > 0) {
     std::printf("\n%-11s %8s %8s %12s\n", "local rank", "pid", "buffers", "memory");
     for (const auto& p : r.processes()) {
@@ -81,6 +82,12 @@ void PrintStatus(const microd::v1::GetStatusResponse& r) {
                   n.seconds_since_heartbeat(), n.left() ? " (left)" : "");
     }
   }
+}
+
+// The stall inspector's reports, one per line.
+void PrintStalls(const microd::v1::GetStatusResponse& r) {
+  for (const auto& s : r.stalls()) std::printf("%s\n", s.c_str());
+  if (r.stalls_size() == 0) std::printf("(no stalls)\n");
 }
 
 void PrintBuckets(const microd::v1::GetStatusResponse& r) {
@@ -127,7 +134,8 @@ bool PrintHistory(const microd::v1::GetStatusResponse& r, const std::string& onl
 }
 
 constexpr char kUsage[] =
-    "usage: microctl [--admin=host:port] [--json] [--history] status|buckets|history [BUCKET]\n";
+    "usage: microctl [--admin=host:port] [--json] [--history] status|buckets|stalls|history "
+    "[BUCKET]\n";
 
 }  // namespace
 
@@ -135,7 +143,8 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   const std::string command = args.size() > 1 ? args[1] : "status";
-  const bool known = command == "status" || command == "buckets" || command == "history";
+  const bool known = command == "status" || command == "buckets" || command == "stalls" ||
+                     command == "history";
   if (!known || args.size() > (command == "history" ? 3u : 2u)) {
     std::fprintf(stderr, "%s", kUsage);
     return 2;
@@ -173,6 +182,8 @@ int main(int argc, char** argv) {
     PrintStatus(resp);
   } else if (command == "buckets") {
     PrintBuckets(resp);
+  } else if (command == "stalls") {
+    PrintStalls(resp);
   } else if (!PrintHistory(resp, only)) {
     std::fprintf(stderr, "microctl: no bucket named '%s'\n", only.c_str());
     return 1;

@@ -100,6 +100,10 @@ ABSL_FLAG(int, max_processes, 256, "training processes connected at once, at mos
 ABSL_FLAG(int, max_buffers_per_process, 4096, "buffers one training process may register");
 ABSL_FLAG(uint64_t, max_bytes_per_process, 1099511627776,
           "bytes of buffers one training process may register");
+ABSL_FLAG(int, stall_warning_s, 60,
+          "a bucket some process submitted and another node or process has not, for this long, "
+          "is reported (log, microctl stalls), naming who it waits for");
+ABSL_FLAG(int, stall_abort_s, 0, "a stall this long fails the job with that report (0: never)");
 ABSL_FLAG(int, hello_timeout_ms, 10000,
           "a connection that says no hello this long after connecting is closed");
 
@@ -288,6 +292,11 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_hello_timeout_ms) <= 0) {
     return Fatal("timeouts", absl::InvalidArgumentError("timeouts must be positive"));
   }
+  if (absl::GetFlag(FLAGS_stall_warning_s) < 1 || absl::GetFlag(FLAGS_stall_abort_s) < 0) {
+    return Fatal("--stall_warning_s", absl::InvalidArgumentError(
+                                          "--stall_warning_s must be at least 1 and "
+                                          "--stall_abort_s at least 0"));
+  }
   if (absl::GetFlag(FLAGS_max_processes) < 1 || absl::GetFlag(FLAGS_max_buffers_per_process) < 1 ||
       absl::GetFlag(FLAGS_max_bytes_per_process) < 1) {
     return Fatal("limits", absl::InvalidArgumentError(
@@ -316,6 +325,8 @@ int main(int argc, char** argv) {
     co.token = token;
     co.expected_nodes = absl::GetFlag(FLAGS_nodes);
     co.peer_timeout = peer_timeout;
+    co.stall_warning = absl::Seconds(absl::GetFlag(FLAGS_stall_warning_s));
+    co.stall_abort = absl::Seconds(absl::GetFlag(FLAGS_stall_abort_s));
     auto c = microd::control::Coordinator::Create(co);
     if (!c.ok()) return Fatal("coordinator", c.status());
     coordinator = std::move(c).value();
@@ -384,6 +395,9 @@ int main(int argc, char** argv) {
                                ? microd::v1::JOB_STATE_FINISHED
                                : microd::v1::JOB_STATE_FAILED);
           if (r->failure().empty()) r->set_failure(std::string(client->job_status().message()));
+        }
+        if (client != nullptr) {
+          for (const std::string& s : client->stalls()) r->add_stalls(s);
         }
         if (local_server != nullptr) {
           for (const auto& c : local_server->Clients()) {
@@ -528,6 +542,9 @@ int main(int argc, char** argv) {
   eo.response_cache = response_cache;
   eo.cycle_floats = absl::GetFlag(FLAGS_cycle_floats);
   eo.op_timeout = op_timeout;
+  if (absl::GetFlag(FLAGS_stall_abort_s) > 0) {
+    eo.peer_wait = absl::Seconds(absl::GetFlag(FLAGS_stall_abort_s)) + peer_timeout + op_timeout;
+  }
   if (absl::Status s = microd::engine::CheckOptionsAgree(*transport, eo, absl::Now() + op_timeout);
       !s.ok()) {
     return Fatal("options", s);
@@ -558,6 +575,11 @@ int main(int argc, char** argv) {
   }
   engine->SetServer(local_server.get());
   client->SetFailureCallback([e = engine.get()](const absl::Status& s) { e->Fail(s, false); });
+  // Buckets waiting for half the warning time go to the stall inspector.
+  client->SetWaitingProvider(
+      [e = engine.get(), at_least = absl::Seconds(absl::GetFlag(FLAGS_stall_warning_s)) / 2] {
+        return e->Waiting(at_least);
+      });
   engine->Start();
   (*admin)->SetServing(kHealthService, true);
   std::fprintf(stderr, "microd: serving %d local process(es) on %s\n", local_size,

@@ -361,12 +361,88 @@ void Coordinator::TrimSchedule() {
   }
 }
 
-absl::StatusOr<std::pair<JobState, std::string>> Coordinator::Heartbeat(uint64_t session,
-                                                                        int rank) {
+absl::StatusOr<HeartbeatAnswer> Coordinator::Heartbeat(uint64_t session, int rank,
+                                                       std::vector<BucketWait> waiting) {
+  if (waiting.size() > kMaxBucketsPerReport) {
+    return absl::InvalidArgumentError(absl::StrCat(waiting.size(), " waiting buckets (limit ",
+                                                   kMaxBucketsPerReport, ")"));
+  }
+  for (const BucketWait& w : waiting) {
+    if (absl::Status s = ValidateName("bucket name", w.name); !s.ok()) return s;
+    if (w.missing.size() > 4096 || !(w.seconds >= 0)) {
+      return absl::InvalidArgumentError(absl::StrCat("bucket '", w.name, "': bad wait report"));
+    }
+  }
   absl::MutexLock lock(&mu_);
   if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("node rank ", rank, " is negative"));
   if (absl::Status s = CheckMember(session, rank); !s.ok()) return s;
-  return std::make_pair(state_, failure_);
+  nodes_[rank].waiting = std::move(waiting);
+  return HeartbeatAnswer{state_, failure_, stalls_};
+}
+
+std::vector<std::string> Coordinator::Stalls() const {
+  absl::MutexLock lock(&mu_);
+  return stalls_;
+}
+
+void Coordinator::InspectStalls(absl::Time now) {
+  // By bucket: the longest wait any node reports, and what each node says.
+  struct Seen {
+    double seconds = 0;
+    std::map<int, const BucketWait*> by_rank;
+  };
+  std::map<std::string, Seen> seen;
+  for (const Node& n : nodes_) {
+    for (const BucketWait& w : n.waiting) {
+      Seen& s = seen[w.name];
+      s.seconds = std::max(s.seconds, w.seconds);
+      s.by_rank[n.rank] = &w;
+    }
+  }
+  std::vector<std::string> stalls;
+  std::string abort;
+  std::map<std::string, absl::Time> logged;
+  for (const auto& [name, s] : seen) {
+    if (s.seconds < absl::ToDoubleSeconds(options_.stall_warning)) continue;
+    std::vector<std::string> ready, missing;
+    for (const Node& n : nodes_) {
+      const std::string who = absl::StrCat("node ", n.rank, " (", n.name, ")");
+      auto it = s.by_rank.find(n.rank);
+      if (it == s.by_rank.end()) {
+        missing.push_back(absl::StrCat(who, ": no local process submitted it"));
+      } else if (it->second->missing.empty()) {
+        ready.push_back(who);
+      } else {
+        std::vector<std::string> procs;
+        for (const auto& [local_rank, pid] : it->second->missing) {
+          procs.push_back(pid > 0 ? absl::StrCat(local_rank, " (pid ", pid, ")")
+                                  : absl::StrCat(local_rank, " (not connected)"));
+        }
+        missing.push_back(absl::StrCat(who, ": local process(es) ", absl::StrJoin(procs, ", "),
+                                       " did not submit it"));
+      }
+    }
+    if (missing.empty()) continue;  // ready everywhere: about to run
+    const std::string text = absl::StrCat(
+        "bucket '", name, "' stalled for ", static_cast<int64_t>(s.seconds), " s: ready on ",
+        ready.empty() ? "no node" : absl::StrJoin(ready, ", "), "; waiting for ",
+        absl::StrJoin(missing, "; "));
+    stalls.push_back(text);
+    auto it = stall_logged_.find(name);
+    const bool log = it == stall_logged_.end() || now - it->second >= options_.stall_warning;
+    logged[name] = log ? now : it->second;
+    if (log) std::fprintf(stderr, "microd: coordinator: stall: %s\n", text.c_str());
+    if (options_.stall_abort > absl::ZeroDuration() &&
+        s.seconds >= absl::ToDoubleSeconds(options_.stall_abort) && abort.empty()) {
+      abort = text;
+    }
+  }
+  stalls_ = std::move(stalls);
+  stall_logged_ = std::move(logged);
+  if (!abort.empty()) {
+    FailLocked(absl::StrCat(abort, " (--stall_abort_s ",
+                            absl::ToInt64Seconds(options_.stall_abort), ")"));
+  }
 }
 
 absl::Status Coordinator::Leave(uint64_t session, int rank) {
@@ -435,6 +511,8 @@ void Coordinator::Watchdog() {
                         absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))));
       }
     }
+    InspectStalls(now);
+    if (state_ != JobState::kRunning) continue;
     if (first != nullptr) {
       FailLocked(absl::StrCat(
           "node ", first->rank, " (", first->name, ") silent for ",

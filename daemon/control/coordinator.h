@@ -25,10 +25,32 @@ struct CoordinatorOptions {
   std::string token;       // empty: no token required
   int expected_nodes = 1;  // n
   absl::Duration peer_timeout = absl::Seconds(10);
+  // The stall inspector: a bucket waiting this long on some node is
+  // reported (log, heartbeat answers, Admin), naming what it waits for...
+  absl::Duration stall_warning = absl::Seconds(60);
+  // ...and this long (zero: never) fails the job with that text.
+  absl::Duration stall_abort = absl::ZeroDuration();
 };
+
+// A bucket some local process of a node submitted that has not run yet
+// (what the node's heartbeats carry): for how long, and the local processes
+// that have not submitted it, as (local rank, pid; 0: not connected). None
+// missing: ready on that node, waiting for the other nodes.
+struct BucketWait {
+  std::string name;
+  double seconds = 0;
+  std::vector<std::pair<int, int>> missing;
+};
+
 
 enum class JobState { kForming, kRunning, kFailed, kFinished };
 const char* JobStateName(JobState state);
+
+struct HeartbeatAnswer {
+  JobState state = JobState::kForming;
+  std::string failure;
+  std::vector<std::string> stalls;  // the stall inspector's current reports
+};
 
 struct Membership {
   int node_rank = -1;
@@ -104,7 +126,11 @@ class Coordinator {
   absl::StatusOr<std::vector<ScheduleBatch>> Poll(uint64_t session, int rank, uint64_t next,
                                                   absl::Time deadline);
   // Records liveness; returns the job state (and the failure, if any).
-  absl::StatusOr<std::pair<JobState, std::string>> Heartbeat(uint64_t session, int rank);
+  // `waiting`: the node's long-waiting buckets, replacing what it sent before.
+  absl::StatusOr<HeartbeatAnswer> Heartbeat(uint64_t session, int rank,
+                                            std::vector<BucketWait> waiting = {});
+  // The stall inspector's current reports (what the heartbeats answer).
+  std::vector<std::string> Stalls() const;
   absl::Status Leave(uint64_t session, int rank);
   // A node reports that the job failed; the reason is kept with its name.
   absl::Status ReportFailure(uint64_t session, int rank, const std::string& reason);
@@ -123,6 +149,7 @@ class Coordinator {
     bool left = false;
     uint64_t polled = 0;  // the node has seen every batch below this index
     uint64_t report_seq = 0;  // the last numbered report taken
+    std::vector<BucketWait> waiting;  // from its last heartbeat
   };
   struct Pending {
     uint64_t order = 0;                  // first report, for a stable schedule
@@ -135,6 +162,10 @@ class Coordinator {
   void AssignRanks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TrimSchedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Watchdog();
+  // The stall inspector, once per watchdog tick: stalls_ from every node's
+  // waiting buckets; logs new reports (and each again every warning period);
+  // fails the job past the abort limit.
+  void InspectStalls(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const CoordinatorOptions options_;
   const uint64_t session_;
@@ -150,6 +181,8 @@ class Coordinator {
   std::map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);
   std::deque<ScheduleBatch> schedule_ ABSL_GUARDED_BY(mu_);
   uint64_t schedule_base_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::string> stalls_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, absl::Time> stall_logged_ ABSL_GUARDED_BY(mu_);  // by bucket
 
   absl::Notification stop_;
   std::thread watchdog_;

@@ -66,12 +66,7 @@ absl::Status CoordinatorClient::Unreachable(const grpc::Status& s, const char* w
                          s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
   if (transient && silent <= options_.peer_timeout) return absl::OkStatus();
   const absl::Status st = FromGrpcStatus(s);
-  if (!transient) {
-    return absl::Status(st.code(), absl::StrCat("node ", membership_.node_rank, " ('",
-                                                options_.node_name, "'): ", what,
-                                                " refused by the coordinator (node 0 at ",
-                                                options_.address, "): ", st.message()));
-  }
+  if (!transient) return st;  // the coordinator's own answer (e.g. the job failed)
   return absl::UnavailableError(absl::StrCat(
       "node ", membership_.node_rank, " ('", options_.node_name, "') lost the coordinator (node 0 at ",
       options_.address, "): no answer to its ", what, " for ",
@@ -87,6 +82,16 @@ absl::Status CoordinatorClient::job_status() const {
 void CoordinatorClient::SetFailureCallback(std::function<void(const absl::Status&)> callback) {
   absl::MutexLock lock(&mu_);
   on_failure_ = std::move(callback);
+}
+
+void CoordinatorClient::SetWaitingProvider(std::function<std::vector<BucketWait>()> provider) {
+  absl::MutexLock lock(&mu_);
+  waiting_ = std::move(provider);
+}
+
+std::vector<std::string> CoordinatorClient::stalls() const {
+  absl::MutexLock lock(&mu_);
+  return stalls_;
 }
 
 void CoordinatorClient::MarkFailed(const absl::Status& status) {
@@ -139,12 +144,33 @@ grpc::Status CoordinatorClient::HeartbeatOnce(absl::Duration timeout) {
   microd::v1::HeartbeatRequest req;
   req.set_session(membership_.session);
   req.set_node_rank(membership_.node_rank);
+  std::function<std::vector<BucketWait>()> provider;
+  {
+    absl::MutexLock lock(&mu_);
+    provider = waiting_;
+  }
+  if (provider) {
+    for (const BucketWait& w : provider()) {
+      auto* out = req.add_waiting();
+      out->set_name(w.name);
+      out->set_seconds(w.seconds);
+      for (const auto& [local_rank, pid] : w.missing) {
+        auto* m = out->add_missing();
+        m->set_local_rank(local_rank);
+        m->set_pid(pid);
+      }
+    }
+  }
   microd::v1::HeartbeatResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   grpc::Status s = stub_->Heartbeat(&ctx, req, &resp);
   if (s.ok()) {
     Answered();
+    {
+      absl::MutexLock lock(&mu_);
+      stalls_.assign(resp.stalls().begin(), resp.stalls().end());
+    }
     if (resp.state() == microd::v1::JOB_STATE_FAILED) {
       MarkFailed(absl::AbortedError(absl::StrCat("job failed: ", resp.failure())));
     } else if (resp.state() == microd::v1::JOB_STATE_FINISHED) {

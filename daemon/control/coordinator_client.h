@@ -69,6 +69,11 @@ class CoordinatorClient final : public KeyValueStore {
   absl::Status RefreshJobStatus();
   // Called once, from the heartbeat thread, when the job fails or ends.
   void SetFailureCallback(std::function<void(const absl::Status&)> callback);
+  // What each heartbeat tells the stall inspector: this node's long-waiting
+  // buckets (called on the heartbeat thread; must not block).
+  void SetWaitingProvider(std::function<std::vector<BucketWait>()> provider);
+  // The stall inspector's reports, as of the last heartbeat answer.
+  std::vector<std::string> stalls() const;
   const Membership& membership() const { return membership_; }
 
  private:
@@ -81,7 +86,8 @@ class CoordinatorClient final : public KeyValueStore {
   // A call the coordinator answered / did not answer. Unreachable: OK while
   // it has answered a call within the peer timeout (and `s` says it may
   // just be slow or away: UNAVAILABLE, DEADLINE_EXCEEDED), else the error
-  // to fail with, naming this node, the coordinator and `what`.
+  // to fail with: the coordinator's answer, or, when it stopped answering,
+  // an error naming this node, the coordinator and `what`.
   void Answered();
   absl::Status Unreachable(const grpc::Status& s, const char* what);
 
@@ -95,6 +101,8 @@ class CoordinatorClient final : public KeyValueStore {
   absl::Time last_answer_ ABSL_GUARDED_BY(mu_) = absl::Now();
   uint64_t report_seq_ = 0;  // reports are sent from one thread at a time
   std::function<void(const absl::Status&)> on_failure_ ABSL_GUARDED_BY(mu_);
+  std::function<std::vector<BucketWait>()> waiting_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> stalls_ ABSL_GUARDED_BY(mu_);
   absl::Notification stop_;
   std::thread heartbeat_;
 };

@@ -120,10 +120,17 @@ grpc::Status CoordinatorService::Poll(grpc::ServerContext* ctx, const microd::v1
 grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
                                            const microd::v1::HeartbeatRequest* req,
                                            microd::v1::HeartbeatResponse* resp) {
-  auto r = coordinator_->Heartbeat(req->session(), req->node_rank());
+  std::vector<BucketWait> waiting;
+  for (const auto& w : req->waiting()) {
+    BucketWait b{w.name(), w.seconds(), {}};
+    for (const auto& m : w.missing()) b.missing.push_back({m.local_rank(), m.pid()});
+    waiting.push_back(std::move(b));
+  }
+  auto r = coordinator_->Heartbeat(req->session(), req->node_rank(), std::move(waiting));
   if (!r.ok()) return ToGrpcStatus(r.status());
-  resp->set_state(ToProto(r->first));
-  resp->set_failure(r->second);
+  resp->set_state(ToProto(r->state));
+  resp->set_failure(r->failure);
+  for (const std::string& s : r->stalls) resp->add_stalls(s);
   return grpc::Status::OK;
 }
 

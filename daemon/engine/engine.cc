@@ -269,6 +269,7 @@ absl::Status Engine::OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t tick
         absl::StrCat("buffer '", b.name, "' already has a submission in flight"));
   }
   b.tickets[lr] = ticket;
+  if (b.submitted == 0) b.first_at = absl::Now();
   if (++b.submitted == options_.local_size) {
     b.ready_at = absl::Now();
     if (b.cache_id >= 0) {
@@ -304,6 +305,28 @@ void Engine::OnDisconnect(uint64_t client, bool clean, const std::string& why) {
                           ": ", why);
   }
   Fail(absl::AbortedError(reason), /*report=*/true);
+}
+
+std::vector<control::BucketWait> Engine::Waiting(absl::Duration at_least, size_t limit) const {
+  std::vector<control::BucketWait> out;
+  absl::MutexLock lock(&mu_);
+  if (!failed_.ok()) return out;
+  const absl::Time now = absl::Now();
+  std::map<int, pid_t> pid_of;  // local rank -> pid of the connected process
+  for (const auto& [id, p] : processes_) pid_of[p.local_rank] = p.pid;
+  for (const auto& [name, b] : buckets_) {
+    if (b.submitted == 0 || now - b.first_at < at_least) continue;
+    control::BucketWait w{name, absl::ToDoubleSeconds(now - b.first_at), {}};
+    for (int r = 0; r < options_.local_size; ++r) {
+      if (b.tickets[r] != 0) continue;
+      auto it = pid_of.find(r);
+      w.missing.push_back({r, it == pid_of.end() ? 0 : static_cast<int>(it->second)});
+    }
+    out.push_back(std::move(w));
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
+  if (out.size() > limit) out.resize(limit);
+  return out;
 }
 
 control::BucketInfo Engine::InfoOf(const Bucket& b) {
@@ -533,10 +556,16 @@ bool Engine::Cycle() {
   std::vector<uint64_t> all(words * n);
   CollectiveOptions o;
   o.tag = MakeTag(0, TagKind::kControl);
-  // Waiting for the other nodes has no deadline of its own, as waiting for
-  // the coordinator has none: a failed peer ends it through Fail().
-  o.deadline = absl::Now() + absl::Hours(24);
+  // A failed peer ends the wait through Fail(), a stall past
+  // --stall_abort_s through the coordinator; a cycle that waits past
+  // peer_wait fails the job.
+  o.deadline = absl::Now() + options_.peer_wait;
   absl::Status s = transport_->Allgather(mine.data(), words * sizeof(uint64_t), all.data(), o);
+  if (absl::IsDeadlineExceeded(s)) {
+    s = absl::DeadlineExceededError(absl::StrCat(
+        "node ", membership_.node_rank, " waited ", absl::FormatDuration(options_.peer_wait),
+        " for the other nodes to agree on the next buckets (", s.message(), ")"));
+  }
   if (s.ok()) {
     for (int r = 0; r < n; ++r) {
       if (all[r * words + 1] != mine[1]) {

@@ -64,6 +64,10 @@ struct EngineOptions {
   // Buckets with fewer elements go dense, fused into one allreduce per batch.
   uint64_t dense_floor = 65536;
   absl::Duration op_timeout = absl::Seconds(60);
+  // How long a response-cache cycle waits for the other nodes to enter it
+  // (a node enters only with work pending: its trainer may be busy, e.g.
+  // saving a checkpoint). The stall inspector reports such waits long before.
+  absl::Duration peer_wait = absl::Minutes(30);
   // A NaN/Inf in some node's gradient: fail the step (MICROD_ERR_NONFINITE on
   // every node) or skip it (every process gets a zero update, counted).
   bool skip_nonfinite = false;
@@ -159,6 +163,10 @@ class Engine final : public local::LocalHandler {
 
   // Statistics of every bucket; the per-step histories only if asked for.
   EngineSnapshot Snapshot(bool with_history = false) const;
+  // Buckets some local process submitted at least `at_least` ago that have
+  // not run, longest first (at most `limit`), with the local processes that
+  // have not submitted them: what the heartbeats tell the stall inspector.
+  std::vector<control::BucketWait> Waiting(absl::Duration at_least, size_t limit = 64) const;
 
  private:
   struct Process {
@@ -177,6 +185,7 @@ class Engine final : public local::LocalHandler {
     std::vector<uint64_t> tickets;                            // by local rank, 0 = none
     int submitted = 0;
     absl::Time ready_at;    // when the last local process submitted
+    absl::Time first_at;    // when the first local process submitted
     int64_t cache_id = -1;  // response cache id, once scheduled by the coordinator
     absl::Status poisoned;  // local processes disagree on it: every submission fails
     uint32_t slot = 0;      // transport tag slot, assigned at first schedule

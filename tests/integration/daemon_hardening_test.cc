@@ -322,5 +322,69 @@ TEST(Hardening, AConnectionThatNeverSaysHelloIsClosed) {
   EXPECT_EQ(t.Step(1), "");
 }
 
+// Issue J: a bucket one process never submits left every node waiting with
+// nothing said. The stall inspector names the bucket, the node and the
+// local process (with its pid) it waits for, on every node's Admin status.
+// 2 nodes x 2 processes; node 1's local process 0 (the first to connect)
+// registers and does not submit.
+struct StallRun {
+  std::vector<std::string> results;  // the three submitting trainers
+  std::string report;                // a stall as node 1's Admin saw it
+};
+
+StallRun RunWithOneLateProcess(DaemonCluster& cluster, bool submit_late) {
+  StallRun run;
+  run.results.resize(3);
+  Trainer late(cluster.socket(1), 1, 1, 100);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 3; ++i) {
+    threads.emplace_back([&, i] {
+      Trainer t(cluster.socket(i < 2 ? 0 : 1), i < 2 ? 0 : 1, 1, 100);
+      run.results[i] = t.Step(2);
+    });
+  }
+  for (int i = 0; i < 100 && run.report.empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    auto status = cluster.Status(1);
+    if (status.ok() && status->stalls_size() > 0) run.report = status->stalls(0);
+  }
+  std::string late_result;
+  if (submit_late) late_result = late.Step(2);
+  for (auto& t : threads) t.join();
+  if (!late_result.empty()) run.results.push_back("late: " + late_result);
+  return run;
+}
+
+TEST(Hardening, AMissingSubmissionIsReportedNamingTheNodeProcessAndBucket) {
+  DaemonCluster cluster(2, 2, {"--stall_warning_s=1"});
+  const StallRun run = RunWithOneLateProcess(cluster, /*submit_late=*/true);
+  EXPECT_TRUE(absl::StrContains(run.report, "bucket 'b0'")) << run.report;
+  EXPECT_TRUE(absl::StrContains(run.report, "node 1 (node1): local process(es) 0 (pid " +
+                                                std::to_string(getpid())))
+      << run.report;
+  EXPECT_TRUE(absl::StrContains(run.report, "ready on node 0 (node0)")) << run.report;
+  // Once it came, the step ran for everyone (the values are exact).
+  EXPECT_EQ(run.results, (std::vector<std::string>{"", "", ""}));
+  // The coordinator logged it.
+  const auto log = ReadLines(cluster.dir() + "/daemon0.log");
+  bool logged = false;
+  for (const auto& line : log) logged = logged || absl::StrContains(line, "stall: bucket 'b0'");
+  EXPECT_TRUE(logged);
+  // And the report is gone.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  auto status = cluster.Status(0);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->stalls_size(), 0) << status->stalls(0);
+}
+
+TEST(Hardening, StallAbortFailsTheJobWithTheReport) {
+  DaemonCluster cluster(2, 2, {"--stall_warning_s=1", "--stall_abort_s=2"});
+  const StallRun run = RunWithOneLateProcess(cluster, /*submit_late=*/false);
+  for (const std::string& r : run.results) {
+    EXPECT_TRUE(absl::StrContains(r, "bucket 'b0' stalled")) << r;
+    EXPECT_TRUE(absl::StrContains(r, "node 1 (node1): local process(es) 0 (pid")) << r;
+  }
+}
+
 }  // namespace
 }  // namespace microd::testing
