@@ -4,11 +4,13 @@
 #               (DEMO_ARGS="--epochs 5 --density 0.001" etc.)
 #   make bench  every benchmark, then one report beside PyTorch DDP
 #               (results/bench/report.md; BENCH_ARGS="--skip-training" etc.)
+#   make test-asan / make test-tsan   the suites under ASan + UBSan / TSan
+#   make fuzz   each fuzz target under libFuzzer (FUZZ_SECONDS=120 each)
 BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all deps configure build test demo bench clean
+.PHONY: all deps configure build test test-asan test-tsan fuzz demo bench clean
 
 all: build
 
@@ -24,6 +26,15 @@ build: configure
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
 
+test-asan: deps
+	bash scripts/sanitize.sh address
+
+test-tsan: deps
+	bash scripts/sanitize.sh thread
+
+fuzz:
+	bash scripts/fuzz.sh
+
 demo: build
 	bash scripts/demo.sh $(BUILD) $(DEMO_ARGS)
 
@@ -31,4 +42,4 @@ bench: build
 	bash scripts/bench.sh $(BUILD) $(BENCH_ARGS)
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) build-asan build-tsan build-fuzz

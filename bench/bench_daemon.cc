@@ -26,11 +26,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "bench/bench_client.h"
+#include "bench/bench_cluster.h"
 #include "bench/bench_stats.h"
 #include "daemon/sim/synthetic.h"
 #include "microd/microd.h"
-
-extern char** environ;
 
 ABSL_FLAG(int, nodes, 4, "daemons (one training process each)");
 ABSL_FLAG(uint64_t, size, 25557032, "large bucket size (fp32 elements)");
@@ -55,13 +54,11 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 using microd::bench::Percentile;
-
-std::string Sibling(const char* self, const std::string& name) {
-  std::string s = self;
-  const size_t slash = s.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : s.substr(0, slash);
-  return dir + "/" + name;
-}
+using microd::bench::Sibling;
+using microd::bench::SocketOf;
+using microd::bench::Spawn;
+using microd::bench::StartDaemons;
+using microd::bench::WaitFor;
 
 int Client() {
   const uint64_t d = absl::GetFlag(FLAGS_size);
@@ -112,44 +109,6 @@ int Client() {
   return 0;
 }
 
-pid_t Spawn(const std::vector<std::string>& args, const std::string& log) {
-  std::vector<char*> argv;
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&fa, 1, 2);
-  pid_t pid = -1;
-  if (posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ) != 0) pid = -1;
-  posix_spawn_file_actions_destroy(&fa);
-  return pid;
-}
-
-bool WaitFor(pid_t pid, std::chrono::seconds limit) {
-  const auto deadline = Clock::now() + limit;
-  int status = 0;
-  while (waitpid(pid, &status, WNOHANG) == 0) {
-    if (Clock::now() > deadline) {
-      kill(pid, SIGKILL);
-      waitpid(pid, nullptr, 0);
-      return false;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
-}
-
-int ReadPort(const std::string& path) {
-  for (int i = 0; i < 1000; ++i) {
-    std::ifstream in(path);
-    int port = 0;
-    if (in >> port && port > 0) return port;
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  return 0;
-}
-
 int Launcher(char* self) {
   const int n = absl::GetFlag(FLAGS_nodes);
   const uint64_t d = absl::GetFlag(FLAGS_size);
@@ -157,34 +116,21 @@ int Launcher(char* self) {
   const std::string dir = mkdtemp(tmpl.data());
   const std::string daemon =
       absl::GetFlag(FLAGS_daemon).empty() ? Sibling(self, "../daemon/microd") : absl::GetFlag(FLAGS_daemon);
-  std::vector<pid_t> daemons, clients;
-  int coordinator_port = 0;
-  for (int r = 0; r < n; ++r) {
-    std::vector<std::string> args = {daemon,
-                                     absl::StrCat("--socket=", dir, "/n", r, "/sock"),
-                                     absl::StrCat("--nodes=", n),
-                                     absl::StrCat("--node_rank=", r),
-                                     absl::StrCat("--node_name=bench", r),
-                                     "--admin=127.0.0.1:0",
-                                     "--density=0.001",
-                                     "--timeout_ms=120000",
-                                     absl::StrCat("--gloo_io_nice=", absl::GetFlag(FLAGS_gloo_io_nice))};
-    for (const std::string& f : absl::GetFlag(FLAGS_daemon_flags)) args.push_back(f);
-    if (r == 0) {
-      args.push_back("--coordinator_listen=127.0.0.1:0");
-      args.push_back(absl::StrCat("--coordinator_port_file=", dir, "/coordinator"));
-    } else {
-      args.push_back(absl::StrCat("--coordinator=127.0.0.1:", coordinator_port));
-    }
-    daemons.push_back(Spawn(args, absl::StrCat(dir, "/daemon", r, ".log")));
-    if (r == 0 && (coordinator_port = ReadPort(dir + "/coordinator")) == 0) {
-      std::fprintf(stderr, "microd-bench-daemon: node 0 did not start (see %s)\n", dir.c_str());
-      return 1;
-    }
+  std::vector<pid_t> clients;
+  const std::vector<pid_t> daemons = [&] {
+    std::vector<std::string> flags = {
+        "--density=0.001", "--timeout_ms=120000",
+        absl::StrCat("--gloo_io_nice=", absl::GetFlag(FLAGS_gloo_io_nice))};
+    for (const std::string& f : absl::GetFlag(FLAGS_daemon_flags)) flags.push_back(f);
+    return StartDaemons(daemon, dir, n, flags);
+  }();
+  if (daemons.empty()) {
+    std::fprintf(stderr, "microd-bench-daemon: node 0 did not start (see %s)\n", dir.c_str());
+    return 1;
   }
   for (int r = 0; r < n; ++r) {
     clients.push_back(Spawn({self, absl::StrCat("--client_rank=", r),
-                             absl::StrCat("--socket=", dir, "/n", r, "/sock"),
+                             absl::StrCat("--socket=", SocketOf(dir, r)),
                              absl::StrCat("--result=", dir, "/client", r),
                              absl::StrCat("--size=", d),
                              absl::StrCat("--latency_iters=", absl::GetFlag(FLAGS_latency_iters)),

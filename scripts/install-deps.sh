@@ -5,6 +5,7 @@
 #   scripts/install-deps.sh           everything (build, tests, demo)
 #   scripts/install-deps.sh --build   only what building and installing microd
 #                                     needs (the Dockerfile's build stage)
+#   scripts/install-deps.sh --fuzz    everything and clang with libFuzzer (make fuzz)
 set -euo pipefail
 
 BUILD_PACKAGES=(
@@ -27,10 +28,13 @@ TEST_PACKAGES=(
   # the delay helper's NFQUEUE library.
   iproute2 iptables libnetfilter-queue-dev
 )
+# make fuzz only: clang with libFuzzer and the sanitizer runtimes.
+FUZZ_PACKAGES=(clang libclang-rt-14-dev)
 case "${1:-}" in
   "") PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}") ;;
   --build) PACKAGES=("${BUILD_PACKAGES[@]}") ;;
-  *) echo "install-deps: unknown option $1 (--build or nothing)" >&2; exit 2 ;;
+  --fuzz) PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}" "${FUZZ_PACKAGES[@]}") ;;
+  *) echo "install-deps: unknown option $1 (--build, --fuzz or nothing)" >&2; exit 2 ;;
 esac
 
 missing=()

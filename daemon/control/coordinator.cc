@@ -422,11 +422,16 @@ void Coordinator::InspectStalls(absl::Time now) {
                                        " did not submit it"));
       }
     }
-    if (missing.empty()) continue;  // ready everywhere: about to run
-    const std::string text = absl::StrCat(
-        "bucket '", name, "' stalled for ", static_cast<int64_t>(s.seconds), " s: ready on ",
-        ready.empty() ? "no node" : absl::StrJoin(ready, ", "), "; waiting for ",
-        absl::StrJoin(missing, "; "));
+    // Ready everywhere and still not run: what runs before it is stuck, or
+    // the nodes disagree on what runs next.
+    const std::string text =
+        missing.empty()
+            ? absl::StrCat("bucket '", name, "' stalled for ", static_cast<int64_t>(s.seconds),
+                           " s: ready on every node and not run (a step before it is stuck, or "
+                           "the nodes disagree on what runs next)")
+            : absl::StrCat("bucket '", name, "' stalled for ", static_cast<int64_t>(s.seconds),
+                           " s: ready on ", ready.empty() ? "no node" : absl::StrJoin(ready, ", "),
+                           "; waiting for ", absl::StrJoin(missing, "; "));
     stalls.push_back(text);
     auto it = stall_logged_.find(name);
     const bool log = it == stall_logged_.end() || now - it->second >= options_.stall_warning;

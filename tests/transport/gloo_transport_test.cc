@@ -103,6 +103,27 @@ TEST(GlooTransportTest, IoNiceLowersTheNetworkThreadOnly) {
   EXPECT_EQ(x[1], 6.5f);
 }
 
+// Issue J: ranks that disagree on an allgather's size (a peer out of step)
+// made Gloo abort the process (a message longer than the receive posted for
+// it). Now every rank's call fails by its deadline and the process lives.
+TEST(GlooTransportTest, RanksDisagreeingOnAnAllgatherSizeFailByTheDeadline) {
+  std::vector<std::unique_ptr<Transport>> group = CreateGlooGroup(3);
+  ASSERT_EQ(group.size(), 3u);
+  std::vector<absl::Status> status(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      const size_t words = r == 1 ? 24 : 16;  // rank 1 is out of step
+      std::vector<uint64_t> in(words, r), out(words * 3);
+      CollectiveOptions o;
+      o.deadline = absl::Now() + absl::Seconds(2);
+      status[r] = group[r]->Allgather(in.data(), words * sizeof(uint64_t), out.data(), o);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) EXPECT_FALSE(status[r].ok()) << "rank " << r;
+}
+
 TEST(GlooTransportTest, IoNiceOutOfRangeIsRefused) {
   control::InMemoryKeyValueStore store;
   for (int bad : {-1, 20}) {

@@ -258,7 +258,11 @@ class GlooTransport final : public Transport {
   }
 
   // Rank q's bytes[q] from every rank at once over Gloo's point-to-point
-  // buffers, into `out` in rank order: one round.
+  // buffers, into `out` in rank order: one round. A transfer's slot carries
+  // its size (below 2^24 here: the slot's low 24 bits, which Gloo leaves to
+  // the collective), so ranks that disagree on a size never match each
+  // other's transfers: Gloo would abort the process on a message longer than
+  // the receive posted for it; this way the call fails by its deadline.
   void GatherDirectV(const void* in, const std::vector<size_t>& bytes, void* out, uint32_t tag,
                      std::chrono::milliseconds timeout) {
     const int n = size();
@@ -277,15 +281,16 @@ class GlooTransport final : public Transport {
     send = Track(bytes[r] > 0 ? const_cast<void*>(in) : &dummy, bytes[r]);
     recv = Track(total > 0 ? out : &dummy, total);
     const uint64_t slot = gloo::Slot::build(kDirectAllgatherSlotPrefix, tag);
+    static_assert(kDirectAllgatherBytes < (size_t{1} << 24), "sizes fit the slot's low bits");
     int recvs = 0, sends = 0;
     for (int p = 0; p < n; ++p) {
       if (p == r) continue;
       if (bytes[p] > 0) {
-        recv->recv(p, slot, at[p], bytes[p]);
+        recv->recv(p, slot + bytes[p], at[p], bytes[p]);
         ++recvs;
       }
       if (bytes[r] > 0) {
-        send->send(p, slot);
+        send->send(p, slot + bytes[r]);
         ++sends;
       }
     }

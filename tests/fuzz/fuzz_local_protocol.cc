@@ -1,0 +1,161 @@
+// Fuzz target: the daemon's local protocol (daemon/local/local_server.cc)
+// as a training process could speak it. One LocalServer for the whole run,
+// on a socket of its own, in front of a handler that accepts what a healthy
+// engine would. Each input is a connection: a sequence of messages, each
+//   [1 byte: descriptors to attach (0-4) and their kinds][2 bytes: length][bytes]
+// sent in order with SCM_RIGHTS (a sealed memfd, an unsealed one, a pipe,
+// /dev/null), then the connection closes and the run waits (bounded) until
+// the server has let it go. Nothing may crash, leak a descriptor or hang.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "daemon/local/cuda_ipc.h"
+#include "daemon/local/local_server.h"
+
+namespace {
+
+using microd::local::HostBuffer;
+using microd::local::LocalHandler;
+using microd::local::LocalServer;
+using microd::local::ProcessInfo;
+
+class AcceptingHandler final : public LocalHandler {
+ public:
+  absl::StatusOr<ProcessInfo> OnHello(uint64_t, int requested_local_rank, pid_t) override {
+    if (requested_local_rank > 3) return absl::InvalidArgumentError("local rank out of range");
+    ProcessInfo info;
+    info.local_rank = requested_local_rank < 0 ? 0 : requested_local_rank;
+    info.local_size = 4;
+    return info;
+  }
+  absl::Status OnRegister(uint64_t, uint32_t, const std::string& name, bool,
+                          std::shared_ptr<HostBuffer> buffer) override {
+    // Touch the mapping end to end, as a step would.
+    volatile float sum = 0;
+    for (uint64_t i = 0; i < buffer->count(); i += 1024) sum = sum + buffer->data()[i];
+    buffer->data()[buffer->count() - 1] = sum;
+    return name == "refused" ? absl::InvalidArgumentError("refused") : absl::OkStatus();
+  }
+  absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket) override {
+    server->Complete(client, ticket, buffer_id, absl::OkStatus());
+    return absl::OkStatus();
+  }
+  void OnDisconnect(uint64_t, bool, const std::string&) override {}
+  LocalServer* server = nullptr;
+};
+
+int Descriptor(int kind) {
+  switch (kind & 3) {
+    case 0: {
+      const int fd = memfd_create("fuzz", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+      if (fd >= 0 && ftruncate(fd, 4096) == 0) fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK);
+      return fd;
+    }
+    case 1: {
+      const int fd = memfd_create("fuzz", MFD_CLOEXEC);
+      if (fd >= 0) (void)!ftruncate(fd, 64);
+      return fd;
+    }
+    case 2: {
+      int p[2];
+      if (pipe2(p, O_CLOEXEC) != 0) return -1;
+      close(p[1]);
+      return p[0];
+    }
+    default:
+      return open("/dev/null", O_RDONLY | O_CLOEXEC);
+  }
+}
+
+struct Server {
+  AcceptingHandler handler;
+  std::unique_ptr<LocalServer> server;
+  std::string path;
+  Server() {
+    char dir[] = "/tmp/microd-fuzz-XXXXXX";
+    if (mkdtemp(dir) == nullptr) std::abort();
+    path = std::string(dir) + "/microd.sock";
+    microd::local::LocalServerOptions o;
+    o.socket_path = path;
+    o.max_buffers_per_client = 8;
+    o.max_bytes_per_client = 1 << 20;
+    o.hello_timeout = absl::Milliseconds(200);
+    // REGISTER_CUDA is answered as by a daemon without CUDA (the field
+    // checks before it are the same in every build), without the seconds
+    // a CUDA runtime may take to find no GPU.
+    o.cuda_registry = []() -> absl::StatusOr<std::unique_ptr<microd::local::CudaIpcRegistry>> {
+      return absl::UnimplementedError("no CUDA in this fuzz target");
+    };
+    auto s = LocalServer::Start(o, &handler);
+    if (!s.ok()) std::abort();
+    server = std::move(s).value();
+    handler.server = server.get();
+  }
+};
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static Server* s = new Server();
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strcpy(addr.sun_path, s->path.c_str());
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) std::abort();
+  // Accepted before anything is sent, so that "let go" below means this
+  // connection (the server accepts on its own thread).
+  for (int i = 0; i < 10000 && s->server->Clients().empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  size_t at = 0;
+  for (int sent = 0; at + 3 <= size && sent < 64; ++sent) {
+    const uint8_t spec = data[at];
+    const size_t len = std::min<size_t>(data[at + 1] | (data[at + 2] << 8), size - at - 3);
+    const uint8_t* body = data + at + 3;
+    at += 3 + len;
+    const int nfds = spec % 5;
+    std::vector<int> fds;
+    for (int i = 0; i < nfds; ++i) fds.push_back(Descriptor(spec >> (2 + i)));
+    char empty = 0;
+    iovec iov{len > 0 ? const_cast<uint8_t*>(body) : reinterpret_cast<uint8_t*>(&empty),
+              len > 0 ? len : 1};
+    alignas(cmsghdr) char control[CMSG_SPACE(4 * sizeof(int))];
+    msghdr mh{};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    if (!fds.empty()) {
+      mh.msg_control = control;
+      mh.msg_controllen = CMSG_SPACE(fds.size() * sizeof(int));
+      cmsghdr* cm = CMSG_FIRSTHDR(&mh);
+      cm->cmsg_level = SOL_SOCKET;
+      cm->cmsg_type = SCM_RIGHTS;
+      cm->cmsg_len = CMSG_LEN(fds.size() * sizeof(int));
+      std::memcpy(CMSG_DATA(cm), fds.data(), fds.size() * sizeof(int));
+    }
+    const ssize_t n = sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    for (int f : fds) close(f);
+    if (n < 0) break;  // the server dropped us
+  }
+  close(fd);
+  // Bounded wait until the server let the connection go.
+  for (int i = 0; i < 10000 && !s->server->Clients().empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+  if (!s->server->Clients().empty()) {
+    std::fprintf(stderr, "the server kept a closed connection for 5 s\n");
+    std::abort();
+  }
+  return 0;
+}

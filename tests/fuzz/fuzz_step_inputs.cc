@@ -1,0 +1,148 @@
+// Fuzz target: what a peer sends during a sparse step. Three nodes over the
+// in-process transport run steps of one bucket; node 1's transport replaces
+// what node 1 sends in the step's headers (the selected counts) and index
+// allgathers with bytes of the input. Every node must finish each step, with
+// its update or with an error (never a crash, an out-of-bounds access under
+// ASan, or a hang), and all nodes must agree on which.
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "daemon/sparsify/bucket.h"
+#include "daemon/transport/inproc/inproc_transport.h"
+#include "kernels/sparse_ops.h"
+
+namespace {
+
+// The input, read front to back; zeros once it is used up.
+class Input {
+ public:
+  Input(const uint8_t* data, size_t size) : data_(data), size_(size) {}
+  uint64_t Below(uint64_t n) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8 && at_ < size_; ++i) v = v << 8 | data_[at_++];
+    return n == 0 ? 0 : v % n;
+  }
+  std::vector<uint8_t> Bytes(size_t n) {
+    const size_t k = std::min(n, size_ - at_);
+    std::vector<uint8_t> out(data_ + at_, data_ + at_ + k);
+    at_ += k;
+    return out;
+  }
+
+ private:
+  const uint8_t* const data_;
+  const size_t size_;
+  size_t at_ = 0;
+};
+
+using microd::transport::CollectiveOptions;
+using microd::transport::DataType;
+using microd::transport::TagKind;
+using microd::transport::Transport;
+
+// Node 1's transport: its headers and indices come from the input.
+class LyingTransport final : public Transport {
+ public:
+  LyingTransport(Transport* inner, Input* input) : inner_(inner), input_(input) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  const char* name() const override { return "lying"; }
+  absl::Status Allgather(const void* in, size_t bytes, void* out,
+                         const CollectiveOptions& o) override {
+    if ((o.tag & 0xFF) != static_cast<uint32_t>(TagKind::kHeader)) {
+      return inner_->Allgather(in, bytes, out, o);
+    }
+    std::vector<uint8_t> lie(static_cast<const uint8_t*>(in), static_cast<const uint8_t*>(in) + bytes);
+    const std::vector<uint8_t> mine = input_->Bytes(bytes);
+    std::memcpy(lie.data(), mine.data(), mine.size());
+    return inner_->Allgather(lie.data(), bytes, out, o);
+  }
+  absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv_bytes, void* out,
+                          const CollectiveOptions& o) override {
+    const size_t bytes = recv_bytes[rank()];
+    std::vector<uint8_t> lie(bytes);
+    if (in != nullptr && bytes > 0) std::memcpy(lie.data(), in, bytes);
+    const std::vector<uint8_t> mine = input_->Bytes(bytes);
+    std::memcpy(lie.data(), mine.data(), mine.size());
+    return inner_->AllgatherV(lie.data(), recv_bytes, out, o);
+  }
+  absl::Status AllreduceSum(void* data, size_t count, DataType type,
+                            const CollectiveOptions& o) override {
+    return inner_->AllreduceSum(data, count, type, o);
+  }
+  absl::Status Barrier(const CollectiveOptions& o) override { return inner_->Barrier(o); }
+  void Abort(const absl::Status& reason) override { inner_->Abort(reason); }
+
+ private:
+  Transport* const inner_;
+  Input* const input_;
+};
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace microd::sparsify;
+  Input input(data, size);
+  constexpr int n = 3;
+  const uint64_t d = 1 + input.Below(5000);
+  SparsifyOptions o;
+  switch (static_cast<int>(input.Below(4))) {
+    case 0:
+      o.sparsifier = SparsifierKind::kMicro;
+      o.controller = ControllerKind::kHistogram;
+      break;
+    case 1:
+      o.sparsifier = SparsifierKind::kMicro;
+      o.controller = ControllerKind::kPaper;
+      break;
+    case 2:
+      o.sparsifier = SparsifierKind::kTopK;
+      break;
+    default:
+      o.sparsifier = SparsifierKind::kHard;
+      break;
+  }
+  o.density = 0.05;
+  static auto ops = microd::kernels::CreateCpuSparseOps();
+  auto group = microd::transport::CreateInprocGroup(n);
+  LyingTransport liar(group[1].get(), &input);
+  std::vector<std::unique_ptr<BucketState>> buckets;
+  for (int r = 0; r < n; ++r) {
+    auto b = BucketState::Create({"fuzz", d, 1}, {n, r, n}, o, ops.get());
+    if (!b.ok()) std::abort();
+    buckets.push_back(std::move(b).value());
+  }
+  const int steps = 1 + static_cast<int>(input.Below(3));
+  for (int t = 0; t < steps; ++t) {
+    std::vector<std::vector<float>> grad(n, std::vector<float>(d)), update(n, std::vector<float>(d));
+    for (int r = 0; r < n; ++r) {
+      for (uint64_t i = 0; i < d; ++i) grad[r][i] = static_cast<float>((i * 7919 + r * 31 + t) % 97) - 48;
+    }
+    std::vector<absl::Status> status(n);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        Transport& tr = r == 1 ? static_cast<Transport&>(liar) : *group[r];
+        status[r] = buckets[r]->Step(grad[r].data(), update[r].data(), tr,
+                                     absl::Now() + absl::Seconds(10))
+                        .status();
+      });
+    }
+    for (auto& th : threads) th.join();
+    for (int r = 1; r < n; ++r) {
+      if (status[r].ok() != status[0].ok()) {
+        std::fprintf(stderr, "node 0: %s; node %d: %s\n", status[0].ToString().c_str(), r,
+                     status[r].ToString().c_str());
+        std::abort();
+      }
+    }
+    if (!status[0].ok()) break;  // the job would end here
+  }
+  return 0;
+}
