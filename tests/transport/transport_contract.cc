@@ -90,7 +90,7 @@ TEST_P(TransportContractTest, AllreduceSumAllTypesIdenticalOnEveryRank) {
         }
         results[r] = f;
       });
-      for (int q = 1; q < n; ++q) {
+      for (int q = 1; q < n && count > 0; ++q) {
         ASSERT_EQ(0, std::memcmp(results[q].data(), results[0].data(), count * 4));
       }
     }
@@ -138,7 +138,8 @@ TEST_P(TransportContractTest, AllreduceAverageIsTheSumDividedOrUnimplemented) {
         ASSERT_TRUE(t.AllreduceSum(sum.data(), count, DataType::kFloat32, Opts(31)).ok());
         absl::Status s = t.AllreduceAverage(avg.data(), count, 7.0f, Opts(32));
         if (s.code() == absl::StatusCode::kUnimplemented) {
-          ASSERT_EQ(0, std::memcmp(avg.data(), mine.data(), count * sizeof(float)));
+          ASSERT_TRUE(count == 0 ||
+                      std::memcmp(avg.data(), mine.data(), count * sizeof(float)) == 0);
         } else {
           ASSERT_TRUE(s.ok()) << s;
           for (size_t i = 0; i < count; ++i) {

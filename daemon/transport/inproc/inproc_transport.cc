@@ -95,6 +95,7 @@ class Hub {
 
 template <typename T>
 void SumInRankOrder(const Hub& hub, size_t count, T* out) {
+  if (count == 0) return;  // (null buffers allowed then)
   const T* first = static_cast<const T*>(hub.post(0).in);
   std::memcpy(out, first, count * sizeof(T));
   for (int r = 1; r < hub.size(); ++r) {
