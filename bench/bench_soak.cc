@@ -238,21 +238,13 @@ class Flooder {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     microd_wire_goodbye bye{};
-    bye.h = Header(MICROD_MSG_GOODBYE, sizeof bye);
+    microd_wire_header_init(&bye.h, MICROD_MSG_GOODBYE, sizeof bye);
     send(fd_, &bye, sizeof bye, MSG_NOSIGNAL);
     close(fd_);
     return "";
   }
 
  private:
-  static microd_wire_header Header(uint16_t type, uint32_t length) {
-    microd_wire_header h{};
-    h.magic = MICROD_WIRE_MAGIC;
-    h.version = MICROD_WIRE_VERSION;
-    h.type = type;
-    h.length = length;
-    return h;
-  }
   std::string Connect(const Layout& l) {
     fd_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     sockaddr_un addr{};
@@ -265,7 +257,7 @@ class Flooder {
     }
     if (!connected) return "cannot connect to node 3's daemon";
     microd_wire_hello hello{};
-    hello.h = Header(MICROD_MSG_HELLO, sizeof hello);
+    microd_wire_header_init(&hello.h, MICROD_MSG_HELLO, sizeof hello);
     hello.local_rank = 0;
     hello.pid = static_cast<uint32_t>(getpid());
     send(fd_, &hello, sizeof hello, MSG_NOSIGNAL);
@@ -284,7 +276,7 @@ class Flooder {
       if (p == MAP_FAILED) return "mmap";
       data_.push_back(static_cast<float*>(p));
       microd_wire_register reg{};
-      reg.h = Header(MICROD_MSG_REGISTER, sizeof reg);
+      microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER, sizeof reg);
       reg.buffer_id = static_cast<uint32_t>(b);
       reg.kind = MICROD_BUFFER_HOST;
       reg.dtype = MICROD_DTYPE_FLOAT32;
@@ -314,7 +306,7 @@ class Flooder {
   }
   uint64_t Submit(int b) {
     microd_wire_submit s{};
-    s.h = Header(MICROD_MSG_SUBMIT, sizeof s);
+    microd_wire_header_init(&s.h, MICROD_MSG_SUBMIT, sizeof s);
     s.buffer_id = static_cast<uint32_t>(b);
     s.ticket = ++ticket_;
     send(fd_, &s, sizeof s, MSG_NOSIGNAL);

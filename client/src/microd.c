@@ -87,14 +87,6 @@ static void copy_message(char* dst, const char* src) {
   snprintf(dst, MICROD_WIRE_MESSAGE_BYTES, "%s", src);
 }
 
-static void fill_header(microd_wire_header* h, uint16_t type, uint32_t length) {
-  h->magic = MICROD_WIRE_MAGIC;
-  h->version = MICROD_WIRE_VERSION;
-  h->type = type;
-  h->length = length;
-  h->reserved = 0;
-}
-
 static int valid_status(int32_t s) { return s >= MICROD_OK && s <= MICROD_ERR_CLOSED; }
 
 /* Sends one message, optionally with a file descriptor. 0 on success. */
@@ -296,7 +288,7 @@ microd_status microd_connect(const microd_options* options, microd_client** out)
 
   microd_wire_hello hello;
   memset(&hello, 0, sizeof hello);
-  fill_header(&hello.h, MICROD_MSG_HELLO, sizeof hello);
+  microd_wire_header_init(&hello.h, MICROD_MSG_HELLO, sizeof hello);
   hello.local_rank = o.local_rank;
   hello.pid = (uint32_t)getpid();
   /* A daemon that refuses this process answers with an ERROR and closes at
@@ -540,7 +532,7 @@ microd_status microd_register_buffer(microd_client* c, const char* name, uint64_
 
   microd_wire_register reg;
   memset(&reg, 0, sizeof reg);
-  fill_header(&reg.h, MICROD_MSG_REGISTER, sizeof reg);
+  microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER, sizeof reg);
   reg.kind = MICROD_BUFFER_HOST;
   reg.dtype = MICROD_DTYPE_FLOAT32;
   reg.flags = flags;
@@ -595,7 +587,7 @@ microd_status microd_register_cuda_buffer(microd_client* c, const char* name, vo
 
   microd_wire_register_cuda reg;
   memset(&reg, 0, sizeof reg);
-  fill_header(&reg.h, MICROD_MSG_REGISTER_CUDA, sizeof reg);
+  microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER_CUDA, sizeof reg);
   reg.dtype = MICROD_DTYPE_FLOAT32;
   reg.flags = flags;
   reg.device_ordinal = cu.device_ordinal;
@@ -657,7 +649,7 @@ static microd_status submit(microd_client* c, int32_t buffer_id, void* stream, u
   if (status == MICROD_OK) {
     microd_wire_submit sub;
     memset(&sub, 0, sizeof sub);
-    fill_header(&sub.h, MICROD_MSG_SUBMIT, sizeof sub);
+    microd_wire_header_init(&sub.h, MICROD_MSG_SUBMIT, sizeof sub);
     sub.buffer_id = (uint32_t)buffer_id;
     sub.ticket = ++c->next_ticket;
     if (send_message(c->fd, &sub, sizeof sub, -1) != 0) {
@@ -734,7 +726,7 @@ microd_status microd_close(microd_client* c) {
   if (!check_handle(c)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
   microd_wire_goodbye bye;
   memset(&bye, 0, sizeof bye);
-  fill_header(&bye.h, MICROD_MSG_GOODBYE, sizeof bye);
+  microd_wire_header_init(&bye.h, MICROD_MSG_GOODBYE, sizeof bye);
   if (c->broken == MICROD_OK) (void)send_message(c->fd, &bye, sizeof bye, -1);
   close(c->fd);
   for (int32_t i = 0; i < c->nbuffers; ++i) {

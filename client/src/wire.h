@@ -133,6 +133,15 @@ typedef struct microd_wire_goodbye {
   microd_wire_header h;
 } microd_wire_goodbye;
 
+/* Fills the header of a message of `type`, `length` bytes in all. */
+static inline void microd_wire_header_init(microd_wire_header* h, uint16_t type, uint32_t length) {
+  h->magic = MICROD_WIRE_MAGIC;
+  h->version = MICROD_WIRE_VERSION;
+  h->type = type;
+  h->length = length;
+  h->reserved = 0;
+}
+
 #ifdef __cplusplus
 static_assert(sizeof(microd_wire_header) == 16, "wire layout");
 static_assert(sizeof(microd_wire_register) == 240, "wire layout");

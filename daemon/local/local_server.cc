@@ -46,14 +46,6 @@ std::string WireName(const char (&name)[MICROD_WIRE_NAME_BYTES]) {
   return len == MICROD_WIRE_NAME_BYTES ? std::string() : std::string(name, len);
 }
 
-void FillHeader(microd_wire_header* h, uint16_t type, uint32_t length) {
-  h->magic = MICROD_WIRE_MAGIC;
-  h->version = MICROD_WIRE_VERSION;
-  h->type = type;
-  h->length = length;
-  h->reserved = 0;
-}
-
 void CopyMessage(char* dst, const std::string& src) {
   const size_t n = std::min(src.size(), size_t{MICROD_WIRE_MESSAGE_BYTES - 1});
   std::memcpy(dst, src.data(), n);
@@ -248,7 +240,7 @@ void LocalServer::Reap() {
 void LocalServer::Complete(uint64_t client, uint64_t ticket, uint32_t buffer_id,
                            const absl::Status& status) {
   microd_wire_completion m{};
-  FillHeader(&m.h, MICROD_MSG_COMPLETION, sizeof m);
+  microd_wire_header_init(&m.h, MICROD_MSG_COMPLETION, sizeof m);
   m.ticket = ticket;
   m.buffer_id = buffer_id;
   m.status = static_cast<int32_t>(ToClientStatus(status));
@@ -348,7 +340,7 @@ void LocalServer::Accept() {
 
 void LocalServer::Refuse(uint64_t id, int status, const std::string& why) {
   microd_wire_error e{};
-  FillHeader(&e.h, MICROD_MSG_ERROR, sizeof e);
+  microd_wire_header_init(&e.h, MICROD_MSG_ERROR, sizeof e);
   e.status = status;
   CopyMessage(e.message, why);
   {
@@ -484,7 +476,7 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
         c.local_rank = info->local_rank;
       }
       microd_wire_hello_ack ack{};
-      FillHeader(&ack.h, MICROD_MSG_HELLO_ACK, sizeof ack);
+      microd_wire_header_init(&ack.h, MICROD_MSG_HELLO_ACK, sizeof ack);
       // Every build answers REGISTER_CUDA (a CPU build with UNSUPPORTED).
       ack.h.reserved = MICROD_WIRE_CAP_REGISTER_CUDA;
       ack.status = 0;
@@ -596,7 +588,7 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
 // Answers a REGISTER or REGISTER_CUDA with `s`; the client stays connected.
 bool LocalServer::AnswerRegister(Client& c, uint32_t buffer_id, const absl::Status& s) {
   microd_wire_register_ack ack{};
-  FillHeader(&ack.h, MICROD_MSG_REGISTER_ACK, sizeof ack);
+  microd_wire_header_init(&ack.h, MICROD_MSG_REGISTER_ACK, sizeof ack);
   ack.buffer_id = buffer_id;
   ack.status = static_cast<int32_t>(ToClientStatus(s));
   CopyMessage(ack.message, std::string(s.message()));

@@ -184,14 +184,6 @@ class Node {
   std::unique_ptr<local::LocalServer> local_;
 };
 
-microd_wire_header Header(uint16_t type, uint32_t length) {
-  microd_wire_header h{};
-  h.magic = MICROD_WIRE_MAGIC;
-  h.version = MICROD_WIRE_VERSION;
-  h.type = type;
-  h.length = length;
-  return h;
-}
 
 // A training process on the wire protocol.
 class Process {
@@ -205,7 +197,7 @@ class Process {
     timeval tv{30, 0};
     setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     microd_wire_hello hello{};
-    hello.h = Header(MICROD_MSG_HELLO, sizeof hello);
+    microd_wire_header_init(&hello.h, MICROD_MSG_HELLO, sizeof hello);
     hello.local_rank = -1;
     EXPECT_EQ(send(fd_, &hello, sizeof hello, 0), static_cast<ssize_t>(sizeof hello));
     microd_wire_hello_ack ack{};
@@ -222,7 +214,7 @@ class Process {
   void Leave() {
     if (fd_ < 0) return;
     microd_wire_goodbye bye{};
-    bye.h = Header(MICROD_MSG_GOODBYE, sizeof bye);
+    microd_wire_header_init(&bye.h, MICROD_MSG_GOODBYE, sizeof bye);
     (void)send(fd_, &bye, sizeof bye, MSG_NOSIGNAL);
     close(fd_);
     fd_ = -1;
@@ -243,7 +235,7 @@ class Process {
     EXPECT_NE(p, MAP_FAILED);
     maps_.push_back({p, bytes});
     microd_wire_register reg{};
-    reg.h = Header(MICROD_MSG_REGISTER, sizeof reg);
+    microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER, sizeof reg);
     reg.buffer_id = id;
     reg.kind = MICROD_BUFFER_HOST;
     reg.dtype = MICROD_DTYPE_FLOAT32;
@@ -263,7 +255,7 @@ class Process {
   int RegisterCuda(uint32_t id, const std::string& name, float* alloc, uint64_t alloc_bytes,
                    uint64_t offset, uint64_t count) {
     microd_wire_register_cuda reg{};
-    reg.h = Header(MICROD_MSG_REGISTER_CUDA, sizeof reg);
+    microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER_CUDA, sizeof reg);
     reg.buffer_id = id;
     reg.dtype = MICROD_DTYPE_FLOAT32;
     reg.device_ordinal = 0;
@@ -280,7 +272,7 @@ class Process {
 
   void Submit(uint32_t id, uint64_t ticket) {
     microd_wire_submit sub{};
-    sub.h = Header(MICROD_MSG_SUBMIT, sizeof sub);
+    microd_wire_header_init(&sub.h, MICROD_MSG_SUBMIT, sizeof sub);
     sub.buffer_id = id;
     sub.ticket = ticket;
     EXPECT_EQ(send(fd_, &sub, sizeof sub, 0), static_cast<ssize_t>(sizeof sub));

@@ -23,14 +23,6 @@ void Write(const std::string& dir, const std::string& name, const Bytes& b) {
       .write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
 }
 
-microd_wire_header Header(uint16_t type, uint32_t length) {
-  microd_wire_header h{};
-  h.magic = MICROD_WIRE_MAGIC;
-  h.version = MICROD_WIRE_VERSION;
-  h.type = type;
-  h.length = length;
-  return h;
-}
 
 // One framed message of the local-protocol target: descriptor spec, length, bytes.
 template <typename T>
@@ -44,22 +36,22 @@ void Frame(Bytes& out, uint8_t spec, const T& msg) {
 
 void LocalProtocol(const std::string& dir) {
   microd_wire_hello hello{};
-  hello.h = Header(MICROD_MSG_HELLO, sizeof hello);
+  microd_wire_header_init(&hello.h, MICROD_MSG_HELLO, sizeof hello);
   hello.local_rank = -1;
   microd_wire_register reg{};
-  reg.h = Header(MICROD_MSG_REGISTER, sizeof reg);
+  microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER, sizeof reg);
   reg.buffer_id = 0;
   reg.kind = MICROD_BUFFER_HOST;
   reg.dtype = MICROD_DTYPE_FLOAT32;
   reg.count = 1000;
   std::strcpy(reg.name, "w");
   microd_wire_submit sub{};
-  sub.h = Header(MICROD_MSG_SUBMIT, sizeof sub);
+  microd_wire_header_init(&sub.h, MICROD_MSG_SUBMIT, sizeof sub);
   sub.ticket = 1;
   microd_wire_goodbye bye{};
-  bye.h = Header(MICROD_MSG_GOODBYE, sizeof bye);
+  microd_wire_header_init(&bye.h, MICROD_MSG_GOODBYE, sizeof bye);
   microd_wire_register_cuda cuda{};
-  cuda.h = Header(MICROD_MSG_REGISTER_CUDA, sizeof cuda);
+  microd_wire_header_init(&cuda.h, MICROD_MSG_REGISTER_CUDA, sizeof cuda);
   cuda.buffer_id = 1;
   cuda.dtype = MICROD_DTYPE_FLOAT32;
   cuda.count = 256;

@@ -210,18 +210,6 @@ TEST(DaemonFaults, SizeMismatchWithinANodeIsReportedToBothProcesses) {
   EXPECT_EQ(codes, (std::vector<int>{3, 3}));
 }
 
-// Raw packets on the daemon's socket.
-int RawConnect(const std::string& path) {
-  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strcpy(addr.sun_path, path.c_str());
-  for (int i = 0; i < 200; ++i) {
-    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) return fd;
-    std::this_thread::sleep_for(std::chrono::milliseconds(25));
-  }
-  return -1;
-}
 
 // Sends `bytes`; returns the status of the ERROR reply, or 0 when the daemon
 // just closed the connection, or -1 when it answered nothing within 5 s.
@@ -239,14 +227,6 @@ int SendAndExpectRefusal(const std::string& path, const void* bytes, size_t len)
   return n == 0 ? 0 : -1;
 }
 
-microd_wire_header Header(uint16_t type, uint32_t length) {
-  microd_wire_header h{};
-  h.magic = MICROD_WIRE_MAGIC;
-  h.version = MICROD_WIRE_VERSION;
-  h.type = type;
-  h.length = length;
-  return h;
-}
 
 TEST(DaemonFaults, MalformedMessagesLeaveTheDaemonServing) {
   DaemonCluster cluster(1, 1);
@@ -257,32 +237,33 @@ TEST(DaemonFaults, MalformedMessagesLeaveTheDaemonServing) {
   const char truncated[8] = {'M', 'C', 'R', 'D'};
   EXPECT_EQ(SendAndExpectRefusal(path, truncated, sizeof truncated), kProtocol);
   std::vector<char> oversized(4096, 0);
-  auto h = Header(MICROD_MSG_HELLO, 4096);
+  microd_wire_header h;
+  microd_wire_header_init(&h, MICROD_MSG_HELLO, 4096);
   std::memcpy(oversized.data(), &h, sizeof h);
   EXPECT_EQ(SendAndExpectRefusal(path, oversized.data(), oversized.size()), kProtocol);
   microd_wire_submit early{};
-  early.h = Header(MICROD_MSG_SUBMIT, sizeof early);
+  microd_wire_header_init(&early.h, MICROD_MSG_SUBMIT, sizeof early);
   EXPECT_EQ(SendAndExpectRefusal(path, &early, sizeof early), kProtocol);  // before hello
   microd_wire_hello hello{};
-  hello.h = Header(MICROD_MSG_HELLO, sizeof hello);
+  microd_wire_header_init(&hello.h, MICROD_MSG_HELLO, sizeof hello);
   hello.h.version = 99;
   EXPECT_EQ(SendAndExpectRefusal(path, &hello, sizeof hello), kProtocol);
-  hello.h = Header(MICROD_MSG_HELLO, sizeof hello + 4);  // length lies
+  microd_wire_header_init(&hello.h, MICROD_MSG_HELLO, sizeof hello + 4);  // length lies
   EXPECT_EQ(SendAndExpectRefusal(path, &hello, sizeof hello), kProtocol);
-  hello.h = Header(42, sizeof hello);  // unknown type
+  microd_wire_header_init(&hello.h, 42, sizeof hello);  // unknown type
   EXPECT_EQ(SendAndExpectRefusal(path, &hello, sizeof hello), kProtocol);
   {
     // Hello, then a register without its memfd, then a second hello.
     const int fd = RawConnect(path);
     ASSERT_GE(fd, 0);
-    hello.h = Header(MICROD_MSG_HELLO, sizeof hello);
+    microd_wire_header_init(&hello.h, MICROD_MSG_HELLO, sizeof hello);
     hello.local_rank = -1;
     ASSERT_EQ(send(fd, &hello, sizeof hello, 0), static_cast<ssize_t>(sizeof hello));
     microd_wire_hello_ack ack{};
     ASSERT_EQ(recv(fd, &ack, sizeof ack, 0), static_cast<ssize_t>(sizeof ack));
     EXPECT_EQ(ack.status, 0);
     microd_wire_register reg{};
-    reg.h = Header(MICROD_MSG_REGISTER, sizeof reg);
+    microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER, sizeof reg);
     reg.kind = MICROD_BUFFER_HOST;
     reg.dtype = MICROD_DTYPE_FLOAT32;
     reg.count = 10;
@@ -316,7 +297,7 @@ TEST(DaemonFaults, CudaRegistrationIsAnsweredAndTheProcessStays) {
   timeval tv{10, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   microd_wire_hello hello{};
-  hello.h = Header(MICROD_MSG_HELLO, sizeof hello);
+  microd_wire_header_init(&hello.h, MICROD_MSG_HELLO, sizeof hello);
   hello.local_rank = -1;
   ASSERT_EQ(send(fd, &hello, sizeof hello, 0), static_cast<ssize_t>(sizeof hello));
   microd_wire_hello_ack ack{};
@@ -350,7 +331,7 @@ TEST(DaemonFaults, CudaRegistrationIsAnsweredAndTheProcessStays) {
   };
   constexpr int kInvalid = 1, kUnsupported = 6;
   microd_wire_register_cuda reg{};
-  reg.h = Header(MICROD_MSG_REGISTER_CUDA, sizeof reg);
+  microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER_CUDA, sizeof reg);
   reg.buffer_id = 0;
   reg.dtype = MICROD_DTYPE_FLOAT32;
   reg.count = 1000;
@@ -370,7 +351,7 @@ TEST(DaemonFaults, CudaRegistrationIsAnsweredAndTheProcessStays) {
   EXPECT_TRUE(absl::StrContains(message, "'g'")) << message;
   // The old REGISTER with kind CUDA: answered too.
   microd_wire_register old{};
-  old.h = Header(MICROD_MSG_REGISTER, sizeof old);
+  microd_wire_header_init(&old.h, MICROD_MSG_REGISTER, sizeof old);
   old.buffer_id = 0;
   old.kind = MICROD_BUFFER_CUDA;
   old.dtype = MICROD_DTYPE_FLOAT32;
@@ -388,7 +369,7 @@ TEST(DaemonFaults, CudaRegistrationIsAnsweredAndTheProcessStays) {
   EXPECT_EQ(registered(&old, sizeof old, mfd, &message), 0) << message;
   close(mfd);
   microd_wire_goodbye bye{};
-  bye.h = Header(MICROD_MSG_GOODBYE, sizeof bye);
+  microd_wire_header_init(&bye.h, MICROD_MSG_GOODBYE, sizeof bye);
   EXPECT_EQ(send(fd, &bye, sizeof bye, 0), static_cast<ssize_t>(sizeof bye));
   close(fd);
   auto status = cluster.Status(0);

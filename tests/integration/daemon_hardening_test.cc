@@ -217,27 +217,7 @@ TEST(Hardening, Node0PausedTwiceThePeerTimeoutFailsEveryProcessNamingIt) {
   }
 }
 
-int RawConnect(const std::string& path) {
-  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strcpy(addr.sun_path, path.c_str());
-  for (int i = 0; i < 200; ++i) {
-    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) return fd;
-    std::this_thread::sleep_for(std::chrono::milliseconds(25));
-  }
-  close(fd);
-  return -1;
-}
 
-microd_wire_header Header(uint16_t type, uint32_t length) {
-  microd_wire_header h{};
-  h.magic = MICROD_WIRE_MAGIC;
-  h.version = MICROD_WIRE_VERSION;
-  h.type = type;
-  h.length = length;
-  return h;
-}
 
 // The next message on `fd` within 15 s: an ERROR's status and text, or
 // why there was none.
@@ -261,14 +241,14 @@ TEST(Hardening, TicketZeroIsAProtocolError) {
   const int fd = RawConnect(cluster.socket(0));
   ASSERT_GE(fd, 0);
   microd_wire_hello hello{};
-  hello.h = Header(MICROD_MSG_HELLO, sizeof hello);
+  microd_wire_header_init(&hello.h, MICROD_MSG_HELLO, sizeof hello);
   hello.local_rank = 0;
   ASSERT_EQ(send(fd, &hello, sizeof hello, 0), static_cast<ssize_t>(sizeof hello));
   microd_wire_hello_ack ack{};
   ASSERT_EQ(recv(fd, &ack, sizeof ack, 0), static_cast<ssize_t>(sizeof ack));
   ASSERT_EQ(ack.status, 0);
   microd_wire_submit sub{};
-  sub.h = Header(MICROD_MSG_SUBMIT, sizeof sub);
+  microd_wire_header_init(&sub.h, MICROD_MSG_SUBMIT, sizeof sub);
   sub.buffer_id = 0;
   sub.ticket = 0;
   ASSERT_EQ(send(fd, &sub, sizeof sub, 0), static_cast<ssize_t>(sizeof sub));

@@ -5,11 +5,14 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -106,6 +109,21 @@ inline int ReadPortFile(const std::string& path, std::chrono::seconds limit) {
   }
   ADD_FAILURE() << "no port in " << path;
   return 0;
+}
+
+// A raw connection to a daemon's socket (for speaking the wire protocol
+// directly), retried for 5 s while the daemon starts; -1 when none.
+inline int RawConnect(const std::string& path) {
+  const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
+  for (int i = 0; i < 200; ++i) {
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) return fd;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  close(fd);
+  return -1;
 }
 
 }  // namespace microd::testing
