@@ -60,7 +60,7 @@ class LyingTransport final : public Transport {
     }
     std::vector<uint8_t> lie(static_cast<const uint8_t*>(in), static_cast<const uint8_t*>(in) + bytes);
     const std::vector<uint8_t> mine = input_->Bytes(bytes);
-    std::memcpy(lie.data(), mine.data(), mine.size());
+    if (!mine.empty()) std::memcpy(lie.data(), mine.data(), mine.size());
     return inner_->Allgather(lie.data(), bytes, out, o);
   }
   absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv_bytes, void* out,
@@ -69,7 +69,7 @@ class LyingTransport final : public Transport {
     std::vector<uint8_t> lie(bytes);
     if (in != nullptr && bytes > 0) std::memcpy(lie.data(), in, bytes);
     const std::vector<uint8_t> mine = input_->Bytes(bytes);
-    std::memcpy(lie.data(), mine.data(), mine.size());
+    if (!mine.empty()) std::memcpy(lie.data(), mine.data(), mine.size());
     return inner_->AllgatherV(lie.data(), recv_bytes, out, o);
   }
   absl::Status AllreduceSum(void* data, size_t count, DataType type,
