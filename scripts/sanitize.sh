@@ -7,7 +7,9 @@
 # Python and packaging tests (they load libmicrod into Debian's interpreter,
 # which is not instrumented).
 #   scripts/sanitize.sh address   ASan + UBSan, every report fatal (build-asan/)
-#   scripts/sanitize.sh thread    TSan (build-tsan/)
+#   scripts/sanitize.sh thread    TSan (build-tsan/); needs an abseil built with
+#                                 TSan: with Debian's, every access under an
+#                                 absl::Mutex is reported (docs/hardening.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kind=${1:-}
