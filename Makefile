@@ -6,11 +6,14 @@
 #               (results/bench/report.md; BENCH_ARGS="--skip-training" etc.)
 #   make test-asan / make test-tsan   the suites under ASan + UBSan / TSan
 #   make fuzz   each fuzz target under libFuzzer (FUZZ_SECONDS=120 each)
+#   make gpu-bundle        the GPU checks built here and packed for a GPU machine
+#                          (build/gpu-bundle, checked here; run.sh runs them there)
+#   make gpu-bundle-check  checks an existing bundle again
 BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all deps configure build test test-asan test-tsan fuzz demo bench clean
+.PHONY: all deps configure build test test-asan test-tsan fuzz gpu-bundle gpu-bundle-check demo bench clean
 
 all: build
 
@@ -35,6 +38,12 @@ test-tsan: deps
 fuzz:
 	bash scripts/fuzz.sh
 
+gpu-bundle:
+	bash scripts/gpu-bundle.sh
+
+gpu-bundle-check:
+	bash scripts/gpu-bundle-check.sh
+
 demo: build
 	bash scripts/demo.sh $(BUILD) $(DEMO_ARGS)
 
@@ -42,4 +51,4 @@ bench: build
 	bash scripts/bench.sh $(BUILD) $(BENCH_ARGS)
 
 clean:
-	rm -rf $(BUILD) build-asan build-tsan build-fuzz
+	rm -rf $(BUILD) build-asan build-tsan build-fuzz build-gpu

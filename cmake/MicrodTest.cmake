@@ -7,5 +7,7 @@ function(microd_add_gtest name)
   endif()
   add_executable(${name} ${ARG_SOURCES})
   target_link_libraries(${name} PRIVATE ${ARG_LIBS} GTest::gtest GTest::gtest_main microd_config)
+  # tests/helper_path.h: the build tree the helpers' paths are compiled in.
+  target_compile_definitions(${name} PRIVATE MICROD_BUILD_ROOT="${CMAKE_BINARY_DIR}")
   gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT ${ARG_TIMEOUT})
 endfunction()

@@ -6,6 +6,7 @@
 #   scripts/install-deps.sh --build   only what building and installing microd
 #                                     needs (the Dockerfile's build stage)
 #   scripts/install-deps.sh --fuzz    everything and clang with libFuzzer (make fuzz)
+#   scripts/install-deps.sh --gpu-bundle   everything and patchelf (make gpu-bundle)
 set -euo pipefail
 
 BUILD_PACKAGES=(
@@ -30,11 +31,14 @@ TEST_PACKAGES=(
 )
 # make fuzz only: clang with libFuzzer and the sanitizer runtimes.
 FUZZ_PACKAGES=(clang libclang-rt-14-dev)
+# scripts/gpu-bundle.sh only: RUNPATHs of the bundled libraries.
+BUNDLE_PACKAGES=(patchelf)
 case "${1:-}" in
   "") PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}") ;;
   --build) PACKAGES=("${BUILD_PACKAGES[@]}") ;;
   --fuzz) PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}" "${FUZZ_PACKAGES[@]}") ;;
-  *) echo "install-deps: unknown option $1 (--build, --fuzz or nothing)" >&2; exit 2 ;;
+  --gpu-bundle) PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}" "${BUNDLE_PACKAGES[@]}") ;;
+  *) echo "install-deps: unknown option $1 (--build, --fuzz, --gpu-bundle or nothing)" >&2; exit 2 ;;
 esac
 
 missing=()

@@ -424,7 +424,8 @@ class CudaSparseOps final : public SparseOps {
  public:
   CudaSparseOps(int device, int sm_count, std::string name)
       : device_(device),
-        max_blocks_(std::max(1, sm_count) * (2048 / kThreads)),
+        sm_count_(std::max(1, sm_count)),
+        max_blocks_(sm_count_ * (2048 / kThreads)),
         name_(std::move(name)) {}
 
   ~CudaSparseOps() override {
@@ -518,13 +519,13 @@ class CudaSparseOps final : public SparseOps {
     p.out_index = a.out_index;
     p.out_value = a.out_value;
     p.scalars = a.scalars;
-    const int grid = Grid((a.size + kTile - 1) / kTile, 1);
+    const uint64_t tiles = (a.size + kTile - 1) / kTile;
     const bool velocity_aligned =
         a.velocity_out == nullptr || (Aligned16(a.velocity_in) && Aligned16(a.velocity_out));
     if (Aligned16(a.grad) && Aligned16(a.residual) && Aligned16(a.acc) && velocity_aligned) {
-      FusedKernel<true, true><<<grid, kThreads, 0, s>>>(p);
+      FusedKernel<true, true><<<GridFor(FusedKernel<true, true>, tiles), kThreads, 0, s>>>(p);
     } else {
-      FusedKernel<true, false><<<grid, kThreads, 0, s>>>(p);
+      FusedKernel<true, false><<<GridFor(FusedKernel<true, false>, tiles), kThreads, 0, s>>>(p);
     }
     return Check(cudaGetLastError(), "fused kernel launch");
   }
@@ -552,11 +553,11 @@ class CudaSparseOps final : public SparseOps {
     p.out_index = out_index;
     p.out_value = out_value;
     p.scalars = scalars;
-    const int grid = Grid((p.end - p.first + kTile - 1) / kTile, 1);
+    const uint64_t tiles = (p.end - p.first + kTile - 1) / kTile;
     if (Aligned16(acc)) {
-      FusedKernel<false, true><<<grid, kThreads, 0, s>>>(p);
+      FusedKernel<false, true><<<GridFor(FusedKernel<false, true>, tiles), kThreads, 0, s>>>(p);
     } else {
-      FusedKernel<false, false><<<grid, kThreads, 0, s>>>(p);
+      FusedKernel<false, false><<<GridFor(FusedKernel<false, false>, tiles), kThreads, 0, s>>>(p);
     }
     return Check(cudaGetLastError(), "select kernel launch");
   }
@@ -874,6 +875,32 @@ class CudaSparseOps final : public SparseOps {
     return static_cast<int>(std::max<uint64_t>(1, std::min<uint64_t>(blocks, max_blocks_)));
   }
 
+  // The same for one kernel by its own occupancy (its registers decide how
+  // many blocks an SM holds: the fused kernels take more than the 32 per
+  // thread that 8 blocks of 256 threads leave), asked once per kernel.
+  template <typename Kernel>
+  int GridFor(Kernel kernel, uint64_t tiles) {
+    const void* key = reinterpret_cast<const void*>(kernel);
+    int per_sm = 0;
+    {
+      std::lock_guard<std::mutex> lock(occupancy_mu_);
+      auto it = occupancy_.find(key);
+      if (it != occupancy_.end()) {
+        per_sm = it->second;
+      } else {
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0) !=
+                cudaSuccess ||
+            per_sm < 1) {
+          (void)cudaGetLastError();
+          per_sm = 2048 / kThreads;
+        }
+        occupancy_[key] = per_sm;
+      }
+    }
+    const uint64_t most = uint64_t(sm_count_) * uint64_t(per_sm);
+    return static_cast<int>(std::max<uint64_t>(1, std::min<uint64_t>(tiles, most)));
+  }
+
   KernelStatus Copy(void* dst, const void* src, size_t bytes, void* stream, const char* what) {
     if (bytes == 0) return KernelStatus::kOk;
     if (dst == nullptr || src == nullptr) return KernelStatus::kInvalidArgument;
@@ -902,7 +929,10 @@ class CudaSparseOps final : public SparseOps {
   }
 
   const int device_;
+  const int sm_count_;
   const uint64_t max_blocks_;
+  std::mutex occupancy_mu_;
+  std::map<const void*, int> occupancy_;  // blocks per SM, by kernel
   const std::string name_;
   std::mutex scratch_mu_;
   std::map<cudaStream_t, Scratch> scratch_;

@@ -28,6 +28,7 @@
 #include "gtest/gtest.h"
 #include "kernels/sparse_ops.h"
 #include "microd/v1/admin.grpc.pb.h"
+#include "tests/helper_path.h"
 #include "tests/integration/netlab.h"
 #include "tests/integration/process_util.h"
 extern "C" {
@@ -74,7 +75,7 @@ class DaemonCluster {
     for (int r = 0; r < nodes; ++r) {
       const std::string admin =
           lab_ != nullptr ? absl::StrCat("unix:", dir_, "/admin", r, ".sock") : "127.0.0.1:0";
-      std::vector<std::string> args = {MICROD_DAEMON,
+      std::vector<std::string> args = {HelperPath(MICROD_DAEMON),
                                        "--socket=" + socket(r),
                                        absl::StrCat("--local_size=", local),
                                        absl::StrCat("--nodes=", nodes),
@@ -171,7 +172,7 @@ class DaemonCluster {
         const std::string out = absl::StrCat(dir_, "/client", r, "_", l);
         outs_.push_back(out);
         const bool dies = r == die_node && l == die_local;
-        std::vector<std::string> args = {MICROD_TEST_CLIENT,
+        std::vector<std::string> args = {HelperPath(MICROD_TEST_CLIENT),
                                          socket(r),
                                          SpecString(buckets),
                                          std::to_string(steps),

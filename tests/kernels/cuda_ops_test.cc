@@ -180,6 +180,41 @@ TEST_F(CudaOpsTest, FusedAccumulateSelectMatchesCpu) {
   }
 }
 
+// A bucket large enough that every block loops over several tiles (the grid
+// is sized by occupancy, far below 2^24 / tile), with a dense selection (every
+// element selected: the output offsets of every tile claimed in turn), on a
+// stream of its own and on the legacy default stream.
+TEST_F(CudaOpsTest, FusedPassOverManyTilesWithADenseSelectionMatchesCpu) {
+  const uint64_t d = (uint64_t{1} << 24) + 3;
+  const std::vector<float> g = RandomValues(d, 91);
+  const std::vector<float> e = RandomValues(d, 92);
+  std::vector<float> acc_c(d), e_c = e;
+  std::vector<uint32_t> idx_c(d);
+  std::vector<float> val_c(d);
+  StepScalars s_c;
+  FusedSelectArgs ac{g.data(), e_c.data(), acc_c.data(), d, 0, d, 0.0f,
+                     idx_c.data(), val_c.data(), &s_c};
+  ASSERT_EQ(cpu_->FusedAccumulateSelect(ac, nullptr), KernelStatus::kOk);
+  ASSERT_EQ(s_c.count, d);
+  for (void* on : {stream(), static_cast<void*>(nullptr)}) {
+    SCOPED_TRACE(on == nullptr ? "legacy default stream" : "own stream");
+    float* gd = Up(g);
+    float* ed = Up(e);
+    float* accd = Zeros<float>(d);
+    uint32_t* idxd = Zeros<uint32_t>(d);
+    float* vald = Zeros<float>(d);
+    StepScalars* sd = Up(std::vector<StepScalars>{{0, 0}});
+    FusedSelectArgs ag{gd, ed, accd, d, 0, d, 0.0f, idxd, vald, sd};
+    ASSERT_EQ(gpu_->FusedAccumulateSelect(ag, on), KernelStatus::kOk);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const StepScalars s_g = DownScalars(sd);
+    ASSERT_EQ(s_g.count, d);
+    EXPECT_EQ(s_g.nonfinite, s_c.nonfinite);
+    ExpectSameBits(Down(accd, d), acc_c);
+    EXPECT_EQ(Collect(Down(idxd, d), Down(vald, d), d), Collect(idx_c, val_c, d));
+  }
+}
+
 // Momentum correction folded into the pass: the velocity and acc bits of the
 // CPU backend, aligned (vectorised path) and unaligned, velocity in place too.
 TEST_F(CudaOpsTest, FusedPassWithMomentumMatchesCpu) {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "kernels/cuda/device_info.h"
+#include "tests/helper_path.h"
 #include "tests/transport/nccl_rank_protocol.h"
 #include "tests/transport/nccl_test_env.h"
 #include "tests/transport/transport_contract.h"
@@ -213,6 +214,7 @@ std::vector<std::unique_ptr<Transport>> CreateGroup(int size, bool device_buffer
     return {};
   }
   std::vector<std::unique_ptr<ProcessTransport>> procs;
+  const std::string worker = microd::testing::HelperPath(MICROD_NCCL_RANK_WORKER);
   for (int r = 0; r < size; ++r) {
     int call[2], abort_pair[2];
     if (::socketpair(AF_UNIX, SOCK_STREAM, 0, call) != 0 ||
@@ -223,7 +225,7 @@ std::vector<std::unique_ptr<Transport>> CreateGroup(int size, bool device_buffer
     // Everything the child needs is built before fork: between fork and exec
     // it only calls async-signal-safe functions (CUDA's threads may hold locks).
     const std::string rank_s = std::to_string(r), size_s = std::to_string(size);
-    const char* argv[] = {MICROD_NCCL_RANK_WORKER, rank_s.c_str(), size_s.c_str(),
+    const char* argv[] = {worker.c_str(), rank_s.c_str(), size_s.c_str(),
                           prefix.c_str(),          dir,            device_buffers ? "1" : "0",
                           nullptr};
     std::vector<std::string> env = WorkerEnvironment(
@@ -236,7 +238,7 @@ std::vector<std::unique_ptr<Transport>> CreateGroup(int size, bool device_buffer
       ::dup2(call[1], kWorkerCallFd);
       ::dup2(abort_pair[1], kWorkerAbortFd);
       for (int fd = kWorkerAbortFd + 1; fd < 1024; ++fd) ::close(fd);
-      ::execve(MICROD_NCCL_RANK_WORKER, const_cast<char* const*>(argv),
+      ::execve(worker.c_str(), const_cast<char* const*>(argv),
                const_cast<char* const*>(envp.data()));
       ::_exit(127);
     }
@@ -269,12 +271,14 @@ std::vector<std::unique_ptr<Transport>> CreateGroup(int size, bool device_buffer
 
 INSTANTIATE_TEST_SUITE_P(
     Nccl, TransportContractTest,
+    // At most 4 ranks: each is a process with a CUDA context and a
+    // communicator on the one GPU.
     ::testing::Values(TransportBackend{"nccl_host_buffers",
                                        [](int n) { return CreateGroup(n, false); }, NoGpuReason,
-                                       /*rank_order_sums=*/false},
+                                       /*rank_order_sums=*/false, {1, 2, 4}},
                       TransportBackend{"nccl_device_buffers",
                                        [](int n) { return CreateGroup(n, true); }, NoGpuReason,
-                                       /*rank_order_sums=*/false}),
+                                       /*rank_order_sums=*/false, {1, 2, 4}}),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace microd::transport::testing

@@ -1,6 +1,7 @@
 // The transport contract suite, written once and instantiated per backend
 // (in-process now; Gloo and NCCL register their own factory). One thread per
-// rank; sizes {0, 1, odd, large}; ranks {1, 2, 3, 4, 7}.
+// rank; sizes {0, 1, odd, large}; ranks {1, 2, 3, 4, 7} (a backend may ask
+// for fewer).
 #pragma once
 
 #include <functional>
@@ -25,6 +26,9 @@ struct TransportBackend {
   // every such backend (in-process, Gloo), so results do not depend on the
   // backend. NCCL sums in its own order.
   bool rank_order_sums = true;
+  // The group sizes each test runs (NCCL's ranks are processes with a GPU
+  // context each: fewer of them keep the suite within minutes).
+  std::vector<int> ranks = {1, 2, 3, 4, 7};
 };
 
 inline void PrintTo(const TransportBackend& b, std::ostream* os) { *os << b.name; }
