@@ -15,7 +15,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 B="$(cd "${1:-$ROOT/build/gpu-bundle}" && pwd)"
 fail() { echo "gpu-bundle-check: $*" >&2; exit 1; }
 allowed() {
-  case "$1" in
+  case "${1##*/}" in
     linux-vdso.so.*|ld-linux*|libc.so.*|libm.so.*|libpthread.so.*|libdl.so.*|librt.so.*) return 0 ;;
     libstdc++.so.*|libgcc_s.so.*|libcuda.so.*|libnccl.so.*) return 0 ;;
   esac
@@ -43,8 +43,13 @@ echo "gpu-bundle-check: $elves ELF files, every library resolved inside the bund
 scratch=$(mktemp -d)
 daemon_pid=""
 cleanup() {
-  [[ -n "$daemon_pid" ]] && kill "$daemon_pid" 2>/dev/null && wait "$daemon_pid" 2>/dev/null
+  local rc=$?
+  if [[ -n "$daemon_pid" ]]; then
+    kill "$daemon_pid" 2>/dev/null
+    wait "$daemon_pid" 2>/dev/null || true
+  fi
   rm -rf "$scratch"
+  exit "$rc"
 }
 trap cleanup EXIT
 clean() { env -i PATH=/usr/bin:/bin HOME="$scratch" MICROD_BUILD_DIR="$B" "$@"; }
@@ -74,9 +79,9 @@ import numpy as np
 import microd
 c = microd.Client(sys.argv[1])
 b = c.register("check", 1000)
-b[:] = np.arange(1000, dtype=np.float32)
+b.array[:] = np.arange(1000, dtype=np.float32)
 c.allreduce(b)
-assert np.array_equal(b, np.arange(1000, dtype=np.float32)), b[:4]
+assert np.array_equal(b.array, np.arange(1000, dtype=np.float32)), b.array[:4]
 print("python: allreduce through the bundle's libmicrod and microd: ok")
 EOF
 echo "gpu-bundle-check: the bundle's programs run from it in an empty environment"

@@ -32,13 +32,14 @@ bash "$ROOT/scripts/install-deps.sh" --gpu-bundle
 
 NVCC="${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}"
 echo "gpu-bundle: configure $BUILD_DIR (sm_$ARCH, Release)"
+mkdir -p "$BUILD_DIR"
 cmake -S "$ROOT" -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES="$ARCH" \
   -DMICROD_BUILD_BENCH=ON -DMICROD_BUILD_TESTS=ON \
   -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON '-DCMAKE_INSTALL_RPATH=$ORIGIN/../lib;$ORIGIN/../client' \
-  >"$BUILD_DIR.configure.log" 2>&1 || { tail -30 "$BUILD_DIR.configure.log"; exit 1; }
-if ! grep -q "NCCL transport enabled" "$BUILD_DIR.configure.log"; then
-  echo "gpu-bundle: CMake found no CUDA or no NCCL (see $BUILD_DIR.configure.log)" >&2
+  >"$BUILD_DIR/bundle-configure.log" 2>&1 || { tail -30 "$BUILD_DIR/bundle-configure.log"; exit 1; }
+if ! grep -q "NCCL transport enabled" "$BUILD_DIR/bundle-configure.log"; then
+  echo "gpu-bundle: CMake found no CUDA or no NCCL (see $BUILD_DIR/bundle-configure.log)" >&2
   exit 1
 fi
 
@@ -55,8 +56,8 @@ TARGETS=()
 for f in "${EXECUTABLES[@]}"; do TARGETS+=("$(basename "$f")"); done
 TARGETS+=(microd_client_shared)
 echo "gpu-bundle: build ${TARGETS[*]}"
-cmake --build "$BUILD_DIR" -j "${JOBS:-$(nproc)}" --target "${TARGETS[@]}" >"$BUILD_DIR.build.log" 2>&1 ||
-  { grep -E "error|Error" "$BUILD_DIR.build.log" | head -40; exit 1; }
+cmake --build "$BUILD_DIR" -j "${JOBS:-$(nproc)}" --target "${TARGETS[@]}" >"$BUILD_DIR/bundle-build.log" 2>&1 ||
+  { grep -E "error|Error" "$BUILD_DIR/bundle-build.log" | head -40; exit 1; }
 
 rm -rf "$OUT"
 mkdir -p "$OUT/lib" "$OUT/source"
@@ -73,7 +74,7 @@ soname=$(objdump -p "$OUT/client/libmicrod.so" | awk '/SONAME/ {print $2}')
 # and C++ runtimes, the CUDA driver and NCCL. Copied under their SONAME,
 # stripped, RUNPATH $ORIGIN (so they find each other).
 is_system() {
-  case "$1" in
+  case "${1##*/}" in
     linux-vdso.so.*|ld-linux*|libc.so.*|libm.so.*|libpthread.so.*|libdl.so.*|librt.so.*) return 0 ;;
     libstdc++.so.*|libgcc_s.so.*|libcuda.so.*|libnvidia-*|libnccl.so.*) return 0 ;;
   esac
