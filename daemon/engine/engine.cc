@@ -12,6 +12,7 @@
 #include "absl/time/clock.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/status_map.h"
+#include "daemon/engine/cycle_message.h"
 
 namespace microd::engine {
 
@@ -480,11 +481,8 @@ bool Engine::Cycle() {
   const int n = membership_.node_count;
   constexpr uint64_t kNoSlot = ~uint64_t{0};
   // What this node has: schedule batches received, ready cached buckets, and
-  // its share of the small dense buckets it can send along. Message layout
-  // in words: [batches received, ids, ready bits (bw), sent bits (bw), the
-  // floats of the sent buckets (fw)]. Every node derives the same layout from
-  // the cached buckets (same ids, counts and density everywhere).
-  std::vector<uint64_t> mine;
+  // its share of the small dense buckets it can send along (cycle_message.h).
+  CycleMessage mine;
   size_t ids = 0;        // cached buckets at the time of the cycle
   uint64_t floats = 0;   // room taken in the message, in floats
   std::vector<uint64_t> slot;
@@ -512,16 +510,12 @@ bool Engine::Cycle() {
       floats += b.count;
       if (cached_ready_[i]) to_send.push_back({i, b.count, b.buffers});
     }
-    const size_t bw = (ids + 63) / 64;
-    mine.assign(2 + 2 * bw + (floats + 1) / 2, 0);
-    mine[0] = log_run_ + schedule_.size();
-    mine[1] = ids;
+    mine = CycleMessage::Empty(ids, floats);
+    mine.batches_received = log_run_ + schedule_.size();
     for (size_t i = 0; i < ids; ++i) {
-      if (cached_ready_[i]) mine[2 + i / 64] |= uint64_t{1} << (i % 64);
+      if (cached_ready_[i]) mine.SetReady(i);
     }
   }
-  const size_t bw = (ids + 63) / 64;
-  const size_t area_word = 2 + 2 * bw;
   double local_sum = 0;
   if (!to_send.empty()) {
     // This node's local sums (host memory: the CPU backend, as for every
@@ -529,7 +523,6 @@ bool Engine::Cycle() {
     // need staging), and none with a NaN/Inf: those go the usual way,
     // which reports it.
     const absl::Time start = absl::Now();
-    std::vector<float> area(floats);
     if (!scalars_.Reserve(ops_, 1)) to_send.clear();
     for (const ToSend& t : to_send) {
       std::vector<const float*> inputs;
@@ -540,19 +533,19 @@ bool Engine::Cycle() {
       if (inputs.size() != t.buffers.size()) continue;
       kernels::StepScalars sc{};
       if (ops_->LocalSum(inputs.data(), static_cast<int>(inputs.size()), t.count,
-                         area.data() + slot[t.id], scalars_.get(),
+                         mine.area.data() + slot[t.id], scalars_.get(),
                          nullptr) != kernels::KernelStatus::kOk ||
           ops_->CopyToHost(&sc, scalars_.get(), sizeof sc, nullptr) != kernels::KernelStatus::kOk ||
           sc.nonfinite != 0) {
         continue;
       }
-      mine[2 + bw + t.id / 64] |= uint64_t{1} << (t.id % 64);
+      mine.SetSent(t.id);
     }
-    if (floats > 0) std::memcpy(mine.data() + area_word, area.data(), floats * sizeof(float));
     local_sum = absl::ToDoubleSeconds(absl::Now() - start);
   }
   const absl::Time t0 = absl::Now();
-  const size_t words = mine.size();
+  const std::vector<uint64_t> encoded = mine.Encode();
+  const size_t words = encoded.size();
   std::vector<uint64_t> all(words * n);
   CollectiveOptions o;
   o.tag = MakeTag(0, TagKind::kControl);
@@ -560,19 +553,20 @@ bool Engine::Cycle() {
   // --stall_abort_s through the coordinator; a cycle that waits past
   // peer_wait fails the job.
   o.deadline = absl::Now() + options_.peer_wait;
-  absl::Status s = transport_->Allgather(mine.data(), words * sizeof(uint64_t), all.data(), o);
+  absl::Status s = transport_->Allgather(encoded.data(), words * sizeof(uint64_t), all.data(), o);
   if (absl::IsDeadlineExceeded(s)) {
     s = absl::DeadlineExceededError(absl::StrCat(
         "node ", membership_.node_rank, " waited ", absl::FormatDuration(options_.peer_wait),
         " for the other nodes to agree on the next buckets (", s.message(), ")"));
   }
-  if (s.ok()) {
-    for (int r = 0; r < n; ++r) {
-      if (all[r * words + 1] != mine[1]) {
-        s = absl::InternalError(absl::StrCat("response cache out of step: node ", r, " has ",
-                                             all[r * words + 1], " cached buckets, node ",
-                                             membership_.node_rank, " ", mine[1]));
-      }
+  std::vector<CycleMessage> theirs;
+  for (int r = 0; r < n && s.ok(); ++r) {
+    auto m = CycleMessage::Decode(absl::MakeConstSpan(all).subspan(r * words, words), ids, floats);
+    if (!m.ok()) {
+      s = absl::Status(m.status().code(), absl::StrCat("node ", r, ": ", m.status().message(),
+                                                        " (node ", membership_.node_rank, ")"));
+    } else {
+      theirs.push_back(std::move(m).value());
     }
   }
   if (!s.ok()) {
@@ -585,12 +579,8 @@ bool Engine::Cycle() {
     return false;
   }
   const double exchange = absl::ToDoubleSeconds(absl::Now() - t0);
-  uint64_t agreed_log = mine[0];
-  std::vector<uint64_t> agreed(mine.begin() + 2, mine.begin() + area_word);  // ready, sent
-  for (int r = 0; r < n; ++r) {
-    agreed_log = std::min(agreed_log, all[r * words]);
-    for (size_t w = 0; w < 2 * bw; ++w) agreed[w] &= all[r * words + 2 + w];
-  }
+  const CycleAgreement agreed = Intersect(theirs);
+  const uint64_t agreed_log = agreed.batches;
   bool ran = false;
   // First the schedule batches every node has, in log order.
   for (;;) {
@@ -614,8 +604,8 @@ bool Engine::Cycle() {
     if (!failed_.ok()) return ran;
     // Ids assigned by the batches just run have no agreed bits yet.
     for (size_t i = 0; i < ids; ++i) {
-      if (!((agreed[i / 64] >> (i % 64)) & 1)) continue;
-      if ((agreed[bw + i / 64] >> (i % 64)) & 1) {
+      if (!agreed.IsReady(i)) continue;
+      if (agreed.IsSent(i)) {
         in_cycle.push_back(i);
       } else {
         cached.scheduled.push_back(InfoOf(*cached_[i]));
@@ -623,11 +613,8 @@ bool Engine::Cycle() {
     }
   }
   if (!in_cycle.empty()) {
-    std::vector<float> area(floats * n);
-    for (int r = 0; r < n && floats > 0; ++r) {
-      std::memcpy(area.data() + r * floats, all.data() + r * words + area_word,
-                  floats * sizeof(float));
-    }
+    std::vector<float> area;
+    for (const CycleMessage& m : theirs) area.insert(area.end(), m.area.begin(), m.area.end());
     RunInCycle(in_cycle, slot, area, floats, local_sum, exchange,
                /*count_batch=*/cached.scheduled.empty());
     ran = true;
