@@ -345,9 +345,7 @@ Engine::Work Engine::TakeWork(Bucket& b) {
   Work w;
   w.bucket = &b;
   w.buffers = b.buffers;
-  w.clients = b.clients;
-  w.tickets = b.tickets;
-  w.buffer_ids = b.buffer_ids;
+  w.answer = std::make_shared<Answer>(b.clients, b.tickets, b.buffer_ids);
   std::fill(b.tickets.begin(), b.tickets.end(), 0);
   b.submitted = 0;
   if (b.cache_id >= 0) cached_ready_[b.cache_id] = false;
@@ -362,10 +360,10 @@ absl::Status Engine::WithRootCause(const absl::Status& local) {
 }
 
 void Engine::CompleteWork(const Work& w, const absl::Status& status) {
-  if (server_ == nullptr) return;
-  for (size_t r = 0; r < w.tickets.size(); ++r) {
-    if (w.tickets[r] != 0) server_->Complete(w.clients[r], w.tickets[r], w.buffer_ids[r], status);
-  }
+  w.answer->Finish(status, [this](uint64_t client, uint64_t ticket, uint32_t buffer_id,
+                                  const absl::Status& s) {
+    if (server_ != nullptr) server_->Complete(client, ticket, buffer_id, s);
+  });
 }
 
 void Engine::PollLoop() {
@@ -889,11 +887,10 @@ void Engine::FinishWork(const Work& w, const absl::Status& status) {
   {
     absl::MutexLock lock(&mu_);
     auto it = std::find_if(in_flight_.begin(), in_flight_.end(),
-                           [&](const Work& x) { return x.bucket == w.bucket; });
-    if (it == in_flight_.end()) return;  // Fail() answered it already
-    in_flight_.erase(it);
+                           [&](const Work& x) { return x.answer == w.answer; });
+    if (it != in_flight_.end()) in_flight_.erase(it);
   }
-  CompleteWork(w, status);
+  CompleteWork(w, status);  // nothing when Fail() answered it already
 }
 
 void Engine::RunSparse(Work& w) {

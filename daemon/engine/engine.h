@@ -51,6 +51,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "daemon/control/coordinator_client.h"
+#include "daemon/engine/answer.h"
 #include "daemon/local/local_server.h"
 #include "daemon/sparsify/bucket.h"
 #include "daemon/transport/transport.h"
@@ -192,12 +193,13 @@ class Engine final : public local::LocalHandler {
     std::unique_ptr<sparsify::BucketState> state;
     BucketStats stats;
   };
-  // What a scheduled bucket needs while it runs (taken under the lock).
+  // What a scheduled bucket needs while it runs (taken under the lock):
+  // its buffers, and the answer owed to its submissions (answer.h: given
+  // once, by whoever gets there first).
   struct Work {
     Bucket* bucket;
     std::vector<std::shared_ptr<local::HostBuffer>> buffers;
-    std::vector<uint64_t> clients, tickets;
-    std::vector<uint32_t> buffer_ids;
+    std::shared_ptr<Answer> answer;
   };
 
   absl::Status RegisterBuffer(uint64_t client, uint32_t buffer_id, const std::string& name,
