@@ -33,6 +33,36 @@ absl::Status JobFailed(const absl::Status& why) {
 
 }  // namespace
 
+void BucketStats::AddDense(double local_sum, double exchange, double writeback) {
+  ++steps;
+  budget = last_selected = count;
+  bytes_sent += count * sizeof(float);
+  bytes_received += count * sizeof(float);
+  local_sum_seconds += local_sum;
+  exchange_seconds += exchange;
+  writeback_seconds += writeback;
+}
+
+void BucketStats::AddSparse(const sparsify::StepStats& st, double local_sum, double writeback,
+                            size_t history_limit) {
+  ++steps;
+  budget = st.budget;
+  last_selected = st.selected;
+  last_threshold = st.threshold;
+  last_cre = st.cre;
+  if (st.step >= 2) sum_cre += st.cre;
+  bytes_sent += st.bytes_sent;
+  bytes_received += st.bytes_received;
+  local_sum_seconds += local_sum;
+  select_seconds += st.select_seconds;
+  exchange_seconds += st.exchange_seconds;
+  writeback_seconds += st.apply_seconds + writeback;
+  if (history_limit > 0) {
+    if (history.size() >= history_limit) history.pop_front();
+    history.push_back({st.step, st.selected, st.budget, st.threshold, st.cre});
+  }
+}
+
 absl::Status CheckOptionsAgree(transport::Transport& transport, const EngineOptions& o,
                                absl::Time deadline) {
   const sparsify::SparsifyOptions& s = o.sparsify;
@@ -678,16 +708,10 @@ void Engine::RunInCycle(const std::vector<size_t>& ids, const std::vector<uint64
     }
     {
       absl::MutexLock lock(&mu_);
-      BucketStats& st = w.bucket->stats;
       const double share = static_cast<double>(d) / static_cast<double>(total);
-      ++st.steps;
       ++cycle_reductions_;
-      st.budget = st.last_selected = d;
-      st.bytes_sent += d * sizeof(float);
-      st.bytes_received += d * sizeof(float);
-      st.local_sum_seconds += local_sum_seconds * share;
-      st.exchange_seconds += exchange_seconds * share;
-      st.writeback_seconds += absl::ToDoubleSeconds(absl::Now() - t0);
+      w.bucket->stats.AddDense(local_sum_seconds * share, exchange_seconds * share,
+                               absl::ToDoubleSeconds(absl::Now() - t0));
     }
     FinishWork(w, absl::OkStatus());
   }
@@ -982,23 +1006,7 @@ void Engine::RunSparse(Work& w) {
   const double writeback = Seconds(t1);
   {
     absl::MutexLock lock(&mu_);
-    BucketStats& s = b.stats;
-    ++s.steps;
-    s.budget = st->budget;
-    s.last_selected = st->selected;
-    s.last_threshold = st->threshold;
-    s.last_cre = st->cre;
-    if (st->step >= 2) s.sum_cre += st->cre;
-    s.bytes_sent += st->bytes_sent;
-    s.bytes_received += st->bytes_received;
-    s.local_sum_seconds += local_sum;
-    s.select_seconds += st->select_seconds;
-    s.exchange_seconds += st->exchange_seconds;
-    s.writeback_seconds += st->apply_seconds + writeback;
-    if (options_.stats_history > 0) {
-      if (s.history.size() >= options_.stats_history) s.history.pop_front();
-      s.history.push_back({st->step, st->selected, st->budget, st->threshold, st->cre});
-    }
+    b.stats.AddSparse(*st, local_sum, writeback, options_.stats_history);
   }
   FinishWork(w, absl::OkStatus());
 }
@@ -1117,15 +1125,8 @@ void Engine::RunFusedDense(std::vector<Work>& works) {
   {
     absl::MutexLock lock(&mu_);
     for (const Work& w : works) {
-      BucketStats& st = w.bucket->stats;
       const double share = static_cast<double>(w.bucket->count) / static_cast<double>(total);
-      ++st.steps;
-      st.budget = st.last_selected = w.bucket->count;
-      st.bytes_sent += w.bucket->count * sizeof(float);
-      st.bytes_received += w.bucket->count * sizeof(float);
-      st.local_sum_seconds += local_sum * share;
-      st.exchange_seconds += exchange * share;
-      st.writeback_seconds += writeback * share;
+      w.bucket->stats.AddDense(local_sum * share, exchange * share, writeback * share);
     }
   }
   for (const Work& w : works) FinishWork(w, absl::OkStatus());

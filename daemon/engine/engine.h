@@ -122,6 +122,14 @@ struct BucketStats {
   double exchange_seconds = 0;
   double writeback_seconds = 0;
   std::deque<StepSample> history;  // the last EngineOptions::stats_history steps
+
+  // A dense step of this bucket's `count` elements, with its share of the
+  // times of the fused allreduce or cycle it rode in.
+  void AddDense(double local_sum, double exchange, double writeback);
+  // A sparse step, as the bucket's state reported it; `history` sparse
+  // steps kept at most.
+  void AddSparse(const sparsify::StepStats& st, double local_sum, double writeback,
+                 size_t history_limit);
 };
 
 struct EngineSnapshot {
