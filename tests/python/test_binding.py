@@ -220,3 +220,13 @@ def test_microctl_history_lists_every_sparse_step(make_cluster):
     missing = subprocess.run(microctl + ["history", "nope"], capture_output=True, text=True)
     assert missing.returncode == 1 and "no bucket named 'nope'" in missing.stderr
     c.close()
+
+
+def test_timeout_error_is_microds_and_the_builtin():
+    """Issue L: microd.TimeoutError shadowed the built-in; MicrodTimeoutError
+    is both a MicrodError and a built-in TimeoutError (the old name stays)."""
+    import builtins
+    assert issubclass(microd.MicrodTimeoutError, microd.MicrodError)
+    assert issubclass(microd.MicrodTimeoutError, builtins.TimeoutError)
+    assert microd.TimeoutError is microd.MicrodTimeoutError
+    assert "TimeoutError" not in microd.__all__

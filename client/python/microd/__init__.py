@@ -9,6 +9,7 @@
 Every non-OK status of the C library raises the MicrodError subclass of its
 code, carrying the daemon's message.
 """
+import builtins
 import ctypes
 import ctypes.util
 import enum
@@ -17,7 +18,7 @@ import os
 import numpy as np
 
 __all__ = [
-    "Status", "MicrodError", "InvalidArgumentError", "UnavailableError", "TimeoutError",
+    "Status", "MicrodError", "InvalidArgumentError", "UnavailableError", "MicrodTimeoutError",
     "MismatchError", "JobFailedError", "UnsupportedError", "ProtocolError", "ResourceError",
     "PermissionDeniedError", "NonFiniteError", "InternalError", "ClosedError",
     "Client", "Buffer", "CudaBuffer", "JobInfo", "library_path",
@@ -53,7 +54,13 @@ class MicrodError(Exception):
 
 class InvalidArgumentError(MicrodError): pass
 class UnavailableError(MicrodError): pass
-class TimeoutError(MicrodError): pass  # noqa: A001 (mirrors the C name)
+class MicrodTimeoutError(MicrodError, builtins.TimeoutError):
+    """MICROD_ERR_TIMEOUT; also a built-in TimeoutError, so `except
+    TimeoutError` catches it."""
+
+
+# The name the binding had before; the same class (not the built-in).
+TimeoutError = MicrodTimeoutError  # noqa: A001
 class MismatchError(MicrodError): pass
 class JobFailedError(MicrodError): pass
 class UnsupportedError(MicrodError): pass
@@ -68,7 +75,7 @@ class ClosedError(MicrodError): pass
 _ERRORS = {
     Status.INVALID_ARGUMENT: InvalidArgumentError,
     Status.UNAVAILABLE: UnavailableError,
-    Status.TIMEOUT: TimeoutError,
+    Status.TIMEOUT: MicrodTimeoutError,
     Status.MISMATCH: MismatchError,
     Status.JOB_FAILED: JobFailedError,
     Status.UNSUPPORTED: UnsupportedError,
