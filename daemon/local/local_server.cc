@@ -454,135 +454,157 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
   }
 
   switch (m.h.type) {
-    case MICROD_MSG_HELLO: {
-      if (c.greeted) {
-        Refuse(id, kProtocol, "hello sent twice");
-        return false;
-      }
-      if (m.hello.local_rank < -1) {
-        Refuse(id, static_cast<int>(ClientStatus::kInvalidArgument),
-               absl::StrCat("local rank ", m.hello.local_rank, " is negative"));
-        return false;
-      }
-      auto info = handler_->OnHello(id, m.hello.local_rank, c.pid);
-      if (!info.ok()) {
-        Refuse(id, static_cast<int>(ToClientStatus(info.status())),
-               std::string(info.status().message()));
-        return false;
-      }
-      {
-        absl::MutexLock lock(&mu_);
-        c.greeted = true;
-        c.local_rank = info->local_rank;
-      }
-      microd_wire_hello_ack ack{};
-      microd_wire_header_init(&ack.h, MICROD_MSG_HELLO_ACK, sizeof ack);
-      // Every build answers REGISTER_CUDA (a CPU build with UNSUPPORTED).
-      ack.h.reserved = MICROD_WIRE_CAP_REGISTER_CUDA;
-      ack.status = 0;
-      ack.local_rank = info->local_rank;
-      ack.local_size = info->local_size;
-      ack.node_rank = info->node_rank;
-      ack.node_count = info->node_count;
-      ack.rank = info->rank;
-      ack.world_size = info->world_size;
-      ack.momentum_correction = info->momentum_correction;
-      absl::MutexLock lock(&mu_);
-      Send(c, &ack, sizeof ack);  // a failure: Reap() drops it
-      return true;
-    }
-    case MICROD_MSG_REGISTER: {
-      const microd_wire_register& r = m.reg;
-      auto answer = [&](const absl::Status& s) { return AnswerRegister(c, r.buffer_id, s); };
-      const std::string name = WireName(r.name);
-      if (name.empty()) {
-        Refuse(id, kProtocol, "buffer name empty or not terminated");
-        return false;
-      }
-      if (r.kind == MICROD_BUFFER_CUDA) {
-        return answer(WithClientStatus(
-            absl::UnimplementedError(absl::StrCat(
-                "buffer '", name,
-                "': CUDA buffers are registered with REGISTER_CUDA (microd_register_cuda_buffer), "
-                "not REGISTER")),
-            ClientStatus::kUnsupported));
-      }
-      if (r.kind != MICROD_BUFFER_HOST || r.dtype != MICROD_DTYPE_FLOAT32 || (r.flags & ~1u) != 0) {
-        Refuse(id, kProtocol,
-               absl::StrCat("buffer '", name, "': unknown kind ", r.kind, ", dtype ", r.dtype,
-                            " or flags ", r.flags));
-        return false;
-      }
-      if (fds.size() != 1) {
-        Refuse(id, kProtocol, absl::StrCat("register of '", name, "' must carry one memfd"));
-        return false;
-      }
-      if (r.count == 0 || r.count > kMaxElements) {
-        return answer(absl::InvalidArgumentError(absl::StrCat("buffer '", name, "': element count ",
-                                                              r.count, " out of range [1, 2^32)")));
-      }
-      if (c.buffers.count(r.buffer_id) != 0) {
-        return answer(absl::InvalidArgumentError(
-            absl::StrCat("buffer id ", r.buffer_id, " is already registered")));
-      }
-      const uint64_t bytes = r.count * sizeof(float);
-      if (static_cast<int>(c.buffers.size()) >= options_.max_buffers_per_client ||
-          c.bytes + bytes > options_.max_bytes_per_client) {
-        return answer(WithClientStatus(absl::ResourceExhaustedError(absl::StrCat(
-                                           "buffer '", name, "': over the per-process limit (",
-                                           options_.max_buffers_per_client, " buffers, ",
-                                           options_.max_bytes_per_client, " bytes)")),
-                                       ClientStatus::kResource));
-      }
-      struct stat st;
-      const int seals = fcntl(fds[0], F_GET_SEALS);
-      if (fstat(fds[0], &st) != 0 || !S_ISREG(st.st_mode) ||
-          static_cast<uint64_t>(st.st_size) < bytes || seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
-        return answer(absl::InvalidArgumentError(
-            absl::StrCat("buffer '", name, "': the descriptor must be a memfd of at least ", bytes,
-                         " bytes sealed against shrinking")));
-      }
-      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
-      if (p == MAP_FAILED) {
-        return answer(WithClientStatus(absl::ResourceExhaustedError(absl::StrCat(
-                                           "buffer '", name, "': mmap: ", std::strerror(errno))),
-                                       ClientStatus::kResource));
-      }
-      auto buffer = std::make_shared<HostBuffer>(static_cast<float*>(p), r.count, bytes);
-      absl::Status s =
-          handler_->OnRegister(id, r.buffer_id, name, (r.flags & 1u) != 0, std::move(buffer));
-      if (s.ok()) {
-        absl::MutexLock lock(&mu_);
-        c.buffers[r.buffer_id] = bytes;
-        c.bytes += bytes;
-      }
-      return answer(s);
-    }
+    case MICROD_MSG_HELLO:
+      return HandleHello(id, c, m.hello);
+    case MICROD_MSG_REGISTER:
+      return HandleRegister(id, c, m.reg, fds);
     case MICROD_MSG_REGISTER_CUDA:
       return HandleRegisterCuda(id, c, m.reg_cuda);
-    case MICROD_MSG_SUBMIT: {
-      // Ticket 0 means "none" to the engine; tickets start at 1.
-      if (m.submit.ticket == 0 || m.submit.reserved != 0) {
-        Refuse(id, kProtocol,
-               absl::StrCat("submit of buffer id ", m.submit.buffer_id, " with ticket ",
-                            m.submit.ticket, " and reserved field ", m.submit.reserved,
-                            " (tickets start at 1, the reserved field is 0)"));
-        return false;
-      }
-      if (c.buffers.count(m.submit.buffer_id) == 0) {
-        Refuse(id, static_cast<int>(ClientStatus::kInvalidArgument),
-               absl::StrCat("submit of unknown buffer id ", m.submit.buffer_id));
-        return false;
-      }
-      absl::Status s = handler_->OnSubmit(id, m.submit.buffer_id, m.submit.ticket);
-      if (!s.ok()) Complete(id, m.submit.ticket, m.submit.buffer_id, s);
-      return true;
-    }
+    case MICROD_MSG_SUBMIT:
+      return HandleSubmit(id, c, m.submit);
     case MICROD_MSG_GOODBYE:
       Drop(id, true, "goodbye");
       return false;
   }
   return true;
+}
+
+bool LocalServer::HandleHello(uint64_t id, Client& c, const ::microd_wire_hello& hello) {
+  const int kProtocol = static_cast<int>(ClientStatus::kProtocol);
+  if (c.greeted) {
+    Refuse(id, kProtocol, "hello sent twice");
+    return false;
+  }
+  if (hello.local_rank < -1) {
+    Refuse(id, static_cast<int>(ClientStatus::kInvalidArgument),
+           absl::StrCat("local rank ", hello.local_rank, " is negative"));
+    return false;
+  }
+  auto info = handler_->OnHello(id, hello.local_rank, c.pid);
+  if (!info.ok()) {
+    Refuse(id, static_cast<int>(ToClientStatus(info.status())),
+           std::string(info.status().message()));
+    return false;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    c.greeted = true;
+    c.local_rank = info->local_rank;
+  }
+  microd_wire_hello_ack ack{};
+  microd_wire_header_init(&ack.h, MICROD_MSG_HELLO_ACK, sizeof ack);
+  // Every build answers REGISTER_CUDA (a CPU build with UNSUPPORTED).
+  ack.h.reserved = MICROD_WIRE_CAP_REGISTER_CUDA;
+  ack.status = 0;
+  ack.local_rank = info->local_rank;
+  ack.local_size = info->local_size;
+  ack.node_rank = info->node_rank;
+  ack.node_count = info->node_count;
+  ack.rank = info->rank;
+  ack.world_size = info->world_size;
+  ack.momentum_correction = info->momentum_correction;
+  absl::MutexLock lock(&mu_);
+  Send(c, &ack, sizeof ack);  // a failure: Reap() drops it
+  return true;
+}
+
+bool LocalServer::HandleRegister(uint64_t id, Client& c, const ::microd_wire_register& r,
+                                 const std::vector<int>& fds) {
+  const int kProtocol = static_cast<int>(ClientStatus::kProtocol);
+  auto answer = [&](const absl::Status& s) { return AnswerRegister(c, r.buffer_id, s); };
+  const std::string name = WireName(r.name);
+  if (name.empty()) {
+    Refuse(id, kProtocol, "buffer name empty or not terminated");
+    return false;
+  }
+  if (r.kind == MICROD_BUFFER_CUDA) {
+    return answer(WithClientStatus(
+        absl::UnimplementedError(absl::StrCat(
+            "buffer '", name,
+            "': CUDA buffers are registered with REGISTER_CUDA (microd_register_cuda_buffer), "
+            "not REGISTER")),
+        ClientStatus::kUnsupported));
+  }
+  if (r.kind != MICROD_BUFFER_HOST || r.dtype != MICROD_DTYPE_FLOAT32 || (r.flags & ~1u) != 0) {
+    Refuse(id, kProtocol,
+           absl::StrCat("buffer '", name, "': unknown kind ", r.kind, ", dtype ", r.dtype,
+                        " or flags ", r.flags));
+    return false;
+  }
+  if (fds.size() != 1) {
+    Refuse(id, kProtocol, absl::StrCat("register of '", name, "' must carry one memfd"));
+    return false;
+  }
+  if (r.count == 0 || r.count > kMaxElements) {
+    return answer(absl::InvalidArgumentError(absl::StrCat("buffer '", name, "': element count ",
+                                                          r.count, " out of range [1, 2^32)")));
+  }
+  const uint64_t bytes = r.count * sizeof(float);
+  if (absl::Status room = CheckRoom(c, r.buffer_id, name, bytes); !room.ok()) return answer(room);
+  struct stat st;
+  const int seals = fcntl(fds[0], F_GET_SEALS);
+  if (fstat(fds[0], &st) != 0 || !S_ISREG(st.st_mode) ||
+      static_cast<uint64_t>(st.st_size) < bytes || seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+    return answer(absl::InvalidArgumentError(
+        absl::StrCat("buffer '", name, "': the descriptor must be a memfd of at least ", bytes,
+                     " bytes sealed against shrinking")));
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+  if (p == MAP_FAILED) {
+    return answer(WithClientStatus(absl::ResourceExhaustedError(absl::StrCat(
+                                       "buffer '", name, "': mmap: ", std::strerror(errno))),
+                                   ClientStatus::kResource));
+  }
+  return AcceptBuffer(id, c, r.buffer_id, name, (r.flags & 1u) != 0, bytes,
+                      std::make_shared<HostBuffer>(static_cast<float*>(p), r.count, bytes));
+}
+
+bool LocalServer::HandleSubmit(uint64_t id, Client& c, const ::microd_wire_submit& submit) {
+  const int kProtocol = static_cast<int>(ClientStatus::kProtocol);
+  // Ticket 0 means "none" to the engine; tickets start at 1.
+  if (submit.ticket == 0 || submit.reserved != 0) {
+    Refuse(id, kProtocol,
+           absl::StrCat("submit of buffer id ", submit.buffer_id, " with ticket ",
+                        submit.ticket, " and reserved field ", submit.reserved,
+                        " (tickets start at 1, the reserved field is 0)"));
+    return false;
+  }
+  if (c.buffers.count(submit.buffer_id) == 0) {
+    Refuse(id, static_cast<int>(ClientStatus::kInvalidArgument),
+           absl::StrCat("submit of unknown buffer id ", submit.buffer_id));
+    return false;
+  }
+  absl::Status s = handler_->OnSubmit(id, submit.buffer_id, submit.ticket);
+  if (!s.ok()) Complete(id, submit.ticket, submit.buffer_id, s);
+  return true;
+}
+
+absl::Status LocalServer::CheckRoom(const Client& c, uint32_t buffer_id, const std::string& name,
+                                    uint64_t bytes) const {
+  if (c.buffers.count(buffer_id) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("buffer id ", buffer_id, " is already registered"));
+  }
+  if (static_cast<int>(c.buffers.size()) >= options_.max_buffers_per_client ||
+      c.bytes + bytes > options_.max_bytes_per_client) {
+    return WithClientStatus(absl::ResourceExhaustedError(absl::StrCat(
+                                "buffer '", name, "': over the per-process limit (",
+                                options_.max_buffers_per_client, " buffers, ",
+                                options_.max_bytes_per_client, " bytes)")),
+                            ClientStatus::kResource);
+  }
+  return absl::OkStatus();
+}
+
+bool LocalServer::AcceptBuffer(uint64_t id, Client& c, uint32_t buffer_id, const std::string& name,
+                               bool dense, uint64_t bytes, std::shared_ptr<HostBuffer> buffer) {
+  absl::Status s = handler_->OnRegister(id, buffer_id, name, dense, std::move(buffer));
+  if (s.ok()) {
+    absl::MutexLock lock(&mu_);
+    c.buffers[buffer_id] = bytes;
+    c.bytes += bytes;
+  }
+  return AnswerRegister(c, buffer_id, s);
 }
 
 // Answers a REGISTER or REGISTER_CUDA with `s`; the client stays connected.
@@ -624,19 +646,8 @@ bool LocalServer::HandleRegisterCuda(uint64_t id, Client& c, const microd_wire_r
                      " do not fit an allocation of ", r.alloc_bytes,
                      " bytes (or the offset is not a multiple of 4)")));
   }
-  if (c.buffers.count(r.buffer_id) != 0) {
-    return answer(absl::InvalidArgumentError(
-        absl::StrCat("buffer id ", r.buffer_id, " is already registered")));
-  }
   // The daemon's staging copy counts against the process's limit.
-  if (static_cast<int>(c.buffers.size()) >= options_.max_buffers_per_client ||
-      c.bytes + bytes > options_.max_bytes_per_client) {
-    return answer(WithClientStatus(
-        absl::ResourceExhaustedError(absl::StrCat(
-            "buffer '", name, "': over the per-process limit (", options_.max_buffers_per_client,
-            " buffers, ", options_.max_bytes_per_client, " bytes)")),
-        ClientStatus::kResource));
-  }
+  if (absl::Status room = CheckRoom(c, r.buffer_id, name, bytes); !room.ok()) return answer(room);
   if (cuda_ == nullptr && cuda_unavailable_.empty()) {
     auto registry = options_.cuda_registry ? options_.cuda_registry()
                                            : CreateCudaIpcRegistry(options_.cuda_resident_device);
@@ -666,15 +677,8 @@ bool LocalServer::HandleRegisterCuda(uint64_t id, Client& c, const microd_wire_r
   std::memcpy(req.event_handle.data(), r.event_handle, req.event_handle.size());
   auto device = cuda_->Open(req);
   if (!device.ok()) return answer(device.status());
-  auto buffer = std::make_shared<HostBuffer>(std::move(device).value());
-  absl::Status s =
-      handler_->OnRegister(id, r.buffer_id, name, (r.flags & 1u) != 0, std::move(buffer));
-  if (s.ok()) {
-    absl::MutexLock lock(&mu_);
-    c.buffers[r.buffer_id] = bytes;
-    c.bytes += bytes;
-  }
-  return answer(s);
+  return AcceptBuffer(id, c, r.buffer_id, name, (r.flags & 1u) != 0, bytes,
+                      std::make_shared<HostBuffer>(std::move(device).value()));
 }
 
 }  // namespace microd::local

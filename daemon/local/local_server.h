@@ -29,7 +29,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
-struct microd_wire_register_cuda;  // client/src/wire.h
+struct microd_wire_hello;  // client/src/wire.h
+struct microd_wire_register;
+struct microd_wire_register_cuda;
+struct microd_wire_submit;
 
 namespace microd::local {
 
@@ -192,8 +195,21 @@ class LocalServer {
   void Accept();
   // Handles one message; false when the client must be dropped.
   bool HandleMessage(uint64_t id, Client& c);
+  // One handler per message type, after HandleMessage's framing checks;
+  // false when the client was dropped.
+  bool HandleHello(uint64_t id, Client& c, const ::microd_wire_hello& hello);
+  // REGISTER: validates, maps the memfd and answers.
+  bool HandleRegister(uint64_t id, Client& c, const ::microd_wire_register& r,
+                      const std::vector<int>& fds);
   // REGISTER_CUDA: validates, opens the allocation and answers.
   bool HandleRegisterCuda(uint64_t id, Client& c, const ::microd_wire_register_cuda& r);
+  bool HandleSubmit(uint64_t id, Client& c, const ::microd_wire_submit& submit);
+  // Both registers: the buffer id is new and the process has room for it...
+  absl::Status CheckRoom(const Client& c, uint32_t buffer_id, const std::string& name,
+                         uint64_t bytes) const;
+  // ...and then the engine takes it (and the process's account with it).
+  bool AcceptBuffer(uint64_t id, Client& c, uint32_t buffer_id, const std::string& name,
+                    bool dense, uint64_t bytes, std::shared_ptr<HostBuffer> buffer);
   bool AnswerRegister(Client& c, uint32_t buffer_id, const absl::Status& s);
   void Drop(uint64_t id, bool clean, const std::string& why);
   // Sends an ERROR message (best effort) and drops the client.
