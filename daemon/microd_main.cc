@@ -30,6 +30,7 @@
 #include "daemon/control/coordinator_client.h"
 #include "daemon/control/services.h"
 #include "daemon/engine/engine.h"
+#include "daemon/engine/engine_status.h"
 #include "daemon/local/local_server.h"
 #include "daemon/transport/gloo/gloo_transport.h"
 #include "microd/config.h"
@@ -409,43 +410,7 @@ int main(int argc, char** argv) {
           }
         }
         if (engine != nullptr) {
-          const auto snap = engine->Snapshot(req.include_history());
-          r->set_batches(snap.batches);
-          r->set_cache_batches(snap.cache_batches);
-          r->set_cycle_reductions(snap.cycle_reductions);
-          if (!snap.failure.empty()) {
-            r->set_job_state(microd::v1::JOB_STATE_FAILED);
-            if (r->failure().empty()) r->set_failure(snap.failure);
-          }
-          for (const auto& b : snap.buckets) {
-            auto* s = r->add_buckets();
-            s->set_name(b.name);
-            s->set_count(b.count);
-            s->set_dense(b.dense);
-            s->set_steps(b.steps);
-            s->set_failures(b.failures);
-            s->set_skipped_steps(b.skipped);
-            s->set_last_selected(b.last_selected);
-            s->set_budget(b.budget);
-            s->set_last_threshold(b.last_threshold);
-            s->set_last_cre(b.last_cre);
-            s->set_mean_cre(b.steps > 2 ? b.sum_cre / static_cast<double>(b.steps - 2) : 0.0);
-            s->set_bytes_sent(b.bytes_sent);
-            s->set_bytes_received(b.bytes_received);
-            s->set_local_sum_seconds(b.local_sum_seconds);
-            s->set_select_seconds(b.select_seconds);
-            s->set_exchange_seconds(b.exchange_seconds);
-            s->set_writeback_seconds(b.writeback_seconds);
-            s->set_negotiate_seconds(b.negotiate_seconds);
-            for (const auto& h : b.history) {
-              auto* p = s->add_history();
-              p->set_step(h.step);
-              p->set_selected(h.selected);
-              p->set_budget(h.budget);
-              p->set_threshold(h.threshold);
-              p->set_cre(h.cre);
-            }
-          }
+          microd::engine::FillEngineStatus(engine->Snapshot(req.include_history()), r);
         }
       });
   auto admin = microd::control::ControlServer::Start(absl::GetFlag(FLAGS_admin), {&admin_service});
