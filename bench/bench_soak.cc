@@ -282,19 +282,7 @@ class Flooder {
       reg.dtype = MICROD_DTYPE_FLOAT32;
       reg.count = l.Count(b);
       std::snprintf(reg.name, sizeof reg.name, "b%d", b);
-      iovec iov{&reg, sizeof reg};
-      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
-      msghdr mh{};
-      mh.msg_iov = &iov;
-      mh.msg_iovlen = 1;
-      mh.msg_control = control;
-      mh.msg_controllen = sizeof control;
-      cmsghdr* cm = CMSG_FIRSTHDR(&mh);
-      cm->cmsg_level = SOL_SOCKET;
-      cm->cmsg_type = SCM_RIGHTS;
-      cm->cmsg_len = CMSG_LEN(sizeof(int));
-      std::memcpy(CMSG_DATA(cm), &mfd, sizeof mfd);
-      if (sendmsg(fd_, &mh, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof reg)) return "register";
+      if (microd_wire_send(fd_, &reg, sizeof reg, mfd) != 0) return "register";
       close(mfd);
       microd_wire_register_ack rack{};
       if (recv(fd_, &rack, sizeof rack, 0) != static_cast<ssize_t>(sizeof rack) ||

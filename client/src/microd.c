@@ -89,31 +89,6 @@ static void copy_message(char* dst, const char* src) {
 
 static int valid_status(int32_t s) { return s >= MICROD_OK && s <= MICROD_ERR_CLOSED; }
 
-/* Sends one message, optionally with a file descriptor. 0 on success. */
-static int send_message(int fd, const void* msg, size_t len, int pass_fd) {
-  struct iovec iov = {(void*)msg, len};
-  struct msghdr mh;
-  char control[CMSG_SPACE(sizeof(int))];
-  memset(&mh, 0, sizeof mh);
-  mh.msg_iov = &iov;
-  mh.msg_iovlen = 1;
-  if (pass_fd >= 0) {
-    memset(control, 0, sizeof control);
-    mh.msg_control = control;
-    mh.msg_controllen = sizeof control;
-    struct cmsghdr* cm = CMSG_FIRSTHDR(&mh);
-    cm->cmsg_level = SOL_SOCKET;
-    cm->cmsg_type = SCM_RIGHTS;
-    cm->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(cm), &pass_fd, sizeof(int));
-  }
-  ssize_t n;
-  do {
-    n = sendmsg(fd, &mh, MSG_NOSIGNAL);
-  } while (n < 0 && errno == EINTR);
-  return n == (ssize_t)len ? 0 : -1;
-}
-
 /* Marks the connection unusable; every later call returns `status`. */
 static void break_connection(microd_client* c, microd_status status, const char* message) {
   if (c->broken == MICROD_OK) {
@@ -293,7 +268,7 @@ microd_status microd_connect(const microd_options* options, microd_client** out)
   hello.pid = (uint32_t)getpid();
   /* A daemon that refuses this process answers with an ERROR and closes at
    * once: the hello may fail to send, but the answer is still there to read. */
-  const int hello_errno = send_message(fd, &hello, sizeof hello, -1) != 0 ? errno : 0;
+  const int hello_errno = microd_wire_send(fd, &hello, sizeof hello, -1) != 0 ? errno : 0;
   microd_wire_hello_ack ack;
   ssize_t n = -1;
   for (;;) {
@@ -449,7 +424,7 @@ static microd_status register_with_daemon(microd_client* c, void* msg, size_t le
   const int32_t id = c->nbuffers;
   *id_field = (uint32_t)id;
   c->have_register_ack = 0;
-  const int sent = send_message(c->fd, msg, len, pass_fd);
+  const int sent = microd_wire_send(c->fd, msg, len, pass_fd);
   pthread_mutex_unlock(&c->mu);
   if (sent != 0) {
     pthread_mutex_lock(&c->mu);
@@ -652,7 +627,7 @@ static microd_status submit(microd_client* c, int32_t buffer_id, void* stream, u
     microd_wire_header_init(&sub.h, MICROD_MSG_SUBMIT, sizeof sub);
     sub.buffer_id = (uint32_t)buffer_id;
     sub.ticket = ++c->next_ticket;
-    if (send_message(c->fd, &sub, sizeof sub, -1) != 0) {
+    if (microd_wire_send(c->fd, &sub, sizeof sub, -1) != 0) {
       break_connection(c, MICROD_ERR_UNAVAILABLE, "sending to the daemon failed");
       status = fail(c, c->broken, "%s", c->broken_message);
     } else {
@@ -727,7 +702,7 @@ microd_status microd_close(microd_client* c) {
   microd_wire_goodbye bye;
   memset(&bye, 0, sizeof bye);
   microd_wire_header_init(&bye.h, MICROD_MSG_GOODBYE, sizeof bye);
-  if (c->broken == MICROD_OK) (void)send_message(c->fd, &bye, sizeof bye, -1);
+  if (c->broken == MICROD_OK) (void)microd_wire_send(c->fd, &bye, sizeof bye, -1);
   close(c->fd);
   for (int32_t i = 0; i < c->nbuffers; ++i) {
     if (c->buffers[i].is_cuda) {

@@ -6,7 +6,13 @@
 #ifndef MICROD_CLIENT_WIRE_H_
 #define MICROD_CLIENT_WIRE_H_
 
+#include <errno.h>
+#include <stddef.h>
 #include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <sys/uio.h>
 
 #define MICROD_WIRE_MAGIC 0x4452434Du /* "MCRD" */
 #define MICROD_WIRE_VERSION 1
@@ -132,6 +138,38 @@ typedef struct microd_wire_error {
 typedef struct microd_wire_goodbye {
   microd_wire_header h;
 } microd_wire_goodbye;
+
+/* Sends one message, with the descriptor `pass_fd` attached when it is not
+ * negative (SCM_RIGHTS). 0 on success, -1 otherwise (errno says why). */
+static inline int microd_wire_send(int sock, const void* msg, size_t len, int pass_fd) {
+  struct iovec iov;
+  struct msghdr mh;
+  union {
+    char bytes[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+  } control;
+  ssize_t n;
+  iov.iov_base = (void*)msg;
+  iov.iov_len = len;
+  memset(&mh, 0, sizeof mh);
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  if (pass_fd >= 0) {
+    struct cmsghdr* cm;
+    memset(&control, 0, sizeof control);
+    mh.msg_control = control.bytes;
+    mh.msg_controllen = sizeof control.bytes;
+    cm = CMSG_FIRSTHDR(&mh);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cm), &pass_fd, sizeof(int));
+  }
+  do {
+    n = sendmsg(sock, &mh, MSG_NOSIGNAL);
+  } while (n < 0 && errno == EINTR);
+  return n == (ssize_t)len ? 0 : -1;
+}
 
 /* Fills the header of a message of `type`, `length` bytes in all. */
 static inline void microd_wire_header_init(microd_wire_header* h, uint16_t type, uint32_t length) {

@@ -294,21 +294,7 @@ class Process {
 
  private:
   int Registered(const void* msg, size_t len, int pass_fd) {
-    iovec iov{const_cast<void*>(msg), len};
-    msghdr mh{};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    if (pass_fd >= 0) {
-      mh.msg_control = control;
-      mh.msg_controllen = sizeof control;
-      cmsghdr* cm = CMSG_FIRSTHDR(&mh);
-      cm->cmsg_level = SOL_SOCKET;
-      cm->cmsg_type = SCM_RIGHTS;
-      cm->cmsg_len = CMSG_LEN(sizeof(int));
-      std::memcpy(CMSG_DATA(cm), &pass_fd, sizeof(int));
-    }
-    EXPECT_EQ(sendmsg(fd_, &mh, MSG_NOSIGNAL), static_cast<ssize_t>(len));
+    EXPECT_EQ(microd_wire_send(fd_, msg, len, pass_fd), 0);
     microd_wire_register_ack ack{};
     EXPECT_EQ(recv(fd_, &ack, sizeof ack, 0), static_cast<ssize_t>(sizeof ack));
     ack.message[MICROD_WIRE_MESSAGE_BYTES - 1] = '\0';

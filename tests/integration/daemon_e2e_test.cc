@@ -306,21 +306,7 @@ TEST(DaemonFaults, CudaRegistrationIsAnsweredAndTheProcessStays) {
   EXPECT_EQ(ack.h.reserved & MICROD_WIRE_CAP_REGISTER_CUDA, MICROD_WIRE_CAP_REGISTER_CUDA);
 
   auto registered = [&](const void* msg, size_t len, int pass_fd, std::string* message) {
-    iovec iov{const_cast<void*>(msg), len};
-    msghdr mh{};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    if (pass_fd >= 0) {
-      mh.msg_control = control;
-      mh.msg_controllen = sizeof control;
-      cmsghdr* cm = CMSG_FIRSTHDR(&mh);
-      cm->cmsg_level = SOL_SOCKET;
-      cm->cmsg_type = SCM_RIGHTS;
-      cm->cmsg_len = CMSG_LEN(sizeof(int));
-      std::memcpy(CMSG_DATA(cm), &pass_fd, sizeof(int));
-    }
-    EXPECT_EQ(sendmsg(fd, &mh, MSG_NOSIGNAL), static_cast<ssize_t>(len));
+    EXPECT_EQ(microd_wire_send(fd, msg, len, pass_fd), 0);
     microd_wire_register_ack reply{};
     const ssize_t n = recv(fd, &reply, sizeof reply, 0);
     EXPECT_EQ(n, static_cast<ssize_t>(sizeof reply));
