@@ -164,6 +164,12 @@ class SparseOps {
   // acc[index[j]] = 0 for j in [0, count).
   virtual KernelStatus ZeroAt(float* acc, const uint32_t* index, uint64_t count, void* stream) = 0;
 
+  // dst[0..count) = src[0..count) (both in this backend's memory; they may
+  // overlap), queued on `stream`.
+  virtual KernelStatus CopyFloats(float* dst, const float* src, uint64_t count, void* stream) = 0;
+  // dst[0..count) = 0, queued on `stream`.
+  virtual KernelStatus ZeroFloats(float* dst, uint64_t count, void* stream) = 0;
+
   // scalars->count = how many of index[0..count) lie outside [begin, end);
   // scalars->nonfinite = 0. The check of indices a peer sent, before any
   // kernel above uses them.

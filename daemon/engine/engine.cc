@@ -843,15 +843,10 @@ absl::Status Engine::StageOut(const Work& w, absl::Time deadline) {
 
 absl::Status Engine::CopyFloats(float* dst, const float* src, uint64_t count) {
   if (count == 0) return absl::OkStatus();
-  kernels::KernelStatus k;
-  if (src == nullptr) {
-    // Scattering nothing: the output zero-filled, in ops_'s memory.
-    k = ops_->ScatterAverage(nullptr, nullptr, 0, 1.0f, dst, count, nullptr);
-  } else {
-    // One input: a copy, in ops_'s memory (host or device).
-    k = ops_->LocalSum(&src, 1, count, dst, nullptr, nullptr);
-  }
-  return KernelCall(k, "copy");
+  // In ops_'s memory (host or device).
+  return KernelCall(src == nullptr ? ops_->ZeroFloats(dst, count, nullptr)
+                                   : ops_->CopyFloats(dst, src, count, nullptr),
+                    "copy");
 }
 
 absl::Status Engine::KernelCall(kernels::KernelStatus k, const char* what) const {

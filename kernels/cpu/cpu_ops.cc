@@ -197,6 +197,18 @@ class CpuSparseOps final : public SparseOps {
     return KernelStatus::kOk;
   }
 
+  KernelStatus CopyFloats(float* dst, const float* src, uint64_t count, void*) override {
+    if (count > 0 && (dst == nullptr || src == nullptr)) return KernelStatus::kInvalidArgument;
+    if (count > 0) std::memmove(dst, src, count * sizeof(float));
+    return KernelStatus::kOk;
+  }
+
+  KernelStatus ZeroFloats(float* dst, uint64_t count, void*) override {
+    if (count > 0 && dst == nullptr) return KernelStatus::kInvalidArgument;
+    if (count > 0) std::memset(dst, 0, count * sizeof(float));
+    return KernelStatus::kOk;
+  }
+
   KernelStatus CountOutside(const uint32_t* index, uint64_t count, uint64_t begin, uint64_t end,
                             StepScalars* scalars, void*) override {
     if (scalars == nullptr || (count > 0 && index == nullptr)) return KernelStatus::kInvalidArgument;

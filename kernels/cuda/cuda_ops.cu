@@ -701,6 +701,21 @@ class CudaSparseOps final : public SparseOps {
     return Check(cudaGetLastError(), "scatter launch");
   }
 
+  KernelStatus CopyFloats(float* dst, const float* src, uint64_t count, void* stream) override {
+    if (count > 0 && (dst == nullptr || src == nullptr)) return KernelStatus::kInvalidArgument;
+    if (count == 0) return KernelStatus::kOk;
+    if (!SetDevice()) return KernelStatus::kDeviceError;
+    return Check(cudaMemcpyAsync(dst, src, count * sizeof(float), cudaMemcpyDefault, S(stream)),
+                 "copy");
+  }
+
+  KernelStatus ZeroFloats(float* dst, uint64_t count, void* stream) override {
+    if (count > 0 && dst == nullptr) return KernelStatus::kInvalidArgument;
+    if (count == 0) return KernelStatus::kOk;
+    if (!SetDevice()) return KernelStatus::kDeviceError;
+    return Check(cudaMemsetAsync(dst, 0, count * sizeof(float), S(stream)), "zero");
+  }
+
   KernelStatus CountOutside(const uint32_t* index, uint64_t count, uint64_t begin, uint64_t end,
                             StepScalars* scalars, void* stream) override {
     if (scalars == nullptr || (count > 0 && index == nullptr)) return KernelStatus::kInvalidArgument;

@@ -353,6 +353,19 @@ TEST_P(CpuOpsTest, GatherScatterZero) {
   }
 }
 
+TEST_P(CpuOpsTest, CopyAndZeroFloats) {
+  std::vector<float> src = RandomValues(1003, 4), dst(1003, 7.0f);
+  ASSERT_EQ(ops_->CopyFloats(dst.data(), src.data(), src.size(), nullptr), KernelStatus::kOk);
+  for (size_t i = 0; i < src.size(); ++i) ASSERT_EQ(Bits(dst[i]), Bits(src[i])) << i;
+  ASSERT_EQ(ops_->ZeroFloats(dst.data() + 1, 1000, nullptr), KernelStatus::kOk);
+  EXPECT_EQ(Bits(dst[0]), Bits(src[0]));
+  for (size_t i = 1; i < 1001; ++i) ASSERT_EQ(dst[i], 0.0f) << i;
+  EXPECT_EQ(Bits(dst[1001]), Bits(src[1001]));
+  EXPECT_EQ(ops_->CopyFloats(nullptr, src.data(), 1, nullptr), KernelStatus::kInvalidArgument);
+  EXPECT_EQ(ops_->ZeroFloats(nullptr, 1, nullptr), KernelStatus::kInvalidArgument);
+  EXPECT_EQ(ops_->ZeroFloats(nullptr, 0, nullptr), KernelStatus::kOk);
+}
+
 // The check of a peer's indices: those outside [begin, end) are counted.
 TEST_P(CpuOpsTest, CountOutsideCountsIndicesOutsideTheRange) {
   const std::vector<uint32_t> idx = {0, 9, 10, 19, 20, 4294967295u, 15};

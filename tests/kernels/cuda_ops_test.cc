@@ -589,6 +589,16 @@ TEST_F(CudaOpsTest, GatherScatterZeroMatchCpu) {
   }
 }
 
+TEST_F(CudaOpsTest, CopyAndZeroFloatsInDeviceMemory) {
+  const std::vector<float> src = RandomValues(100003, 8);
+  const float* srcd = Up(src);
+  float* dstd = Up(std::vector<float>(src.size(), 7.0f));
+  ASSERT_EQ(gpu_->CopyFloats(dstd, srcd, src.size(), stream()), KernelStatus::kOk);
+  ExpectSameBits(Down(dstd, src.size()), src);
+  ASSERT_EQ(gpu_->ZeroFloats(dstd, src.size(), stream()), KernelStatus::kOk);
+  ExpectSameBits(Down(dstd, src.size()), std::vector<float>(src.size(), 0.0f));
+}
+
 TEST_F(CudaOpsTest, CountOutsideMatchesCpu) {
   for (uint64_t n : kSizes) {
     std::vector<uint32_t> idx(n);
