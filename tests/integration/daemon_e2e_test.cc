@@ -377,8 +377,33 @@ TEST(DaemonFaults, ProcessOfAnotherUidIsRefused) {
   int fd = open(out.c_str(), O_CREAT | O_WRONLY, 0666);
   close(fd);
   chmod(out.c_str(), 0666);
-  auto codes = WaitAll({Spawn({"/usr/bin/setpriv", "--reuid=65534", "--regid=65534",
-                               "--clear-groups", MICROD_TEST_CLIENT, path, "w:10", "1", out})},
+  // The other user runs copies of the client and its library from the
+  // test's own directory: the build tree may sit in a directory that only
+  // root can enter (a clone under a private temporary directory).
+  namespace fs = std::filesystem;
+  const fs::path client = HelperPath(MICROD_TEST_CLIENT);
+  const std::string bin = cluster.dir() + "/bin";
+  fs::create_directory(bin);
+  fs::copy_file(client, bin + "/microd-test-client");
+  for (const auto& entry : fs::directory_iterator(client.parent_path().parent_path() / "client")) {
+    if (absl::StartsWith(entry.path().filename().string(), "libmicrod.so")) {
+      fs::copy_file(entry.path(), bin + "/" + entry.path().filename().string(),
+                    fs::copy_options::copy_symlinks);
+    }
+  }
+  chmod(bin.c_str(), 0755);
+  const std::vector<std::string> as_nobody = {"/usr/bin/setpriv", "--reuid=65534",
+                                              "--regid=65534", "--clear-groups", "/usr/bin/env",
+                                              "LD_LIBRARY_PATH=" + bin};
+  auto with = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), as_nobody.begin(), as_nobody.end());
+    return args;
+  };
+  ASSERT_EQ(WaitAll({Spawn(with({"/usr/bin/test", "-x", bin + "/microd-test-client"}))},
+                    std::chrono::seconds(10))[0],
+            0)
+      << "uid 65534 cannot reach " << bin << ": put TMPDIR in a directory others may enter";
+  auto codes = WaitAll({Spawn(with({bin + "/microd-test-client", path, "w:10", "1", out}))},
                        std::chrono::seconds(30));
   std::string line;
   EXPECT_EQ(codes[0], 3);
