@@ -1,0 +1,55 @@
+// What the engine's parts share, under one mutex: the job's state, the
+// process table, the schedule read from the coordinator and the work of the
+// running batch; and how a part ends the job or answers a Work.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "daemon/control/coordinator_client.h"
+#include "daemon/engine/process_table.h"
+
+namespace microd::engine {
+
+struct EngineState {
+  EngineState(int local_size, uint64_t dense_floor) : table(local_size, dense_floor) {}
+
+  bool job_failed() const {
+    absl::MutexLock lock(&mu);
+    return !failed.ok();
+  }
+
+  mutable absl::Mutex mu;
+  absl::Status failed ABSL_GUARDED_BY(mu);  // the job's end, once failed
+  bool stop ABSL_GUARDED_BY(mu) = false;
+  ProcessTable table ABSL_GUARDED_BY(mu);
+  std::deque<control::ScheduleBatch> schedule ABSL_GUARDED_BY(mu);  // read, not yet run
+  uint64_t log_run ABSL_GUARDED_BY(mu) = 0;  // schedule batches taken from `schedule`
+  // Something changed since the last cycle (a submission, a schedule batch).
+  bool changed ABSL_GUARDED_BY(mu) = false;
+  // The running batch's work not yet answered (Fail() answers it).
+  std::vector<Work> in_flight ABSL_GUARDED_BY(mu);
+  uint64_t batches ABSL_GUARDED_BY(mu) = 0;
+  uint64_t cache_batches ABSL_GUARDED_BY(mu) = 0;
+  uint64_t cycle_reductions ABSL_GUARDED_BY(mu) = 0;
+};
+
+// The engine, as its parts see it.
+class JobControl {
+ public:
+  virtual ~JobControl() = default;
+  // Ends the job on this node (and tells the coordinator when `report`).
+  virtual void Fail(const absl::Status& reason, bool report) = 0;
+  // A step failed here: the reason another node gave the coordinator first.
+  virtual absl::Status WithRootCause(const absl::Status& local) = 0;
+  // Answers a Work of the running batch, unless Fail() did already.
+  virtual void Finish(const Work& work, const absl::Status& status) = 0;
+};
+
+// The status every submission gets once the job failed for `why`.
+absl::Status JobFailed(const absl::Status& why);
+
+}  // namespace microd::engine

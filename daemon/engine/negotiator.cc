@@ -1,0 +1,301 @@
+#include "daemon/engine/negotiator.h"
+
+#include <algorithm>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "daemon/engine/cycle_message.h"
+
+namespace microd::engine {
+namespace {
+
+class CoordinatorNegotiator final : public Negotiator {
+ public:
+  CoordinatorNegotiator(control::CoordinatorClient* client, EngineState* state, JobControl* job)
+      : client_(client), state_(state), job_(job) {}
+
+  std::optional<Plan> Next() override {
+    std::vector<control::BucketInfo> report;
+    Plan plan;
+    {
+      absl::MutexLock lock(&state_->mu);
+      auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
+        return state_->stop || state_->table.has_newly_ready() || !state_->schedule.empty();
+      };
+      state_->mu.AwaitWithTimeout(absl::Condition(&has_work), absl::Seconds(1));
+      if (state_->stop) return std::nullopt;
+      if (!state_->failed.ok()) {
+        state_->table.DropNewlyReady();
+        state_->schedule.clear();
+        return plan;
+      }
+      report = state_->table.TakeNewlyReady();
+      if (!state_->schedule.empty()) {
+        plan.batches.push_back(std::move(state_->schedule.front()));
+        state_->schedule.pop_front();
+      }
+    }
+    if (!report.empty()) {
+      if (absl::Status s = client_->Report(report); !s.ok()) {
+        job_->Fail(s, /*report=*/false);
+        return Plan{};
+      }
+    }
+    return plan;
+  }
+
+ private:
+  control::CoordinatorClient* const client_;
+  EngineState* const state_;
+  JobControl* const job_;
+};
+
+class CycleNegotiator final : public Negotiator {
+ public:
+  CycleNegotiator(const EngineOptions& options, const control::Membership& membership,
+                  control::CoordinatorClient* client, transport::Transport* transport,
+                  kernels::SparseOps* ops, EngineState* state, JobControl* job)
+      : options_(options),
+        membership_(membership),
+        client_(client),
+        transport_(transport),
+        ops_(ops),
+        state_(state),
+        job_(job) {
+    report_thread_ = std::thread([this] { ReportLoop(); });
+  }
+
+  std::optional<Plan> Next() override;
+  void Join() override {
+    if (report_thread_.joinable()) report_thread_.join();
+  }
+
+ private:
+  // A small dense bucket ready here that rides in the cycle: its local sum
+  // goes in the message.
+  struct ToSend {
+    size_t id;
+    uint64_t count;
+    std::vector<std::shared_ptr<local::HostBuffer>> buffers;
+  };
+
+  // This node's message (without the local sums yet), the buckets whose
+  // local sums go in it, and where (slot, by cache id; kNoSlot: none).
+  CycleMessage Prepare(std::vector<uint64_t>* slot, std::vector<ToSend>* to_send);
+  // The local sums into `mine` (host memory; none with a NaN/Inf: those go
+  // the usual way, which reports it).
+  void SumForCycle(const std::vector<ToSend>& to_send, const std::vector<uint64_t>& slot,
+                   CycleMessage* mine);
+  // Every node's message, in node order.
+  absl::StatusOr<std::vector<CycleMessage>> Exchange(const CycleMessage& mine);
+  // One cycle: what every node agrees to run.
+  Plan Cycle();
+  void ReportLoop();
+
+  static constexpr uint64_t kNoSlot = ~uint64_t{0};
+
+  const EngineOptions& options_;
+  const control::Membership& membership_;
+  control::CoordinatorClient* const client_;
+  transport::Transport* const transport_;
+  kernels::SparseOps* const ops_;
+  EngineState* const state_;
+  JobControl* const job_;
+  bool progressed_ = false;  // the last cycle ran something
+  sparsify::DeviceBuffer<kernels::StepScalars> scalars_;
+  std::thread report_thread_;
+};
+
+std::optional<Plan> CycleNegotiator::Next() {
+  {
+    absl::MutexLock lock(&state_->mu);
+    auto pending = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
+      return !state_->schedule.empty() || state_->table.any_cached_ready();
+    };
+    auto go = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
+      return state_->stop || (pending() && (state_->changed || progressed_));
+    };
+    // A change (a submission, a schedule batch) starts a cycle at once.
+    // With work pending but nothing new, the next cycle starts after 1 ms:
+    // the others may be waiting in one for this node (two nodes each with
+    // a bucket the other has not submitted yet would otherwise spin).
+    state_->mu.AwaitWithTimeout(absl::Condition(&go),
+                                pending() ? absl::Milliseconds(1) : absl::Seconds(1));
+    if (state_->stop) return std::nullopt;
+    if (!state_->failed.ok()) {
+      state_->schedule.clear();
+      progressed_ = false;
+      return Plan{};
+    }
+    if (!pending()) return Plan{};
+    state_->changed = false;
+  }
+  Plan plan = Cycle();
+  progressed_ = !plan.empty();
+  return plan;
+}
+
+CycleMessage CycleNegotiator::Prepare(std::vector<uint64_t>* slot, std::vector<ToSend>* to_send) {
+  // The room, in floats: --cycle_floats, but the whole allgather kept under
+  // 256 KiB, where the transport sends it to every peer in one round.
+  const uint64_t per_node = (uint64_t{64} << 10) / membership_.node_count;
+  const uint64_t room = std::min<uint64_t>(options_.cycle_floats, per_node > 512 ? per_node - 512 : 0);
+  absl::MutexLock lock(&state_->mu);
+  ProcessTable& table = state_->table;
+  const size_t ids = table.cached_count();
+  slot->assign(ids, kNoSlot);
+  uint64_t floats = 0;
+  const bool ride = !options_.device_resident && room > 0;
+  for (size_t i = 0; i < ids && ride; ++i) {
+    const Bucket& b = table.cached(i);
+    if (!b.dense || floats + b.count > room) continue;
+    (*slot)[i] = floats;
+    floats += b.count;
+    if (table.cached_ready(i)) to_send->push_back({i, b.count, b.buffers});
+  }
+  CycleMessage mine = CycleMessage::Empty(ids, floats);
+  mine.batches_received = state_->log_run + state_->schedule.size();
+  for (size_t i = 0; i < ids; ++i) {
+    if (table.cached_ready(i)) mine.SetReady(i);
+  }
+  return mine;
+}
+
+void CycleNegotiator::SumForCycle(const std::vector<ToSend>& to_send,
+                                  const std::vector<uint64_t>& slot, CycleMessage* mine) {
+  if (to_send.empty() || !scalars_.Reserve(ops_, 1)) return;
+  for (const ToSend& t : to_send) {
+    std::vector<const float*> inputs;
+    for (const auto& buf : t.buffers) {
+      if (buf == nullptr || buf->device() != nullptr) break;  // CUDA ones need staging
+      inputs.push_back(buf->data());
+    }
+    if (inputs.size() != t.buffers.size()) continue;
+    kernels::StepScalars sc{};
+    if (ops_->LocalSum(inputs.data(), static_cast<int>(inputs.size()), t.count,
+                       mine->area.data() + slot[t.id], scalars_.get(),
+                       nullptr) != kernels::KernelStatus::kOk ||
+        ops_->CopyToHost(&sc, scalars_.get(), sizeof sc, nullptr) != kernels::KernelStatus::kOk ||
+        sc.nonfinite != 0) {
+      continue;
+    }
+    mine->SetSent(t.id);
+  }
+}
+
+absl::StatusOr<std::vector<CycleMessage>> CycleNegotiator::Exchange(const CycleMessage& mine) {
+  const int n = membership_.node_count;
+  const std::vector<uint64_t> encoded = mine.Encode();
+  const size_t words = encoded.size();
+  std::vector<uint64_t> all(words * n);
+  transport::CollectiveOptions o;
+  o.tag = transport::MakeTag(0, transport::TagKind::kControl);
+  // A failed peer ends the wait through Fail(), a stall past
+  // --stall_abort_s through the coordinator; a cycle that waits past
+  // peer_wait fails the job.
+  o.deadline = absl::Now() + options_.peer_wait;
+  absl::Status s = transport_->Allgather(encoded.data(), words * sizeof(uint64_t), all.data(), o);
+  if (absl::IsDeadlineExceeded(s)) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "node ", membership_.node_rank, " waited ", absl::FormatDuration(options_.peer_wait),
+        " for the other nodes to agree on the next buckets (", s.message(), ")"));
+  }
+  if (!s.ok()) return s;
+  std::vector<CycleMessage> theirs;
+  for (int r = 0; r < n; ++r) {
+    auto m = CycleMessage::Decode(absl::MakeConstSpan(all).subspan(r * words, words),
+                                  mine.ids, mine.area.size());
+    if (!m.ok()) {
+      return absl::Status(m.status().code(), absl::StrCat("node ", r, ": ", m.status().message(),
+                                                          " (node ", membership_.node_rank, ")"));
+    }
+    theirs.push_back(std::move(m).value());
+  }
+  return theirs;
+}
+
+Plan CycleNegotiator::Cycle() {
+  std::vector<uint64_t> slot;
+  std::vector<ToSend> to_send;
+  CycleMessage mine = Prepare(&slot, &to_send);
+  const absl::Time start = absl::Now();
+  SumForCycle(to_send, slot, &mine);
+  const double local_sum = absl::ToDoubleSeconds(absl::Now() - start);
+  const absl::Time t0 = absl::Now();
+  auto theirs = Exchange(mine);
+  if (!theirs.ok()) {
+    if (!state_->job_failed()) job_->Fail(job_->WithRootCause(theirs.status()), /*report=*/true);
+    return Plan{};  // or Fail() ended the cycle
+  }
+  const double exchange = absl::ToDoubleSeconds(absl::Now() - t0);
+  const CycleAgreement agreed = Intersect(*theirs);
+  Plan plan;
+  absl::MutexLock lock(&state_->mu);
+  if (!state_->failed.ok()) return plan;
+  // First the schedule batches every node has, in log order.
+  while (state_->log_run < agreed.batches && !state_->schedule.empty()) {
+    plan.batches.push_back(std::move(state_->schedule.front()));
+    state_->schedule.pop_front();
+    ++state_->log_run;
+  }
+  // Then the cached buckets ready on every node, in id order: those every
+  // node sent along are reduced already, the others run as a batch. (Ids
+  // the batches above assign have no agreed bits yet.)
+  for (size_t i = 0; i < mine.ids; ++i) {
+    if (!agreed.IsReady(i)) continue;
+    if (agreed.IsSent(i)) {
+      plan.in_cycle.ids.push_back(i);
+      plan.in_cycle.at.push_back(slot[i]);
+    } else {
+      plan.cached.scheduled.push_back(ProcessTable::InfoOf(state_->table.cached(i)));
+    }
+  }
+  if (!plan.in_cycle.ids.empty()) {
+    for (const CycleMessage& m : *theirs) {
+      plan.in_cycle.area.insert(plan.in_cycle.area.end(), m.area.begin(), m.area.end());
+    }
+    plan.in_cycle.floats = mine.area.size();
+    plan.in_cycle.local_sum_seconds = local_sum;
+    plan.in_cycle.exchange_seconds = exchange;
+  }
+  return plan;
+}
+
+void CycleNegotiator::ReportLoop() {
+  for (;;) {
+    std::vector<control::BucketInfo> report;
+    {
+      absl::MutexLock lock(&state_->mu);
+      auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
+        return state_->stop || state_->table.has_newly_ready();
+      };
+      state_->mu.AwaitWithTimeout(absl::Condition(&has_work), absl::Seconds(1));
+      if (state_->stop) return;
+      if (!state_->failed.ok()) {
+        state_->table.DropNewlyReady();
+        continue;
+      }
+      report = state_->table.TakeNewlyReady();
+    }
+    if (report.empty()) continue;
+    if (absl::Status s = client_->Report(report); !s.ok()) job_->Fail(s, /*report=*/false);
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Negotiator> MakeNegotiator(const EngineOptions& options,
+                                           const control::Membership& membership,
+                                           control::CoordinatorClient* client,
+                                           transport::Transport* transport,
+                                           kernels::SparseOps* ops, EngineState* state,
+                                           JobControl* job) {
+  if (options.response_cache) {
+    return std::make_unique<CycleNegotiator>(options, membership, client, transport, ops, state,
+                                             job);
+  }
+  return std::make_unique<CoordinatorNegotiator>(client, state, job);
+}
+
+}  // namespace microd::engine

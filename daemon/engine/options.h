@@ -1,0 +1,52 @@
+// The engine's options, and the check that every node runs with the same.
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "daemon/sparsify/bucket.h"
+#include "daemon/transport/transport.h"
+
+namespace microd::engine {
+
+struct EngineOptions {
+  int local_size = 1;
+  sparsify::SparsifyOptions sparsify;
+  // Buckets with fewer elements go dense, fused into one allreduce per batch.
+  uint64_t dense_floor = 65536;
+  absl::Duration op_timeout = absl::Seconds(60);
+  // How long a response-cache cycle waits for the other nodes to enter it
+  // (a node enters only with work pending: its trainer may be busy, e.g.
+  // saving a checkpoint). The stall inspector reports such waits long before.
+  absl::Duration peer_wait = absl::Minutes(30);
+  // A NaN/Inf in some node's gradient: fail the step (MICROD_ERR_NONFINITE on
+  // every node) or skip it (every process gets a zero update, counted).
+  bool skip_nonfinite = false;
+  // Sparse steps kept per bucket for the per-step history (0: none).
+  size_t stats_history = 1024;
+  // Negotiate buckets scheduled once over the data plane (engine.h).
+  bool response_cache = true;
+  // Response cache: room in a cycle's message for small dense buckets, in
+  // floats per node (0: none). The cached dense buckets, in cache id order,
+  // that fit in it ride in the cycle (engine.h).
+  uint64_t cycle_floats = 4096;
+  // The step runs on the GPU (ops are a GPU backend on CUDA ordinal
+  // `device`, the transport takes device memory): CUDA buffers are read and
+  // written in place (no host staging), after their ready event; every
+  // buffer must be a CUDA buffer on that GPU (others are refused at
+  // registration). Off: the step runs on host memory and CUDA buffers are
+  // staged through it (step_memory.h).
+  bool device_resident = false;
+  int device = 0;
+};
+
+// Every node must run with the same step options (the collectives' sizes
+// and the results depend on them): one fixed-size allgather of this node's
+// options over `transport`; InvalidArgument naming the first option that
+// differs and the nodes it differs on. Call before the engine starts (it
+// uses the control tag), on every node.
+absl::Status CheckOptionsAgree(transport::Transport& transport, const EngineOptions& options,
+                               absl::Time deadline);
+
+}  // namespace microd::engine

@@ -1,0 +1,213 @@
+#include "daemon/engine/process_table.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "daemon/common/status_map.h"
+
+namespace microd::engine {
+namespace {
+
+constexpr int kDtypeFloat32 = 1;  // microd.v1.DataType.DATA_TYPE_FLOAT32
+
+}  // namespace
+
+bool Work::missing_buffer() const {
+  return std::find(buffers.begin(), buffers.end(), nullptr) != buffers.end();
+}
+
+absl::StatusOr<int> ProcessTable::Hello(uint64_t client, int requested_local_rank, pid_t pid) {
+  std::vector<bool> taken(L_, false);
+  for (const auto& [id, p] : processes_) taken[p.local_rank] = true;
+  int rank = -1;
+  if (requested_local_rank >= 0) {
+    if (requested_local_rank >= L_) {
+      return absl::InvalidArgumentError(absl::StrCat("local rank ", requested_local_rank,
+                                                     " out of range: this node has ", L_,
+                                                     " local processes"));
+    }
+    if (taken[requested_local_rank]) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("local rank ", requested_local_rank, " is already connected"));
+    }
+    rank = requested_local_rank;
+  } else {
+    for (int r = 0; r < L_ && rank < 0; ++r) {
+      if (!taken[r]) rank = r;
+    }
+    if (rank < 0) {
+      return WithClientStatus(
+          absl::ResourceExhaustedError(absl::StrCat("all ", L_, " local ranks are connected")),
+          ClientStatus::kResource);
+    }
+  }
+  Process p;
+  p.local_rank = rank;
+  p.pid = pid;
+  processes_[client] = p;
+  return rank;
+}
+
+absl::Status ProcessTable::Register(uint64_t client, uint32_t buffer_id, const std::string& name,
+                                    bool dense, std::shared_ptr<local::HostBuffer> buffer,
+                                    std::vector<Work>* refused) {
+  auto pit = processes_.find(client);
+  if (pit == processes_.end()) return absl::FailedPreconditionError("unknown process");
+  Process& p = pit->second;
+  Bucket& b = buckets_[name];
+  if (b.count == 0) {
+    b.name = name;
+    b.count = buffer->count();
+    b.buffers.resize(L_);
+    b.clients.assign(L_, 0);
+    b.buffer_ids.assign(L_, 0);
+    b.tickets.assign(L_, 0);
+    b.stats.name = name;
+    b.stats.count = b.count;
+    b.dense = dense || b.count < dense_floor_;
+    b.stats.dense = b.dense;
+    b.requested_dense = dense;
+  } else if (b.count != buffer->count() || b.requested_dense != dense) {
+    int other = -1;
+    for (int r = 0; r < L_; ++r) {
+      if (b.buffers[r] != nullptr) other = r;
+    }
+    // The bucket can never run: fail it for every local process, now and later.
+    b.poisoned = WithClientStatus(
+        absl::InvalidArgumentError(absl::StrCat(
+            "buffer '", name, "' has ", buffer->count(), dense ? " elements (dense)" : " elements",
+            " on local rank ", p.local_rank, " but ", b.count, b.requested_dense ? " (dense)" : "",
+            " on local rank ", other)),
+        ClientStatus::kMismatch);
+    if (b.submitted > 0) refused->push_back(Take(b));
+    return b.poisoned;
+  }
+  if (b.buffers[p.local_rank] != nullptr) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("buffer '", name, "' is already registered by local rank ", p.local_rank));
+  }
+  b.buffers[p.local_rank] = std::move(buffer);
+  b.clients[p.local_rank] = client;
+  b.buffer_ids[p.local_rank] = buffer_id;
+  p.buffers[buffer_id] = name;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ProcessTable::Ready> ProcessTable::Submit(uint64_t client, uint32_t buffer_id,
+                                                          uint64_t ticket) {
+  auto pit = processes_.find(client);
+  if (pit == processes_.end()) return absl::FailedPreconditionError("unknown process");
+  auto nit = pit->second.buffers.find(buffer_id);
+  if (nit == pit->second.buffers.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown buffer id ", buffer_id));
+  }
+  Bucket& b = buckets_[nit->second];
+  const int lr = pit->second.local_rank;
+  if (!b.poisoned.ok()) return b.poisoned;
+  if (b.tickets[lr] != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("buffer '", b.name, "' already has a submission in flight"));
+  }
+  b.tickets[lr] = ticket;
+  if (b.submitted == 0) b.first_at = absl::Now();
+  if (++b.submitted < L_) return Ready::kNo;
+  b.ready_at = absl::Now();
+  if (b.cache_id >= 0) {
+    cached_ready_[b.cache_id] = true;
+    return Ready::kCached;
+  }
+  newly_ready_.push_back(b.name);
+  return Ready::kNew;
+}
+
+std::string ProcessTable::Disconnect(uint64_t client, bool clean, const std::string& why,
+                                     int node_rank) {
+  auto pit = processes_.find(client);
+  if (pit == processes_.end()) return "";
+  const Process p = pit->second;
+  processes_.erase(pit);
+  bool pending = false;
+  for (const auto& [id, name] : p.buffers) {
+    Bucket& b = buckets_[name];
+    pending = pending || b.tickets[p.local_rank] != 0 || b.submitted > 0;
+    b.buffers[p.local_rank].reset();
+    b.clients[p.local_rank] = 0;
+  }
+  // A process that registered nothing was never part of the training: drop
+  // it quietly. One that leaves cleanly with nothing in flight is done.
+  if (p.buffers.empty() || (clean && !pending)) return "";
+  return absl::StrCat("local process ", p.local_rank, " (pid ", p.pid, ") on node ", node_rank,
+                      " disconnected", clean ? " with work pending" : "", ": ", why);
+}
+
+Work ProcessTable::Take(Bucket& b) {
+  Work w;
+  w.bucket = &b;
+  w.buffers = b.buffers;
+  w.answer = std::make_shared<Answer>(b.clients, b.tickets, b.buffer_ids);
+  std::fill(b.tickets.begin(), b.tickets.end(), 0);
+  b.submitted = 0;
+  if (b.cache_id >= 0) cached_ready_[b.cache_id] = false;
+  return w;
+}
+
+std::vector<Work> ProcessTable::TakeAllSubmitted() {
+  std::vector<Work> out;
+  for (auto& [name, b] : buckets_) {
+    if (b.submitted > 0) out.push_back(Take(b));
+  }
+  return out;
+}
+
+control::BucketInfo ProcessTable::InfoOf(const Bucket& b) {
+  return {b.name, kDtypeFloat32, static_cast<int64_t>(b.count), b.requested_dense};
+}
+
+std::vector<control::BucketInfo> ProcessTable::TakeNewlyReady() {
+  std::vector<control::BucketInfo> out;
+  for (const std::string& name : newly_ready_) out.push_back(InfoOf(buckets_[name]));
+  newly_ready_.clear();
+  return out;
+}
+
+void ProcessTable::Cache(Bucket& b) {
+  if (b.cache_id >= 0) return;
+  b.cache_id = static_cast<int64_t>(cached_.size());
+  cached_.push_back(&b);
+  cached_ready_.push_back(false);
+}
+
+bool ProcessTable::any_cached_ready() const {
+  return std::find(cached_ready_.begin(), cached_ready_.end(), true) != cached_ready_.end();
+}
+
+std::vector<control::BucketWait> ProcessTable::Waiting(absl::Time now, absl::Duration at_least,
+                                                       size_t limit) const {
+  std::vector<control::BucketWait> out;
+  std::map<int, pid_t> pid_of;  // local rank -> pid of the connected process
+  for (const auto& [id, p] : processes_) pid_of[p.local_rank] = p.pid;
+  for (const auto& [name, b] : buckets_) {
+    if (b.submitted == 0 || now - b.first_at < at_least) continue;
+    control::BucketWait w{name, absl::ToDoubleSeconds(now - b.first_at), {}};
+    for (int r = 0; r < L_; ++r) {
+      if (b.tickets[r] != 0) continue;
+      auto it = pid_of.find(r);
+      w.missing.push_back({r, it == pid_of.end() ? 0 : static_cast<int>(it->second)});
+    }
+    out.push_back(std::move(w));
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
+  if (out.size() > limit) out.resize(limit);
+  return out;
+}
+
+std::vector<BucketStats> ProcessTable::Stats(bool with_history) const {
+  std::vector<BucketStats> out;
+  for (const auto& [name, b] : buckets_) {
+    out.push_back(b.stats);
+    if (!with_history) out.back().history.clear();
+  }
+  return out;
+}
+
+}  // namespace microd::engine

@@ -1,0 +1,64 @@
+// What the engine counts: per bucket (cumulative since start, with the last
+// sparse steps) and per daemon.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "daemon/sparsify/bucket.h"
+
+namespace microd::engine {
+
+// One sparse step of one bucket.
+struct StepSample {
+  uint64_t step = 0;
+  uint64_t selected = 0;
+  uint64_t budget = 0;
+  double threshold = 0;
+  double cre = 0;
+};
+
+// Per-bucket statistics (cumulative since start).
+struct BucketStats {
+  std::string name;
+  uint64_t count = 0;
+  bool dense = false;
+  uint64_t steps = 0;
+  uint64_t failures = 0;
+  uint64_t skipped = 0;  // steps skipped for a NaN/Inf (--nonfinite=skip)
+  uint64_t last_selected = 0;
+  uint64_t budget = 0;
+  double last_threshold = 0;
+  double last_cre = 0;
+  double sum_cre = 0;  // over steps >= 2
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
+  // From ready on this node (every local process submitted) to the start of
+  // its step: the other nodes, the coordinator's answer, earlier batches.
+  double negotiate_seconds = 0;
+  double local_sum_seconds = 0;
+  double select_seconds = 0;
+  double exchange_seconds = 0;
+  double writeback_seconds = 0;
+  std::deque<StepSample> history;  // the last EngineOptions::stats_history steps
+
+  // A dense step of this bucket's `count` elements, with its share of the
+  // times of the fused allreduce or cycle it rode in.
+  void AddDense(double local_sum, double exchange, double writeback);
+  // A sparse step, as the bucket's state reported it; `history` sparse
+  // steps kept at most.
+  void AddSparse(const sparsify::StepStats& st, double local_sum, double writeback,
+                 size_t history_limit);
+};
+
+struct EngineSnapshot {
+  std::string failure;  // empty while healthy
+  std::vector<BucketStats> buckets;
+  uint64_t batches = 0;        // schedule batches run
+  uint64_t cache_batches = 0;  // batches of cached buckets agreed over the data plane
+  uint64_t cycle_reductions = 0;  // bucket steps reduced by the cycle itself
+};
+
+}  // namespace microd::engine

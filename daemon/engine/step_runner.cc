@@ -1,0 +1,352 @@
+#include "daemon/engine/step_runner.h"
+
+#include <cstdio>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/common/status_map.h"
+
+namespace microd::engine {
+
+using transport::CollectiveOptions;
+using transport::MakeTag;
+using transport::TagKind;
+
+namespace {
+
+double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
+
+absl::Status Gone(const std::string& bucket) {
+  return JobFailed(absl::AbortedError(
+      bucket.empty() ? "a local process is gone"
+                     : absl::StrCat("bucket '", bucket, "': a local process is gone")));
+}
+
+absl::Status Named(const absl::Status& s, const std::string& bucket) {
+  return absl::Status(s.code(), absl::StrCat("bucket '", bucket, "': ", s.message()));
+}
+
+}  // namespace
+
+absl::Status StepRunner::CopyFloats(float* dst, const float* src, uint64_t count) {
+  if (count == 0) return absl::OkStatus();
+  // In ops_'s memory (host or device).
+  return KernelCall(src == nullptr ? ops_->ZeroFloats(dst, count, nullptr)
+                                   : ops_->CopyFloats(dst, src, count, nullptr),
+                    "copy");
+}
+
+absl::Status StepRunner::KernelCall(kernels::KernelStatus k, const char* what) const {
+  if (k == kernels::KernelStatus::kOk) return absl::OkStatus();
+  return absl::InternalError(
+      absl::StrCat(what, " (", ops_->name(), "): ", kernels::KernelStatusString(k)));
+}
+
+absl::Status StepRunner::StageIn(const Work& w, absl::Time deadline) {
+  // A failed job (a process died, a peer failed) ends the wait for a ready
+  // event at once: the event may belong to a process that is gone.
+  return memory_->StageIn(w, deadline, [this] { return state_->job_failed(); });
+}
+
+void StepRunner::MemoryFailed(const std::vector<Work>& works, const absl::Status& s) {
+  std::vector<const Work*> all;
+  for (const Work& w : works) all.push_back(&w);
+  MemoryFailed(all, s);
+}
+
+void StepRunner::MemoryFailed(const std::vector<const Work*>& works, const absl::Status& s) {
+  const absl::Status why = absl::Status(
+      s.code(), absl::StrCat("node ", membership_.node_rank, ": ", memory_->what(), ": ",
+                             s.message()));
+  {
+    absl::MutexLock lock(&state_->mu);
+    for (const Work* w : works) ++w->bucket->stats.failures;
+  }
+  for (const Work* w : works) job_->Finish(*w, JobFailed(why));
+  job_->Fail(why, /*report=*/true);
+}
+
+void StepRunner::StepFailed(const std::vector<Work>& works, absl::Status s) {
+  s = job_->WithRootCause(s);
+  for (const Work& w : works) job_->Finish(w, JobFailed(s));
+  job_->Fail(s, /*report=*/true);
+}
+
+void StepRunner::NonFinite(const Work& w, const absl::Status& status) {
+  if (!options_.skip_nonfinite) {
+    {
+      absl::MutexLock lock(&state_->mu);
+      ++w.bucket->stats.failures;
+    }
+    job_->Finish(w, status);
+    return;
+  }
+  // Skip: nothing was reduced; every process applies a zero update.
+  absl::Status s;
+  for (const auto& buf : w.buffers) {
+    if (buf != nullptr && s.ok()) s = CopyFloats(memory_->Data(*buf), nullptr, buf->count());
+  }
+  if (s.ok()) s = memory_->StageOut(w, absl::Now() + options_.op_timeout);
+  if (!s.ok()) {
+    MemoryFailed({&w}, s);
+    return;
+  }
+  {
+    absl::MutexLock lock(&state_->mu);
+    ++w.bucket->stats.skipped;
+  }
+  std::fprintf(stderr, "microd: %s (skipped: zero update)\n",
+               std::string(status.message()).c_str());
+  job_->Finish(w, absl::OkStatus());
+}
+
+void StepRunner::FinishInCycle(const std::vector<Work>& works, const std::vector<uint64_t>& at,
+                               const std::vector<float>& area, uint64_t floats,
+                               double local_sum_seconds, double exchange_seconds) {
+  const int n = membership_.node_count;
+  uint64_t total = 0;
+  for (const Work& w : works) total += w.bucket->count;
+  for (size_t k = 0; k < works.size(); ++k) {
+    const Work& w = works[k];
+    const absl::Time t0 = absl::Now();
+    const uint64_t d = w.bucket->count;
+    if (w.missing_buffer()) {
+      job_->Finish(w, Gone(w.bucket->name));  // its disconnect fails the job
+      continue;
+    }
+    // The sum in node order, then the average: what the fused dense
+    // allreduce computes, to the bit.
+    std::vector<float> sum(area.begin() + at[k], area.begin() + at[k] + d);
+    for (int r = 1; r < n; ++r) {
+      const float* in = area.data() + r * floats + at[k];
+      for (uint64_t j = 0; j < d; ++j) sum[j] += in[j];
+    }
+    absl::Status s = KernelCall(
+        ops_->Divide(sum.data(), d, static_cast<float>(membership_.world_size), nullptr, nullptr),
+        "divide");
+    if (state_->job_failed()) return;  // Fail() answered this work
+    for (const auto& buf : w.buffers) {
+      if (s.ok()) s = CopyFloats(buf->data(), sum.data(), d);
+    }
+    if (!s.ok()) {
+      MemoryFailed({&w}, absl::InternalError(absl::StrCat("bucket '", w.bucket->name,
+                                                          "': write-back: ", s.message())));
+      return;
+    }
+    {
+      absl::MutexLock lock(&state_->mu);
+      const double share = static_cast<double>(d) / static_cast<double>(total);
+      ++state_->cycle_reductions;
+      w.bucket->stats.AddDense(local_sum_seconds * share, exchange_seconds * share, Seconds(t0));
+    }
+    job_->Finish(w, absl::OkStatus());
+  }
+}
+
+void StepRunner::RunSparse(const Work& w) {
+  Bucket& b = *w.bucket;
+  const uint64_t d = b.count;
+  const int L = options_.local_size;
+  if (w.missing_buffer()) {
+    job_->Finish(w, Gone(b.name));
+    return;
+  }
+  if (b.state == nullptr) {
+    auto state = sparsify::BucketState::Create(
+        {b.name, d, next_slot_++},
+        {membership_.node_count, membership_.node_rank, membership_.world_size}, options_.sparsify,
+        ops_);
+    if (!state.ok()) {
+      job_->Finish(w, state.status());
+      job_->Fail(state.status(), /*report=*/true);
+      return;
+    }
+    b.state = std::move(state).value();
+  }
+  // With one local process the update is written straight over its buffer
+  // (the step reads the gradient completely first); with several it goes to
+  // a daemon buffer and is copied into each.
+  if (L > 1 && (!grad_.Reserve(ops_, d) || !update_.Reserve(ops_, d))) {
+    const absl::Status s = WithClientStatus(
+        absl::ResourceExhaustedError(absl::StrCat("bucket '", b.name, "': out of memory")),
+        ClientStatus::kResource);
+    job_->Finish(w, s);
+    job_->Fail(s, /*report=*/true);
+    return;
+  }
+  // Step 1: the node's gradient. With one local process its buffer is g itself.
+  const absl::Time t0 = absl::Now();
+  if (absl::Status s = StageIn(w, t0 + options_.op_timeout); !s.ok()) {
+    MemoryFailed({&w}, s);
+    return;
+  }
+  const float* grad = memory_->Data(*w.buffers[0]);
+  if (L > 1) {
+    std::vector<const float*> inputs;
+    for (const auto& buf : w.buffers) inputs.push_back(memory_->Data(*buf));
+    if (absl::Status s = KernelCall(
+            ops_->LocalSum(inputs.data(), L, d, grad_.get(), nullptr, nullptr), "local sum");
+        !s.ok()) {
+      MemoryFailed({&w}, absl::InternalError(absl::StrCat("bucket '", b.name, "': ", s.message())));
+      return;
+    }
+    grad = grad_.get();
+  }
+  const double local_sum = Seconds(t0);
+  float* update = L > 1 ? update_.get() : memory_->Data(*w.buffers[0]);
+  auto st = b.state->Step(grad, update, *transport_, absl::Now() + options_.op_timeout);
+  if (!st.ok()) {
+    if (ToClientStatus(st.status()) == ClientStatus::kNonFinite) {
+      NonFinite(w, st.status());  // this step only; the job goes on
+      return;
+    }
+    {
+      absl::MutexLock lock(&state_->mu);
+      ++b.stats.failures;
+    }
+    StepFailed({w}, st.status());
+    return;
+  }
+  const absl::Time t1 = absl::Now();
+  if (state_->job_failed()) return;  // Fail() answered this work
+  absl::Status written;
+  if (L > 1) {
+    for (const auto& buf : w.buffers) {
+      if (written.ok()) written = CopyFloats(memory_->Data(*buf), update, d);
+    }
+  }
+  if (written.ok()) written = memory_->StageOut(w, absl::Now() + options_.op_timeout);
+  if (!written.ok()) {
+    MemoryFailed({&w}, written);
+    return;
+  }
+  const double writeback = Seconds(t1);
+  {
+    absl::MutexLock lock(&state_->mu);
+    b.stats.AddSparse(*st, local_sum, writeback, options_.stats_history);
+  }
+  job_->Finish(w, absl::OkStatus());
+}
+
+absl::Status StepRunner::LocalSums(const std::vector<Work>& works, absl::Time deadline,
+                                   uint64_t* nonfinite) {
+  uint64_t offset = 0;
+  for (const Work& w : works) {
+    RETURN_IF_ERROR(StageIn(w, deadline));
+    std::vector<const float*> inputs;
+    for (const auto& buf : w.buffers) inputs.push_back(memory_->Data(*buf));
+    kernels::StepScalars sc;
+    absl::Status s = KernelCall(ops_->LocalSum(inputs.data(), options_.local_size, w.bucket->count,
+                                               fusion_.get() + offset, scalars_.get(), nullptr),
+                                "local sum");
+    if (s.ok()) s = KernelCall(ops_->CopyToHost(&sc, scalars_.get(), sizeof sc, nullptr), "copy");
+    if (!s.ok()) return Named(s, w.bucket->name);
+    *nonfinite += sc.nonfinite;
+    offset += w.bucket->count;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StepRunner::ReduceFused(const std::vector<Work>& works, uint64_t total,
+                                     uint64_t nonfinite) {
+  // One allreduce carries the values and, in a last element, how many nodes
+  // saw a NaN/Inf; only then does a second collective name them.
+  const float flag = nonfinite != 0 ? 1.0f : 0.0f;
+  CollectiveOptions o;
+  o.deadline = absl::Now() + options_.op_timeout;
+  o.tag = MakeTag(0, TagKind::kDense);
+  RETURN_IF_ERROR(KernelCall(
+      ops_->CopyToDevice(fusion_.get() + total, &flag, sizeof flag, nullptr), "copy"));
+  RETURN_IF_ERROR(
+      transport_->AllreduceSum(fusion_.get(), total + 1, transport::DataType::kFloat32, o));
+  float flags_sum = 0.0f;
+  RETURN_IF_ERROR(KernelCall(
+      ops_->CopyToHost(&flags_sum, fusion_.get() + total, sizeof flags_sum, nullptr), "copy"));
+  if (flags_sum == 0.0f) return absl::OkStatus();
+  o.tag = MakeTag(0, TagKind::kHeader);
+  std::vector<uint64_t> flags(membership_.node_count);
+  RETURN_IF_ERROR(transport_->Allgather(&nonfinite, sizeof nonfinite, flags.data(), o));
+  std::vector<std::string> bad, names;
+  for (int r = 0; r < membership_.node_count; ++r) {
+    if (flags[r] != 0) bad.push_back(absl::StrCat("node ", r));
+  }
+  for (const Work& w : works) names.push_back(w.bucket->name);
+  return WithClientStatus(
+      absl::InvalidArgumentError(absl::StrCat("buckets '", absl::StrJoin(names, "', '"),
+                                              "': NaN or Inf in the gradient on ",
+                                              absl::StrJoin(bad, ", "), "; step skipped")),
+      ClientStatus::kNonFinite);
+}
+
+absl::Status StepRunner::WriteBackFused(const std::vector<Work>& works, uint64_t total) {
+  if (const auto k = ops_->Divide(fusion_.get(), total, static_cast<float>(membership_.world_size),
+                                  nullptr, nullptr);
+      k != kernels::KernelStatus::kOk) {
+    return absl::InternalError(absl::StrCat("fused dense buffer: divide: ",
+                                            kernels::KernelStatusString(k)));
+  }
+  uint64_t offset = 0;
+  for (const Work& w : works) {
+    for (const auto& buf : w.buffers) {
+      RETURN_IF_ERROR(CopyFloats(memory_->Data(*buf), fusion_.get() + offset, w.bucket->count));
+    }
+    offset += w.bucket->count;
+  }
+  for (const Work& w : works) RETURN_IF_ERROR(memory_->StageOut(w, absl::Now() + options_.op_timeout));
+  return absl::OkStatus();
+}
+
+void StepRunner::RunFusedDense(const std::vector<Work>& works) {
+  uint64_t total = 0;
+  for (const Work& w : works) total += w.bucket->count;
+  if (!fusion_.Reserve(ops_, total + 1) || !scalars_.Reserve(ops_, 1)) {
+    const absl::Status s = WithClientStatus(
+        absl::ResourceExhaustedError("fused dense buffer: out of memory"), ClientStatus::kResource);
+    for (const Work& w : works) job_->Finish(w, s);
+    job_->Fail(s, /*report=*/true);
+    return;
+  }
+  for (const Work& w : works) {
+    if (w.missing_buffer()) {
+      for (const Work& x : works) job_->Finish(x, Gone(""));
+      return;
+    }
+  }
+  const absl::Time t0 = absl::Now();
+  uint64_t nonfinite = 0;
+  if (absl::Status s = LocalSums(works, t0 + options_.op_timeout, &nonfinite); !s.ok()) {
+    MemoryFailed(works, s);
+    return;
+  }
+  const double local_sum = Seconds(t0);
+  const absl::Time t1 = absl::Now();
+  if (absl::Status s = ReduceFused(works, total, nonfinite); !s.ok()) {
+    if (ToClientStatus(s) == ClientStatus::kNonFinite) {
+      for (const Work& w : works) NonFinite(w, s);
+    } else {
+      StepFailed(works, s);
+    }
+    return;
+  }
+  const double exchange = Seconds(t1);
+  const absl::Time t2 = absl::Now();
+  if (state_->job_failed()) return;  // Fail() answered this work
+  if (absl::Status s = WriteBackFused(works, total); !s.ok()) {
+    MemoryFailed(works, s);
+    return;
+  }
+  const double writeback = Seconds(t2);
+  {
+    absl::MutexLock lock(&state_->mu);
+    for (const Work& w : works) {
+      const double share = static_cast<double>(w.bucket->count) / static_cast<double>(total);
+      w.bucket->stats.AddDense(local_sum * share, exchange * share, writeback * share);
+    }
+  }
+  for (const Work& w : works) job_->Finish(w, absl::OkStatus());
+}
+
+}  // namespace microd::engine

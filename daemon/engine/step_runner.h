@@ -1,0 +1,81 @@
+// Runs the steps of a batch on this node: the fused dense allreduce of its
+// small buckets, the sparsified step of each large one, and the write-back
+// of buckets a cycle reduced itself; each Work is answered once, and the
+// bucket's statistics updated.
+//
+// Failure model: a step that breaks the transport or the memory ends the
+// job (JobControl::Fail); a NaN/Inf fails only that step (MICROD_ERR_NONFINITE
+// on every node), or skips it under --nonfinite=skip (a zero update).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "daemon/control/coordinator_client.h"
+#include "daemon/engine/engine_state.h"
+#include "daemon/engine/options.h"
+#include "daemon/engine/step_memory.h"
+#include "daemon/sparsify/bucket.h"
+#include "daemon/transport/transport.h"
+#include "kernels/sparse_ops.h"
+
+namespace microd::engine {
+
+class StepRunner {
+ public:
+  // Everything must outlive the runner; it runs on the engine's thread.
+  StepRunner(const EngineOptions& options, const control::Membership& membership,
+             transport::Transport* transport, kernels::SparseOps* ops, StepMemory* memory,
+             EngineState* state, JobControl* job)
+      : options_(options),
+        membership_(membership),
+        transport_(transport),
+        ops_(ops),
+        memory_(memory),
+        state_(state),
+        job_(job) {}
+
+  // The dense buckets of a batch, fused into one allreduce.
+  void RunFusedDense(const std::vector<Work>& works);
+  void RunSparse(const Work& work);
+  // Buckets a cycle reduced itself: node r's local sum of works[k] is at
+  // area[r * floats + at[k]]; the sum in node order, then the average.
+  void FinishInCycle(const std::vector<Work>& works, const std::vector<uint64_t>& at,
+                     const std::vector<float>& area, uint64_t floats, double local_sum_seconds,
+                     double exchange_seconds);
+
+ private:
+  // A step hit a NaN/Inf: answers the work per --nonfinite (fail or skip).
+  void NonFinite(const Work& w, const absl::Status& status);
+  // A memory failure fails the job (the other nodes are in the step).
+  void MemoryFailed(const std::vector<const Work*>& works, const absl::Status& s);
+  void MemoryFailed(const std::vector<Work>& works, const absl::Status& s);
+  // A failure of the step (the transport, the state): the job ends.
+  void StepFailed(const std::vector<Work>& works, absl::Status s);
+  // Copies `count` floats in ops_'s memory; fills with zeros when `src` is null.
+  absl::Status CopyFloats(float* dst, const float* src, uint64_t count);
+  absl::Status KernelCall(kernels::KernelStatus k, const char* what) const;
+  absl::Status StageIn(const Work& w, absl::Time deadline);
+  // Sums the local gradients of `works` into fusion_ (and counts NaN/Inf).
+  absl::Status LocalSums(const std::vector<Work>& works, absl::Time deadline, uint64_t* nonfinite);
+  // Sums one fused allreduce of `total` floats (+ the NaN/Inf flag); the
+  // NaN/Inf error naming the nodes when some node saw one.
+  absl::Status ReduceFused(const std::vector<Work>& works, uint64_t total, uint64_t nonfinite);
+  // The average back into every process's buffer.
+  absl::Status WriteBackFused(const std::vector<Work>& works, uint64_t total);
+
+  const EngineOptions& options_;
+  const control::Membership& membership_;
+  transport::Transport* const transport_;
+  kernels::SparseOps* const ops_;
+  StepMemory* const memory_;
+  EngineState* const state_;
+  JobControl* const job_;
+  uint32_t next_slot_ = 1;  // transport tag slots; 0 is the fused dense buffer
+  // Scratch buffers (device memory of ops_).
+  sparsify::DeviceBuffer<float> grad_, update_, fusion_;
+  sparsify::DeviceBuffer<kernels::StepScalars> scalars_;
+};
+
+}  // namespace microd::engine
