@@ -45,7 +45,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/bench_cluster.h"
 #include "microd/microd.h"
-#include "wire.h"
+#include "microd/wire.h"
 
 ABSL_FLAG(int, buckets, 1000, "buckets per process");
 ABSL_FLAG(uint64_t, count, 256, "elements of each dense bucket");

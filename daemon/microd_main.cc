@@ -28,6 +28,7 @@
 #include "daemon/control/address.h"
 #include "daemon/control/coordinator.h"
 #include "daemon/control/coordinator_client.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/control/services.h"
 #include "daemon/engine/engine.h"
 #include "daemon/engine/engine_status.h"
@@ -215,312 +216,363 @@ absl::StatusOr<std::string> DataPlaneAddress(const std::string& coordinator_addr
   return chosen;
 }
 
-}  // namespace
+// A flag's error, as main prints it: "<what>: <status>".
+absl::Status Bad(const std::string& what, const absl::Status& s) {
+  return absl::Status(s.code(), absl::StrCat(what, ": ", s.ToString()));
+}
 
-int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "microd: sidecar daemon averaging gradients with MiCRO sparsification.\n"
-      "  node 0: microd --coordinator_listen=0.0.0.0:7470 --nodes=4 --local_size=1\n"
-      "  others: microd --coordinator=node0:7470 --local_size=1");
-  if (!ApplyEnvironment()) return 2;
-  absl::ParseCommandLine(argc, argv);
-  const absl::Time started = absl::Now();
-
-  // SIGTERM/SIGINT only write to a pipe the main thread waits on (whichever
-  // thread the kernel delivers them to).
-  if (pipe2(g_stop_pipe, O_CLOEXEC) != 0) return Fatal("pipe", absl::InternalError("pipe2"));
-  struct sigaction sa {};
-  sa.sa_handler = OnStopSignal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGTERM, &sa, nullptr);
-  sigaction(SIGINT, &sa, nullptr);
-  signal(SIGPIPE, SIG_IGN);
-  StopWatcher stop;
-
-  // Options.
+// The daemon's configuration, from the flags (and MICROD_* variables).
+struct Config {
   microd::sparsify::SparsifyOptions sparsify;
+  int local_size = 1;
+  std::string transport;
+  bool response_cache = true;
+  absl::Duration op_timeout, peer_timeout;
+  std::string token;
+  std::string node_name;
+};
+
+absl::Status ParseSparsify(microd::sparsify::SparsifyOptions* sparsify) {
   auto sp = microd::sparsify::ParseSparsifier(absl::GetFlag(FLAGS_sparsifier));
-  if (!sp.ok()) return Fatal("--sparsifier", sp.status());
+  if (!sp.ok()) return Bad("--sparsifier", sp.status());
   auto ct = microd::sparsify::ParseController(absl::GetFlag(FLAGS_controller));
-  if (!ct.ok()) return Fatal("--controller", ct.status());
-  sparsify.sparsifier = *sp;
-  sparsify.controller = *ct;
-  sparsify.density = absl::GetFlag(FLAGS_density);
-  sparsify.hard_threshold = absl::GetFlag(FLAGS_hard_threshold);
-  sparsify.clip_norm = absl::GetFlag(FLAGS_clip_norm);
-  sparsify.warmup_steps = absl::GetFlag(FLAGS_warmup_steps);
-  sparsify.warmup_density = absl::GetFlag(FLAGS_warmup_density);
-  sparsify.warmup_decay_steps = absl::GetFlag(FLAGS_warmup_decay_steps);
-  sparsify.momentum = sparsify.sparsifier == microd::sparsify::SparsifierKind::kDense
-                          ? 0.0
-                          : absl::GetFlag(FLAGS_momentum_correction);
-  if (absl::Status s = sparsify.Validate(); !s.ok()) return Fatal("options", s);
+  if (!ct.ok()) return Bad("--controller", ct.status());
+  sparsify->sparsifier = *sp;
+  sparsify->controller = *ct;
+  sparsify->density = absl::GetFlag(FLAGS_density);
+  sparsify->hard_threshold = absl::GetFlag(FLAGS_hard_threshold);
+  sparsify->clip_norm = absl::GetFlag(FLAGS_clip_norm);
+  sparsify->warmup_steps = absl::GetFlag(FLAGS_warmup_steps);
+  sparsify->warmup_density = absl::GetFlag(FLAGS_warmup_density);
+  sparsify->warmup_decay_steps = absl::GetFlag(FLAGS_warmup_decay_steps);
+  sparsify->momentum = sparsify->sparsifier == microd::sparsify::SparsifierKind::kDense
+                           ? 0.0
+                           : absl::GetFlag(FLAGS_momentum_correction);
+  if (absl::Status s = sparsify->Validate(); !s.ok()) return Bad("options", s);
+  return absl::OkStatus();
+}
+
+// The limits and timeouts: each in its range.
+absl::Status CheckRanges() {
   if (absl::GetFlag(FLAGS_nonfinite) != "fail" && absl::GetFlag(FLAGS_nonfinite) != "skip") {
-    return Fatal("--nonfinite", absl::InvalidArgumentError("must be fail or skip"));
+    return Bad("--nonfinite", absl::InvalidArgumentError("must be fail or skip"));
   }
-  const int local_size = absl::GetFlag(FLAGS_local_size);
-  if (local_size < 1 || local_size > microd::control::kMaxLocalSize) {
-    return Fatal("--local_size", absl::InvalidArgumentError(absl::StrCat(
-                                     "must be in [1, ", microd::control::kMaxLocalSize, "]")));
-  }
-  const std::string transport_name = absl::GetFlag(FLAGS_transport);
-  if (transport_name != "gloo" && !(MICROD_HAVE_NCCL && transport_name == "nccl")) {
-    return Fatal("--transport",
-                 absl::UnimplementedError(absl::StrCat(
-                     "'", transport_name, "' is not available in this build (",
-                     MICROD_HAVE_NCCL ? "gloo or nccl" : "gloo; nccl needs a CUDA build", ")")));
+  if (const int l = absl::GetFlag(FLAGS_local_size); l < 1 || l > microd::control::kMaxLocalSize) {
+    return Bad("--local_size", absl::InvalidArgumentError(absl::StrCat(
+                                   "must be in [1, ", microd::control::kMaxLocalSize, "]")));
   }
   if (absl::GetFlag(FLAGS_cuda_device) < 0) {
-    return Fatal("--cuda_device", absl::InvalidArgumentError("must be >= 0"));
-  }
-  // Over NCCL a cycle would wait for the other nodes inside an NCCL kernel,
-  // spinning on the GPU the training shares: the coordinator negotiates.
-  const bool response_cache = absl::GetFlag(FLAGS_response_cache) && transport_name != "nccl";
-  if (absl::GetFlag(FLAGS_response_cache) && !response_cache) {
-    std::fprintf(stderr, "microd: --transport=nccl: the response cache is off (every step "
-                         "through the coordinator)\n");
+    return Bad("--cuda_device", absl::InvalidArgumentError("must be >= 0"));
   }
   if (absl::GetFlag(FLAGS_cycle_floats) > (uint64_t{1} << 20)) {
-    return Fatal("--cycle_floats", absl::InvalidArgumentError("must be at most 1048576"));
+    return Bad("--cycle_floats", absl::InvalidArgumentError("must be at most 1048576"));
   }
   if (const int nice = absl::GetFlag(FLAGS_gloo_io_nice); nice < 0 || nice > 19) {
-    return Fatal("--gloo_io_nice",
-                 absl::InvalidArgumentError(absl::StrCat("must be in [0, 19], not ", nice)));
+    return Bad("--gloo_io_nice",
+               absl::InvalidArgumentError(absl::StrCat("must be in [0, 19], not ", nice)));
   }
-  const absl::Duration op_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
-  const absl::Duration peer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_peer_timeout_ms));
-  if (op_timeout <= absl::ZeroDuration() || peer_timeout <= absl::ZeroDuration() ||
+  if (absl::GetFlag(FLAGS_timeout_ms) <= 0 || absl::GetFlag(FLAGS_peer_timeout_ms) <= 0 ||
       absl::GetFlag(FLAGS_hello_timeout_ms) <= 0) {
-    return Fatal("timeouts", absl::InvalidArgumentError("timeouts must be positive"));
+    return Bad("timeouts", absl::InvalidArgumentError("timeouts must be positive"));
   }
   if (absl::GetFlag(FLAGS_stall_warning_s) < 1 || absl::GetFlag(FLAGS_stall_abort_s) < 0) {
-    return Fatal("--stall_warning_s", absl::InvalidArgumentError(
-                                          "--stall_warning_s must be at least 1 and "
-                                          "--stall_abort_s at least 0"));
+    return Bad("--stall_warning_s", absl::InvalidArgumentError(
+                                        "--stall_warning_s must be at least 1 and "
+                                        "--stall_abort_s at least 0"));
   }
   if (absl::GetFlag(FLAGS_max_processes) < 1 || absl::GetFlag(FLAGS_max_buffers_per_process) < 1 ||
       absl::GetFlag(FLAGS_max_bytes_per_process) < 1) {
-    return Fatal("limits", absl::InvalidArgumentError(
-                               "--max_processes, --max_buffers_per_process and "
-                               "--max_bytes_per_process must be at least 1"));
+    return Bad("limits", absl::InvalidArgumentError(
+                             "--max_processes, --max_buffers_per_process and "
+                             "--max_bytes_per_process must be at least 1"));
   }
-  std::string token;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Config> ParseFlags() {
+  Config c;
+  if (absl::Status s = ParseSparsify(&c.sparsify); !s.ok()) return s;
+  if (absl::Status s = CheckRanges(); !s.ok()) return s;
+  c.local_size = absl::GetFlag(FLAGS_local_size);
+  c.transport = absl::GetFlag(FLAGS_transport);
+  if (c.transport != "gloo" && !(MICROD_HAVE_NCCL && c.transport == "nccl")) {
+    return Bad("--transport",
+               absl::UnimplementedError(absl::StrCat(
+                   "'", c.transport, "' is not available in this build (",
+                   MICROD_HAVE_NCCL ? "gloo or nccl" : "gloo; nccl needs a CUDA build", ")")));
+  }
+  // Over NCCL a cycle would wait for the other nodes inside an NCCL kernel,
+  // spinning on the GPU the training shares: the coordinator negotiates.
+  c.response_cache = absl::GetFlag(FLAGS_response_cache) && c.transport != "nccl";
+  if (absl::GetFlag(FLAGS_response_cache) && !c.response_cache) {
+    std::fprintf(stderr, "microd: --transport=nccl: the response cache is off (every step "
+                         "through the coordinator)\n");
+  }
+  c.op_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
+  c.peer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_peer_timeout_ms));
   if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
     std::ifstream in(path);
-    if (!in) return Fatal("--token_file", absl::NotFoundError(absl::StrCat("cannot read ", path)));
+    if (!in) return Bad("--token_file", absl::NotFoundError(absl::StrCat("cannot read ", path)));
     std::stringstream ss;
     ss << in.rdbuf();
-    token = std::string(absl::StripTrailingAsciiWhitespace(ss.str()));
+    c.token = std::string(absl::StripTrailingAsciiWhitespace(ss.str()));
   }
-  std::string node_name = absl::GetFlag(FLAGS_node_name);
-  if (node_name.empty()) node_name = HostName();
+  c.node_name = absl::GetFlag(FLAGS_node_name);
+  if (c.node_name.empty()) c.node_name = HostName();
+  return c;
+}
 
-  // The coordinator (node 0).
-  std::unique_ptr<microd::control::Coordinator> coordinator;
-  std::unique_ptr<microd::control::CoordinatorService> coordinator_service;
-  std::unique_ptr<microd::control::ControlServer> coordinator_server;
-  std::string coordinator_address = absl::GetFlag(FLAGS_coordinator);
-  if (const std::string listen = absl::GetFlag(FLAGS_coordinator_listen); !listen.empty()) {
+// The engine's options, from the configuration and the data plane chosen.
+microd::engine::EngineOptions EngineOptionsOf(const Config& c) {
+  microd::engine::EngineOptions eo;
+  eo.local_size = c.local_size;
+  eo.sparsify = c.sparsify;
+  eo.dense_floor = absl::GetFlag(FLAGS_dense_floor);
+  eo.skip_nonfinite = absl::GetFlag(FLAGS_nonfinite) == "skip";
+  eo.stats_history = absl::GetFlag(FLAGS_stats_history);
+  eo.response_cache = c.response_cache;
+  eo.cycle_floats = absl::GetFlag(FLAGS_cycle_floats);
+  eo.op_timeout = c.op_timeout;
+  if (absl::GetFlag(FLAGS_stall_abort_s) > 0) {
+    eo.peer_wait = absl::Seconds(absl::GetFlag(FLAGS_stall_abort_s)) + c.peer_timeout + c.op_timeout;
+  }
+  eo.device_resident = c.transport == "nccl";
+  eo.device = absl::GetFlag(FLAGS_cuda_device);
+  return eo;
+}
+
+// One node's daemon: the coordinator (node 0), the Admin service, the
+// membership in the job, the data plane, the engine and the local socket.
+// Start brings them up in that order; Stop (or any early return: the members
+// are declared so) takes them down in the reverse one.
+class Daemon {
+ public:
+  explicit Daemon(Config config) : config_(std::move(config)) {}
+  ~Daemon() {
+    absl::MutexLock lock(&mu_);
+    engine_.reset();
+    local_server_.reset();
+  }
+
+  // Every error as main prints it ("<what>: <status>").
+  absl::Status Start(StopWatcher* stop);
+  void Stop(int sig);
+
+ private:
+  absl::Status StartCoordinator();
+  absl::Status StartAdmin();
+  absl::Status Join();
+  absl::Status StartDataPlane(const microd::engine::EngineOptions& eo);
+  absl::Status Serve(const microd::engine::EngineOptions& eo);
+  void FillStatus(const microd::v1::GetStatusRequest& req, microd::v1::GetStatusResponse* r);
+
+  const Config config_;
+  const absl::Time started_ = absl::Now();
+  std::string coordinator_address_ = absl::GetFlag(FLAGS_coordinator);
+  std::unique_ptr<microd::control::Coordinator> coordinator_;
+  std::unique_ptr<microd::control::CoordinatorService> coordinator_service_;
+  std::unique_ptr<microd::control::ControlServer> coordinator_server_;
+  // Destroyed in this order's reverse: the local server before the engine
+  // before the transport before the coordinator client. The Admin service,
+  // declared after them, stops first.
+  microd::control::Membership membership_;
+  std::unique_ptr<microd::control::CoordinatorClient> client_;
+  std::unique_ptr<microd::transport::Transport> transport_;
+  std::unique_ptr<microd::kernels::SparseOps> ops_;
+  std::unique_ptr<microd::engine::Engine> engine_;
+  std::unique_ptr<microd::local::LocalServer> local_server_;
+  absl::Mutex mu_;  // guards the pointers above against the Admin thread
+  microd::control::AdminService admin_service_{
+      [this](const microd::v1::GetStatusRequest& req, microd::v1::GetStatusResponse* r) {
+        FillStatus(req, r);
+      }};
+  std::unique_ptr<microd::control::ControlServer> admin_;
+};
+
+absl::Status Daemon::StartCoordinator() {
+  const std::string listen = absl::GetFlag(FLAGS_coordinator_listen);
+  if (!listen.empty()) {
     microd::control::CoordinatorOptions co;
     co.job_id = absl::GetFlag(FLAGS_job_id);
-    co.token = token;
+    co.token = config_.token;
     co.expected_nodes = absl::GetFlag(FLAGS_nodes);
-    co.peer_timeout = peer_timeout;
+    co.peer_timeout = config_.peer_timeout;
     co.stall_warning = absl::Seconds(absl::GetFlag(FLAGS_stall_warning_s));
     co.stall_abort = absl::Seconds(absl::GetFlag(FLAGS_stall_abort_s));
     auto c = microd::control::Coordinator::Create(co);
-    if (!c.ok()) return Fatal("coordinator", c.status());
-    coordinator = std::move(c).value();
-    coordinator_service = std::make_unique<microd::control::CoordinatorService>(coordinator.get());
-    auto server = microd::control::ControlServer::Start(listen, {coordinator_service.get()});
-    if (!server.ok()) return Fatal("coordinator", server.status());
-    coordinator_server = std::move(server).value();
-    if (coordinator_address.empty()) {
+    if (!c.ok()) return Bad("coordinator", c.status());
+    coordinator_ = std::move(c).value();
+    coordinator_service_ =
+        std::make_unique<microd::control::CoordinatorService>(coordinator_.get());
+    auto server = microd::control::ControlServer::Start(listen, {coordinator_service_.get()});
+    if (!server.ok()) return Bad("coordinator", server.status());
+    coordinator_server_ = std::move(server).value();
+    if (coordinator_address_.empty()) {
       // Where this node reaches the coordinator it serves: its listen
       // address (on a multi-homed host that may not be loopback).
-      auto self = microd::control::SelfDialAddress(listen, coordinator_server->port());
-      if (!self.ok()) return Fatal("--coordinator_listen", self.status());
-      coordinator_address = *self;
+      auto self = microd::control::SelfDialAddress(listen, coordinator_server_->port());
+      if (!self.ok()) return Bad("--coordinator_listen", self.status());
+      coordinator_address_ = *self;
     }
     std::fprintf(stderr, "microd: coordinator listening on %s for %d nodes\n",
-                 coordinator_server->address().c_str(), co.expected_nodes);
+                 coordinator_server_->address().c_str(), co.expected_nodes);
     if (const std::string f = absl::GetFlag(FLAGS_coordinator_port_file); !f.empty()) {
-      std::ofstream(f) << coordinator_server->port() << "\n";
+      std::ofstream(f) << coordinator_server_->port() << "\n";
     }
   }
-  if (coordinator_address.empty()) {
-    return Fatal("--coordinator",
-                 absl::InvalidArgumentError("give --coordinator or --coordinator_listen"));
+  if (coordinator_address_.empty()) {
+    return Bad("--coordinator",
+               absl::InvalidArgumentError("give --coordinator or --coordinator_listen"));
   }
+  return absl::OkStatus();
+}
 
-  // The parts of the daemon, declared so that they are destroyed in the
-  // right order (the local server before the engine before the transport
-  // before the coordinator client) on every return path. The Admin service,
-  // declared after them, stops first.
-  microd::control::Membership membership;
-  std::unique_ptr<microd::control::CoordinatorClient> client;
-  std::unique_ptr<microd::transport::Transport> transport;
-  std::unique_ptr<microd::kernels::SparseOps> ops;
-  std::unique_ptr<microd::engine::Engine> engine;
-  std::unique_ptr<microd::local::LocalServer> local_server;
-  absl::Mutex state_mu;  // guards the pointers above against the Admin thread
-  microd::control::AdminService admin_service(
-      [&](const microd::v1::GetStatusRequest& req, microd::v1::GetStatusResponse* r) {
-        r->set_version(MICROD_VERSION_STRING);
-        r->set_node_name(node_name);
-        r->set_transport(absl::GetFlag(FLAGS_transport));
-        r->set_sparsifier(microd::sparsify::SparsifierName(sparsify.sparsifier));
-        r->set_controller(microd::sparsify::ControllerName(sparsify.controller));
-        r->set_density(sparsify.density);
-        r->set_momentum_correction(sparsify.momentum);
-        r->set_warmup_steps(sparsify.warmup_steps);
-        r->set_warmup_density(sparsify.warmup_density);
-        r->set_warmup_decay_steps(sparsify.warmup_decay_steps);
-        r->set_clip_norm(sparsify.clip_norm);
-        r->set_response_cache(response_cache);
-        r->set_local_size(local_size);
-        r->set_socket(absl::GetFlag(FLAGS_socket));
-        r->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started));
-        r->set_node_rank(-1);
-        r->set_job_state(microd::v1::JOB_STATE_FORMING);
-        if (coordinator != nullptr) microd::control::FillJobStatus(coordinator->Snapshot(), r);
-        absl::MutexLock lock(&state_mu);
-        if (membership.session != 0) {
-          r->set_node_rank(membership.node_rank);
-          r->set_node_count(membership.node_count);
-          r->set_world_size(membership.world_size);
-          if (coordinator == nullptr) r->set_job_state(microd::v1::JOB_STATE_RUNNING);
-        }
-        if (client != nullptr && !client->job_status().ok()) {
-          r->set_job_state(client->job_status().code() == absl::StatusCode::kFailedPrecondition
-                               ? microd::v1::JOB_STATE_FINISHED
-                               : microd::v1::JOB_STATE_FAILED);
-          if (r->failure().empty()) r->set_failure(std::string(client->job_status().message()));
-        }
-        if (client != nullptr) {
-          for (const std::string& s : client->stalls()) r->add_stalls(s);
-        }
-        if (local_server != nullptr) {
-          for (const auto& c : local_server->Clients()) {
-            auto* p = r->add_processes();
-            p->set_local_rank(c.local_rank);
-            p->set_pid(c.pid);
-            p->set_buffers(c.buffers);
-            p->set_bytes(c.bytes);
-          }
-        }
-        if (engine != nullptr) {
-          microd::engine::FillEngineStatus(engine->Snapshot(req.include_history()), r);
-        }
-      });
-  auto admin = microd::control::ControlServer::Start(absl::GetFlag(FLAGS_admin), {&admin_service});
-  if (!admin.ok()) return Fatal("--admin", admin.status());
+void Daemon::FillStatus(const microd::v1::GetStatusRequest& req,
+                        microd::v1::GetStatusResponse* r) {
+  const microd::sparsify::SparsifyOptions& sparsify = config_.sparsify;
+  r->set_version(MICROD_VERSION_STRING);
+  r->set_node_name(config_.node_name);
+  r->set_transport(config_.transport);
+  r->set_sparsifier(microd::sparsify::SparsifierName(sparsify.sparsifier));
+  r->set_controller(microd::sparsify::ControllerName(sparsify.controller));
+  r->set_density(sparsify.density);
+  r->set_momentum_correction(sparsify.momentum);
+  r->set_warmup_steps(sparsify.warmup_steps);
+  r->set_warmup_density(sparsify.warmup_density);
+  r->set_warmup_decay_steps(sparsify.warmup_decay_steps);
+  r->set_clip_norm(sparsify.clip_norm);
+  r->set_response_cache(config_.response_cache);
+  r->set_local_size(config_.local_size);
+  r->set_socket(absl::GetFlag(FLAGS_socket));
+  r->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
+  r->set_node_rank(-1);
+  r->set_job_state(microd::v1::JOB_STATE_FORMING);
+  if (coordinator_ != nullptr) microd::control::FillJobStatus(coordinator_->Snapshot(), r);
+  absl::MutexLock lock(&mu_);
+  if (membership_.session != 0) {
+    r->set_node_rank(membership_.node_rank);
+    r->set_node_count(membership_.node_count);
+    r->set_world_size(membership_.world_size);
+    if (coordinator_ == nullptr) r->set_job_state(microd::v1::JOB_STATE_RUNNING);
+  }
+  if (client_ != nullptr && !client_->job_status().ok()) {
+    r->set_job_state(client_->job_status().code() == absl::StatusCode::kFailedPrecondition
+                         ? microd::v1::JOB_STATE_FINISHED
+                         : microd::v1::JOB_STATE_FAILED);
+    if (r->failure().empty()) r->set_failure(std::string(client_->job_status().message()));
+  }
+  if (client_ != nullptr) {
+    for (const std::string& s : client_->stalls()) r->add_stalls(s);
+  }
+  if (local_server_ != nullptr) {
+    for (const auto& c : local_server_->Clients()) {
+      auto* p = r->add_processes();
+      p->set_local_rank(c.local_rank);
+      p->set_pid(c.pid);
+      p->set_buffers(c.buffers);
+      p->set_bytes(c.bytes);
+    }
+  }
+  if (engine_ != nullptr) {
+    microd::engine::FillEngineStatus(engine_->Snapshot(req.include_history()), r);
+  }
+}
+
+absl::Status Daemon::StartAdmin() {
+  auto admin = microd::control::ControlServer::Start(absl::GetFlag(FLAGS_admin), {&admin_service_});
+  if (!admin.ok()) return Bad("--admin", admin.status());
+  admin_ = std::move(admin).value();
   // Health: "" is SERVING while the process answers (liveness); "microd"
   // only once this node joined and serves its training processes (startup
   // and readiness: a trainer started earlier would wait for the socket).
-  (*admin)->SetServing(kHealthService, false);
-  std::fprintf(stderr, "microd: admin listening on %s\n", (*admin)->address().c_str());
+  admin_->SetServing(kHealthService, false);
+  std::fprintf(stderr, "microd: admin listening on %s\n", admin_->address().c_str());
   if (const std::string f = absl::GetFlag(FLAGS_admin_port_file); !f.empty()) {
-    std::ofstream(f) << (*admin)->port() << "\n";
+    std::ofstream(f) << admin_->port() << "\n";
   }
-
 #if MICROD_HAVE_NCCL
-  if (transport_name == "nccl") {
+  if (config_.transport == "nccl") {
     // Before joining: a node without a usable GPU must not hold the job up.
     std::string why;
     auto gpu_ops = microd::kernels::CreateCudaSparseOps(absl::GetFlag(FLAGS_cuda_device), &why);
     if (gpu_ops == nullptr) {
-      return Fatal("--transport=nccl",
-                   absl::FailedPreconditionError(absl::StrCat(
-                       "no usable GPU ", absl::GetFlag(FLAGS_cuda_device), ": ", why)));
+      return Bad("--transport=nccl", absl::FailedPreconditionError(absl::StrCat(
+                                         "no usable GPU ", absl::GetFlag(FLAGS_cuda_device),
+                                         ": ", why)));
     }
-    absl::MutexLock lock(&state_mu);
-    ops = std::move(gpu_ops);
+    absl::MutexLock lock(&mu_);
+    ops_ = std::move(gpu_ops);
   }
 #endif
+  return absl::OkStatus();
+}
 
-  // Join the job.
+absl::Status Daemon::Join() {
   microd::control::CoordinatorClientOptions cco;
-  cco.address = coordinator_address;
+  cco.address = coordinator_address_;
   cco.job_id = absl::GetFlag(FLAGS_job_id);
-  cco.node_name = node_name;
-  cco.token = token;
-  cco.local_size = local_size;
+  cco.node_name = config_.node_name;
+  cco.token = config_.token;
+  cco.local_size = config_.local_size;
   cco.requested_rank = absl::GetFlag(FLAGS_node_rank);
-  cco.peer_timeout = peer_timeout;
+  cco.peer_timeout = config_.peer_timeout;
   auto created = microd::control::CoordinatorClient::Create(cco);
-  if (!created.ok()) return Fatal("coordinator client", created.status());
+  if (!created.ok()) return Bad("coordinator client", created.status());
   {
-    absl::MutexLock lock(&state_mu);
-    client = std::move(created).value();
+    absl::MutexLock lock(&mu_);
+    client_ = std::move(created).value();
   }
   auto joined =
-      client->Join(absl::Now() + absl::Milliseconds(absl::GetFlag(FLAGS_join_timeout_ms)));
-  if (!joined.ok()) return Fatal("join", joined.status());
+      client_->Join(absl::Now() + absl::Milliseconds(absl::GetFlag(FLAGS_join_timeout_ms)));
+  if (!joined.ok()) return Bad("join", joined.status());
   {
-    absl::MutexLock lock(&state_mu);
-    membership = *joined;
+    absl::MutexLock lock(&mu_);
+    membership_ = *joined;
   }
-  std::fprintf(stderr, "microd: node '%s' is rank %d of %d (world size %d)\n", node_name.c_str(),
-               membership.node_rank, membership.node_count, membership.world_size);
+  std::fprintf(stderr, "microd: node '%s' is rank %d of %d (world size %d)\n",
+               config_.node_name.c_str(), membership_.node_rank, membership_.node_count,
+               membership_.world_size);
+  return absl::OkStatus();
+}
 
-  microd::engine::EngineOptions eo;
-  if (transport_name == "gloo") {
-    auto data_address = DataPlaneAddress(coordinator_address);
-    if (!data_address.ok()) return Fatal("--hostname", data_address.status());
+absl::Status Daemon::StartDataPlane(const microd::engine::EngineOptions& eo) {
+  if (!eo.device_resident) {
+    auto data_address = DataPlaneAddress(coordinator_address_);
+    if (!data_address.ok()) return Bad("--hostname", data_address.status());
     microd::transport::GlooOptions go;
-    go.rank = membership.node_rank;
-    go.size = membership.node_count;
-    go.store = client.get();
+    go.rank = membership_.node_rank;
+    go.size = membership_.node_count;
+    go.store = client_.get();
     go.hostname = *data_address;
-    go.timeout = op_timeout;
+    go.timeout = config_.op_timeout;
     go.io_nice = absl::GetFlag(FLAGS_gloo_io_nice);
-    auto created_transport = microd::transport::CreateGlooTransport(go);
-    if (!created_transport.ok()) return Fatal("transport", created_transport.status());
-    transport = std::move(created_transport).value();
-    ops = microd::kernels::CreateCpuSparseOps();
-  } else {
+    auto created = microd::transport::CreateGlooTransport(go);
+    if (!created.ok()) return Bad("transport", created.status());
+    transport_ = std::move(created).value();
+    ops_ = microd::kernels::CreateCpuSparseOps();
+    return absl::OkStatus();
+  }
 #if MICROD_HAVE_NCCL
-    // The GPU path: kernels and collectives on --cuda_device, in place on
-    // the processes' CUDA buffers. The kernels queue on the legacy default
-    // stream; the transport's own stream is ordered after them.
-    const int device = absl::GetFlag(FLAGS_cuda_device);
-    microd::transport::NcclOptions no;
-    no.rank = membership.node_rank;
-    no.size = membership.node_count;
-    no.device = device;
-    no.store = client.get();
-    no.timeout = op_timeout;
-    auto created_transport = microd::transport::CreateNcclTransport(no);
-    if (!created_transport.ok()) return Fatal("transport", created_transport.status());
-    transport = std::move(created_transport).value();
-    eo.device_resident = true;
-    eo.device = device;
-    std::fprintf(stderr, "microd: reducing on GPU %d over NCCL (CUDA buffers only)\n", device);
+  // The GPU path: kernels and collectives on --cuda_device, in place on the
+  // processes' CUDA buffers. The kernels queue on the legacy default stream;
+  // the transport's own stream is ordered after them.
+  microd::transport::NcclOptions no;
+  no.rank = membership_.node_rank;
+  no.size = membership_.node_count;
+  no.device = eo.device;
+  no.store = client_.get();
+  no.timeout = config_.op_timeout;
+  auto created = microd::transport::CreateNcclTransport(no);
+  if (!created.ok()) return Bad("transport", created.status());
+  transport_ = std::move(created).value();
+  std::fprintf(stderr, "microd: reducing on GPU %d over NCCL (CUDA buffers only)\n", eo.device);
+  return absl::OkStatus();
+#else
+  return Bad("--transport", absl::UnimplementedError("nccl needs a CUDA build"));
 #endif
-  }
-  eo.local_size = local_size;
-  eo.sparsify = sparsify;
-  eo.dense_floor = absl::GetFlag(FLAGS_dense_floor);
-  eo.skip_nonfinite = absl::GetFlag(FLAGS_nonfinite) == "skip";
-  eo.stats_history = absl::GetFlag(FLAGS_stats_history);
-  eo.response_cache = response_cache;
-  eo.cycle_floats = absl::GetFlag(FLAGS_cycle_floats);
-  eo.op_timeout = op_timeout;
-  if (absl::GetFlag(FLAGS_stall_abort_s) > 0) {
-    eo.peer_wait = absl::Seconds(absl::GetFlag(FLAGS_stall_abort_s)) + peer_timeout + op_timeout;
-  }
-  if (absl::Status s = microd::engine::CheckOptionsAgree(*transport, eo, absl::Now() + op_timeout);
-      !s.ok()) {
-    return Fatal("options", s);
-  }
-  {
-    absl::MutexLock lock(&state_mu);
-    engine = std::make_unique<microd::engine::Engine>(eo, membership, client.get(), transport.get(),
-                                                      ops.get());
-  }
-  // From here on a stop signal is handled by the orderly shutdown below.
-  stop.EnterServing();
+}
+
+absl::Status Daemon::Serve(const microd::engine::EngineOptions& eo) {
   microd::local::LocalServerOptions lo;
   lo.socket_path = absl::GetFlag(FLAGS_socket);
   lo.allow_gid = absl::GetFlag(FLAGS_allow_gid);
@@ -530,39 +582,94 @@ int main(int argc, char** argv) {
   lo.hello_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_hello_timeout_ms));
   // A process that reads none of its completions for a whole operation's
   // deadline is not coming back.
-  lo.stuck_after = op_timeout;
+  lo.stuck_after = config_.op_timeout;
   lo.cuda_resident_device = eo.device_resident ? eo.device : -1;
-  auto server = microd::local::LocalServer::Start(lo, engine.get());
-  if (!server.ok()) return Fatal("--socket", server.status());
+  auto server = microd::local::LocalServer::Start(lo, engine_.get());
+  if (!server.ok()) return Bad("--socket", server.status());
   {
-    absl::MutexLock lock(&state_mu);
-    local_server = std::move(server).value();
+    absl::MutexLock lock(&mu_);
+    local_server_ = std::move(server).value();
   }
-  engine->SetServer(local_server.get());
-  client->SetFailureCallback([e = engine.get()](const absl::Status& s) { e->Fail(s, false); });
+  engine_->SetServer(local_server_.get());
+  client_->SetFailureCallback([e = engine_.get()](const absl::Status& s) { e->Fail(s, false); });
   // Buckets waiting for half the warning time go to the stall inspector.
-  client->SetWaitingProvider(
-      [e = engine.get(), at_least = absl::Seconds(absl::GetFlag(FLAGS_stall_warning_s)) / 2] {
+  client_->SetWaitingProvider(
+      [e = engine_.get(), at_least = absl::Seconds(absl::GetFlag(FLAGS_stall_warning_s)) / 2] {
         return e->Waiting(at_least);
       });
-  engine->Start();
-  (*admin)->SetServing(kHealthService, true);
-  std::fprintf(stderr, "microd: serving %d local process(es) on %s\n", local_size,
+  engine_->Start();
+  admin_->SetServing(kHealthService, true);
+  std::fprintf(stderr, "microd: serving %d local process(es) on %s\n", config_.local_size,
                lo.socket_path.c_str());
+  return absl::OkStatus();
+}
 
-  const int sig = stop.Wait();
-  std::fprintf(stderr, "microd: %s: shutting down\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
-  (*admin)->SetServing(kHealthService, false);
-  local_server->Stop();  // no new work; removes the socket
-  engine->Stop(absl::CancelledError(
-      absl::StrCat("microd on node ", membership.node_rank, " is shutting down")));
-  (void)client->Leave();
-  (*admin)->Shutdown(absl::Now() + absl::Seconds(1));
-  if (coordinator_server != nullptr) coordinator_server->Shutdown(absl::Now() + absl::Seconds(1));
-  {
-    absl::MutexLock lock(&state_mu);
-    engine.reset();
-    local_server.reset();
+absl::Status Daemon::Start(StopWatcher* stop) {
+  RETURN_IF_ERROR(StartCoordinator());
+  RETURN_IF_ERROR(StartAdmin());
+  RETURN_IF_ERROR(Join());
+  const microd::engine::EngineOptions eo = EngineOptionsOf(config_);
+  RETURN_IF_ERROR(StartDataPlane(eo));
+  if (absl::Status s =
+          microd::engine::CheckOptionsAgree(*transport_, eo, absl::Now() + config_.op_timeout);
+      !s.ok()) {
+    return Bad("options", s);
   }
+  {
+    absl::MutexLock lock(&mu_);
+    engine_ = std::make_unique<microd::engine::Engine>(eo, membership_, client_.get(),
+                                                       transport_.get(), ops_.get());
+  }
+  // From here on a stop signal is handled by the orderly shutdown (Stop).
+  stop->EnterServing();
+  return Serve(eo);
+}
+
+void Daemon::Stop(int sig) {
+  std::fprintf(stderr, "microd: %s: shutting down\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  admin_->SetServing(kHealthService, false);
+  local_server_->Stop();  // no new work; removes the socket
+  engine_->Stop(absl::CancelledError(
+      absl::StrCat("microd on node ", membership_.node_rank, " is shutting down")));
+  (void)client_->Leave();
+  admin_->Shutdown(absl::Now() + absl::Seconds(1));
+  if (coordinator_server_ != nullptr) coordinator_server_->Shutdown(absl::Now() + absl::Seconds(1));
+}
+
+// SIGTERM/SIGINT only write to a pipe the stop watcher reads (whichever
+// thread the kernel delivers them to).
+bool InstallStopSignals() {
+  if (pipe2(g_stop_pipe, O_CLOEXEC) != 0) return false;
+  struct sigaction sa {};
+  sa.sa_handler = OnStopSignal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "microd: sidecar daemon averaging gradients with MiCRO sparsification.\n"
+      "  node 0: microd --coordinator_listen=0.0.0.0:7470 --nodes=4 --local_size=1\n"
+      "  others: microd --coordinator=node0:7470 --local_size=1");
+  if (!ApplyEnvironment()) return 2;
+  absl::ParseCommandLine(argc, argv);
+  if (!InstallStopSignals()) return Fatal("pipe", absl::InternalError("pipe2"));
+  StopWatcher stop;
+  auto config = ParseFlags();
+  if (!config.ok()) {
+    std::fprintf(stderr, "microd: %s\n", std::string(config.status().message()).c_str());
+    return 1;
+  }
+  Daemon daemon(std::move(config).value());
+  if (absl::Status s = daemon.Start(&stop); !s.ok()) {
+    std::fprintf(stderr, "microd: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
+  daemon.Stop(stop.Wait());
   return 0;
 }

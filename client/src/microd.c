@@ -17,7 +17,7 @@
 #include <unistd.h>
 
 #include "cuda_driver.h"
-#include "wire.h"
+#include "microd/wire.h"
 
 #define CLIENT_MAGIC 0x6d636c69u /* "mcli" */
 #define DEFAULT_SOCKET "/run/microd/microd.sock"
@@ -204,12 +204,10 @@ const char* microd_last_error(const microd_client* client) {
   return client->last_error;
 }
 
-microd_status microd_connect(const microd_options* options, microd_client** out) {
-  tls_error[0] = '\0';
-  if (out == NULL) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "out is NULL");
-  *out = NULL;
-  microd_options o;
-  microd_options_init(&o);
+/* The options in effect: the caller's, then the environment, then the
+ * defaults. */
+static microd_status resolve_options(const microd_options* options, microd_options* o) {
+  microd_options_init(o);
   if (options != NULL) {
     if (options->struct_size < offsetof(microd_options, timeout_ms) + sizeof(int32_t) ||
         options->struct_size > 4096) {
@@ -217,13 +215,13 @@ microd_status microd_connect(const microd_options* options, microd_client** out)
                   "options->struct_size is %zu: call microd_options_init first",
                   options->struct_size);
     }
-    o.socket_path = options->socket_path;
-    o.local_rank = options->local_rank;
-    o.timeout_ms = options->timeout_ms;
+    o->socket_path = options->socket_path;
+    o->local_rank = options->local_rank;
+    o->timeout_ms = options->timeout_ms;
   }
-  if (o.socket_path == NULL) o.socket_path = getenv("MICROD_SOCKET");
-  if (o.socket_path == NULL || o.socket_path[0] == '\0') o.socket_path = DEFAULT_SOCKET;
-  if (o.local_rank < 0) {
+  if (o->socket_path == NULL) o->socket_path = getenv("MICROD_SOCKET");
+  if (o->socket_path == NULL || o->socket_path[0] == '\0') o->socket_path = DEFAULT_SOCKET;
+  if (o->local_rank < 0) {
     const char* env = getenv("MICROD_LOCAL_RANK");
     if (env == NULL) env = getenv("LOCAL_RANK");
     if (env != NULL && env[0] != '\0') {
@@ -233,80 +231,103 @@ microd_status microd_connect(const microd_options* options, microd_client** out)
         return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "bad local rank '%s' in the environment",
                     env);
       }
-      o.local_rank = (int32_t)v;
+      o->local_rank = (int32_t)v;
     }
   }
-  if (o.timeout_ms <= 0) o.timeout_ms = DEFAULT_TIMEOUT_MS;
+  if (o->timeout_ms <= 0) o->timeout_ms = DEFAULT_TIMEOUT_MS;
+  return MICROD_OK;
+}
+
+/* Connects to the daemon's socket, retrying while it is not there yet (a
+ * sidecar starting beside the trainer) until the deadline. */
+static microd_status connect_socket(const char* path, int64_t deadline, int* out_fd) {
   struct sockaddr_un addr;
   memset(&addr, 0, sizeof addr);
   addr.sun_family = AF_UNIX;
-  if (strlen(o.socket_path) >= sizeof addr.sun_path) {
-    return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "socket path too long: %s", o.socket_path);
+  if (strlen(path) >= sizeof addr.sun_path) {
+    return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "socket path too long: %s", path);
   }
-  strcpy(addr.sun_path, o.socket_path);
-
-  const int64_t deadline = now_ms() + o.timeout_ms;
-  int fd = -1;
+  strcpy(addr.sun_path, path);
   for (;;) {
-    fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (fd < 0) return fail(NULL, MICROD_ERR_RESOURCE, "socket: %s", strerror(errno));
-    if (connect(fd, (struct sockaddr*)&addr, sizeof addr) == 0) break;
+    if (connect(fd, (struct sockaddr*)&addr, sizeof addr) == 0) {
+      *out_fd = fd;
+      return MICROD_OK;
+    }
     const int err = errno;
     close(fd);
-    fd = -1;
     if ((err != ENOENT && err != ECONNREFUSED && err != EAGAIN) || now_ms() >= deadline) {
-      return fail(NULL, MICROD_ERR_UNAVAILABLE, "cannot connect to microd at %s: %s", o.socket_path,
+      return fail(NULL, MICROD_ERR_UNAVAILABLE, "cannot connect to microd at %s: %s", path,
                   strerror(err));
     }
     usleep(10000);
   }
+}
 
+/* Says hello and reads the daemon's answer into `ack`. */
+static microd_status say_hello(int fd, const microd_options* o, int64_t deadline,
+                               microd_wire_hello_ack* ack) {
   microd_wire_hello hello;
   memset(&hello, 0, sizeof hello);
   microd_wire_header_init(&hello.h, MICROD_MSG_HELLO, sizeof hello);
-  hello.local_rank = o.local_rank;
+  hello.local_rank = o->local_rank;
   hello.pid = (uint32_t)getpid();
   /* A daemon that refuses this process answers with an ERROR and closes at
    * once: the hello may fail to send, but the answer is still there to read. */
   const int hello_errno = microd_wire_send(fd, &hello, sizeof hello, -1) != 0 ? errno : 0;
-  microd_wire_hello_ack ack;
   ssize_t n = -1;
   for (;;) {
     int left = hello_errno != 0 ? 100 : (int)(deadline - now_ms());
     struct pollfd p = {fd, POLLIN, 0};
     if (left <= 0 || poll(&p, 1, left) <= 0) {
-      close(fd);
       if (hello_errno != 0) {
         return fail(NULL, MICROD_ERR_UNAVAILABLE, "sending hello: %s", strerror(hello_errno));
       }
-      return fail(NULL, MICROD_ERR_TIMEOUT, "no answer from microd at %s", o.socket_path);
+      return fail(NULL, MICROD_ERR_TIMEOUT, "no answer from microd at %s", o->socket_path);
     }
-    n = recv(fd, &ack, sizeof ack, 0);
+    n = recv(fd, ack, sizeof *ack, 0);
     if (n < 0 && errno == EINTR) continue;
     break;
   }
   if (n <= 0 && hello_errno != 0) {
-    close(fd);
     return fail(NULL, MICROD_ERR_UNAVAILABLE, "sending hello: %s", strerror(hello_errno));
   }
-  if (n == (ssize_t)sizeof(microd_wire_error) && ack.h.type == MICROD_MSG_ERROR) {
-    microd_wire_error* e = (microd_wire_error*)&ack;
+  if (n == (ssize_t)sizeof(microd_wire_error) && ack->h.type == MICROD_MSG_ERROR) {
+    microd_wire_error* e = (microd_wire_error*)ack;
     e->message[MICROD_WIRE_MESSAGE_BYTES - 1] = '\0';
-    close(fd);
     return fail(NULL, valid_status(e->status) ? (microd_status)e->status : MICROD_ERR_PROTOCOL,
                 "microd refused the connection: %s", e->message);
   }
-  if (n != (ssize_t)sizeof ack || ack.h.magic != MICROD_WIRE_MAGIC ||
-      ack.h.version != MICROD_WIRE_VERSION || ack.h.type != MICROD_MSG_HELLO_ACK ||
-      ack.h.length != sizeof ack) {
-    close(fd);
-    return fail(NULL, MICROD_ERR_PROTOCOL, "malformed answer from microd at %s", o.socket_path);
+  if (n != (ssize_t)sizeof *ack || ack->h.magic != MICROD_WIRE_MAGIC ||
+      ack->h.version != MICROD_WIRE_VERSION || ack->h.type != MICROD_MSG_HELLO_ACK ||
+      ack->h.length != sizeof *ack) {
+    return fail(NULL, MICROD_ERR_PROTOCOL, "malformed answer from microd at %s", o->socket_path);
   }
-  ack.message[MICROD_WIRE_MESSAGE_BYTES - 1] = '\0';
-  if (ack.status != MICROD_OK) {
+  ack->message[MICROD_WIRE_MESSAGE_BYTES - 1] = '\0';
+  if (ack->status != MICROD_OK) {
+    return fail(NULL, valid_status(ack->status) ? (microd_status)ack->status : MICROD_ERR_PROTOCOL,
+                "microd refused the connection: %s", ack->message);
+  }
+  return MICROD_OK;
+}
+
+microd_status microd_connect(const microd_options* options, microd_client** out) {
+  tls_error[0] = '\0';
+  if (out == NULL) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "out is NULL");
+  *out = NULL;
+  microd_options o;
+  microd_status st = resolve_options(options, &o);
+  if (st != MICROD_OK) return st;
+  const int64_t deadline = now_ms() + o.timeout_ms;
+  int fd = -1;
+  st = connect_socket(o.socket_path, deadline, &fd);
+  if (st != MICROD_OK) return st;
+  microd_wire_hello_ack ack;
+  st = say_hello(fd, &o, deadline, &ack);
+  if (st != MICROD_OK) {
     close(fd);
-    return fail(NULL, valid_status(ack.status) ? (microd_status)ack.status : MICROD_ERR_PROTOCOL,
-                "microd refused the connection: %s", ack.message);
+    return st;
   }
   microd_client* c = calloc(1, sizeof *c);
   if (c == NULL) {

@@ -99,7 +99,7 @@ absl::StatusOr<local::ProcessInfo> Engine::OnHello(uint64_t client, int requeste
 }
 
 absl::Status Engine::OnRegister(uint64_t client, uint32_t buffer_id, const std::string& name,
-                                bool dense, std::shared_ptr<local::HostBuffer> buffer) {
+                                bool dense, std::shared_ptr<local::ProcessBuffer> buffer) {
   RETURN_IF_ERROR(memory_->Admit(name, *buffer));
   std::vector<Work> refused;
   absl::Status result;

@@ -64,7 +64,7 @@ class Engine final : public local::LocalHandler, private JobControl {
   absl::StatusOr<local::ProcessInfo> OnHello(uint64_t client, int requested_local_rank,
                                              pid_t pid) override;
   absl::Status OnRegister(uint64_t client, uint32_t buffer_id, const std::string& name, bool dense,
-                          std::shared_ptr<local::HostBuffer> buffer) override;
+                          std::shared_ptr<local::ProcessBuffer> buffer) override;
   absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket) override;
   void OnDisconnect(uint64_t client, bool clean, const std::string& why) override;
 

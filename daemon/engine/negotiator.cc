@@ -77,7 +77,7 @@ class CycleNegotiator final : public Negotiator {
   struct ToSend {
     size_t id;
     uint64_t count;
-    std::vector<std::shared_ptr<local::HostBuffer>> buffers;
+    std::vector<std::shared_ptr<local::ProcessBuffer>> buffers;
   };
 
   // This node's message (without the local sums yet), the buckets whose

@@ -49,7 +49,7 @@ absl::StatusOr<int> ProcessTable::Hello(uint64_t client, int requested_local_ran
 }
 
 absl::Status ProcessTable::Register(uint64_t client, uint32_t buffer_id, const std::string& name,
-                                    bool dense, std::shared_ptr<local::HostBuffer> buffer,
+                                    bool dense, std::shared_ptr<local::ProcessBuffer> buffer,
                                     std::vector<Work>* refused) {
   auto pit = processes_.find(client);
   if (pit == processes_.end()) return absl::FailedPreconditionError("unknown process");

@@ -32,7 +32,7 @@ struct Bucket {
   uint64_t count = 0;
   bool dense = false;            // below the size floor, or asked for by the processes
   bool requested_dense = false;  // the processes registered it with MICROD_BUFFER_DENSE
-  std::vector<std::shared_ptr<local::HostBuffer>> buffers;  // by local rank
+  std::vector<std::shared_ptr<local::ProcessBuffer>> buffers;  // by local rank
   std::vector<uint64_t> clients;                            // by local rank
   std::vector<uint32_t> buffer_ids;                         // by local rank
   std::vector<uint64_t> tickets;                            // by local rank, 0 = none
@@ -50,7 +50,7 @@ struct Bucket {
 // or a failure of the job).
 struct Work {
   Bucket* bucket = nullptr;
-  std::vector<std::shared_ptr<local::HostBuffer>> buffers;
+  std::vector<std::shared_ptr<local::ProcessBuffer>> buffers;
   std::shared_ptr<Answer> answer;
 
   // True if some local process has gone since it submitted.
@@ -72,7 +72,7 @@ class ProcessTable {
   // dense flag) are refused: they go to `refused`, to be answered with the
   // returned error.
   absl::Status Register(uint64_t client, uint32_t buffer_id, const std::string& name, bool dense,
-                        std::shared_ptr<local::HostBuffer> buffer, std::vector<Work>* refused);
+                        std::shared_ptr<local::ProcessBuffer> buffer, std::vector<Work>* refused);
   enum class Ready { kNo, kNew, kCached };
   // kNew: ready here and not cached (to report to the coordinator); kCached:
   // ready here and cached (to negotiate in the next cycle).

@@ -40,10 +40,10 @@ absl::Status ForEachDevice(const Work& w, absl::Time deadline,
 
 class HostStaging final : public StepMemory {
  public:
-  absl::Status Admit(const std::string&, const local::HostBuffer&) const override {
+  absl::Status Admit(const std::string&, const local::ProcessBuffer&) const override {
     return absl::OkStatus();
   }
-  float* Data(const local::HostBuffer& b) const override { return b.data(); }
+  float* Data(const local::ProcessBuffer& b) const override { return b.data(); }
   absl::Status StageIn(const Work& w, absl::Time deadline,
                        const std::function<bool()>& abandoned) override {
     return ForEachDevice(w, deadline, [&](local::DeviceMemory& dev) {
@@ -64,7 +64,7 @@ class DeviceResident final : public StepMemory {
  public:
   DeviceResident(int device, kernels::SparseOps* ops) : device_(device), ops_(ops) {}
 
-  absl::Status Admit(const std::string& name, const local::HostBuffer& buffer) const override {
+  absl::Status Admit(const std::string& name, const local::ProcessBuffer& buffer) const override {
     const local::DeviceMemory* dev = buffer.device();
     if (dev != nullptr && dev->ordinal() == device_) return absl::OkStatus();
     return WithClientStatus(
@@ -74,7 +74,7 @@ class DeviceResident final : public StepMemory {
             dev == nullptr ? "host memory" : absl::StrCat("on GPU ", dev->ordinal()))),
         ClientStatus::kUnsupported);
   }
-  float* Data(const local::HostBuffer& b) const override { return b.device()->mapped(); }
+  float* Data(const local::ProcessBuffer& b) const override { return b.device()->mapped(); }
   absl::Status StageIn(const Work& w, absl::Time deadline,
                        const std::function<bool()>& abandoned) override {
     return ForEachDevice(w, deadline, [&](local::DeviceMemory& dev) {
@@ -104,7 +104,7 @@ class DeviceResident final : public StepMemory {
   const int device_;
   kernels::SparseOps* const ops_;
   // Buffers whose GPU work never ended: kept mapped, never released.
-  std::vector<std::shared_ptr<local::HostBuffer>> kept_;
+  std::vector<std::shared_ptr<local::ProcessBuffer>> kept_;
 };
 
 }  // namespace

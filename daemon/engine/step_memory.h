@@ -28,9 +28,9 @@ class StepMemory {
   virtual ~StepMemory() = default;
 
   // Whether a buffer of bucket `name` can take part in a step here.
-  virtual absl::Status Admit(const std::string& name, const local::HostBuffer& buffer) const = 0;
+  virtual absl::Status Admit(const std::string& name, const local::ProcessBuffer& buffer) const = 0;
   // Where the step reads a process's gradient and writes its update.
-  virtual float* Data(const local::HostBuffer& buffer) const = 0;
+  virtual float* Data(const local::ProcessBuffer& buffer) const = 0;
   // The gradients readable at Data(). All copies are queued, then awaited
   // (deadline: the step's); `abandoned` ends the waits early (the job
   // failed). A failure names the bucket and the local rank.

@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status_map.h"
 #include "daemon/local/cuda_ipc.h"
-#include "wire.h"
+#include "microd/wire.h"
 
 namespace microd::local {
 namespace {
@@ -96,7 +96,7 @@ absl::Status PrepareSocketPath(const std::string& path) {
 
 }  // namespace
 
-HostBuffer::~HostBuffer() {
+ProcessBuffer::~ProcessBuffer() {
   if (mapped_bytes_ > 0) munmap(data_, mapped_bytes_);
 }
 
@@ -162,22 +162,33 @@ void LocalServer::Wake() {
   (void)!write(wake_fd_, &one, sizeof one);
 }
 
+namespace {
+
+enum class SendResult { kSent, kFull, kBroken };
+
+// One send that never blocks; `why` says what broke the connection.
+SendResult SendNow(int fd, const void* msg, size_t len, std::string* why) {
+  ssize_t n;
+  do {
+    n = send(fd, msg, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+  } while (n < 0 && errno == EINTR);
+  if (n == static_cast<ssize_t>(len)) return SendResult::kSent;
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return SendResult::kFull;
+  *why = n >= 0 ? "short send" : std::strerror(errno);
+  return SendResult::kBroken;
+}
+
+}  // namespace
+
 bool LocalServer::Send(Client& c, const void* msg, size_t len) {
   if (!c.broken.empty()) return false;
   if (c.outbox.empty()) {
     // Never block on a client: what its socket cannot take now waits.
-    ssize_t n;
-    do {
-      n = send(c.fd, msg, len, MSG_NOSIGNAL | MSG_DONTWAIT);
-    } while (n < 0 && errno == EINTR);
-    if (n == static_cast<ssize_t>(len)) return true;
-    if (n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
-      c.broken = n >= 0 ? "short send" : std::strerror(errno);
-      Wake();
-      return false;
-    }
+    const SendResult r = SendNow(c.fd, msg, len, &c.broken);
+    if (r == SendResult::kSent) return true;
+    Wake();  // a broken client is reaped; a full one waited on for POLLOUT
+    if (r == SendResult::kBroken) return false;
     c.outbox_since = absl::Now();
-    Wake();  // the server thread now waits for the socket to be writable
   }
   // A client has at most one submission in flight per buffer; beyond that
   // and the slack, it is not reading at all.
@@ -194,15 +205,7 @@ bool LocalServer::Send(Client& c, const void* msg, size_t len) {
 void LocalServer::Flush(Client& c) {
   while (!c.outbox.empty() && c.broken.empty()) {
     const std::string& front = c.outbox.front();
-    ssize_t n;
-    do {
-      n = send(c.fd, front.data(), front.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
-    } while (n < 0 && errno == EINTR);
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-    if (n != static_cast<ssize_t>(front.size())) {
-      c.broken = n >= 0 ? "short send" : std::strerror(errno);
-      return;
-    }
+    if (SendNow(c.fd, front.data(), front.size(), &c.broken) != SendResult::kSent) return;
     c.outbox.pop_front();
     c.outbox_since = absl::Now();  // it reads: the wait starts again
   }
@@ -535,12 +538,8 @@ bool LocalServer::HandleRegister(uint64_t id, Client& c, const ::microd_wire_reg
     Refuse(id, kProtocol, absl::StrCat("register of '", name, "' must carry one memfd"));
     return false;
   }
-  if (r.count == 0 || r.count > kMaxElements) {
-    return answer(absl::InvalidArgumentError(absl::StrCat("buffer '", name, "': element count ",
-                                                          r.count, " out of range [1, 2^32)")));
-  }
   const uint64_t bytes = r.count * sizeof(float);
-  if (absl::Status room = CheckRoom(c, r.buffer_id, name, bytes); !room.ok()) return answer(room);
+  if (absl::Status room = CheckRoom(c, r.buffer_id, name, r.count); !room.ok()) return answer(room);
   struct stat st;
   const int seals = fcntl(fds[0], F_GET_SEALS);
   if (fstat(fds[0], &st) != 0 || !S_ISREG(st.st_mode) ||
@@ -556,7 +555,7 @@ bool LocalServer::HandleRegister(uint64_t id, Client& c, const ::microd_wire_reg
                                    ClientStatus::kResource));
   }
   return AcceptBuffer(id, c, r.buffer_id, name, (r.flags & 1u) != 0, bytes,
-                      std::make_shared<HostBuffer>(static_cast<float*>(p), r.count, bytes));
+                      std::make_shared<ProcessBuffer>(static_cast<float*>(p), r.count, bytes));
 }
 
 bool LocalServer::HandleSubmit(uint64_t id, Client& c, const ::microd_wire_submit& submit) {
@@ -580,7 +579,12 @@ bool LocalServer::HandleSubmit(uint64_t id, Client& c, const ::microd_wire_submi
 }
 
 absl::Status LocalServer::CheckRoom(const Client& c, uint32_t buffer_id, const std::string& name,
-                                    uint64_t bytes) const {
+                                    uint64_t count) const {
+  if (count == 0 || count > kMaxElements) {
+    return absl::InvalidArgumentError(absl::StrCat("buffer '", name, "': element count ", count,
+                                                   " out of range [1, 2^32)"));
+  }
+  const uint64_t bytes = count * sizeof(float);
   if (c.buffers.count(buffer_id) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("buffer id ", buffer_id, " is already registered"));
@@ -597,7 +601,7 @@ absl::Status LocalServer::CheckRoom(const Client& c, uint32_t buffer_id, const s
 }
 
 bool LocalServer::AcceptBuffer(uint64_t id, Client& c, uint32_t buffer_id, const std::string& name,
-                               bool dense, uint64_t bytes, std::shared_ptr<HostBuffer> buffer) {
+                               bool dense, uint64_t bytes, std::shared_ptr<ProcessBuffer> buffer) {
   absl::Status s = handler_->OnRegister(id, buffer_id, name, dense, std::move(buffer));
   if (s.ok()) {
     absl::MutexLock lock(&mu_);
@@ -633,11 +637,9 @@ bool LocalServer::HandleRegisterCuda(uint64_t id, Client& c, const microd_wire_r
     return false;
   }
   // The fields are checked here, before anything CUDA, so that a bad request
-  // gets the same answer from every build.
-  if (r.count == 0 || r.count > kMaxElements) {
-    return answer(absl::InvalidArgumentError(
-        absl::StrCat("buffer '", name, "': element count ", r.count, " out of range [1, 2^32)")));
-  }
+  // gets the same answer from every build. The daemon's staging copy counts
+  // against the process's limit.
+  if (absl::Status room = CheckRoom(c, r.buffer_id, name, r.count); !room.ok()) return answer(room);
   const uint64_t bytes = r.count * sizeof(float);
   if (r.offset % sizeof(float) != 0 || r.offset > r.alloc_bytes ||
       bytes > r.alloc_bytes - r.offset) {
@@ -646,8 +648,6 @@ bool LocalServer::HandleRegisterCuda(uint64_t id, Client& c, const microd_wire_r
                      " do not fit an allocation of ", r.alloc_bytes,
                      " bytes (or the offset is not a multiple of 4)")));
   }
-  // The daemon's staging copy counts against the process's limit.
-  if (absl::Status room = CheckRoom(c, r.buffer_id, name, bytes); !room.ok()) return answer(room);
   if (cuda_ == nullptr && cuda_unavailable_.empty()) {
     auto registry = options_.cuda_registry ? options_.cuda_registry()
                                            : CreateCudaIpcRegistry(options_.cuda_resident_device);
@@ -678,7 +678,7 @@ bool LocalServer::HandleRegisterCuda(uint64_t id, Client& c, const microd_wire_r
   auto device = cuda_->Open(req);
   if (!device.ok()) return answer(device.status());
   return AcceptBuffer(id, c, r.buffer_id, name, (r.flags & 1u) != 0, bytes,
-                      std::make_shared<HostBuffer>(std::move(device).value()));
+                      std::make_shared<ProcessBuffer>(std::move(device).value()));
 }
 
 }  // namespace microd::local

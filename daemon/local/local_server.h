@@ -1,4 +1,4 @@
-// The daemon's side of the local protocol (client/src/wire.h): a
+// The daemon's side of the local protocol (client/wire/microd/wire.h): a
 // SOCK_SEQPACKET Unix socket for the training processes of this node, peers
 // checked with SO_PEERCRED, host buffers mapped from the memfds they send,
 // CUDA buffers opened from their IPC handles (CUDA builds, cuda_ipc.h).
@@ -29,7 +29,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
-struct microd_wire_hello;  // client/src/wire.h
+struct microd_wire_hello;  // client/wire/microd/wire.h
 struct microd_wire_register;
 struct microd_wire_register_cuda;
 struct microd_wire_submit;
@@ -72,23 +72,24 @@ class DeviceMemory {
   virtual std::string Describe() const = 0;
 };
 
-// A training process's buffer as the engine sees it: host memory to read
-// the gradient from and write the update into. A host buffer is the
-// process's memfd mapped into the daemon (unmapped when the last reference
-// goes; the engine may hold one while a step runs); a CUDA buffer is the
-// daemon's staging copy of device memory, moved by device().
-class HostBuffer {
+// A training process's buffer as the engine sees it, host memory or CUDA
+// memory: data() is host memory to read the gradient from and write the
+// update into. A host buffer is the process's memfd mapped into the daemon
+// (unmapped when the last reference goes; the engine may hold one while a
+// step runs); for a CUDA buffer data() is the daemon's staging copy of the
+// device memory, moved (or used in place) through device().
+class ProcessBuffer {
  public:
-  HostBuffer(float* data, uint64_t count, size_t mapped_bytes)
+  ProcessBuffer(float* data, uint64_t count, size_t mapped_bytes)
       : data_(data), count_(count), mapped_bytes_(mapped_bytes) {}
-  explicit HostBuffer(std::unique_ptr<DeviceMemory> device)
+  explicit ProcessBuffer(std::unique_ptr<DeviceMemory> device)
       : data_(device->staging()),
         count_(device->count()),
         mapped_bytes_(0),
         device_(std::move(device)) {}
-  ~HostBuffer();
-  HostBuffer(const HostBuffer&) = delete;
-  HostBuffer& operator=(const HostBuffer&) = delete;
+  ~ProcessBuffer();
+  ProcessBuffer(const ProcessBuffer&) = delete;
+  ProcessBuffer& operator=(const ProcessBuffer&) = delete;
   float* data() const { return data_; }
   uint64_t count() const { return count_; }
   // Null for host buffers.
@@ -119,7 +120,7 @@ class LocalHandler {
                                               pid_t pid) = 0;
   // `dense`: the process asked for this buffer to be reduced without sparsification.
   virtual absl::Status OnRegister(uint64_t client, uint32_t buffer_id, const std::string& name,
-                                  bool dense, std::shared_ptr<HostBuffer> buffer) = 0;
+                                  bool dense, std::shared_ptr<ProcessBuffer> buffer) = 0;
   // An error completes the ticket at once with that status.
   virtual absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket) = 0;
   // `clean`: the process said goodbye; otherwise it vanished or misbehaved.
@@ -204,12 +205,13 @@ class LocalServer {
   // REGISTER_CUDA: validates, opens the allocation and answers.
   bool HandleRegisterCuda(uint64_t id, Client& c, const ::microd_wire_register_cuda& r);
   bool HandleSubmit(uint64_t id, Client& c, const ::microd_wire_submit& submit);
-  // Both registers: the buffer id is new and the process has room for it...
+  // Both registers: the element count is in range, the buffer id is new
+  // and the process has room for `count` floats...
   absl::Status CheckRoom(const Client& c, uint32_t buffer_id, const std::string& name,
-                         uint64_t bytes) const;
+                         uint64_t count) const;
   // ...and then the engine takes it (and the process's account with it).
   bool AcceptBuffer(uint64_t id, Client& c, uint32_t buffer_id, const std::string& name,
-                    bool dense, uint64_t bytes, std::shared_ptr<HostBuffer> buffer);
+                    bool dense, uint64_t bytes, std::shared_ptr<ProcessBuffer> buffer);
   bool AnswerRegister(Client& c, uint32_t buffer_id, const absl::Status& s);
   void Drop(uint64_t id, bool clean, const std::string& why);
   // Sends an ERROR message (best effort) and drops the client.

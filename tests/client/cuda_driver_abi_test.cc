@@ -7,7 +7,7 @@
 
 #include "cuda_driver.h"
 #include "gtest/gtest.h"
-#include "wire.h"
+#include "microd/wire.h"
 
 namespace {
 

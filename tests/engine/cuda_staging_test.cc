@@ -43,7 +43,7 @@
 #include "kernels/sparse_ops.h"
 #include "microd/microd.h"
 #include "tests/integration/process_util.h"
-#include "wire.h"
+#include "microd/wire.h"
 extern "C" {
 #include "tests/integration/e2e_grad.h"
 }

@@ -15,9 +15,9 @@ namespace {
 
 class ProcessTableTest : public ::testing::Test {
  protected:
-  std::shared_ptr<local::HostBuffer> Buffer(uint64_t count) {
+  std::shared_ptr<local::ProcessBuffer> Buffer(uint64_t count) {
     storage_.push_back(std::make_unique<std::vector<float>>(count));
-    return std::make_shared<local::HostBuffer>(storage_.back()->data(), count, 0);
+    return std::make_shared<local::ProcessBuffer>(storage_.back()->data(), count, 0);
   }
   ProcessTable table_{/*local_size=*/2, /*dense_floor=*/100};
   std::vector<std::unique_ptr<std::vector<float>>> storage_;

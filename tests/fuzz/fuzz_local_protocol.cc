@@ -23,10 +23,11 @@
 
 #include "daemon/local/cuda_ipc.h"
 #include "daemon/local/local_server.h"
+#include "tests/fuzz/input.h"
 
 namespace {
 
-using microd::local::HostBuffer;
+using microd::local::ProcessBuffer;
 using microd::local::LocalHandler;
 using microd::local::LocalServer;
 using microd::local::ProcessInfo;
@@ -41,7 +42,7 @@ class AcceptingHandler final : public LocalHandler {
     return info;
   }
   absl::Status OnRegister(uint64_t, uint32_t, const std::string& name, bool,
-                          std::shared_ptr<HostBuffer> buffer) override {
+                          std::shared_ptr<ProcessBuffer> buffer) override {
     // Touch the mapping end to end, as a step would.
     volatile float sum = 0;
     for (uint64_t i = 0; i < buffer->count(); i += 1024) sum = sum + buffer->data()[i];
@@ -119,12 +120,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (int i = 0; i < 10000 && s->server->Clients().empty(); ++i) {
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
-  size_t at = 0;
-  for (int sent = 0; at + 3 <= size && sent < 64; ++sent) {
-    const uint8_t spec = data[at];
-    const size_t len = std::min<size_t>(data[at + 1] | (data[at + 2] << 8), size - at - 3);
-    const uint8_t* body = data + at + 3;
-    at += 3 + len;
+  // Messages: [descriptor spec][length, 2 bytes little-endian][body].
+  microd::fuzz::Input in(data, size);
+  for (int sent = 0; in.left() >= 3 && sent < 64; ++sent) {
+    const uint8_t spec = in.Byte();
+    size_t len = in.U16();
+    const uint8_t* body = in.Span(&len);
     const int nfds = spec % 5;
     std::vector<int> fds;
     for (int i = 0; i < nfds; ++i) fds.push_back(Descriptor(spec >> (2 + i)));

@@ -16,31 +16,11 @@
 #include "daemon/sparsify/bucket.h"
 #include "daemon/transport/inproc/inproc_transport.h"
 #include "kernels/sparse_ops.h"
+#include "tests/fuzz/input.h"
 
 namespace {
 
-// The input, read front to back; zeros once it is used up.
-class Input {
- public:
-  Input(const uint8_t* data, size_t size) : data_(data), size_(size) {}
-  uint64_t Below(uint64_t n) {
-    uint64_t v = 0;
-    for (int i = 0; i < 8 && at_ < size_; ++i) v = v << 8 | data_[at_++];
-    return n == 0 ? 0 : v % n;
-  }
-  std::vector<uint8_t> Bytes(size_t n) {
-    const size_t k = std::min(n, size_ - at_);
-    std::vector<uint8_t> out(data_ + at_, data_ + at_ + k);
-    at_ += k;
-    return out;
-  }
-
- private:
-  const uint8_t* const data_;
-  const size_t size_;
-  size_t at_ = 0;
-};
-
+using microd::fuzz::Input;
 using microd::transport::CollectiveOptions;
 using microd::transport::DataType;
 using microd::transport::TagKind;

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "microd/v1/coordinator.pb.h"
-#include "wire.h"
+#include "microd/wire.h"
 
 namespace {
 

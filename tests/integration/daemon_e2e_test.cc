@@ -23,7 +23,7 @@
 #include "microd/v1/admin.grpc.pb.h"
 #include "tests/integration/daemon_cluster.h"
 #include "tests/integration/process_util.h"
-#include "wire.h"
+#include "microd/wire.h"
 
 namespace microd::testing {
 namespace {

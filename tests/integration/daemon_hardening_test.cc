@@ -18,7 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_cluster.h"
-#include "wire.h"
+#include "microd/wire.h"
 extern "C" {
 #include "microd/microd.h"
 }
@@ -120,18 +120,23 @@ TEST(Hardening, ATrainerReadingItsCompletionsLateKeepsTheJob) {
   EXPECT_EQ(status->job_state(), microd::v1::JOB_STATE_RUNNING) << status->failure();
 }
 
-// Runs steps on every node until `stop`, counting them; the first failure.
+// Runs steps on every node until `stop` (or 100,000 steps), counting them;
+// each node's first failure, and when it came.
 struct Steady {
   std::atomic<bool> stop{false};
   std::vector<std::atomic<int>> steps;
-  explicit Steady(int n) : steps(n) {}
+  std::vector<std::atomic<int64_t>> failed_at_ms;
+  explicit Steady(int n) : steps(n), failed_at_ms(n) {}
 };
 
 std::vector<std::string> RunUntilStopped(DaemonCluster& cluster, int n, Steady& s) {
   return OnEveryNode(n, [&](int r) {
     Trainer t(cluster.socket(r), r, 3, 1000);
-    while (!s.stop) {
-      if (std::string e = t.Step(n); !e.empty()) return e;
+    for (int i = 0; i < 100000 && !s.stop; ++i) {
+      if (std::string e = t.Step(n); !e.empty()) {
+        s.failed_at_ms[r] = absl::ToUnixMillis(absl::Now());
+        return e;
+      }
       ++s.steps[r];
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
@@ -185,35 +190,13 @@ TEST(Hardening, Node0PausedTwiceThePeerTimeoutFailsEveryProcessNamingIt) {
     std::this_thread::sleep_for(std::chrono::seconds(6));
     kill(cluster.pid(0), SIGCONT);
   });
-  // Nodes 1 and 2 only: node 0's trainer waits on a stopped daemon.
-  std::vector<std::string> results(kNodes);
-  std::vector<int64_t> failed_at_ms(kNodes, 0);
-  std::vector<std::thread> threads;
-  for (int r = 1; r < kNodes; ++r) {
-    threads.emplace_back([&, r] {
-      Trainer t(cluster.socket(r), r, 3, 1000);
-      for (int i = 0; i < 100000; ++i) {
-        if (std::string e = t.Step(kNodes); !e.empty()) {
-          results[r] = e;
-          failed_at_ms[r] = absl::ToUnixMillis(absl::Now());
-          return;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-    });
-  }
-  std::thread node0([&] {
-    Trainer t(cluster.socket(0), 0, 3, 1000);
-    for (int i = 0; i < 100000 && t.Step(kNodes).empty(); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  });
-  for (auto& t : threads) t.join();
+  // Every node steps until it fails; node 0's trainer waits on a stopped
+  // daemon meanwhile, and its result is not checked.
+  const auto results = RunUntilStopped(cluster, kNodes, s);
   pauser.join();
-  node0.join();
   for (int r = 1; r < kNodes; ++r) {
     EXPECT_TRUE(absl::StrContains(results[r], "node 0")) << "node " << r << ": " << results[r];
-    EXPECT_LE(failed_at_ms[r] - paused_at_ms, 3000 + 5000) << "node " << r;
+    EXPECT_LE(s.failed_at_ms[r] - paused_at_ms, 3000 + 5000) << "node " << r;
   }
 }
 

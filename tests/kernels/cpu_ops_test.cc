@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/common/kernel_inputs.h"
 #include "kernels/sparse_ops.h"
 
 namespace microd::kernels {
@@ -21,39 +22,10 @@ void PrintTo(CpuIsa isa, std::ostream* os) { *os << (isa == CpuIsa::kAvx2 ? "avx
 
 namespace {
 
-const uint64_t kSizes[] = {0, 1, 7, 1000, 1000003};
-
-uint32_t Bits(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  return b;
-}
-
-// Values spanning orders of magnitude, both signs, some exact zeros.
-std::vector<float> RandomValues(uint64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_int_distribution<int> exponent(-12, 2);
-  std::vector<float> v(n);
-  for (uint64_t i = 0; i < n; ++i) {
-    v[i] = (i % 97 == 5) ? 0.0f : normal(rng) * std::ldexp(1.0f, exponent(rng));
-  }
-  return v;
-}
-
-// An owned-partition range of each shape a step can produce.
-std::vector<std::pair<uint64_t, uint64_t>> Ranges(uint64_t d) {
-  std::vector<std::pair<uint64_t, uint64_t>> out = {{0, 0}, {0, d}};
-  for (uint64_t n : {2, 3, 4, 7, 1000}) {
-    const uint64_t q = d / n, rem = d % n;
-    for (uint64_t i : {uint64_t{0}, n / 2, n - 1}) {
-      const uint64_t b = i * q + std::min(i, rem);
-      out.push_back({b, b + q + (i < rem ? 1 : 0)});
-    }
-  }
-  if (d > 3) out.push_back({1, d - 1});  // unaligned both ends
-  return out;
-}
+using test::Bits;
+using test::kSizes;
+using test::RandomValues;
+using test::Ranges;
 
 using Pairs = std::vector<std::pair<uint32_t, float>>;
 

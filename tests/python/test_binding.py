@@ -48,8 +48,9 @@ def test_register_allreduce_and_errors(make_cluster):
         buf.array[:] = np.arange(1000, dtype=np.float32)
         c.allreduce(buf, 30000)
         np.testing.assert_array_equal(buf.array, np.arange(1000, dtype=np.float32))
-        # The torch view shares the memory.
-        t = buf.tensor()
+        # The torch view shares the memory; an attribute, as CudaBuffer.tensor.
+        t = buf.tensor
+        assert buf.tensor is t
         t[0] = 42.0
         assert buf.array[0] == 42.0
         buf.array[5] = math.nan

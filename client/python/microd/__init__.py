@@ -3,7 +3,7 @@
     import microd
     with microd.Client() as c:                 # socket from $MICROD_SOCKET
         buf = c.register("grads", 1000)        # shared memory, zero copy
-        buf.array[:] = gradients               # numpy view (buf.tensor(): torch)
+        buf.array[:] = gradients               # numpy view (buf.tensor: torch)
         c.allreduce(buf)                       # buf.array now holds the update
 
 Every non-OK status of the C library raises the MicrodError subclass of its
@@ -204,7 +204,8 @@ class JobInfo:
 
 class Buffer:
     """A registered buffer: `array` is a float32 numpy view of the shared
-    memory (valid until the client closes); `tensor()` a torch view of it."""
+    memory (valid until the client closes); `tensor` a torch view of the same
+    memory (as for CudaBuffer; torch is imported at the first use)."""
 
     def __init__(self, client, name, buffer_id, array, dense):
         self.client = client
@@ -212,14 +213,18 @@ class Buffer:
         self.id = buffer_id
         self.array = array
         self.dense = dense
+        self._tensor = None
 
     @property
     def count(self):
         return self.array.shape[0]
 
+    @property
     def tensor(self):
-        import torch
-        return torch.from_numpy(self.array)
+        if self._tensor is None:
+            import torch
+            self._tensor = torch.from_numpy(self.array)
+        return self._tensor
 
     def __repr__(self):
         return f"Buffer({self.name!r}, count={self.count}, id={self.id})"

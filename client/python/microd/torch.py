@@ -72,7 +72,7 @@ class _Bucket:
             self.offsets.append(total)
             total += p.numel()
         self.buffer = client.register(name, total)
-        self.flat = self.buffer.tensor()
+        self.flat = self.buffer.tensor
         self.ready = set()
         self.ticket = None
 
@@ -178,7 +178,7 @@ def broadcast_parameters(params, root_rank=0, client=None, timeout_ms=600000):
         return
     name = f"microd.broadcast.{total}"
     buf = client.buffers.get(name) or client.register(name, total, dense=True)
-    flat = buf.tensor()
+    flat = buf.tensor
     offset = 0
     for t in tensors:
         n = t.numel()
@@ -227,7 +227,7 @@ def comm_hook(state, bucket):
         else:
             buf = state.client.register(name, key[1])
         state.buffers[key] = buf
-    flat = buf.tensor if tensor.is_cuda else buf.tensor()
+    flat = buf.tensor
     # On the current stream for a CUDA bucket: the submission below makes the
     # daemon wait for this copy (and for the backward pass before it).
     flat.copy_(tensor.detach().reshape(-1))
