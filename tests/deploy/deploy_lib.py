@@ -250,3 +250,14 @@ def kustomize(directory):
                 if name == img["name"]:
                     c["image"] = f"{img.get('newName', name)}:{img.get('newTag', tag)}"
     return out
+
+
+def same_default(doc, code):
+    """Whether a default as a table documents it (`(empty)`, a number, a
+    word) is the flag's default in the code."""
+    if doc == "(empty)":
+        return code == ""
+    try:
+        return float(doc) == float(code)
+    except ValueError:
+        return doc == code

@@ -18,15 +18,6 @@ for line in open(README):
         ROWS[m.group(1)] = (m.group(2), m.group(3).strip("`"), m.group(4))
 
 
-def _same_default(doc, code):
-    if doc == "(empty)":
-        return code == ""
-    try:
-        return float(doc) == float(code)
-    except ValueError:
-        return doc == code
-
-
 def test_every_flag_is_documented():
     missing = sorted(set(FLAGS) - set(ROWS))
     assert not missing, f"deploy/README.md lacks {missing}"
@@ -41,7 +32,7 @@ def test_documented_flags_exist():
 def test_variable_and_default(name):
     env, default, meaning = ROWS[name]
     assert env == "MICROD_" + name.upper()
-    assert _same_default(default, FLAGS[name]["default"]), (name, default, FLAGS[name]["default"])
+    assert d.same_default(default, FLAGS[name]["default"]), (name, default, FLAGS[name]["default"])
     assert len(meaning) > 5
 
 

@@ -183,22 +183,13 @@ def _readme_flag_rows():
     return rows
 
 
-def _same_default(doc, code):
-    if doc == "(empty)":
-        return code == ""
-    try:
-        return float(doc) == float(code)
-    except ValueError:
-        return doc == code
-
-
 def test_readme_flags_table_names_real_flags_with_their_defaults():
     rows = _readme_flag_rows()
     assert len(rows) >= 10, "README.md's flags table has too few rows (format changed?)"
     unknown = sorted(set(rows) - set(FLAGS))
     assert not unknown, f"README.md's flags table names flags microd lacks: {unknown}"
     wrong = [(n, doc, FLAGS[n]["default"]) for n, (doc, _) in rows.items()
-             if not _same_default(doc, FLAGS[n]["default"])]
+             if not d.same_default(doc, FLAGS[n]["default"])]
     assert not wrong, f"README.md's defaults differ from microd_main.cc: {wrong}"
 
 
