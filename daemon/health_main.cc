@@ -20,6 +20,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "daemon/control/tls_flags.h"
 
 ABSL_FLAG(std::string, admin, "",
           "daemon Admin address (default $MICROD_ADMIN or 127.0.0.1:7471)");
@@ -101,7 +102,13 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  if (absl::Status t = microd::control::CheckTlsFiles(microd::control::TlsFilesFromFlags(),
+                                                       /*server=*/false);
+      !t.ok()) {
+    std::fprintf(stderr, "microd-health: %s\n", std::string(t.message()).c_str());
+    return 2;
+  }
+  auto channel = microd::control::AdminChannel(address);
   grpc::GenericStub stub(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));

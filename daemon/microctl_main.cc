@@ -10,6 +10,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_format.h"
+#include "daemon/control/tls_flags.h"
 #include "microd/v1/admin.grpc.pb.h"
 
 ABSL_FLAG(std::string, admin, "", "daemon Admin address (default $MICROD_ADMIN or 127.0.0.1:7471)");
@@ -155,8 +156,13 @@ int main(int argc, char** argv) {
     const char* env = std::getenv("MICROD_ADMIN");
     address = env != nullptr && env[0] != '\0' ? env : "127.0.0.1:7471";
   }
-  auto stub =
-      microd::v1::Admin::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  if (absl::Status t = microd::control::CheckTlsFiles(microd::control::TlsFilesFromFlags(),
+                                                       /*server=*/false);
+      !t.ok()) {
+    std::fprintf(stderr, "microctl: %s\n", std::string(t.message()).c_str());
+    return 2;
+  }
+  auto stub = microd::v1::Admin::NewStub(microd::control::AdminChannel(address));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));

@@ -30,6 +30,7 @@
 #include "daemon/control/coordinator_client.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/control/services.h"
+#include "daemon/control/tls.h"
 #include "daemon/engine/engine.h"
 #include "daemon/engine/engine_status.h"
 #include "daemon/local/local_server.h"
@@ -97,6 +98,18 @@ ABSL_FLAG(int, peer_timeout_ms, 10000, "a node silent this long fails the job");
 ABSL_FLAG(int, join_timeout_ms, 300000, "how long to wait for all nodes to join");
 ABSL_FLAG(std::string, job_id, "microd", "job identifier (all nodes must agree)");
 ABSL_FLAG(std::string, token_file, "", "file holding the job token (all nodes must agree)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "this node's certificate (PEM): the coordinator's and a non-loopback Admin's TLS "
+          "identity on node 0, the client certificate for mutual TLS elsewhere");
+ABSL_FLAG(std::string, tls_key, "", "the private key (PEM) of --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "",
+          "CA bundle (PEM): verifies the coordinator's certificate; on node 0, every node must "
+          "present a certificate it signed (mutual TLS)");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "the name the coordinator's certificate carries, when not the host dialed");
+ABSL_FLAG(bool, insecure, false,
+          "allow serving the coordinator (or Admin) on an address other hosts reach without "
+          "TLS and, for the coordinator, without a job token: trusted networks only");
 ABSL_FLAG(int, allow_gid, -1, "also accept training processes of this group id");
 ABSL_FLAG(int, max_processes, 256, "training processes connected at once, at most");
 ABSL_FLAG(int, max_buffers_per_process, 4096, "buffers one training process may register");
@@ -230,6 +243,7 @@ struct Config {
   absl::Duration op_timeout, peer_timeout;
   std::string token;
   std::string node_name;
+  microd::control::TlsFiles tls;
 };
 
 absl::Status ParseSparsify(microd::sparsify::SparsifyOptions* sparsify) {
@@ -319,7 +333,42 @@ absl::StatusOr<Config> ParseFlags() {
   }
   c.node_name = absl::GetFlag(FLAGS_node_name);
   if (c.node_name.empty()) c.node_name = HostName();
+  c.tls.cert = absl::GetFlag(FLAGS_tls_cert);
+  c.tls.key = absl::GetFlag(FLAGS_tls_key);
+  c.tls.ca = absl::GetFlag(FLAGS_tls_ca);
+  c.tls.server_name = absl::GetFlag(FLAGS_tls_server_name);
+  if (absl::Status s = microd::control::CheckTlsFiles(
+          c.tls, /*server=*/!absl::GetFlag(FLAGS_coordinator_listen).empty());
+      !s.ok()) {
+    return Bad("TLS", s);
+  }
   return c;
+}
+
+// Whether serving on `address` is allowed: only this machine reaches it, or
+// TLS (and for the coordinator a job token, or TLS) protects it, or
+// --insecure says the network is trusted.
+absl::Status CheckExposure(const std::string& flag, const std::string& address, const Config& c,
+                           bool token_counts) {
+  if (microd::control::IsLocalOnly(address) || c.tls.enabled() ||
+      (token_counts && !c.token.empty())) {
+    return absl::OkStatus();
+  }
+  if (absl::GetFlag(FLAGS_insecure)) {
+    std::fprintf(stderr, "microd: warning: %s %s is reachable from the network without TLS%s "
+                         "(--insecure)\n",
+                 flag.c_str(), address.c_str(), token_counts ? " or a job token" : "");
+    return absl::OkStatus();
+  }
+  return Bad(flag, absl::FailedPreconditionError(absl::StrCat(
+                       "refusing to serve on ", address, ", which other hosts reach, without TLS",
+                       token_counts ? " or a job token" : "",
+                       ": anyone who reaches it could ",
+                       token_counts ? "join the job, read its state or end it"
+                                    : "read the job's state",
+                       ". Give --tls_cert and --tls_key (and --tls_ca for mutual TLS)",
+                       token_counts ? " or --token_file" : "",
+                       ", listen on loopback, or pass --insecure on a trusted network")));
 }
 
 // The engine's options, from the configuration and the data plane chosen.
@@ -404,7 +453,12 @@ absl::Status Daemon::StartCoordinator() {
     coordinator_ = std::move(c).value();
     coordinator_service_ =
         std::make_unique<microd::control::CoordinatorService>(coordinator_.get());
-    auto server = microd::control::ControlServer::Start(listen, {coordinator_service_.get()});
+    RETURN_IF_ERROR(CheckExposure("--coordinator_listen", listen, config_, /*token_counts=*/true));
+    microd::control::ControlServerOptions so;
+    so.credentials = microd::control::ServerCredentialsFor(config_.tls);
+    so.reflection = false;  // nothing to browse on the job's own port
+    auto server =
+        microd::control::ControlServer::Start(listen, {coordinator_service_.get()}, so);
     if (!server.ok()) return Bad("coordinator", server.status());
     coordinator_server_ = std::move(server).value();
     if (coordinator_address_.empty()) {
@@ -479,7 +533,16 @@ void Daemon::FillStatus(const microd::v1::GetStatusRequest& req,
 }
 
 absl::Status Daemon::StartAdmin() {
-  auto admin = microd::control::ControlServer::Start(absl::GetFlag(FLAGS_admin), {&admin_service_});
+  const std::string address = absl::GetFlag(FLAGS_admin);
+  RETURN_IF_ERROR(CheckExposure("--admin", address, config_, /*token_counts=*/false));
+  microd::control::ControlServerOptions so;
+  so.reflection = true;
+  // Plaintext where only this machine reaches it (probes, microctl in the
+  // pod); TLS where the network does.
+  if (!microd::control::IsLocalOnly(address)) {
+    so.credentials = microd::control::ServerCredentialsFor(config_.tls);
+  }
+  auto admin = microd::control::ControlServer::Start(address, {&admin_service_}, so);
   if (!admin.ok()) return Bad("--admin", admin.status());
   admin_ = std::move(admin).value();
   // Health: "" is SERVING while the process answers (liveness); "microd"
@@ -516,6 +579,10 @@ absl::Status Daemon::Join() {
   cco.local_size = config_.local_size;
   cco.requested_rank = absl::GetFlag(FLAGS_node_rank);
   cco.peer_timeout = config_.peer_timeout;
+  // Node 0 dials the coordinator it serves like any node; over loopback
+  // (a coordinator listening on every interface) with TLS the certificate
+  // must name 127.0.0.1 too, or --tls_server_name.
+  cco.tls = config_.tls;
   auto created = microd::control::CoordinatorClient::Create(cco);
   if (!created.ok()) return Bad("coordinator client", created.status());
   {

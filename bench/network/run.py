@@ -141,11 +141,15 @@ def run_microd(lab, args, d, flags):
     microctl = os.path.join(args.build, "daemon", "microctl")
     client = os.path.join(args.build, "bench", "microd-bench-step-client")
     daemons = []
+    # Node 0 serves the coordinator on its lab address: with a job token.
+    token = os.path.join(d, "token")
+    with open(token, "w") as f:
+        f.write(os.urandom(16).hex() + "\n")
     try:
         for r in range(lab.nodes):
             dargs = [microd, f"--socket={d}/node{r}/sock", f"--nodes={lab.nodes}",
                      f"--node_rank={r}", f"--node_name=node{r}", f"--admin=unix:{d}/admin{r}",
-                     "--timeout_ms=600000", *flags]
+                     f"--token_file={token}", "--timeout_ms=600000", *flags]
             dargs.append(f"--coordinator_listen={lab.addr[0]}:7470" if r == 0
                          else f"--coordinator={lab.addr[0]}:7470")
             log = open(os.path.join(d, f"microd{r}.log"), "w")

@@ -32,8 +32,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(
   // No gRPC keepalive: heartbeats detect a dead coordinator, and pings more
   // frequent than the server allows make it close the connection.
   grpc::ChannelArguments args;
-  c->channel_ =
-      grpc::CreateCustomChannel(c->options_.address, grpc::InsecureChannelCredentials(), args);
+  AddTlsChannelArgs(c->options_.tls, &args);
+  c->channel_ = grpc::CreateCustomChannel(c->options_.address,
+                                          ChannelCredentialsFor(c->options_.tls), args);
   c->stub_ = microd::v1::Coordinator::NewStub(c->channel_);
   return c;
 }
@@ -123,7 +124,20 @@ absl::StatusOr<Membership> CoordinatorClient::Join(absl::Time deadline) {
   grpc::Status s = stub_->Join(ctx.get(), req, &resp);
   if (!s.ok()) {
     absl::Status st = FromGrpcStatus(s);
-    return absl::Status(st.code(), absl::StrCat("join ", options_.address, ": ", st.message()));
+    std::string why;
+    if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+        channel_->GetState(false) != GRPC_CHANNEL_READY) {
+      // Never connected: nothing listens there, or the handshake failed.
+      why = options_.tls.enabled()
+                ? " (no connection was made: the coordinator is down, or the TLS handshake "
+                  "failed: check that each side's certificate is signed by the CA the other "
+                  "trusts (--tls_ca), that the coordinator's names the address dialed "
+                  "(or --tls_server_name), and that the coordinator uses TLS)"
+                : " (no connection was made: the coordinator is down, or it uses TLS and this "
+                  "node does not: give --tls_ca, and --tls_cert/--tls_key for mutual TLS)";
+    }
+    return absl::Status(st.code(),
+                        absl::StrCat("join ", options_.address, ": ", st.message(), why));
   }
   Answered();
   membership_.node_rank = resp.node_rank();

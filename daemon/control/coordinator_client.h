@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 #include "daemon/control/coordinator.h"
 #include "daemon/control/kv_store.h"
+#include "daemon/control/tls.h"
 #include "microd/v1/coordinator.grpc.pb.h"
 
 namespace microd::control {
@@ -36,6 +37,7 @@ struct CoordinatorClientOptions {
   absl::Duration call_timeout = absl::Seconds(30);  // calls that do not wait
   absl::Duration peer_timeout = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::ZeroDuration();  // zero: peer_timeout / 10
+  TlsFiles tls;  // none: plaintext
 };
 
 class CoordinatorClient final : public KeyValueStore {

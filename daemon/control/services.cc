@@ -3,6 +3,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "absl/strings/match.h"
@@ -164,21 +165,49 @@ void FillJobStatus(const JobSnapshot& job, microd::v1::GetStatusResponse* resp) 
   }
 }
 
+namespace {
+
+// Reflection on one server's builder, or off. Linking gRPC's reflection
+// library registers its plugin for every server (a static initializer), so
+// the option removes it where it is not wanted and adds it only if missing.
+class ReflectionOption final : public grpc::ServerBuilderOption {
+ public:
+  explicit ReflectionOption(bool on) : on_(on) {}
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    const std::string name = grpc::reflection::ProtoServerReflectionPlugin().name();
+    auto it = std::find_if(plugins->begin(), plugins->end(),
+                           [&](const auto& p) { return p->name() == name; });
+    if (!on_ && it != plugins->end()) plugins->erase(it);
+    if (on_ && it == plugins->end()) {
+      plugins->push_back(std::make_unique<grpc::reflection::ProtoServerReflectionPlugin>());
+    }
+  }
+
+ private:
+  const bool on_;
+};
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<ControlServer>> ControlServer::Start(
-    const std::string& address, std::vector<grpc::Service*> services) {
+    const std::string& address, std::vector<grpc::Service*> services,
+    const ControlServerOptions& options) {
   static const bool once = [] {
     grpc::EnableDefaultHealthCheckService(true);
-    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     return true;
   }();
   (void)once;
   auto server = std::unique_ptr<ControlServer>(new ControlServer());
   grpc::ServerBuilder builder;
+  builder.SetOption(std::make_unique<ReflectionOption>(options.reflection));
   // Long polls hold a server thread each; keep enough polling threads around
   // that a new call never waits for one to be created.
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 4);
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, 64);
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &server->port_);
+  builder.AddListeningPort(
+      address, options.credentials ? options.credentials : grpc::InsecureServerCredentials(),
+      &server->port_);
   for (grpc::Service* s : services) builder.RegisterService(s);
   server->server_ = builder.BuildAndStart();
   // A unix: address has no port (gRPC reports a placeholder for it).

@@ -60,12 +60,21 @@ microd::v1::JobState ToProto(JobState state);
 // Fills the coordinator's view of the job into an Admin status.
 void FillJobStatus(const JobSnapshot& job, microd::v1::GetStatusResponse* resp);
 
+struct ControlServerOptions {
+  // Plaintext when null (tls.h: ServerCredentialsFor).
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  // gRPC server reflection (grpcurl and the like): on for Admin, off for
+  // the coordinator.
+  bool reflection = false;
+};
+
 // A gRPC server on `address` ("host:port"; port 0 picks one) serving the given
-// services, with gRPC health checking and reflection on.
+// services, with gRPC health checking.
 class ControlServer {
  public:
-  static absl::StatusOr<std::unique_ptr<ControlServer>> Start(const std::string& address,
-                                                              std::vector<grpc::Service*> services);
+  static absl::StatusOr<std::unique_ptr<ControlServer>> Start(
+      const std::string& address, std::vector<grpc::Service*> services,
+      const ControlServerOptions& options = {});
   ~ControlServer();
   int port() const { return port_; }  // 0 for a unix: address
   std::string address() const { return address_; }

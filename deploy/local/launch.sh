@@ -125,11 +125,15 @@ if [[ -z "${MICROD_GLOO_IO_NICE:-}" ]] && (( NODES * (LOCAL + 1) > $(nproc) )); 
   NICE_ARGS=("--gloo_io_nice=19")
 fi
 
+if [[ -n "$NETLAB" ]]; then
+  # Node 0 serves the coordinator on its lab address: with a job token.
+  (umask 077; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$RUN/token")
+fi
 for ((r = 0; r < NODES; r++)); do
   args=("--socket=$RUN/sock/node$r/microd.sock" "--local_size=$LOCAL" "--nodes=$NODES"
         "--node_rank=$r" "--node_name=node$r" "${NICE_ARGS[@]}")
   if [[ -n "$NETLAB" ]]; then
-    args+=("--admin=unix:$RUN/admin$r.sock")
+    args+=("--admin=unix:$RUN/admin$r.sock" "--token_file=$RUN/token")
     host=${ADDR[0]}
   else
     args+=("--admin=127.0.0.1:0" "--admin_port_file=$RUN/admin$r")

@@ -13,8 +13,10 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -62,6 +64,9 @@ struct ClusterOptions {
   // or loopback); the others still dial node 0's address.
   std::string coordinator_listen_host;
   int peer_timeout_ms = 3000;
+  // A job token for every node (a coordinator other hosts reach needs TLS
+  // or one): on by default in a lab, where node 0 listens on its address.
+  std::optional<bool> token;
 };
 
 class DaemonCluster {
@@ -72,6 +77,10 @@ class DaemonCluster {
 
   DaemonCluster(int nodes, int local, const ClusterOptions& o)
       : n_(nodes), L_(local), dir_(MakeTempDir("e2e")), lab_(o.lab) {
+    const std::string token_file = dir_ + "/token";
+    if (o.token.value_or(lab_ != nullptr)) {
+      std::ofstream(token_file) << "the job's token " << dir_ << "\n";
+    }
     for (int r = 0; r < nodes; ++r) {
       const std::string admin =
           lab_ != nullptr ? absl::StrCat("unix:", dir_, "/admin", r, ".sock") : "127.0.0.1:0";
@@ -98,6 +107,7 @@ class DaemonCluster {
       } else {
         args.push_back(absl::StrCat("--coordinator=", host, ":", coordinator_port_));
       }
+      if (o.token.value_or(lab_ != nullptr)) args.push_back("--token_file=" + token_file);
       for (const auto& e : o.extra) args.push_back(e);
       if (lab_ != nullptr) args = lab_->InNode(r, args);
       pids_.push_back(Spawn(args, absl::StrCat(dir_, "/daemon", r, ".log"),
@@ -112,6 +122,8 @@ class DaemonCluster {
     }
   }
   pid_t pid(int r) const { return pids_[r]; }
+  int coordinator_port() const { return coordinator_port_; }
+  const std::string& admin_target(int r) const { return admin_targets_[r]; }
   // SIGTERM to every daemon; their exit codes (-1: killed by a signal, -2:
   // still running at the deadline, then killed and a test failure).
   std::vector<int> Terminate(std::chrono::seconds limit) {

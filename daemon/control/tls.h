@@ -1,0 +1,56 @@
+// Transport security of the control plane (the coordinator and Admin
+// services): TLS, and mutual TLS when a CA is given. Certificates are read
+// from files and read again when they change (gRPC's file-watcher provider:
+// a rotation needs no restart).
+//
+// Server: --tls_cert and --tls_key (PEM) are its identity; with --tls_ca,
+// every client must present a certificate signed by that CA.
+// Client: --tls_ca verifies the server's certificate (which must name the
+// address dialed, or --tls_server_name); --tls_cert/--tls_key, when given,
+// are the client's certificate for mutual TLS.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/security/server_credentials.h>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+
+namespace microd::control {
+
+struct TlsFiles {
+  std::string cert;  // PEM certificate chain
+  std::string key;   // PEM private key
+  std::string ca;    // PEM CA bundle
+  // The name the server's certificate must carry (default: the host dialed).
+  std::string server_name;
+  // How often the files are checked for a change.
+  absl::Duration refresh = absl::Seconds(2);
+
+  bool enabled() const { return !cert.empty() || !key.empty() || !ca.empty(); }
+  bool mutual() const { return !ca.empty() && !cert.empty(); }
+};
+
+// The files exist and are readable, cert and key go together, and a server
+// has its identity; an error naming the flag otherwise.
+absl::Status CheckTlsFiles(const TlsFiles& files, bool server);
+
+// TLS server credentials (client certificates required with a CA), or
+// plaintext when no file is given.
+std::shared_ptr<grpc::ServerCredentials> ServerCredentialsFor(const TlsFiles& files);
+
+// TLS channel credentials, or plaintext when no file is given.
+std::shared_ptr<grpc::ChannelCredentials> ChannelCredentialsFor(const TlsFiles& files);
+
+// Channel arguments for `files` (the server name override), added to `args`.
+void AddTlsChannelArgs(const TlsFiles& files, grpc::ChannelArguments* args);
+
+// Whether `address` ("host:port", "unix:PATH") can be reached only from
+// this machine: loopback or a Unix socket. A wildcard or another address is
+// reachable from the network.
+bool IsLocalOnly(const std::string& address);
+
+}  // namespace microd::control
