@@ -5,6 +5,7 @@
 #include <random>
 #include <set>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -58,8 +59,7 @@ const char* JobStateName(JobState state) {
   return "?";
 }
 
-Coordinator::Coordinator(CoordinatorOptions options)
-    : options_(std::move(options)), session_(RandomSession()) {
+Coordinator::Coordinator(CoordinatorOptions options) : options_(std::move(options)) {
   watchdog_ = std::thread([this] { Watchdog(); });
 }
 
@@ -105,19 +105,68 @@ void Coordinator::Fail(const std::string& reason) {
   FailLocked(reason);
 }
 
-absl::Status Coordinator::CheckMember(uint64_t session, int rank) {
+absl::Status Coordinator::CheckMember(uint64_t session, int rank, int* caller) {
   if (state_ == JobState::kForming) {
     return absl::FailedPreconditionError("the job has not formed yet: join first");
   }
-  if (session != session_) {
+  int owner = -1;
+  for (const Node& n : nodes_) {
+    if (n.credential == session) owner = n.rank;  // every node compared, whichever matches
+  }
+  if (owner < 0) {
     return absl::PermissionDeniedError("unknown session: this node did not join this job");
   }
   if (rank < -1 || rank >= static_cast<int>(nodes_.size())) {
     return absl::InvalidArgumentError(
         absl::StrCat("node rank ", rank, " out of range [0, ", nodes_.size(), ")"));
   }
+  if (rank >= 0 && rank != owner) {
+    std::fprintf(stderr, "microd coordinator: refused a call of node %d ('%s') for node %d\n",
+                 owner, nodes_[owner].name.c_str(), rank);
+    return absl::PermissionDeniedError(absl::StrCat(
+        "node ", owner, " ('", nodes_[owner].name, "') may speak only for itself, not node ",
+        rank));
+  }
   if (rank >= 0) nodes_[rank].last_seen = absl::Now();
+  if (caller != nullptr) *caller = owner;
   return absl::OkStatus();
+}
+
+absl::Status Coordinator::CheckKeyWrite(int caller, const std::string& key) {
+  // Gloo's rendezvous: each rank writes its addresses under "<prefix>/<rank>".
+  const size_t slash = key.rfind('/');
+  int entry_rank = -1;
+  if (slash != std::string::npos && absl::SimpleAtoi(key.substr(slash + 1), &entry_rank) &&
+      entry_rank >= 0 && entry_rank < static_cast<int>(nodes_.size()) && entry_rank != caller) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "key '", key, "' is node ", entry_rank, "'s rendezvous entry: node ", caller,
+        " may not write it"));
+  }
+  auto it = key_owner_.find(key);
+  if (it != key_owner_.end() && it->second != caller) {
+    return absl::PermissionDeniedError(absl::StrCat("key '", key, "' was written by node ",
+                                                    it->second, ": node ", caller,
+                                                    " may not overwrite it"));
+  }
+  key_owner_[key] = caller;
+  return absl::OkStatus();
+}
+
+void Coordinator::LogWrongToken(const std::string& node_name) {
+  absl::MutexLock lock(&log_mu_);
+  const absl::Time now = absl::Now();
+  if (now - last_token_log_ < absl::Seconds(1)) {
+    ++unlogged_token_refusals_;
+    return;
+  }
+  std::string more;
+  if (unlogged_token_refusals_ > 0) {
+    more = absl::StrCat(" (and ", unlogged_token_refusals_, " more refusals not shown)");
+  }
+  std::fprintf(stderr, "microd coordinator: refused node '%s': wrong job token%s\n",
+               node_name.c_str(), more.c_str());
+  last_token_log_ = now;
+  unlogged_token_refusals_ = 0;
 }
 
 absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
@@ -136,8 +185,7 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
                                                    ") (or -1 for any)"));
   }
   if (!SameToken(token, options_.token)) {
-    std::fprintf(stderr, "microd coordinator: refused node '%s': wrong job token\n",
-                 node_name.c_str());
+    LogWrongToken(node_name);
     return absl::UnauthenticatedError("wrong job token");
   }
   if (job_id != options_.job_id) {
@@ -189,9 +237,11 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
   if (absl::Status s = JobError(); !s.ok()) return s;
   Membership m;
   m.node_count = options_.expected_nodes;
-  m.session = session_;
   for (const Node& n : nodes_) {
-    if (n.name == node_name) m.node_rank = n.rank;
+    if (n.name == node_name) {
+      m.node_rank = n.rank;
+      m.session = n.credential;
+    }
     m.local_sizes.push_back(n.local_size);
     m.node_names.push_back(n.name);
     m.world_size += n.local_size;
@@ -216,15 +266,24 @@ void Coordinator::AssignRanks() {
   }
   std::sort(nodes_.begin(), nodes_.end(), [](const Node& a, const Node& b) { return a.rank < b.rank; });
   const absl::Time now = absl::Now();
-  for (Node& n : nodes_) n.last_seen = now;
+  std::set<uint64_t> given;
+  for (Node& n : nodes_) {
+    n.last_seen = now;
+    do {
+      n.credential = RandomSession();
+    } while (!given.insert(n.credential).second);
+  }
 }
 
 absl::Status Coordinator::KeySet(uint64_t session, const std::string& key,
                                  const std::string& value) {
   {
     absl::MutexLock lock(&mu_);
-    if (absl::Status s = CheckMember(session, -1); !s.ok()) return s;
+    int caller = -1;
+    if (absl::Status s = CheckMember(session, -1, &caller); !s.ok()) return s;
     if (absl::Status s = JobError(); !s.ok()) return s;
+    if (absl::Status s = ValidateKey(key); !s.ok()) return s;
+    if (absl::Status s = CheckKeyWrite(caller, key); !s.ok()) return s;
   }
   return store_.Set(key, value);
 }

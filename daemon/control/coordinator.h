@@ -150,13 +150,25 @@ class Coordinator {
     uint64_t polled = 0;  // the node has seen every batch below this index
     uint64_t report_seq = 0;  // the last numbered report taken
     std::vector<BucketWait> waiting;  // from its last heartbeat
+    // What this node presents in every later call (Membership::session):
+    // random, its own, given once the job formed.
+    uint64_t credential = 0;
   };
   struct Pending {
     uint64_t order = 0;                  // first report, for a stable schedule
     std::map<int, BucketInfo> by_rank;   // what each node reported
   };
 
-  absl::Status CheckMember(uint64_t session, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The call presents `session` and speaks for node `rank` (-1: a call that
+  // names no rank): the session must be the credential of that node, or of
+  // some node for -1. `caller` (optional): the rank whose credential it is.
+  absl::Status CheckMember(uint64_t session, int rank, int* caller = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A rank may write its own rendezvous entries only ("<prefix>/<rank>"), and
+  // no rank may overwrite another's key.
+  absl::Status CheckKeyWrite(int caller, const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // "wrong job token" lines, at most one a second (with how many were not shown).
+  void LogWrongToken(const std::string& node_name);
   absl::Status JobError() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailLocked(const std::string& reason, bool log = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AssignRanks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -168,11 +180,14 @@ class Coordinator {
   void InspectStalls(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const CoordinatorOptions options_;
-  const uint64_t session_;
   InMemoryKeyValueStore store_;
+  absl::Mutex log_mu_;
+  absl::Time last_token_log_ ABSL_GUARDED_BY(log_mu_) = absl::InfinitePast();
+  int unlogged_token_refusals_ ABSL_GUARDED_BY(log_mu_) = 0;
 
   mutable absl::Mutex mu_;
   JobState state_ ABSL_GUARDED_BY(mu_) = JobState::kForming;
+  std::map<std::string, int> key_owner_ ABSL_GUARDED_BY(mu_);  // key -> the rank that wrote it
   std::string failure_ ABSL_GUARDED_BY(mu_);
   std::vector<Node> nodes_ ABSL_GUARDED_BY(mu_);  // join order; by rank once running
   // Negotiation: buckets reported by some nodes, and the schedule log

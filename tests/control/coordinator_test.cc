@@ -94,8 +94,11 @@ TEST_F(CoordinatorTest, JoinAssignsRanksAndReportsTheJob) {
     EXPECT_EQ(r->world_size, 6);
     EXPECT_EQ(r->local_sizes, (std::vector<int>{2, 1, 3}));
     EXPECT_EQ(r->node_names, (std::vector<std::string>{"b", "a", "c"}));
-    EXPECT_EQ(r->session, m[0]->session);
   }
+  // Each node its own credential.
+  EXPECT_NE(m[0]->session, m[1]->session);
+  EXPECT_NE(m[1]->session, m[2]->session);
+  EXPECT_NE(m[0]->session, m[2]->session);
 }
 
 TEST_F(CoordinatorTest, JoinTimesOutSayingHowManyArrivedAndCanBeRetried) {
@@ -226,6 +229,87 @@ TEST_F(CoordinatorTest, KeyValueStoreSetGetWait) {
   EXPECT_EQ(t.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_TRUE(absl::StrContains(t.status().message(), "never")) << t.status();
   EXPECT_EQ(c[0]->Set("", "x").code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A member used to be able to act as any node with the one session of the
+// job: report, poll, heartbeat, leave or write Gloo's rendezvous entries as
+// another rank. Each node's credential now speaks for that node only; the
+// refused calls change nothing.
+TEST_F(CoordinatorTest, ACredentialSpeaksOnlyForItsOwnRank) {
+  Start(2);
+  std::vector<std::unique_ptr<CoordinatorClient>> c;
+  c.push_back(Client("a", 1, 0));
+  c.push_back(Client("b", 1, 1));
+  auto m = JoinAll(c);
+  for (auto& r : m) ASSERT_TRUE(r.ok()) << r.status();
+  const uint64_t mallory = m[1]->session;  // node 1's credential, acting for node 0
+  auto code = [](const grpc::Status& s) { return s.error_code(); };
+  {
+    grpc::ClientContext ctx;
+    microd::v1::ReportRequest req;
+    microd::v1::ReportResponse resp;
+    req.set_session(mallory);
+    req.set_node_rank(0);
+    auto* b = req.add_ready();
+    b->set_name("w");
+    b->set_dtype(microd::v1::DATA_TYPE_FLOAT32);
+    b->set_count(10);
+    EXPECT_EQ(code(stub_->Report(&ctx, req, &resp)), grpc::StatusCode::PERMISSION_DENIED);
+  }
+  {
+    grpc::ClientContext ctx;
+    microd::v1::HeartbeatRequest req;
+    microd::v1::HeartbeatResponse resp;
+    req.set_session(mallory);
+    req.set_node_rank(0);
+    EXPECT_EQ(code(stub_->Heartbeat(&ctx, req, &resp)), grpc::StatusCode::PERMISSION_DENIED);
+  }
+  {
+    grpc::ClientContext ctx;
+    microd::v1::PollRequest req;
+    microd::v1::PollResponse resp;
+    req.set_session(mallory);
+    req.set_node_rank(0);
+    req.set_timeout_ms(1);
+    EXPECT_EQ(code(stub_->Poll(&ctx, req, &resp)), grpc::StatusCode::PERMISSION_DENIED);
+  }
+  {
+    grpc::ClientContext ctx;
+    microd::v1::LeaveRequest req;
+    microd::v1::LeaveResponse resp;
+    req.set_session(mallory);
+    req.set_node_rank(0);
+    EXPECT_EQ(code(stub_->Leave(&ctx, req, &resp)), grpc::StatusCode::PERMISSION_DENIED);
+  }
+  // Gloo's rendezvous entry of node 0, and a key node 0 wrote.
+  auto key_set = [&](uint64_t session, const std::string& key, const std::string& value) {
+    grpc::ClientContext ctx;
+    microd::v1::KeySetRequest req;
+    microd::v1::KeySetResponse resp;
+    req.set_session(session);
+    req.set_key(key);
+    req.set_value(value);
+    return code(stub_->KeySet(&ctx, req, &resp));
+  };
+  EXPECT_EQ(key_set(mallory, "gloo/job/0", "evil:1"), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(key_set(m[0]->session, "gloo/job/0", "node0:1"), grpc::StatusCode::OK);
+  EXPECT_EQ(key_set(m[0]->session, "gloo/job/0", "node0:2"), grpc::StatusCode::OK);  // its own
+  EXPECT_EQ(key_set(m[0]->session, "nccl/unique_id", "id"), grpc::StatusCode::OK);
+  EXPECT_EQ(key_set(mallory, "nccl/unique_id", "evil"), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(key_set(mallory, "gloo/job/1", "node1:1"), grpc::StatusCode::OK);
+  const std::vector<std::string> keys = {"gloo/job/0", "nccl/unique_id"};
+  auto v = c[1]->Get(keys, absl::Now());
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ((*v)[0], "node0:2");
+  EXPECT_EQ((*v)[1], "id");
+  // The job is unaffected: both nodes run, node 0 did not leave.
+  const JobSnapshot job = coordinator_->Snapshot();
+  EXPECT_EQ(job.state, JobState::kRunning) << job.failure;
+  ASSERT_EQ(job.nodes.size(), 2u);
+  EXPECT_FALSE(job.nodes[0].left);
+  // Each node's own calls still work.
+  EXPECT_TRUE(c[0]->Report({{"w", 1, 10}}).ok());
+  EXPECT_TRUE(c[1]->Report({{"w", 1, 10}}).ok());
 }
 
 TEST_F(CoordinatorTest, EveryNodeGetsTheSameScheduleAndMismatchErrors) {
@@ -372,17 +456,18 @@ TEST(CoordinatorReports, AResentReportIsTakenOnce) {
   t0.join();
   t1.join();
   ASSERT_TRUE(m[0].ok()) << m[0].status();
-  const uint64_t session = m[0]->session;
+  ASSERT_TRUE(m[1].ok()) << m[1].status();
+  const uint64_t session = m[0]->session, session1 = m[1]->session;
   const std::vector<BucketInfo> w = {{"w", 1, 10}};
   ASSERT_TRUE(c->Report(session, 0, w, 1).ok());
   EXPECT_TRUE(c->Report(session, 0, w, 1).ok()) << "a resend is answered OK";
-  ASSERT_TRUE(c->Report(session, 1, w, 1).ok());
+  ASSERT_TRUE(c->Report(session1, 1, w, 1).ok());
   auto batches = c->Poll(session, 0, 0, absl::Now() + absl::Seconds(1));
   ASSERT_TRUE(batches.ok()) << batches.status();
   ASSERT_EQ(batches->size(), 1u);
   // Nothing pending from the resend: the next reports schedule "w" again.
   ASSERT_TRUE(c->Report(session, 0, w, 2).ok());
-  ASSERT_TRUE(c->Report(session, 1, w, 2).ok());
+  ASSERT_TRUE(c->Report(session1, 1, w, 2).ok());
   batches = c->Poll(session, 0, 1, absl::Now() + absl::Seconds(1));
   ASSERT_TRUE(batches.ok()) << batches.status();
   EXPECT_EQ(batches->size(), 1u);

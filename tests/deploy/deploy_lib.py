@@ -192,13 +192,15 @@ def _smp(base, patch, field=None):
     if isinstance(base, list) and isinstance(patch, list) and _MERGE_KEYS.get(field):
         key = _MERGE_KEYS[field]
         out = [copy.deepcopy(x) for x in base]
+        added = []
         for item in patch:
             match = [i for i, x in enumerate(out) if x.get(key) == item.get(key)]
             if match:
                 out[match[0]] = _smp(out[match[0]], item, None)
             else:
-                out.append(copy.deepcopy(item))
-        return out
+                added.append(copy.deepcopy(item))
+        # kustomize puts the items a patch adds before the base's.
+        return added + out
     return copy.deepcopy(patch)
 
 

@@ -134,9 +134,9 @@ def test_overlays_create_the_token_secret():
     for t in TARGETS[1:]:
         objs = d.kustomize(t)
         pod = _one(objs, "Job")["spec"]["template"]["spec"]
-        (vol,) = [v for v in pod["volumes"] if "secret" in v]
-        secret = _named(objs, "Secret", vol["secret"]["secretName"])
         path = _env(objs, pod["initContainers"][0])["MICROD_TOKEN_FILE"]
+        vol = _volume_at(pod, pod["initContainers"][0], os.path.dirname(path))
+        secret = _named(objs, "Secret", vol["secret"]["secretName"])
         assert os.path.basename(path) in secret["data"]
 
 
@@ -207,3 +207,51 @@ def test_microd_variables_are_real_flags(rendered):
             assert re.fullmatch(r"-?\d+", value), f"{name}={value} is not an integer"
         if isinstance(value, str) and flag["type"] == "double":
             float(value)
+
+
+def test_network_policy_admits_only_the_jobs_pods(rendered):
+    """Only pods of the job reach its pods, on TCP: the coordinator port and
+    Gloo's ephemeral ports (no port given: all of them); nothing else."""
+    objs, job, pod, sidecar, trainer = rendered
+    (np,) = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert np["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert "Ingress" in np["spec"]["policyTypes"]
+    (rule,) = np["spec"]["ingress"]
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"}, "no namespaceSelector or ipBlock: this job's pods only"
+    assert peer["podSelector"]["matchLabels"].items() <= labels.items()
+    assert rule["ports"] == [{"protocol": "TCP"}]
+    assert all(p.get("protocol", "TCP") == "TCP" for p in sidecar.get("ports", []))
+
+
+def test_mtls_overlay_mounts_its_certificate_into_the_sidecar_only():
+    objs = d.kustomize(os.path.join(K8S, "overlays", "mtls"))
+    job = _one(objs, "Job")
+    pod = job["spec"]["template"]["spec"]
+    (sidecar,) = pod["initContainers"]
+    (trainer,) = pod["containers"]
+    env = _env(objs, sidecar)
+    vols = set()
+    for var, key in (("MICROD_TLS_CERT", "tls.crt"), ("MICROD_TLS_KEY", "tls.key"),
+                     ("MICROD_TLS_CA", "ca.crt")):
+        path = env[var]
+        assert os.path.basename(path) == key, (var, path)
+        vol = _volume_at(pod, sidecar, os.path.dirname(path))
+        assert vol["secret"]["defaultMode"] & 0o077 == 0
+        (mount,) = [m for m in sidecar["volumeMounts"] if m["name"] == vol["name"]]
+        assert mount["readOnly"] is True
+        vols.add(vol["secret"]["secretName"])
+    (secret,) = vols
+    certs = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Certificate"}
+    (cert,) = [c for c in certs.values() if c["spec"]["secretName"] == secret]
+    assert {"server auth", "client auth"} <= set(cert["spec"]["usages"])
+    coordinator_host = env["MICROD_COORDINATOR"].rsplit(":", 1)[0]
+    assert coordinator_host in cert["spec"]["dnsNames"]
+    assert env["MICROD_TLS_SERVER_NAME"] in cert["spec"]["dnsNames"]
+    # The job's own CA signs it.
+    issuer = _named(objs, "Issuer", cert["spec"]["issuerRef"]["name"])
+    ca = [c for c in certs.values() if c["spec"]["secretName"] == issuer["spec"]["ca"]["secretName"]]
+    assert ca and ca[0]["spec"]["isCA"] is True
+    assert secret not in [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v
+                          and v["name"] in [m["name"] for m in trainer.get("volumeMounts", [])]]

@@ -213,6 +213,44 @@ TEST(Exposure, InsecureStartsAndWarns) {
   std::filesystem::remove_all(dir, ignored);
 }
 
+// An Admin port on an address other hosts reach is served over TLS:
+// microctl and microd-health with the TLS flags get the status, without
+// them nothing. In a network namespace of its own (root), with an address
+// of its own.
+TEST_F(TlsTest, AdminOnTheNetworkNeedsTlsAndMicrodCtlSpeaksIt) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root for a network namespace of its own";
+  certs_.Cert("admin", "ca", {"127.0.0.1", "10.99.0.1"});
+  const std::string daemon_dir = HelperPath(MICROD_DAEMON).substr(
+      0, HelperPath(MICROD_DAEMON).rfind('/'));
+  const std::string tls = absl::StrCat(" --tls_ca=", certs_.pem("ca"), " --tls_cert=",
+                                       certs_.pem("admin"), " --tls_key=", certs_.key("admin"));
+  const std::string script = absl::StrCat(
+      "set -e; ip link set lo up; ip addr add 10.99.0.1/32 dev lo; ",
+      HelperPath(MICROD_DAEMON), " --socket=", dir_, "/s/microd.sock --nodes=1",
+      " --coordinator_listen=127.0.0.1:0 --admin=10.99.0.1:0 --admin_port_file=", dir_,
+      "/admin", tls, " > ", dir_, "/daemon.log 2>&1 & d=$!; ",
+      "for i in $(seq 100); do [ -s ", dir_, "/admin ] && [ -S ", dir_,
+      "/s/microd.sock ] && break; sleep 0.1; done; a=10.99.0.1:$(cat ", dir_, "/admin); ",
+      daemon_dir, "/microctl --admin=$a", tls, " status > ", dir_, "/with-tls 2>&1 || echo rc=$? >> ",
+      dir_, "/with-tls; ", daemon_dir, "/microctl --admin=$a --timeout_ms=2000 status > ", dir_,
+      "/without 2>&1 || echo rc=$? >> ", dir_, "/without; MICROD_TLS_CA=", certs_.pem("ca"),
+      " MICROD_TLS_CERT=", certs_.pem("admin"), " MICROD_TLS_KEY=", certs_.key("admin"), " ",
+      daemon_dir, "/microd-health --admin=$a --service=microd > ", dir_,
+      "/health 2>&1 || echo rc=$? >> ", dir_, "/health; kill $d; wait $d");
+  const pid_t pid = Spawn({"/usr/bin/unshare", "--net", "--", "/bin/sh", "-c", script},
+                          dir_ + "/script.log");
+  EXPECT_EQ(WaitAll({pid}, seconds(60))[0], 0) << ReadFile(dir_ + "/script.log")
+                                                << ReadFile(dir_ + "/daemon.log");
+  const std::string with_tls = ReadFile(dir_ + "/with-tls");
+  EXPECT_TRUE(absl::StrContains(with_tls, "running")) << with_tls;
+  EXPECT_FALSE(absl::StrContains(with_tls, "rc=")) << with_tls;
+  const std::string without = ReadFile(dir_ + "/without");
+  EXPECT_TRUE(absl::StrContains(without, "rc=1")) << without;
+  const std::string health = ReadFile(dir_ + "/health");
+  EXPECT_TRUE(absl::StrContains(health, "SERVING")) << health;
+  EXPECT_FALSE(absl::StrContains(health, "rc=")) << health;
+}
+
 // A reflection request (list the services) as one message on a stream.
 grpc::Status ListServices(const std::string& target) {
   grpc::GenericStub stub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
@@ -276,6 +314,19 @@ TEST_F(TlsNetLabTest, MutualTlsAcrossHostsMatchesTheReference) {
   cluster.StartClients(kBuckets, steps);
   const auto codes = cluster.WaitClients(seconds(120));
   ExpectMatchesReference(cluster, codes, Reference(n, L, kBuckets, steps), n, L, kBuckets, steps);
+  // Every TCP port microd listens on (Gloo's, and node 0's coordinator) is
+  // on the node's own address, none on every interface.
+  for (int r = 0; r < n; ++r) {
+    const std::string out = absl::StrCat(dir, "/listening", r);
+    ASSERT_EQ(WaitAll({Spawn((*lab)->InNode(r, {"/usr/bin/ss", "-ltnH"}), out)}, seconds(20))[0],
+              0);
+    const auto lines = ReadLines(out);
+    EXPECT_FALSE(lines.empty()) << "node " << r << ": nothing listening";
+    for (const std::string& line : lines) {
+      EXPECT_TRUE(absl::StrContains(line, " " + (*lab)->addr(r) + ":"))
+          << "node " << r << " listens beyond its address: " << line;
+    }
+  }
   std::error_code ignored;
   std::filesystem::remove_all(dir, ignored);
 }
