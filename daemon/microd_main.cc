@@ -33,6 +33,7 @@
 #include "daemon/control/tls.h"
 #include "daemon/engine/engine.h"
 #include "daemon/engine/engine_status.h"
+#include "daemon/engine/metrics.h"
 #include "daemon/local/local_server.h"
 #include "daemon/transport/gloo/gloo_transport.h"
 #include "microd/config.h"
@@ -53,6 +54,11 @@ ABSL_FLAG(std::string, coordinator_port_file, "",
           "write the coordinator's port to this file once listening");
 ABSL_FLAG(std::string, admin, "127.0.0.1:7471", "Admin service address (port 0: any)");
 ABSL_FLAG(std::string, admin_port_file, "", "write the Admin port to this file once listening");
+ABSL_FLAG(std::string, metrics, "",
+          "serve Prometheus metrics at http://HOST:PORT/metrics (empty: off; port 0: any); "
+          "plaintext and read-only");
+ABSL_FLAG(std::string, metrics_port_file, "",
+          "write the metrics port to this file once listening");
 ABSL_FLAG(std::string, transport, "gloo",
           "data plane: gloo (CPU, TCP; any buffers) or nccl (CUDA builds: the step runs on "
           "--cuda_device and takes only CUDA buffers on it)");
@@ -410,6 +416,7 @@ class Daemon {
  private:
   absl::Status StartCoordinator();
   absl::Status StartAdmin();
+  absl::Status StartMetrics();
   absl::Status Join();
   absl::Status StartDataPlane(const microd::engine::EngineOptions& eo);
   absl::Status Serve(const microd::engine::EngineOptions& eo);
@@ -436,6 +443,7 @@ class Daemon {
         FillStatus(req, r);
       }};
   std::unique_ptr<microd::control::ControlServer> admin_;
+  std::unique_ptr<microd::engine::MetricsServer> metrics_;  // stops before the Admin service
 };
 
 absl::Status Daemon::StartCoordinator() {
@@ -570,6 +578,27 @@ absl::Status Daemon::StartAdmin() {
   return absl::OkStatus();
 }
 
+absl::Status Daemon::StartMetrics() {
+  const std::string address = absl::GetFlag(FLAGS_metrics);
+  if (address.empty()) return absl::OkStatus();
+  auto collector = std::make_shared<microd::engine::MetricsCollector>(
+      [this](microd::v1::GetStatusResponse* r) { FillStatus({}, r); },
+      [this] {
+        absl::MutexLock lock(&mu_);
+        return engine_ != nullptr ? engine_->Snapshot().buckets
+                                  : std::vector<microd::engine::BucketStats>{};
+      });
+  auto server = microd::engine::MetricsServer::Start(address, std::move(collector));
+  if (!server.ok()) return Bad("--metrics", server.status());
+  metrics_ = std::move(server).value();
+  std::fprintf(stderr, "microd: metrics on http://%s:%d/metrics\n",
+               address.substr(0, address.rfind(':')).c_str(), metrics_->port());
+  if (const std::string f = absl::GetFlag(FLAGS_metrics_port_file); !f.empty()) {
+    std::ofstream(f) << metrics_->port() << "\n";
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Daemon::Join() {
   microd::control::CoordinatorClientOptions cco;
   cco.address = coordinator_address_;
@@ -674,6 +703,7 @@ absl::Status Daemon::Serve(const microd::engine::EngineOptions& eo) {
 absl::Status Daemon::Start(StopWatcher* stop) {
   RETURN_IF_ERROR(StartCoordinator());
   RETURN_IF_ERROR(StartAdmin());
+  RETURN_IF_ERROR(StartMetrics());
   RETURN_IF_ERROR(Join());
   const microd::engine::EngineOptions eo = EngineOptionsOf(config_);
   RETURN_IF_ERROR(StartDataPlane(eo));

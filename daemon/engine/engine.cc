@@ -214,7 +214,7 @@ void Engine::RunInCycle(const InCycle& in_cycle, bool count_batch) {
     const absl::Time now = absl::Now();
     for (size_t i : in_cycle.ids) {
       Bucket& b = state_.table.cached(i);
-      b.stats.negotiate_seconds += absl::ToDoubleSeconds(now - b.ready_at);
+      b.stats.AddWaiting(absl::ToDoubleSeconds(now - b.ready_at));
       works.push_back(state_.table.Take(b));
     }
     state_.in_flight.insert(state_.in_flight.end(), works.begin(), works.end());
@@ -239,7 +239,7 @@ void Engine::RunBatch(const control::ScheduleBatch& batch, bool cached) {
     const absl::Time now = absl::Now();
     for (const control::BucketInfo& info : batch.scheduled) {
       Bucket& b = state_.table.bucket(info.name);
-      b.stats.negotiate_seconds += absl::ToDoubleSeconds(now - b.ready_at);
+      b.stats.AddWaiting(absl::ToDoubleSeconds(now - b.ready_at));
       (b.dense ? dense : sparse).push_back(state_.table.Take(b));
       // Scheduled by the coordinator: every node reaches this point in the
       // same log order, so the cache ids agree everywhere.

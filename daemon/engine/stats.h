@@ -11,6 +11,28 @@
 
 namespace microd::engine {
 
+// Counts of observations at or below each bound (the last: all of them),
+// as Prometheus histograms keep them; the bounds are fixed per kind.
+struct Histogram {
+  explicit Histogram(const std::vector<double>* bounds = nullptr)
+      : bounds(bounds), counts(bounds != nullptr ? bounds->size() : 0, 0) {}
+  void Observe(double x);
+
+  const std::vector<double>* bounds;  // upper bounds, increasing
+  std::vector<uint64_t> counts;       // not cumulative, by bound
+  uint64_t count = 0;                 // observations (the +Inf bucket)
+  double sum = 0;
+};
+
+// Bounds of the step-phase (seconds) and CRE histograms.
+const std::vector<double>& SecondsBounds();
+const std::vector<double>& CreBounds();
+
+// The phases of a step, as the time split and the histograms name them.
+enum class Phase { kWaiting, kLocalSum, kSelection, kExchange, kWriteBack };
+inline constexpr int kPhases = 5;
+const char* PhaseName(Phase p);
+
 // One sparse step of one bucket.
 struct StepSample {
   uint64_t step = 0;
@@ -43,6 +65,12 @@ struct BucketStats {
   double exchange_seconds = 0;
   double writeback_seconds = 0;
   std::deque<StepSample> history;  // the last EngineOptions::stats_history steps
+  // Per step: each phase's seconds, and the CRE of sparse steps from step 2.
+  std::vector<Histogram> phase_seconds = std::vector<Histogram>(kPhases, Histogram(&SecondsBounds()));
+  Histogram cre_histogram{&CreBounds()};
+
+  // The wait from ready on this node to the start of a step.
+  void AddWaiting(double seconds);
 
   // A dense step of this bucket's `count` elements, with its share of the
   // times of the fused allreduce or cycle it rode in.

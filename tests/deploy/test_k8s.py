@@ -217,12 +217,39 @@ def test_network_policy_admits_only_the_jobs_pods(rendered):
     labels = job["spec"]["template"]["metadata"]["labels"]
     assert np["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
     assert "Ingress" in np["spec"]["policyTypes"]
-    (rule,) = np["spec"]["ingress"]
-    (peer,) = rule["from"]
+    job_rule, metrics_rule = np["spec"]["ingress"]
+    (peer,) = job_rule["from"]
     assert set(peer) == {"podSelector"}, "no namespaceSelector or ipBlock: this job's pods only"
     assert peer["podSelector"]["matchLabels"].items() <= labels.items()
-    assert rule["ports"] == [{"protocol": "TCP"}]
+    assert job_rule["ports"] == [{"protocol": "TCP"}]
     assert all(p.get("protocol", "TCP") == "TCP" for p in sidecar.get("ports", []))
+    # Anyone in the cluster (Prometheus) reaches the metrics port, and only it.
+    (port,) = metrics_rule["ports"]
+    names = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
+    assert port["port"] == "metrics" and "metrics" in names
+
+
+def test_metrics_port_annotations_and_flag_agree(rendered):
+    objs, job, pod, sidecar, trainer = rendered
+    metrics = _env(objs, sidecar)["MICROD_METRICS"]
+    port = int(metrics.rsplit(":", 1)[1])
+    (cp,) = [p for p in sidecar["ports"] if p["name"] == "metrics"]
+    assert cp["containerPort"] == port
+    ann = job["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true"
+    assert int(ann["prometheus.io/port"]) == port
+    assert ann["prometheus.io/path"] == "/metrics"
+    # The Service lists the coordinator only.
+    assert port not in [p["port"] for p in _one(objs, "Service")["spec"]["ports"]]
+
+
+def test_monitoring_overlay_podmonitor_selects_the_jobs_pods():
+    objs = d.kustomize(os.path.join(K8S, "overlays", "monitoring"))
+    pm = _named(objs, "PodMonitor", "microd-train")
+    labels = _one(objs, "Job")["spec"]["template"]["metadata"]["labels"]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (ep,) = pm["spec"]["podMetricsEndpoints"]
+    assert ep["port"] == "metrics" and ep["path"] == "/metrics"
 
 
 def test_mtls_overlay_mounts_its_certificate_into_the_sidecar_only():

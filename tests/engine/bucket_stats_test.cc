@@ -50,5 +50,34 @@ TEST(BucketStats, SparseStepsKeepTheirHistoryWithinItsLimit) {
   EXPECT_EQ(s.history.back().step, 4u);
 }
 
+TEST(BucketStats, HistogramsCountEveryStepByPhaseAndCreFromStepTwo) {
+  Histogram h(&SecondsBounds());
+  h.Observe(0.0);       // at the lowest bound
+  h.Observe(0.003);     // above 2.5e-3, at or below 5e-3
+  h.Observe(1000.0);    // above every bound: counted in +Inf only
+  EXPECT_EQ(h.count, 3u);
+  EXPECT_DOUBLE_EQ(h.sum, 1000.003);
+  EXPECT_EQ(h.counts[0], 1u);
+  EXPECT_EQ(h.counts[5], 1u);  // 5e-3
+  uint64_t listed = 0;
+  for (uint64_t c : h.counts) listed += c;
+  EXPECT_EQ(listed, 2u);
+
+  BucketStats s;
+  s.count = 100000;
+  for (uint64_t t = 0; t < 4; ++t) {
+    sparsify::StepStats st;
+    st.step = t;
+    st.cre = 0.002;
+    st.select_seconds = 0.001;
+    s.AddSparse(st, 0.01, 0.02, 0);
+    s.AddWaiting(0.5);
+  }
+  for (int p = 0; p < kPhases; ++p) EXPECT_EQ(s.phase_seconds[p].count, 4u) << PhaseName(Phase(p));
+  EXPECT_DOUBLE_EQ(s.phase_seconds[int(Phase::kWaiting)].sum, s.negotiate_seconds);
+  EXPECT_DOUBLE_EQ(s.phase_seconds[int(Phase::kLocalSum)].sum, s.local_sum_seconds);
+  EXPECT_EQ(s.cre_histogram.count, 2u);  // steps 2 and 3
+}
+
 }  // namespace
 }  // namespace microd::engine

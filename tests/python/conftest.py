@@ -28,7 +28,8 @@ def _wait_file(path, proc, timeout=30.0):
 
 
 class Cluster:
-    """`nodes` daemons on loopback, `local` training processes each."""
+    """`nodes` daemons on loopback, `local` training processes each. In
+    `args`, "{r}" is the node's rank and "{dir}" the cluster's directory."""
 
     def __init__(self, nodes, local=1, args=()):
         self.nodes, self.local = nodes, local
@@ -39,7 +40,8 @@ class Cluster:
             cmd = [MICROD, f"--socket={self.socket(r)}", f"--local_size={local}",
                    f"--nodes={nodes}", f"--node_rank={r}", f"--node_name=node{r}",
                    "--admin=127.0.0.1:0", f"--admin_port_file={self.dir}/admin{r}",
-                   "--peer_timeout_ms=3000", "--timeout_ms=30000", *args]
+                   "--peer_timeout_ms=3000", "--timeout_ms=30000",
+                   *[a.format(r=r, dir=self.dir) for a in args]]
             if r == 0:
                 cmd += ["--coordinator_listen=127.0.0.1:0",
                         f"--coordinator_port_file={self.dir}/coordinator"]
