@@ -126,6 +126,59 @@ absl::Status BucketState::Allocate() {
   return absl::OkStatus();
 }
 
+absl::StatusOr<BucketCheckpoint> BucketState::Save() const {
+  BucketCheckpoint c;
+  c.step = step_;
+  const uint64_t d = spec_.size;
+  auto copy_out = [&](const DeviceBuffer<float>& from, std::vector<float>* to) -> absl::Status {
+    if (!from.ok()) return absl::OkStatus();
+    to->resize(d);
+    return Check(ops_->CopyToHost(to->data(), from.get(), d * sizeof(float), stream_), "copy");
+  };
+  RETURN_IF_ERROR(copy_out(residual_[current_], &c.residual));
+  RETURN_IF_ERROR(copy_out(velocity_[current_], &c.velocity));
+  if (controller_ != nullptr) c.controller = controller_->Save();
+  return c;
+}
+
+absl::Status BucketState::Load(const BucketCheckpoint& c) {
+  const uint64_t d = spec_.size;
+  auto fits = [&](const DeviceBuffer<float>& buffer, const std::vector<float>& v,
+                  const char* what) -> absl::Status {
+    const uint64_t want = buffer.ok() ? d : 0;
+    if (v.size() == want) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bucket '", spec_.name, "': the checkpoint's ", what, " has ", v.size(),
+        " elements, this bucket keeps ", want, " (another size, sparsifier or momentum "
+        "correction)"));
+  };
+  RETURN_IF_ERROR(fits(residual_[0], c.residual, "residual"));
+  RETURN_IF_ERROR(fits(velocity_[0], c.velocity, "velocity"));
+  if ((controller_ != nullptr) != !c.controller.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bucket '", spec_.name, "': the checkpoint ", c.controller.empty() ? "has no" : "has a",
+        " threshold controller state, this bucket ", controller_ ? "needs one" : "has none"));
+  }
+  if (controller_ != nullptr) {
+    if (absl::Status s = controller_->Load(c.controller); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("bucket '", spec_.name, "': ", s.message()));
+    }
+  }
+  current_ = 0;
+  if (!c.residual.empty()) {
+    RETURN_IF_ERROR(Check(
+        ops_->CopyToDevice(residual_[0].get(), c.residual.data(), d * sizeof(float), stream_),
+        "copy"));
+  }
+  if (!c.velocity.empty()) {
+    RETURN_IF_ERROR(Check(
+        ops_->CopyToDevice(velocity_[0].get(), c.velocity.data(), d * sizeof(float), stream_),
+        "copy"));
+  }
+  step_ = c.step;
+  return absl::OkStatus();
+}
+
 absl::Status BucketState::Check(KernelStatus status, const char* what) const {
   if (status == KernelStatus::kOk) return absl::OkStatus();
   return absl::InternalError(absl::StrCat("bucket '", spec_.name, "': ", what, " kernel failed (",

@@ -47,6 +47,15 @@ struct StepStats {
   double apply_seconds = 0;
 };
 
+// A bucket's state between two steps, as a checkpoint keeps it: a state
+// loaded from it continues exactly (to the bit) as the saved one would.
+struct BucketCheckpoint {
+  uint64_t step = 0;
+  std::vector<float> residual;  // d elements; empty for the dense sparsifier
+  std::vector<float> velocity;  // d elements with momentum correction, else empty
+  std::string controller;       // the threshold controller's state (micro), else empty
+};
+
 class BucketState {
  public:
   // Validates everything and allocates the state (residual zero). `ops` must
@@ -71,6 +80,11 @@ class BucketState {
   uint64_t budget() const { return k_; }
   // The residual e (device memory, d elements; null for dense).
   const float* residual() const { return residual_[current_].get(); }
+  // Between steps only (not while Step runs).
+  absl::StatusOr<BucketCheckpoint> Save() const;
+  // Replaces this state's (before its first step or between steps); an
+  // error naming what does not fit (sizes, what the options keep).
+  absl::Status Load(const BucketCheckpoint& checkpoint);
   // Threshold the next `micro` step's pass will use.
   double pass_threshold() const { return controller_ ? controller_->PassThreshold() : 0.0; }
 

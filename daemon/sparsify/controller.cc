@@ -44,6 +44,53 @@ void PaperController::Commit(uint64_t selected, uint64_t budget) {
   tau_ *= s;
 }
 
+namespace {
+
+template <typename T>
+void Append(std::string* out, const T& v) {
+  out->append(reinterpret_cast<const char*>(&v), sizeof v);
+}
+
+}  // namespace
+
+std::string PaperController::Save() const {
+  std::string out;
+  Append(&out, tau_);
+  return out;
+}
+
+absl::Status PaperController::Load(const std::string& bytes) {
+  if (bytes.size() != sizeof tau_) {
+    return absl::InvalidArgumentError("paper controller state: wrong size");
+  }
+  std::memcpy(&tau_, bytes.data(), sizeof tau_);
+  if (!(tau_ > 0) || !std::isfinite(tau_)) {
+    return absl::InvalidArgumentError("paper controller state: threshold not positive");
+  }
+  return absl::OkStatus();
+}
+
+std::string HistogramController::Save() const {
+  std::string out;
+  Append(&out, static_cast<uint8_t>(primed_));
+  Append(&out, lower_bound_);
+  return out;
+}
+
+absl::Status HistogramController::Load(const std::string& bytes) {
+  if (bytes.size() != 1 + sizeof lower_bound_ || static_cast<uint8_t>(bytes[0]) > 1) {
+    return absl::InvalidArgumentError("hist controller state: wrong size or flag");
+  }
+  float lower;
+  std::memcpy(&lower, bytes.data() + 1, sizeof lower);
+  if (!(lower > 0) || !std::isfinite(lower)) {
+    return absl::InvalidArgumentError("hist controller state: lower bound not positive");
+  }
+  primed_ = bytes[0] != 0;
+  lower_bound_ = pending_lower_bound_ = lower;
+  return absl::OkStatus();
+}
+
 HistogramController::HistogramController()
     : lower_bound_(kSmallestPositive), pending_lower_bound_(kSmallestPositive) {}
 

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -59,6 +60,10 @@ class ThresholdController {
   // True before the first step when PassThreshold would otherwise come from
   // no information at all.
   virtual bool WantsPrime() const { return false; }
+  // The controller's state between steps, as bytes (a checkpoint), and back:
+  // a controller loaded from Save() continues exactly as this one would.
+  virtual std::string Save() const = 0;
+  virtual absl::Status Load(const std::string& bytes) = 0;
   // `sample`: magnitudes of this node's accumulated gradient at evenly spread
   // positions of its owned partition (host memory); `scale`: the partition's
   // size over the sample's. Sets the first PassThreshold.
@@ -80,6 +85,8 @@ class PaperController final : public ThresholdController {
   }
   void Commit(uint64_t selected, uint64_t budget) override;
   bool Refines() const override { return false; }
+  std::string Save() const override;
+  absl::Status Load(const std::string& bytes) override;
   double tau() const { return tau_; }
 
  private:
@@ -117,6 +124,8 @@ class HistogramController final : public ThresholdController {
   bool WantsPrime() const override { return !primed_; }
   absl::Status Prime(const std::vector<float>& sample, double scale,
                      const ControllerContext& ctx) override;
+  std::string Save() const override;
+  absl::Status Load(const std::string& bytes) override;
 
  private:
   bool primed_ = false;                // a lower bound was set (by Prime or a step)

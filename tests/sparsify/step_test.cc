@@ -180,7 +180,7 @@ class Reference {
 // n nodes of one bucket over the in-process transport.
 class Cluster {
  public:
-  Cluster(int n, int W, uint64_t d, const SparsifyOptions& o) : n_(n), d_(d) {
+  Cluster(int n, int W, uint64_t d, const SparsifyOptions& o) : n_(n), W_(W), d_(d), o_(o) {
     ops_ = kernels::CreateCpuSparseOps();
     group_ = transport::CreateInprocGroup(n);
     for (int r = 0; r < n; ++r) {
@@ -224,9 +224,24 @@ class Cluster {
   }
   BucketState& bucket(int r) { return *buckets_[r]; }
 
+  // As a restarted job: every node saves its state, fresh states are made
+  // (new memory, nothing kept) and load what was saved.
+  void Restart() {
+    for (int r = 0; r < n_; ++r) {
+      auto saved = buckets_[r]->Save();
+      ASSERT_TRUE(saved.ok()) << saved.status();
+      auto fresh = BucketState::Create({"grads.0", d_, 3}, {n_, r, W_}, o_, ops_.get());
+      ASSERT_TRUE(fresh.ok()) << fresh.status();
+      ASSERT_TRUE((*fresh)->Load(*saved).ok());
+      buckets_[r] = std::move(fresh).value();
+    }
+  }
+
  private:
   const int n_;
+  const int W_;
   const uint64_t d_;
+  const SparsifyOptions o_;
   std::unique_ptr<kernels::SparseOps> ops_;
   std::vector<std::unique_ptr<transport::Transport>> group_;
   std::vector<std::unique_ptr<BucketState>> buckets_;
@@ -327,6 +342,50 @@ INSTANTIATE_TEST_SUITE_P(
              (info.param.warmup_density > 0 ? "_schedule" : "") +
              (info.param.clip_norm > 0 ? "_clip" : "");
     });
+
+SparsifyOptions OptionsOf(const Case& c, double density) {
+  SparsifyOptions o;
+  o.sparsifier = c.sparsifier;
+  o.controller = c.controller;
+  o.density = density;
+  o.momentum = c.momentum;
+  o.warmup_steps = c.warmup_steps;
+  o.warmup_density = c.warmup_density;
+  o.warmup_decay_steps = c.warmup_density > 0 ? 10 : 0;
+  o.clip_norm = c.clip_norm;
+  return o;
+}
+
+// A checkpoint of every node's state after 20 steps, loaded into fresh
+// states, continues as if nothing happened: 20 + 20 steps equal 40 straight,
+// update and residual, to the bit.
+TEST_P(StepTest, ASavedStateContinuesBitForBit) {
+  const Case c = GetParam();
+  for (int n : {1, 3, 4}) {
+    for (uint64_t d : {uint64_t{1003}, uint64_t{20011}}) {
+      SCOPED_TRACE(testing::Message() << "n=" << n << " d=" << d);
+      const SparsifyOptions o = OptionsOf(c, 0.01);
+      Cluster straight(n, 2 * n, d, o), restarted(n, 2 * n, d, o);
+      std::vector<Vec> a, b;
+      std::vector<StepStats> sa, sb;
+      for (uint64_t t = 0; t < 40; ++t) {
+        if (t == 20) restarted.Restart();
+        const auto g = MakeGrads(n, d, t, uint32_t(d + n));
+        for (const auto& s : straight.Step(g, a, sa)) ASSERT_TRUE(s.ok()) << s;
+        for (const auto& s : restarted.Step(g, b, sb)) ASSERT_TRUE(s.ok()) << s;
+        for (int r = 0; r < n; ++r) {
+          ExpectBitEqual(b[r], a[r], "update of node " + std::to_string(r) + " at step " +
+                                         std::to_string(t));
+          ASSERT_EQ(sb[r].step, t);
+          ASSERT_EQ(sb[r].threshold, sa[r].threshold) << "step " << t;
+        }
+      }
+      for (int r = 0; r < n && c.sparsifier != SparsifierKind::kDense; ++r) {
+        ExpectBitEqual(restarted.residual(r), straight.residual(r), "final residual");
+      }
+    }
+  }
+}
 
 // The density schedule: budgets follow the exponential decay on every node
 // and the selection tracks them.
@@ -597,6 +656,41 @@ INSTANTIATE_TEST_SUITE_P(
                       HostileCase{SparsifierKind::kTopK, HostileTransport::Lie::kHugeCount},
                       HostileCase{SparsifierKind::kTopK, HostileTransport::Lie::kIndexOutOfBucket},
                       HostileCase{SparsifierKind::kHard, HostileTransport::Lie::kIndexOutOfBucket}));
+
+// A checkpoint of another bucket shape or configuration is refused, naming
+// what differs, and the state is left as it was.
+TEST(StepCheckpoint, ACheckpointThatDoesNotFitIsRefused) {
+  auto ops = kernels::CreateCpuSparseOps();
+  auto make = [&](uint64_t d, SparsifierKind kind, ControllerKind controller, double momentum) {
+    SparsifyOptions o;
+    o.sparsifier = kind;
+    o.controller = controller;
+    o.momentum = momentum;
+    return std::move(BucketState::Create({"w", d, 1}, {1, 0, 1}, o, ops.get())).value();
+  };
+  auto paper = make(1000, SparsifierKind::kMicro, ControllerKind::kPaper, 0.0);
+  const BucketCheckpoint saved = *paper->Save();
+  auto other_size = make(999, SparsifierKind::kMicro, ControllerKind::kPaper, 0.0);
+  absl::Status s = other_size->Load(saved);
+  EXPECT_TRUE(absl::StrContains(s.message(), "residual has 1000 elements, this bucket keeps 999"))
+      << s;
+  auto with_momentum = make(1000, SparsifierKind::kMicro, ControllerKind::kPaper, 0.9);
+  s = with_momentum->Load(saved);
+  EXPECT_TRUE(absl::StrContains(s.message(), "velocity")) << s;
+  auto hist = make(1000, SparsifierKind::kMicro, ControllerKind::kHistogram, 0.0);
+  s = hist->Load(saved);
+  EXPECT_TRUE(absl::StrContains(s.message(), "hist controller state")) << s;
+  auto topk = make(1000, SparsifierKind::kTopK, ControllerKind::kHistogram, 0.0);
+  s = topk->Load(saved);
+  EXPECT_TRUE(absl::StrContains(s.message(), "controller")) << s;
+  EXPECT_EQ(topk->step(), 0u);
+  BucketCheckpoint bad = saved;
+  bad.step = 7;
+  bad.controller = std::string(8, '\0');  // tau 0
+  s = paper->Load(bad);
+  EXPECT_TRUE(absl::StrContains(s.message(), "not positive")) << s;
+  EXPECT_EQ(paper->step(), 0u);
+}
 
 }  // namespace
 }  // namespace microd::sparsify
