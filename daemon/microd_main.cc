@@ -380,6 +380,7 @@ absl::Status CheckExposure(const std::string& flag, const std::string& address, 
 // The engine's options, from the configuration and the data plane chosen.
 microd::engine::EngineOptions EngineOptionsOf(const Config& c) {
   microd::engine::EngineOptions eo;
+  eo.job_id = absl::GetFlag(FLAGS_job_id);
   eo.local_size = c.local_size;
   eo.sparsify = c.sparsify;
   eo.dense_floor = absl::GetFlag(FLAGS_dense_floor);

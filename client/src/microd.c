@@ -606,6 +606,17 @@ microd_status microd_register_cuda_buffer(microd_client* c, const char* name, vo
   return status;
 }
 
+/* Room for one more ticket entry. Called with mu held. */
+static microd_status reserve_ticket(microd_client* c) {
+  if (c->ntickets < c->tickets_cap) return MICROD_OK;
+  size_t cap = c->tickets_cap ? 2 * c->tickets_cap : 16;
+  ticket_entry* t = realloc(c->tickets, cap * sizeof *t);
+  if (t == NULL) return fail(c, MICROD_ERR_RESOURCE, "out of memory");
+  c->tickets = t;
+  c->tickets_cap = cap;
+  return MICROD_OK;
+}
+
 /* Submits a buffer; a CUDA buffer's ready event is recorded on `stream` first. */
 static microd_status submit(microd_client* c, int32_t buffer_id, void* stream, uint64_t* ticket) {
   if (!check_handle(c)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
@@ -624,15 +635,8 @@ static microd_status submit(microd_client* c, int32_t buffer_id, void* stream, u
     status = fail(c, MICROD_ERR_INVALID_ARGUMENT,
                   "buffer '%s' is a host buffer: submit it without a CUDA stream",
                   c->buffers[buffer_id].name);
-  } else if (c->ntickets == c->tickets_cap) {
-    size_t cap = c->tickets_cap ? 2 * c->tickets_cap : 16;
-    ticket_entry* t = realloc(c->tickets, cap * sizeof *t);
-    if (t == NULL) {
-      status = fail(c, MICROD_ERR_RESOURCE, "out of memory");
-    } else {
-      c->tickets = t;
-      c->tickets_cap = cap;
-    }
+  } else {
+    status = reserve_ticket(c);
   }
   if (status == MICROD_OK && c->buffers[buffer_id].is_cuda) {
     /* The daemon reads the buffer once this event completed. */
@@ -693,7 +697,7 @@ microd_status microd_wait(microd_client* c, uint64_t ticket, int32_t timeout_ms)
     }
     if (c->broken != MICROD_OK) {
       microd_status s = fail(c, c->broken, "%s", c->broken_message);
-      c->buffers[t->buffer_id].pending = 0;
+      if (t->buffer_id >= 0) c->buffers[t->buffer_id].pending = 0;
       *t = c->tickets[--c->ntickets];
       pthread_mutex_unlock(&c->mu);
       return s;
@@ -715,6 +719,54 @@ microd_status microd_allreduce(microd_client* c, int32_t buffer_id, int32_t time
   microd_status s = microd_allreduce_async(c, buffer_id, &ticket);
   if (s != MICROD_OK) return s;
   return microd_wait(c, ticket, timeout_ms);
+}
+
+/* Sends a STATE request and waits for its completion. */
+static microd_status state_op(microd_client* c, uint32_t op, const char* dir, int32_t timeout_ms) {
+  if (!check_handle(c)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
+  if (dir == NULL || dir[0] == '\0') {
+    return fail(c, MICROD_ERR_INVALID_ARGUMENT, "the state directory is empty");
+  }
+  if (strlen(dir) >= MICROD_WIRE_PATH_BYTES) {
+    return fail(c, MICROD_ERR_INVALID_ARGUMENT, "the state directory is longer than %d bytes",
+                MICROD_WIRE_PATH_BYTES - 1);
+  }
+  pthread_mutex_lock(&c->mu);
+  microd_status status = MICROD_OK;
+  if (c->broken != MICROD_OK) {
+    status = fail(c, c->broken, "%s", c->broken_message);
+  } else {
+    status = reserve_ticket(c);
+  }
+  uint64_t ticket = 0;
+  if (status == MICROD_OK) {
+    microd_wire_state m;
+    memset(&m, 0, sizeof m);
+    microd_wire_header_init(&m.h, MICROD_MSG_STATE, sizeof m);
+    m.op = op;
+    m.ticket = ticket = ++c->next_ticket;
+    memcpy(m.dir, dir, strlen(dir));
+    if (microd_wire_send(c->fd, &m, sizeof m, -1) != 0) {
+      break_connection(c, MICROD_ERR_UNAVAILABLE, "sending to the daemon failed");
+      status = fail(c, c->broken, "%s", c->broken_message);
+    } else {
+      ticket_entry* t = &c->tickets[c->ntickets++];
+      memset(t, 0, sizeof *t);
+      t->ticket = ticket;
+      t->buffer_id = -1; /* no buffer */
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (status != MICROD_OK) return status;
+  return microd_wait(c, ticket, timeout_ms);
+}
+
+microd_status microd_state_save(microd_client* c, const char* dir, int32_t timeout_ms) {
+  return state_op(c, MICROD_STATE_SAVE, dir, timeout_ms);
+}
+
+microd_status microd_state_load(microd_client* c, const char* dir, int32_t timeout_ms) {
+  return state_op(c, MICROD_STATE_LOAD, dir, timeout_ms);
 }
 
 microd_status microd_close(microd_client* c) {

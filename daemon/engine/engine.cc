@@ -188,6 +188,7 @@ void Engine::PollLoop() {
 
 void Engine::Loop() {
   for (;;) {
+    RunStateRequest();
     std::optional<Plan> plan = negotiator_->Next();
     if (!plan.has_value()) return;
     Run(*plan);

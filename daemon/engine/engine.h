@@ -34,6 +34,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "daemon/control/coordinator_client.h"
+#include "daemon/engine/checkpoint.h"
 #include "daemon/engine/engine_state.h"
 #include "daemon/engine/negotiator.h"
 #include "daemon/engine/options.h"
@@ -67,6 +68,11 @@ class Engine final : public local::LocalHandler, private JobControl {
                           std::shared_ptr<local::ProcessBuffer> buffer) override;
   absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket) override;
   void OnDisconnect(uint64_t client, bool clean, const std::string& why) override;
+  // microd_state_save / microd_state_load: answered once every local
+  // process asked the same, after the node's file is written or read
+  // (state_io.cc).
+  absl::Status OnState(uint64_t client, bool save, const std::string& dir,
+                       uint64_t ticket) override;
 
   // Statistics of every bucket; the per-step histories only if asked for.
   EngineSnapshot Snapshot(bool with_history = false) const;
@@ -90,6 +96,14 @@ class Engine final : public local::LocalHandler, private JobControl {
   void RunInCycle(const InCycle& in_cycle, bool count_batch);
   // Reads the coordinator's schedule log into EngineState::schedule.
   void PollLoop();
+  // A state request every local process made, run between plans
+  // (state_io.cc); the answer for each process.
+  void RunStateRequest();
+  void AnswerStateRequest(const StateRequest& request, const absl::Status& status);
+  absl::Status SaveState(const std::string& dir);
+  absl::Status LoadState(const std::string& dir);
+  // What saved state records of this job (checkpoint.h), buckets aside.
+  microd::v1::NodeCheckpoint CheckpointShape() const;
 
   const EngineOptions options_;
   const control::Membership membership_;

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -13,6 +14,17 @@
 #include "daemon/engine/process_table.h"
 
 namespace microd::engine {
+
+// A save or load of the compression state that the local processes asked
+// for (every one of them, the same): run by the engine's thread between
+// plans once all asked.
+struct StateRequest {
+  bool save = false;
+  std::string dir;
+  std::vector<uint64_t> clients;  // by local rank
+  std::vector<uint64_t> tickets;  // by local rank, 0: not asked yet
+  int asked = 0;
+};
 
 struct EngineState {
   EngineState(int local_size, uint64_t dense_floor) : table(local_size, dense_floor) {}
@@ -32,6 +44,8 @@ struct EngineState {
   bool changed ABSL_GUARDED_BY(mu) = false;
   // The running batch's work not yet answered (Fail() answers it).
   std::vector<Work> in_flight ABSL_GUARDED_BY(mu);
+  StateRequest state_request ABSL_GUARDED_BY(mu);
+  bool state_request_ready ABSL_GUARDED_BY(mu) = false;  // every local process asked
   uint64_t batches ABSL_GUARDED_BY(mu) = 0;
   uint64_t cache_batches ABSL_GUARDED_BY(mu) = 0;
   uint64_t cycle_reductions ABSL_GUARDED_BY(mu) = 0;

@@ -21,7 +21,8 @@ class CoordinatorNegotiator final : public Negotiator {
     {
       absl::MutexLock lock(&state_->mu);
       auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
-        return state_->stop || state_->table.has_newly_ready() || !state_->schedule.empty();
+        return state_->stop || state_->table.has_newly_ready() || !state_->schedule.empty() ||
+               state_->state_request_ready;
       };
       state_->mu.AwaitWithTimeout(absl::Condition(&has_work), absl::Seconds(1));
       if (state_->stop) return std::nullopt;
@@ -114,7 +115,8 @@ std::optional<Plan> CycleNegotiator::Next() {
       return !state_->schedule.empty() || state_->table.any_cached_ready();
     };
     auto go = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
-      return state_->stop || (pending() && (state_->changed || progressed_));
+      return state_->stop || state_->state_request_ready ||
+             (pending() && (state_->changed || progressed_));
     };
     // A change (a submission, a schedule batch) starts a cycle at once.
     // With work pending but nothing new, the next cycle starts after 1 ms:

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -11,6 +12,7 @@
 namespace microd::engine {
 
 struct EngineOptions {
+  std::string job_id = "microd";  // recorded in saved state (checkpoint.h)
   int local_size = 1;
   sparsify::SparsifyOptions sparsify;
   // Buckets with fewer elements go dense, fused into one allreduce per batch.

@@ -170,6 +170,25 @@ std::vector<control::BucketInfo> ProcessTable::TakeNewlyReady() {
   return out;
 }
 
+Bucket* ProcessTable::find(const std::string& name) {
+  auto it = buckets_.find(name);
+  return it == buckets_.end() || it->second.count == 0 ? nullptr : &it->second;
+}
+
+std::vector<Bucket*> ProcessTable::WithState() {
+  std::vector<Bucket*> out;
+  for (auto& [name, b] : buckets_) {
+    if (b.state != nullptr) out.push_back(&b);
+  }
+  return out;
+}
+
+absl::StatusOr<int> ProcessTable::LocalRankOf(uint64_t client) const {
+  auto it = processes_.find(client);
+  if (it == processes_.end()) return absl::FailedPreconditionError("unknown process");
+  return it->second.local_rank;
+}
+
 void ProcessTable::Cache(Bucket& b) {
   if (b.cache_id >= 0) return;
   b.cache_id = static_cast<int64_t>(cached_.size());

@@ -91,6 +91,12 @@ class ProcessTable {
   void DropNewlyReady() { newly_ready_.clear(); }
 
   Bucket& bucket(const std::string& name) { return buckets_[name]; }
+  // The bucket, or null when no process registered it.
+  Bucket* find(const std::string& name);
+  // Buckets with a sparsifier state, by name.
+  std::vector<Bucket*> WithState();
+  // The local rank of a connected process.
+  absl::StatusOr<int> LocalRankOf(uint64_t client) const;
   static control::BucketInfo InfoOf(const Bucket& b);
 
   // The response cache: a bucket scheduled once gets the next cache id.

@@ -146,6 +146,17 @@ void StepRunner::FinishInCycle(const std::vector<Work>& works, const std::vector
   }
 }
 
+absl::Status StepRunner::EnsureState(Bucket& b) {
+  if (b.state != nullptr) return absl::OkStatus();
+  auto state = sparsify::BucketState::Create(
+      {b.name, b.count, next_slot_++},
+      {membership_.node_count, membership_.node_rank, membership_.world_size}, options_.sparsify,
+      ops_);
+  if (!state.ok()) return state.status();
+  b.state = std::move(state).value();
+  return absl::OkStatus();
+}
+
 void StepRunner::RunSparse(const Work& w) {
   Bucket& b = *w.bucket;
   const uint64_t d = b.count;
@@ -154,17 +165,10 @@ void StepRunner::RunSparse(const Work& w) {
     job_->Finish(w, Gone(b.name));
     return;
   }
-  if (b.state == nullptr) {
-    auto state = sparsify::BucketState::Create(
-        {b.name, d, next_slot_++},
-        {membership_.node_count, membership_.node_rank, membership_.world_size}, options_.sparsify,
-        ops_);
-    if (!state.ok()) {
-      job_->Finish(w, state.status());
-      job_->Fail(state.status(), /*report=*/true);
-      return;
-    }
-    b.state = std::move(state).value();
+  if (absl::Status s = EnsureState(b); !s.ok()) {
+    job_->Finish(w, s);
+    job_->Fail(s, /*report=*/true);
+    return;
   }
   // With one local process the update is written straight over its buffer
   // (the step reads the gradient completely first); with several it goes to

@@ -36,6 +36,9 @@ class StepRunner {
         state_(state),
         job_(job) {}
 
+  // The bucket's sparsifier state, made at its first step (or when a saved
+  // state is loaded into it). Engine thread only.
+  absl::Status EnsureState(Bucket& bucket);
   // The dense buckets of a batch, fused into one allreduce.
   void RunFusedDense(const std::vector<Work>& works);
   void RunSparse(const Work& work);

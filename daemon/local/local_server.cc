@@ -35,6 +35,8 @@ size_t ExpectedSize(uint16_t type) {
       return sizeof(microd_wire_submit);
     case MICROD_MSG_GOODBYE:
       return sizeof(microd_wire_goodbye);
+    case MICROD_MSG_STATE:
+      return sizeof(microd_wire_state);
     default:
       return 0;  // not a client-to-daemon message
   }
@@ -384,6 +386,7 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
     microd_wire_register reg;
     microd_wire_register_cuda reg_cuda;
     microd_wire_submit submit;
+    microd_wire_state state;
     char bytes[MICROD_WIRE_MAX_BYTES + 1];
   } m;
   alignas(cmsghdr) char control[CMSG_SPACE(4 * sizeof(int))];
@@ -465,6 +468,8 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
       return HandleRegisterCuda(id, c, m.reg_cuda);
     case MICROD_MSG_SUBMIT:
       return HandleSubmit(id, c, m.submit);
+    case MICROD_MSG_STATE:
+      return HandleState(id, m.state);
     case MICROD_MSG_GOODBYE:
       Drop(id, true, "goodbye");
       return false;
@@ -575,6 +580,25 @@ bool LocalServer::HandleSubmit(uint64_t id, Client& c, const ::microd_wire_submi
   }
   absl::Status s = handler_->OnSubmit(id, submit.buffer_id, submit.ticket);
   if (!s.ok()) Complete(id, submit.ticket, submit.buffer_id, s);
+  return true;
+}
+
+bool LocalServer::HandleState(uint64_t id, const ::microd_wire_state& state) {
+  const int kProtocol = static_cast<int>(ClientStatus::kProtocol);
+  const size_t len = strnlen(state.dir, MICROD_WIRE_PATH_BYTES);
+  if (state.ticket == 0 || state.reserved != 0 || len == MICROD_WIRE_PATH_BYTES ||
+      (state.op != MICROD_STATE_SAVE && state.op != MICROD_STATE_LOAD)) {
+    Refuse(id, kProtocol,
+           absl::StrCat("state request with op ", state.op, ", ticket ", state.ticket,
+                        " and reserved field ", state.reserved,
+                        " (ops: 1 save, 2 load; tickets start at 1; the directory NUL-terminated)"));
+    return false;
+  }
+  const std::string dir(state.dir, len);
+  absl::Status s = dir.empty() ? absl::InvalidArgumentError("the state directory is empty")
+                               : handler_->OnState(id, state.op == MICROD_STATE_SAVE, dir,
+                                                   state.ticket);
+  if (!s.ok()) Complete(id, state.ticket, MICROD_WIRE_NO_BUFFER, s);
   return true;
 }
 

@@ -30,6 +30,7 @@
 #include "absl/time/time.h"
 
 struct microd_wire_hello;  // client/wire/microd/wire.h
+struct microd_wire_state;
 struct microd_wire_register;
 struct microd_wire_register_cuda;
 struct microd_wire_submit;
@@ -125,6 +126,13 @@ class LocalHandler {
   virtual absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket) = 0;
   // `clean`: the process said goodbye; otherwise it vanished or misbehaved.
   virtual void OnDisconnect(uint64_t client, bool clean, const std::string& why) = 0;
+  // Save (or load) the compression state in `dir`, answered later through
+  // Complete(ticket) (buffer id MICROD_WIRE_NO_BUFFER); an error answers it
+  // at once.
+  virtual absl::Status OnState(uint64_t client, bool save, const std::string& dir,
+                               uint64_t ticket) {
+    return absl::UnimplementedError("this daemon keeps no compression state");
+  }
 };
 
 struct LocalServerOptions {
@@ -205,6 +213,7 @@ class LocalServer {
   // REGISTER_CUDA: validates, opens the allocation and answers.
   bool HandleRegisterCuda(uint64_t id, Client& c, const ::microd_wire_register_cuda& r);
   bool HandleSubmit(uint64_t id, Client& c, const ::microd_wire_submit& submit);
+  bool HandleState(uint64_t id, const ::microd_wire_state& state);
   // Both registers: the element count is in range, the buffer id is new
   // and the process has room for `count` floats...
   absl::Status CheckRoom(const Client& c, uint32_t buffer_id, const std::string& name,

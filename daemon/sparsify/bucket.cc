@@ -141,7 +141,7 @@ absl::StatusOr<BucketCheckpoint> BucketState::Save() const {
   return c;
 }
 
-absl::Status BucketState::Load(const BucketCheckpoint& c) {
+absl::Status BucketState::CheckCheckpoint(const BucketCheckpoint& c) const {
   const uint64_t d = spec_.size;
   auto fits = [&](const DeviceBuffer<float>& buffer, const std::vector<float>& v,
                   const char* what) -> absl::Status {
@@ -160,10 +160,19 @@ absl::Status BucketState::Load(const BucketCheckpoint& c) {
         " threshold controller state, this bucket ", controller_ ? "needs one" : "has none"));
   }
   if (controller_ != nullptr) {
-    if (absl::Status s = controller_->Load(c.controller); !s.ok()) {
+    // The controller checks its bytes on a copy of itself.
+    std::unique_ptr<ThresholdController> trial = CreateController(options_.controller, k_);
+    if (absl::Status s = trial->Load(c.controller); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("bucket '", spec_.name, "': ", s.message()));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::Status BucketState::Load(const BucketCheckpoint& c) {
+  RETURN_IF_ERROR(CheckCheckpoint(c));
+  const uint64_t d = spec_.size;
+  if (controller_ != nullptr) RETURN_IF_ERROR(controller_->Load(c.controller));
   current_ = 0;
   if (!c.residual.empty()) {
     RETURN_IF_ERROR(Check(

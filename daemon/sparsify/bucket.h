@@ -85,6 +85,8 @@ class BucketState {
   // Replaces this state's (before its first step or between steps); an
   // error naming what does not fit (sizes, what the options keep).
   absl::Status Load(const BucketCheckpoint& checkpoint);
+  // Whether Load would take it (changes nothing).
+  absl::Status CheckCheckpoint(const BucketCheckpoint& checkpoint) const;
   // Threshold the next `micro` step's pass will use.
   double pass_threshold() const { return controller_ ? controller_->PassThreshold() : 0.0; }
 

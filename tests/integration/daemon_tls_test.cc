@@ -322,7 +322,9 @@ TEST_F(TlsNetLabTest, MutualTlsAcrossHostsMatchesTheReference) {
     ASSERT_EQ(WaitAll({Spawn((*lab)->InNode(r, {"/usr/bin/ss", "-ltnH"}), out)}, seconds(20))[0],
               0);
     const auto lines = ReadLines(out);
-    if (r == 0) EXPECT_FALSE(lines.empty()) << "node 0: its coordinator is not listening";
+    if (r == 0) {
+      EXPECT_FALSE(lines.empty()) << "node 0: its coordinator is not listening";
+    }
     for (const std::string& line : lines) {
       EXPECT_TRUE(absl::StrContains(line, " " + (*lab)->addr(r) + ":"))
           << "node " << r << " listens beyond its address: " << line;

@@ -5,8 +5,10 @@
  * writes "step bucket hash" per result to --out. On a failure it writes
  * "FAILED <status> <message>" and exits 3. Options (in this order):
  *   socket buckets steps out [die_at_step] [wait_timeout_ms] [local_rank] [reverse]
- * "reverse": submit the buckets last first, 2 ms apart (nodes that submit in
- * other orders and at other times). */
+ * then any of: "reverse": submit the buckets last first, 2 ms apart (nodes
+ * that submit in other orders and at other times); "first=N": the first
+ * step's number (a resumed job); "load=DIR": microd_state_load(DIR) before
+ * the first step; "save=DIR": microd_state_save(DIR) after the last. */
 #define _POSIX_C_SOURCE 200809L /* nanosleep */
 #include <signal.h>
 #include <stdio.h>
@@ -68,8 +70,23 @@ int main(int argc, char** argv) {
     }
     ++nb;
   }
-  const int reverse = argc > 8 && strcmp(argv[8], "reverse") == 0;
-  for (long t = 0; t < steps; ++t) {
+  int reverse = 0;
+  long first = 0;
+  const char* load_dir = NULL;
+  const char* save_dir = NULL;
+  for (int i = 8; i < argc; ++i) {
+    if (strcmp(argv[i], "reverse") == 0) reverse = 1;
+    if (strncmp(argv[i], "first=", 6) == 0) first = atol(argv[i] + 6);
+    if (strncmp(argv[i], "load=", 5) == 0) load_dir = argv[i] + 5;
+    if (strncmp(argv[i], "save=", 5) == 0) save_dir = argv[i] + 5;
+  }
+  if (load_dir != NULL && (s = microd_state_load(c, load_dir, timeout_ms)) != MICROD_OK) {
+    fprintf(out, "FAILED %d load: %s\n", (int)s, microd_last_error(c));
+    fclose(out);
+    microd_close(c);
+    return 3;
+  }
+  for (long t = first; t < first + steps; ++t) {
     uint64_t tickets[MAX_BUCKETS];
     for (int i = 0; i < nb; ++i) {
       const int b = reverse ? nb - 1 - i : i;
@@ -100,6 +117,12 @@ int main(int argc, char** argv) {
               (unsigned long long)e2e_hash(data[b], counts[b] * sizeof(float)));
     }
     fflush(out);
+  }
+  if (save_dir != NULL && (s = microd_state_save(c, save_dir, timeout_ms)) != MICROD_OK) {
+    fprintf(out, "FAILED %d save: %s\n", (int)s, microd_last_error(c));
+    fclose(out);
+    microd_close(c);
+    return 3;
   }
   fclose(out);
   microd_close(c);

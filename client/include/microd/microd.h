@@ -186,6 +186,25 @@ MICROD_API microd_status microd_wait(microd_client* client, uint64_t ticket, int
 MICROD_API microd_status microd_allreduce(microd_client* client, int32_t buffer_id,
                                           int32_t timeout_ms);
 
+/* Saves the daemons' compression state of the job (every bucket's residual,
+ * momentum-correction velocity, threshold state and step counter) into the
+ * directory `dir` (made if missing), one file per node, written atomically
+ * with a checksum: put it next to the model's checkpoint. Collective: every
+ * process of the job calls it at the same point, after waiting for its
+ * allreduces; it returns once this node's file is written. Blocks at most
+ * timeout_ms (< 0: no limit). */
+MICROD_API microd_status microd_state_save(microd_client* client, const char* dir,
+                                           int32_t timeout_ms);
+
+/* Loads what microd_state_save wrote, after registering every buffer and
+ * before the first allreduce of the resumed job; the steps then continue
+ * exactly as if the job had not stopped. Refused (MICROD_ERR_MISMATCH,
+ * nothing loaded) when the job differs from the saved one (nodes, processes,
+ * buckets, sizes, sparsifier options) or a file is torn or corrupted (the
+ * message names what). Collective, like microd_state_save. */
+MICROD_API microd_status microd_state_load(microd_client* client, const char* dir,
+                                           int32_t timeout_ms);
+
 /* Says goodbye, unmaps the buffers (CUDA buffers: destroys their ready
  * events, except those of submissions still in flight, which the daemon may
  * still wait on; the daemon then closes its mappings) and frees the handle

@@ -179,6 +179,8 @@ def _library():
                                                     c.POINTER(c.c_uint64)]
         lib.microd_wait.argtypes = [c.c_void_p, c.c_uint64, c.c_int32]
         lib.microd_close.argtypes = [c.c_void_p]
+        lib.microd_state_save.argtypes = [c.c_void_p, c.c_char_p, c.c_int32]
+        lib.microd_state_load.argtypes = [c.c_void_p, c.c_char_p, c.c_int32]
         _lib = lib
     return _lib
 
@@ -390,6 +392,22 @@ class Client:
 
     def allreduce(self, buffer, timeout_ms=-1, stream=None):
         self.wait(self.allreduce_async(buffer, stream), timeout_ms)
+
+    def save_state(self, directory, timeout_ms=-1):
+        """Saves the daemons' compression state (residuals, velocities,
+        thresholds, step counters) into `directory`, one file per node.
+        Collective: every process of the job calls it at the same point, after
+        its allreduces completed (next to torch.save of the model)."""
+        self._check(_library().microd_state_save(self._live(), os.fsencode(directory),
+                                                 int(timeout_ms)))
+
+    def load_state(self, directory, timeout_ms=-1):
+        """Loads what save_state wrote, after registering every buffer and
+        before the first allreduce; MismatchError when the job differs from
+        the saved one or a file is damaged (nothing is loaded then).
+        Collective, like save_state."""
+        self._check(_library().microd_state_load(self._live(), os.fsencode(directory),
+                                                 int(timeout_ms)))
 
     def close(self):
         if self._handle is not None:

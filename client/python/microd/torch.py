@@ -23,7 +23,7 @@ import torch
 import microd
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "MicrodHookState", "comm_hook",
-           "default_client", "apply_momentum_correction"]
+           "default_client", "apply_momentum_correction", "save_state", "load_state"]
 
 _default = None
 _default_lock = threading.Lock()
@@ -79,6 +79,21 @@ class _Bucket:
     def slice(self, i):
         p = self.params[i]
         return self.flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+
+
+def save_state(directory, client=None, timeout_ms=600000):
+    """microd's compression state (residuals, velocities, thresholds, step
+    counters) into `directory`, beside torch.save of the model and optimizer:
+    call it on every process at the same point, after optimizer.step()."""
+    (client or default_client()).save_state(directory, timeout_ms)
+
+
+def load_state(directory, client=None, timeout_ms=600000):
+    """Loads what save_state wrote: on every process, after the
+    DistributedOptimizer is made (it registers its buckets) and before the
+    first step, next to loading the model and optimizer. The steps then
+    continue exactly as if the job had not stopped."""
+    (client or default_client()).load_state(directory, timeout_ms)
 
 
 class DistributedOptimizer:

@@ -19,6 +19,7 @@
 #define MICROD_WIRE_NAME_BYTES 128    /* bucket names, NUL-terminated */
 #define MICROD_WIRE_MESSAGE_BYTES 256 /* error text, NUL-terminated */
 #define MICROD_WIRE_MAX_BYTES 1024    /* no message is larger */
+#define MICROD_WIRE_PATH_BYTES 768    /* directory of a STATE message, NUL-terminated */
 
 enum microd_wire_type {
   MICROD_MSG_HELLO = 1,        /* client -> daemon */
@@ -29,7 +30,8 @@ enum microd_wire_type {
   MICROD_MSG_COMPLETION = 6,   /* daemon -> client */
   MICROD_MSG_ERROR = 7,        /* daemon -> client, then the daemon disconnects */
   MICROD_MSG_GOODBYE = 8,      /* client -> daemon */
-  MICROD_MSG_REGISTER_CUDA = 9 /* client -> daemon, answered with REGISTER_ACK */
+  MICROD_MSG_REGISTER_CUDA = 9, /* client -> daemon, answered with REGISTER_ACK */
+  MICROD_MSG_STATE = 10         /* client -> daemon, answered with a COMPLETION */
 };
 
 /* Capabilities: in a HELLO_ACK the header's `reserved` field carries these
@@ -135,6 +137,20 @@ typedef struct microd_wire_error {
   char message[MICROD_WIRE_MESSAGE_BYTES];
 } microd_wire_error;
 
+/* Save or load the daemon's compression state (microd_state_save/_load):
+ * answered with a COMPLETION of `ticket` (buffer_id MICROD_WIRE_NO_BUFFER)
+ * once every local process asked the same and the node's file is written or
+ * read. */
+enum microd_wire_state_op { MICROD_STATE_SAVE = 1, MICROD_STATE_LOAD = 2 };
+#define MICROD_WIRE_NO_BUFFER 0xFFFFFFFFu
+typedef struct microd_wire_state {
+  microd_wire_header h;
+  uint32_t op; /* microd_wire_state_op */
+  uint32_t reserved;
+  uint64_t ticket;
+  char dir[MICROD_WIRE_PATH_BYTES];
+} microd_wire_state;
+
 typedef struct microd_wire_goodbye {
   microd_wire_header h;
 } microd_wire_goodbye;
@@ -185,11 +201,13 @@ static_assert(sizeof(microd_wire_header) == 16, "wire layout");
 static_assert(sizeof(microd_wire_register) == 240, "wire layout");
 static_assert(sizeof(microd_wire_completion) == 288, "wire layout");
 static_assert(sizeof(microd_wire_register_cuda) == 328, "wire layout");
+static_assert(sizeof(microd_wire_state) == 800, "wire layout");
 #else
 _Static_assert(sizeof(microd_wire_header) == 16, "wire layout");
 _Static_assert(sizeof(microd_wire_register) == 240, "wire layout");
 _Static_assert(sizeof(microd_wire_completion) == 288, "wire layout");
 _Static_assert(sizeof(microd_wire_register_cuda) == 328, "wire layout");
+_Static_assert(sizeof(microd_wire_state) == 800, "wire layout");
 #endif
 
 #endif /* MICROD_CLIENT_WIRE_H_ */

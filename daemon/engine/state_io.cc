@@ -1,0 +1,166 @@
+// The engine's part of microd_state_save / microd_state_load: collecting the
+// local processes' requests, and saving or loading every bucket's
+// sparsifier state on the engine's thread between plans (no step runs then).
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/common/status_map.h"
+#include "daemon/engine/engine.h"
+#include "microd/wire.h"
+
+namespace microd::engine {
+
+void Engine::AnswerStateRequest(const StateRequest& q, const absl::Status& s) {
+  for (size_t r = 0; r < q.tickets.size(); ++r) {
+    if (q.tickets[r] != 0 && server_ != nullptr) {
+      server_->Complete(q.clients[r], q.tickets[r], MICROD_WIRE_NO_BUFFER, s);
+    }
+  }
+}
+
+absl::Status Engine::OnState(uint64_t client, bool save, const std::string& dir,
+                             uint64_t ticket) {
+  StateRequest refused;  // the earlier askers of a conflicting request
+  absl::Status conflict;
+  {
+    absl::MutexLock lock(&state_.mu);
+    if (!state_.failed.ok()) return state_.failed;
+    auto rank = state_.table.LocalRankOf(client);
+    if (!rank.ok()) return rank.status();
+    StateRequest& q = state_.state_request;
+    const char* what = save ? "save the state to" : "load the state from";
+    if (q.asked == 0) {
+      q.save = save;
+      q.dir = dir;
+      q.clients.assign(options_.local_size, 0);
+      q.tickets.assign(options_.local_size, 0);
+    } else if (q.save != save || q.dir != dir) {
+      conflict = absl::InvalidArgumentError(absl::StrCat(
+          "local process ", *rank, " asks to ", what, " ", dir, " while another asked to ",
+          q.save ? "save the state to " : "load the state from ", q.dir,
+          ": every process of the job calls the same, at the same point"));
+      refused = std::move(q);
+      q = StateRequest{};
+    }
+    if (conflict.ok()) {
+      if (q.tickets[*rank] != 0) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("local process ", *rank, " already asked to ", what, " ", q.dir));
+      }
+      q.clients[*rank] = client;
+      q.tickets[*rank] = ticket;
+      if (++q.asked == options_.local_size) state_.state_request_ready = true;
+      return absl::OkStatus();
+    }
+  }
+  // Nobody waits for a request that cannot happen: all askers get the error.
+  AnswerStateRequest(refused, conflict);
+  return conflict;
+}
+
+void Engine::RunStateRequest() {
+  StateRequest q;
+  {
+    absl::MutexLock lock(&state_.mu);
+    if (!state_.state_request_ready) return;
+    q = std::move(state_.state_request);
+    state_.state_request = StateRequest{};
+    state_.state_request_ready = false;
+  }
+  absl::Status s = q.save ? SaveState(q.dir) : LoadState(q.dir);
+  if (!q.save && (absl::IsFailedPrecondition(s) || absl::IsDataLoss(s) ||
+                  absl::IsInvalidArgument(s))) {
+    s = WithClientStatus(s, ClientStatus::kMismatch);  // the saved job is not this one
+  }
+  std::fprintf(stderr, "microd: node %d: %s %s: %s\n", membership_.node_rank,
+               q.save ? "saved the state to" : "loaded the state from", q.dir.c_str(),
+               s.ok() ? "ok" : std::string(s.message()).c_str());
+  AnswerStateRequest(q, s);
+  // The other nodes may have loaded theirs: the nodes' states no longer
+  // belong together, so the job cannot go on.
+  if (!q.save && !s.ok()) {
+    Fail(absl::AbortedError(absl::StrCat("node ", membership_.node_rank,
+                                         " could not load the state: ", s.message())),
+         /*report=*/true);
+  }
+}
+
+microd::v1::NodeCheckpoint Engine::CheckpointShape() const {
+  microd::v1::NodeCheckpoint c;
+  c.set_format(1);
+  c.set_job_id(options_.job_id);
+  c.set_node_rank(membership_.node_rank);
+  c.set_node_count(membership_.node_count);
+  c.set_world_size(membership_.world_size);
+  c.set_local_size(options_.local_size);
+  const sparsify::SparsifyOptions& s = options_.sparsify;
+  auto& o = *c.mutable_options();
+  auto num = [](double x) { return absl::StrFormat("%.17g", x); };
+  o["--sparsifier"] = sparsify::SparsifierName(s.sparsifier);
+  o["--controller"] = sparsify::ControllerName(s.controller);
+  o["--density"] = num(s.density);
+  o["--hard_threshold"] = num(s.hard_threshold);
+  o["--momentum_correction"] = num(s.momentum);
+  o["--clip_norm"] = num(s.clip_norm);
+  o["--warmup_steps"] = absl::StrCat(s.warmup_steps);
+  o["--warmup_density"] = num(s.warmup_density);
+  o["--warmup_decay_steps"] = absl::StrCat(s.warmup_decay_steps);
+  o["--dense_floor"] = absl::StrCat(options_.dense_floor);
+  return c;
+}
+
+absl::Status Engine::SaveState(const std::string& dir) {
+  if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot make the state directory ", dir, ": ", std::strerror(errno)));
+  }
+  std::vector<Bucket*> buckets;
+  {
+    absl::MutexLock lock(&state_.mu);
+    buckets = state_.table.WithState();  // states change on this thread only
+  }
+  microd::v1::NodeCheckpoint c = CheckpointShape();
+  for (Bucket* b : buckets) {
+    auto saved = b->state->Save();
+    if (!saved.ok()) return saved.status();
+    *c.add_buckets() = ToProto(b->name, b->count, *saved);
+  }
+  return WriteCheckpoint(CheckpointPath(dir, membership_.node_rank), c);
+}
+
+absl::Status Engine::LoadState(const std::string& dir) {
+  const std::string path = CheckpointPath(dir, membership_.node_rank);
+  auto saved = ReadCheckpoint(path);
+  if (!saved.ok()) return saved.status();
+  RETURN_IF_ERROR(CheckSameShape(*saved, CheckpointShape(), path));
+  // Everything is checked before anything is loaded.
+  std::vector<std::pair<Bucket*, sparsify::BucketCheckpoint>> loads;
+  for (const microd::v1::CheckpointBucket& p : saved->buckets()) {
+    Bucket* b = nullptr;
+    {
+      absl::MutexLock lock(&state_.mu);
+      b = state_.table.find(p.name());
+    }
+    if (b == nullptr || b->count != p.count() || b->dense) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the state in ", path, " has bucket '", p.name(), "' of ", p.count(), " elements; ",
+          b == nullptr ? "no process registered it here (register every buffer first)"
+                       : absl::StrCat("here it has ", b->count, " elements",
+                                      b->dense ? " and is reduced dense" : "")));
+    }
+    auto c = FromProto(p);
+    if (!c.ok()) return absl::DataLossError(absl::StrCat(path, ": ", c.status().message()));
+    RETURN_IF_ERROR(runner_.EnsureState(*b));
+    RETURN_IF_ERROR(b->state->CheckCheckpoint(*c));
+    loads.emplace_back(b, std::move(c).value());
+  }
+  for (auto& [b, c] : loads) RETURN_IF_ERROR(b->state->Load(c));
+  return absl::OkStatus();
+}
+
+}  // namespace microd::engine
