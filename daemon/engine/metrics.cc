@@ -6,7 +6,9 @@
 #include <exception>
 #include <limits>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "microd/config.h"
 
 namespace microd::engine {
@@ -46,19 +48,9 @@ ClientMetric HistogramMetric(const Histogram& h, std::vector<ClientMetric::Label
   return m;
 }
 
-const char* StateName(microd::v1::JobState s) {
-  switch (s) {
-    case microd::v1::JOB_STATE_FORMING:
-      return "forming";
-    case microd::v1::JOB_STATE_RUNNING:
-      return "running";
-    case microd::v1::JOB_STATE_FAILED:
-      return "failed";
-    case microd::v1::JOB_STATE_FINISHED:
-      return "finished";
-    default:
-      return "unknown";
-  }
+// "running" for JOB_STATE_RUNNING, and so on.
+std::string StateName(microd::v1::JobState s) {
+  return absl::AsciiStrToLower(absl::StripPrefix(microd::v1::JobState_Name(s), "JOB_STATE_"));
 }
 
 }  // namespace

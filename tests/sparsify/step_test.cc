@@ -259,6 +259,19 @@ void PrintTo(const Case& c, std::ostream* os) {
   *os << SparsifierName(c.sparsifier) << "/" << ControllerName(c.controller) << "/m" << c.momentum;
 }
 
+SparsifyOptions OptionsOf(const Case& c, double density) {
+  SparsifyOptions o;
+  o.sparsifier = c.sparsifier;
+  o.controller = c.controller;
+  o.density = density;
+  o.momentum = c.momentum;
+  o.warmup_steps = c.warmup_steps;
+  o.warmup_density = c.warmup_density;
+  o.warmup_decay_steps = c.warmup_density > 0 ? 10 : 0;
+  o.clip_norm = c.clip_norm;
+  return o;
+}
+
 class StepTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(StepTest, MatchesReferenceBitForBit) {
@@ -267,15 +280,7 @@ TEST_P(StepTest, MatchesReferenceBitForBit) {
     for (uint64_t d : {uint64_t{5}, uint64_t{1003}, uint64_t{20011}}) {
       for (double density : {0.01, 0.1}) {
         SCOPED_TRACE(testing::Message() << "n=" << n << " d=" << d << " density=" << density);
-        SparsifyOptions o;
-        o.sparsifier = c.sparsifier;
-        o.controller = c.controller;
-        o.density = density;
-        o.momentum = c.momentum;
-        o.warmup_steps = c.warmup_steps;
-        o.warmup_density = c.warmup_density;
-        o.warmup_decay_steps = c.warmup_density > 0 ? 10 : 0;
-        o.clip_norm = c.clip_norm;
+        const SparsifyOptions o = OptionsOf(c, density);
         const int W = 2 * n;  // two training processes per node
         Cluster cluster(n, W, d, o);
         Reference ref(n, W, d, o);
@@ -342,19 +347,6 @@ INSTANTIATE_TEST_SUITE_P(
              (info.param.warmup_density > 0 ? "_schedule" : "") +
              (info.param.clip_norm > 0 ? "_clip" : "");
     });
-
-SparsifyOptions OptionsOf(const Case& c, double density) {
-  SparsifyOptions o;
-  o.sparsifier = c.sparsifier;
-  o.controller = c.controller;
-  o.density = density;
-  o.momentum = c.momentum;
-  o.warmup_steps = c.warmup_steps;
-  o.warmup_density = c.warmup_density;
-  o.warmup_decay_steps = c.warmup_density > 0 ? 10 : 0;
-  o.clip_norm = c.clip_norm;
-  return o;
-}
 
 // A checkpoint of every node's state after 20 steps, loaded into fresh
 // states, continues as if nothing happened: 20 + 20 steps equal 40 straight,
