@@ -123,9 +123,24 @@ absl::Status Engine::OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t tick
 
 void Engine::OnDisconnect(uint64_t client, bool clean, const std::string& why) {
   std::string reason;
+  StateRequest abandoned;  // a state request the leaving process will never join
   {
     absl::MutexLock lock(&state_.mu);
+    StateRequest& q = state_.state_request;
+    if (q.asked > 0 && !state_.state_request_ready) {
+      auto rank = state_.table.LocalRankOf(client);
+      if (rank.ok() && q.tickets[*rank] == 0) {
+        abandoned = std::move(q);
+        q = StateRequest{};
+      }
+    }
     reason = state_.table.Disconnect(client, clean, why, membership_.node_rank);
+  }
+  if (abandoned.asked > 0) {
+    AnswerStateRequest(abandoned, absl::FailedPreconditionError(absl::StrCat(
+                                      "a local process of node ", membership_.node_rank,
+                                      " left before asking to ",
+                                      abandoned.save ? "save" : "load", " the state")));
   }
   if (!reason.empty()) Fail(absl::AbortedError(reason), /*report=*/true);
 }

@@ -45,6 +45,7 @@ absl::StatusOr<int> ProcessTable::Hello(uint64_t client, int requested_local_ran
   p.local_rank = rank;
   p.pid = pid;
   processes_[client] = p;
+  departed_.erase(rank);
   return rank;
 }
 
@@ -135,7 +136,9 @@ std::string ProcessTable::Disconnect(uint64_t client, bool clean, const std::str
   }
   // A process that registered nothing was never part of the training: drop
   // it quietly. One that leaves cleanly with nothing in flight is done.
-  if (p.buffers.empty() || (clean && !pending)) return "";
+  if (p.buffers.empty()) return "";
+  departed_.insert(p.local_rank);
+  if (clean && !pending) return "";
   return absl::StrCat("local process ", p.local_rank, " (pid ", p.pid, ") on node ", node_rank,
                       " disconnected", clean ? " with work pending" : "", ": ", why);
 }

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -97,6 +98,9 @@ class ProcessTable {
   std::vector<Bucket*> WithState();
   // The local rank of a connected process.
   absl::StatusOr<int> LocalRankOf(uint64_t client) const;
+  // Local ranks whose process registered buffers and left, and no process
+  // took the rank again since: they will not take part in what comes.
+  const std::set<int>& departed() const { return departed_; }
   static control::BucketInfo InfoOf(const Bucket& b);
 
   // The response cache: a bucket scheduled once gets the next cache id.
@@ -124,6 +128,7 @@ class ProcessTable {
   std::map<uint64_t, Process> processes_;
   std::map<std::string, Bucket> buckets_;
   std::vector<std::string> newly_ready_;
+  std::set<int> departed_;
   std::vector<Bucket*> cached_;  // by cache id
   std::vector<bool> cached_ready_;
 };

@@ -34,6 +34,12 @@ absl::Status Engine::OnState(uint64_t client, bool save, const std::string& dir,
     if (!rank.ok()) return rank.status();
     StateRequest& q = state_.state_request;
     const char* what = save ? "save the state to" : "load the state from";
+    if (!state_.table.departed().empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "local process ", *state_.table.departed().begin(), " of node ", membership_.node_rank,
+          " left before asking to ", save ? "save" : "load",
+          " the state: every process of the job must ask"));
+    }
     if (q.asked == 0) {
       q.save = save;
       q.dir = dir;

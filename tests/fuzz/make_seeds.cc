@@ -74,6 +74,20 @@ void LocalProtocol(const std::string& dir) {
   Bytes early;
   Frame(early, 0, sub);
   Write(dir, "submit_before_hello", early);
+  microd_wire_state state{};
+  microd_wire_header_init(&state.h, MICROD_MSG_STATE, sizeof state);
+  state.op = MICROD_STATE_SAVE;
+  state.ticket = 3;
+  std::strcpy(state.dir, "/nonexistent/microd-fuzz-state");
+  Bytes with_state;
+  Frame(with_state, 0, hello);
+  Frame(with_state, 1, reg);
+  Frame(with_state, 0, state);
+  state.op = MICROD_STATE_LOAD;
+  state.ticket = 4;
+  Frame(with_state, 0, state);
+  Frame(with_state, 0, bye);
+  Write(dir, "hello_register_state_save_load", with_state);
 }
 
 void Coordinator(const std::string& dir) {

@@ -154,5 +154,22 @@ TEST(StateRefused, ProcessesOfANodeAskingDifferentThingsAreRefused) {
   EXPECT_EQ(codes, std::vector<int>(2, 3)) << out;  // both told at once, neither waits
 }
 
+// A process that leaves without asking (it finished its steps and closed)
+// ends the wait of the others: they are told at once.
+TEST(StateRefused, AProcessThatLeavesWithoutAskingEndsTheWait) {
+  const std::string dir = MakeTempDir("state-left");
+  DaemonCluster job(1, 2);
+  const auto start = std::chrono::steady_clock::now();
+  job.StartClients(kBuckets, 2, -1, -1, -1, [&](int, int l) {
+    return l == 0 ? std::vector<std::string>{"save=" + dir + "/ckpt"} : std::vector<std::string>{};
+  });
+  const auto codes = job.WaitClients(seconds(60));
+  const std::string out = Outputs(job);
+  EXPECT_EQ(codes, (std::vector<int>{3, 0})) << out;
+  // Whichever came first: it left while the other waited, or before it asked.
+  EXPECT_TRUE(absl::StrContains(out, "left before asking to save the state")) << out;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, seconds(15));  // not the 20 s wait timeout
+}
+
 }  // namespace
 }  // namespace microd::testing
