@@ -421,7 +421,10 @@ class Daemon {
   absl::Status Join();
   absl::Status StartDataPlane(const microd::engine::EngineOptions& eo);
   absl::Status Serve(const microd::engine::EngineOptions& eo);
-  void FillStatus(const microd::v1::GetStatusRequest& req, microd::v1::GetStatusResponse* r);
+  // `buckets` (optional): the engine's per-bucket statistics of the same
+  // snapshot (the metrics' histograms).
+  void FillStatus(const microd::v1::GetStatusRequest& req, microd::v1::GetStatusResponse* r,
+                  std::vector<microd::engine::BucketStats>* buckets = nullptr);
 
   const Config config_;
   const absl::Time started_ = absl::Now();
@@ -491,7 +494,8 @@ absl::Status Daemon::StartCoordinator() {
 }
 
 void Daemon::FillStatus(const microd::v1::GetStatusRequest& req,
-                        microd::v1::GetStatusResponse* r) {
+                        microd::v1::GetStatusResponse* r,
+                        std::vector<microd::engine::BucketStats>* buckets) {
   const microd::sparsify::SparsifyOptions& sparsify = config_.sparsify;
   r->set_version(MICROD_VERSION_STRING);
   r->set_node_name(config_.node_name);
@@ -537,7 +541,9 @@ void Daemon::FillStatus(const microd::v1::GetStatusRequest& req,
     }
   }
   if (engine_ != nullptr) {
-    microd::engine::FillEngineStatus(engine_->Snapshot(req.include_history()), r);
+    microd::engine::EngineSnapshot snapshot = engine_->Snapshot(req.include_history());
+    microd::engine::FillEngineStatus(snapshot, r);
+    if (buckets != nullptr) *buckets = std::move(snapshot.buckets);
   }
 }
 
@@ -583,11 +589,8 @@ absl::Status Daemon::StartMetrics() {
   const std::string address = absl::GetFlag(FLAGS_metrics);
   if (address.empty()) return absl::OkStatus();
   auto collector = std::make_shared<microd::engine::MetricsCollector>(
-      [this](microd::v1::GetStatusResponse* r) { FillStatus({}, r); },
-      [this] {
-        absl::MutexLock lock(&mu_);
-        return engine_ != nullptr ? engine_->Snapshot().buckets
-                                  : std::vector<microd::engine::BucketStats>{};
+      [this](microd::v1::GetStatusResponse* r, std::vector<microd::engine::BucketStats>* b) {
+        FillStatus({}, r, b);
       });
   auto server = microd::engine::MetricsServer::Start(address, std::move(collector));
   if (!server.ok()) return Bad("--metrics", server.status());

@@ -57,7 +57,8 @@ std::string StateName(microd::v1::JobState s) {
 
 std::vector<MetricFamily> MetricsCollector::Collect() const {
   microd::v1::GetStatusResponse st;
-  status_(&st);
+  std::vector<BucketStats> buckets;
+  source_(&st, &buckets);
   std::vector<MetricFamily> out;
   auto gauge = [&](const std::string& name, const std::string& help, double v) {
     MetricFamily f = Family(name, help, MetricType::Gauge);
@@ -151,7 +152,7 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
                             MetricType::Histogram);
   MetricFamily phases = Family("microd_bucket_step_seconds", "seconds per step, by phase",
                                MetricType::Histogram);
-  for (const BucketStats& b : histograms_()) {
+  for (const BucketStats& b : buckets) {
     cre.metric.push_back(HistogramMetric(b.cre_histogram, {{"bucket", b.name}}));
     for (int p = 0; p < kPhases; ++p) {
       phases.metric.push_back(HistogramMetric(

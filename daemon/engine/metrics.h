@@ -38,16 +38,16 @@ namespace microd::engine {
 
 class MetricsCollector final : public prometheus::Collectable {
  public:
-  using StatusSource = std::function<void(microd::v1::GetStatusResponse*)>;
-  using HistogramSource = std::function<std::vector<BucketStats>()>;
-  MetricsCollector(StatusSource status, HistogramSource histograms)
-      : status_(std::move(status)), histograms_(std::move(histograms)) {}
+  // Fills the Admin status and the engine's per-bucket statistics (their
+  // histograms), from one snapshot.
+  using Source =
+      std::function<void(microd::v1::GetStatusResponse*, std::vector<BucketStats>*)>;
+  explicit MetricsCollector(Source source) : source_(std::move(source)) {}
 
   std::vector<prometheus::MetricFamily> Collect() const override;
 
  private:
-  const StatusSource status_;
-  const HistogramSource histograms_;
+  const Source source_;
 };
 
 // Serves `collector` at http://address/metrics; the port bound (address may

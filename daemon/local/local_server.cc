@@ -516,15 +516,22 @@ bool LocalServer::HandleHello(uint64_t id, Client& c, const ::microd_wire_hello&
   return true;
 }
 
+static_assert(MICROD_WIRE_NAME_BYTES == 128, "local_server.h declares RegisterName with 128");
+std::string LocalServer::RegisterName(uint64_t id,
+                                      const char (&wire_name)[MICROD_WIRE_NAME_BYTES]) {
+  const std::string name = WireName(wire_name);
+  if (name.empty()) {
+    Refuse(id, static_cast<int>(ClientStatus::kProtocol), "buffer name empty or not terminated");
+  }
+  return name;
+}
+
 bool LocalServer::HandleRegister(uint64_t id, Client& c, const ::microd_wire_register& r,
                                  const std::vector<int>& fds) {
   const int kProtocol = static_cast<int>(ClientStatus::kProtocol);
   auto answer = [&](const absl::Status& s) { return AnswerRegister(c, r.buffer_id, s); };
-  const std::string name = WireName(r.name);
-  if (name.empty()) {
-    Refuse(id, kProtocol, "buffer name empty or not terminated");
-    return false;
-  }
+  const std::string name = RegisterName(id, r.name);
+  if (name.empty()) return false;
   if (r.kind == MICROD_BUFFER_CUDA) {
     return answer(WithClientStatus(
         absl::UnimplementedError(absl::StrCat(
@@ -650,11 +657,8 @@ bool LocalServer::AnswerRegister(Client& c, uint32_t buffer_id, const absl::Stat
 bool LocalServer::HandleRegisterCuda(uint64_t id, Client& c, const microd_wire_register_cuda& r) {
   const int kProtocol = static_cast<int>(ClientStatus::kProtocol);
   auto answer = [&](const absl::Status& s) { return AnswerRegister(c, r.buffer_id, s); };
-  const std::string name = WireName(r.name);
-  if (name.empty()) {
-    Refuse(id, kProtocol, "buffer name empty or not terminated");
-    return false;
-  }
+  const std::string name = RegisterName(id, r.name);
+  if (name.empty()) return false;
   if (r.dtype != MICROD_DTYPE_FLOAT32 || (r.flags & ~1u) != 0) {
     Refuse(id, kProtocol,
            absl::StrCat("buffer '", name, "': unknown dtype ", r.dtype, " or flags ", r.flags));

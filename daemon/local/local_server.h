@@ -214,6 +214,9 @@ class LocalServer {
   bool HandleRegisterCuda(uint64_t id, Client& c, const ::microd_wire_register_cuda& r);
   bool HandleSubmit(uint64_t id, Client& c, const ::microd_wire_submit& submit);
   bool HandleState(uint64_t id, const ::microd_wire_state& state);
+  // A register message's buffer name; empty (and the client refused) when
+  // it is empty or not terminated.
+  std::string RegisterName(uint64_t id, const char (&wire_name)[128]);
   // Both registers: the element count is in range, the buffer id is new
   // and the process has room for `count` floats...
   absl::Status CheckRoom(const Client& c, uint32_t buffer_id, const std::string& name,

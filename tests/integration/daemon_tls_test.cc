@@ -31,13 +31,6 @@ using std::chrono::seconds;
 
 const std::vector<BucketSpec> kBuckets = {{"small", 1000}, {"big", 100003}};
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 // One daemon started by hand in `dir` (node `rank` of 2 on loopback); its log
 // is dir/node<rank>.log.
 pid_t StartNode(const std::string& dir, int rank, int coordinator_port,

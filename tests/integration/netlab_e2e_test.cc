@@ -34,13 +34,6 @@ std::unique_ptr<NetLab> MakeLab(int nodes, const std::vector<std::string>& shape
   return lab.ok() ? std::move(lab).value() : nullptr;
 }
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 class NetLabTest : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -89,6 +90,14 @@ inline std::vector<int> WaitAll(const std::vector<pid_t>& pids, std::chrono::sec
     }
   }
   return codes;
+}
+
+// The whole file (empty when it cannot be read).
+inline std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
 }
 
 inline std::vector<std::string> ReadLines(const std::string& path) {
