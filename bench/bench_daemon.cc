@@ -5,9 +5,15 @@
 // beside the raw MiCRO step over Gloo (microd-bench-transport) measured in
 // the same run. Writes JSON.
 //
+// --compare_timeline: the cost of --timeline instead. Rounds of the same
+// two measurements with the timeline off and on, alternating; the medians
+// side by side, and what recording costs where it happens (the daemons'
+// own count in the trace), against the round trip of (a).
+//
 // The program launches itself: the launcher starts the daemons and the
 // client processes (--client_rank=r), which write their timings to files.
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -17,6 +23,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -44,6 +51,9 @@ ABSL_FLAG(int, gloo_io_nice, 0,
           "(microd --gloo_io_nice; helps where the processes outnumber the cores)");
 ABSL_FLAG(std::string, daemon, "", "microd binary (default: next to this one)");
 ABSL_FLAG(std::string, transport_bench, "", "microd-bench-transport binary (default: next to this)");
+ABSL_FLAG(bool, compare_timeline, false,
+          "measure the cost of --timeline: (a) and (b) with it off and on, alternating");
+ABSL_FLAG(int, rounds, 3, "with --compare_timeline: rounds of off and on");
 // Client mode (set by the launcher).
 ABSL_FLAG(int, client_rank, -1, "internal: run as the client of this node");
 ABSL_FLAG(std::string, socket, "", "internal: daemon socket");
@@ -109,11 +119,16 @@ int Client() {
   return 0;
 }
 
-int Launcher(char* self) {
+struct Measured {
+  double p50_us = 0, p99_us = 0, step_ms = 0;
+};
+
+// One run in a new directory under `dir`: the daemons (with `extra` flags
+// and `per_node(r)`), one client each; node 0's client's figures.
+bool RunOnce(char* self, const std::string& dir, const std::vector<std::string>& extra,
+             const std::function<std::vector<std::string>(int)>& per_node, Measured* m) {
   const int n = absl::GetFlag(FLAGS_nodes);
   const uint64_t d = absl::GetFlag(FLAGS_size);
-  std::string tmpl = "/tmp/microd-bench-daemon-XXXXXX";
-  const std::string dir = mkdtemp(tmpl.data());
   const std::string daemon =
       absl::GetFlag(FLAGS_daemon).empty() ? Sibling(self, "../daemon/microd") : absl::GetFlag(FLAGS_daemon);
   std::vector<pid_t> clients;
@@ -122,11 +137,12 @@ int Launcher(char* self) {
         "--density=0.001", "--timeout_ms=120000",
         absl::StrCat("--gloo_io_nice=", absl::GetFlag(FLAGS_gloo_io_nice))};
     for (const std::string& f : absl::GetFlag(FLAGS_daemon_flags)) flags.push_back(f);
-    return StartDaemons(daemon, dir, n, flags);
+    for (const std::string& f : extra) flags.push_back(f);
+    return StartDaemons(daemon, dir, n, flags, per_node);
   }();
   if (daemons.empty()) {
     std::fprintf(stderr, "microd-bench-daemon: node 0 did not start (see %s)\n", dir.c_str());
-    return 1;
+    return false;
   }
   for (int r = 0; r < n; ++r) {
     clients.push_back(Spawn({self, absl::StrCat("--client_rank=", r),
@@ -138,18 +154,83 @@ int Launcher(char* self) {
                              absl::StrCat("--reps=", absl::GetFlag(FLAGS_reps))},
                             absl::StrCat(dir, "/client", r, ".log")));
   }
-  std::printf("microd-bench-daemon: %d daemons x 1 process on loopback, gloo_io_nice %d (logs in %s)\n",
-              n, absl::GetFlag(FLAGS_gloo_io_nice), dir.c_str());
   bool ok = true;
   for (pid_t p : clients) ok = WaitFor(p, std::chrono::minutes(8)) && ok;
   for (pid_t p : daemons) kill(p, SIGTERM);
   for (pid_t p : daemons) WaitFor(p, std::chrono::seconds(20));
   if (!ok) {
     std::fprintf(stderr, "microd-bench-daemon: a client failed (see %s)\n", dir.c_str());
-    return 1;
+    return false;
   }
-  double p50 = 0, p99 = 0, step = 0;
-  std::ifstream(dir + "/client0") >> p50 >> p99 >> step;
+  std::ifstream(dir + "/client0") >> m->p50_us >> m->p99_us >> m->step_ms;
+  return true;
+}
+
+double Median(std::vector<double> v) { return Percentile(v, 0.5); }
+
+// The number after `key` in the file at `path` (0 when absent).
+double NumberIn(const std::string& path, const std::string& key) {
+  std::stringstream ss;
+  ss << std::ifstream(path).rdbuf();
+  const std::string s = ss.str();
+  const size_t at = s.find(key);
+  return at == std::string::npos ? 0.0 : std::atof(s.c_str() + at + key.size());
+}
+
+int CompareTimeline(char* self, const std::string& dir) {
+  const int n = absl::GetFlag(FLAGS_nodes), rounds = absl::GetFlag(FLAGS_rounds);
+  std::vector<double> p50[2], step[2], record_ns;
+  std::printf("microd-bench-daemon: the cost of --timeline, %d daemons x 1 process on loopback, "
+              "%d rounds off/on (logs in %s)\n", n, rounds, dir.c_str());
+  for (int round = 0; round < rounds; ++round) {
+    for (int on = 0; on < 2; ++on) {
+      const std::string run = absl::StrCat(dir, "/round", round, on ? "-on" : "-off");
+      mkdir(run.c_str(), 0700);
+      auto per_node = [&](int r) {
+        return on ? std::vector<std::string>{absl::StrCat("--timeline=", run, "/timeline", r,
+                                                          ".json")}
+                  : std::vector<std::string>{};
+      };
+      Measured m;
+      if (!RunOnce(self, run, {}, per_node, &m)) return 1;
+      p50[on].push_back(m.p50_us);
+      step[on].push_back(m.step_ms);
+      if (on) record_ns.push_back(NumberIn(run + "/timeline0.json", "\"record_ns_per_step\":"));
+      std::printf("  round %d, timeline %-3s  (a) median %6.0f us  (b) %7.1f ms\n", round,
+                  on ? "on" : "off", m.p50_us, m.step_ms);
+    }
+  }
+  const double a0 = Median(p50[0]), a1 = Median(p50[1]), b0 = Median(step[0]),
+               b1 = Median(step[1]), rec = Median(record_ns);
+  std::printf("\n(a) 1,024-element round trip, median of rounds: off %6.0f us, on %6.0f us (%+.1f %%)\n",
+              a0, a1, 100 * (a1 / a0 - 1));
+  std::printf("(b) %llu-element step at 0.1 %%:        off %6.1f ms, on %6.1f ms (%+.1f %%)\n",
+              static_cast<unsigned long long>(absl::GetFlag(FLAGS_size)), b0, b1,
+              100 * (b1 / b0 - 1));
+  std::printf("recording, timed in the daemon: %.0f ns per bucket step = %.3f %% of (a)'s round "
+              "trip   target <= 1 %%\n", rec, 100 * rec / (a0 * 1000));
+  if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
+    std::ofstream(path) << absl::StrFormat(
+        "{\"nodes\":%d,\"rounds\":%d,\"latency_1024_median_us_off\":%.1f,"
+        "\"latency_1024_median_us_on\":%.1f,\"size\":%d,\"step_ms_off\":%.3f,"
+        "\"step_ms_on\":%.3f,\"record_ns_per_step\":%.1f}\n",
+        n, rounds, a0, a1, absl::GetFlag(FLAGS_size), b0, b1, rec);
+    std::printf("JSON: %s\n", path.c_str());
+  }
+  return 0;
+}
+
+int Launcher(char* self) {
+  const int n = absl::GetFlag(FLAGS_nodes);
+  const uint64_t d = absl::GetFlag(FLAGS_size);
+  std::string tmpl = "/tmp/microd-bench-daemon-XXXXXX";
+  const std::string dir = mkdtemp(tmpl.data());
+  if (absl::GetFlag(FLAGS_compare_timeline)) return CompareTimeline(self, dir);
+  std::printf("microd-bench-daemon: %d daemons x 1 process on loopback, gloo_io_nice %d (logs in %s)\n",
+              n, absl::GetFlag(FLAGS_gloo_io_nice), dir.c_str());
+  Measured m;
+  if (!RunOnce(self, dir, {}, nullptr, &m)) return 1;
+  const double p50 = m.p50_us, p99 = m.p99_us, step = m.step_ms;
 
   // The raw transport step, same machine, same run.
   const std::string tb = absl::GetFlag(FLAGS_transport_bench).empty()

@@ -1,9 +1,11 @@
 // microctl: status of a microd daemon over its Admin service.
 //   microctl [--admin=host:port] [--json] status|buckets|stalls|history [BUCKET]
+//   microctl [--admin=host:port] timeline [--seconds=N] --out=FILE
 #include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
 #include <cstdio>
+#include <fstream>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -17,6 +19,10 @@ ABSL_FLAG(std::string, admin, "", "daemon Admin address (default $MICROD_ADMIN o
 ABSL_FLAG(bool, json, false, "print JSON instead of a table");
 ABSL_FLAG(int, timeout_ms, 5000, "deadline of the call");
 ABSL_FLAG(bool, history, false, "with --json: include each bucket's per-step history");
+ABSL_FLAG(double, seconds, 10,
+          "timeline: record this long, then write the steps of that window (0: what the "
+          "daemon keeps with --timeline)");
+ABSL_FLAG(std::string, out, "", "timeline: write the trace (Chrome trace-event JSON) to this file");
 
 namespace {
 
@@ -136,7 +142,41 @@ bool PrintHistory(const microd::v1::GetStatusResponse& r, const std::string& onl
 
 constexpr char kUsage[] =
     "usage: microctl [--admin=host:port] [--json] [--history] status|buckets|stalls|history "
-    "[BUCKET]\n";
+    "[BUCKET]\n"
+    "       microctl [--admin=host:port] timeline [--seconds=N] --out=FILE\n";
+
+// The daemon's step timeline into --out: 0 when written.
+int Timeline(microd::v1::Admin::Stub* stub, const std::string& address) {
+  const std::string out = absl::GetFlag(FLAGS_out);
+  const double seconds = absl::GetFlag(FLAGS_seconds);
+  if (out.empty() || !(seconds >= 0 && seconds <= 3600)) {
+    std::fprintf(stderr, "microctl: timeline needs --out=FILE and --seconds in [0, 3600]\n");
+    return 2;
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000) +
+                                             absl::GetFlag(FLAGS_timeout_ms)));
+  microd::v1::GetTimelineRequest req;
+  req.set_seconds(seconds);
+  microd::v1::GetTimelineResponse resp;
+  if (seconds > 0) std::fprintf(stderr, "microctl: recording %g s of steps...\n", seconds);
+  if (grpc::Status s = stub->GetTimeline(&ctx, req, &resp); !s.ok()) {
+    std::fprintf(stderr, "microctl: timeline from microd at %s: %s\n", address.c_str(),
+                 s.error_message().c_str());
+    return 1;
+  }
+  std::ofstream f(out, std::ios::binary | std::ios::trunc);
+  f << resp.trace_json();
+  f.close();
+  if (!f) {
+    std::fprintf(stderr, "microctl: cannot write %s\n", out.c_str());
+    return 1;
+  }
+  std::printf("%llu steps in %s (open in https://ui.perfetto.dev or chrome://tracing)\n",
+              static_cast<unsigned long long>(resp.steps()), out.c_str());
+  return 0;
+}
 
 }  // namespace
 
@@ -145,7 +185,7 @@ int main(int argc, char** argv) {
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   const std::string command = args.size() > 1 ? args[1] : "status";
   const bool known = command == "status" || command == "buckets" || command == "stalls" ||
-                     command == "history";
+                     command == "history" || command == "timeline";
   if (!known || args.size() > (command == "history" ? 3u : 2u)) {
     std::fprintf(stderr, "%s", kUsage);
     return 2;
@@ -163,6 +203,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   auto stub = microd::v1::Admin::NewStub(microd::control::AdminChannel(address));
+  if (command == "timeline") return Timeline(stub.get(), address);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms)));

@@ -34,6 +34,7 @@
 #include "daemon/engine/engine.h"
 #include "daemon/engine/engine_status.h"
 #include "daemon/engine/metrics.h"
+#include "daemon/engine/timeline.h"
 #include "daemon/local/local_server.h"
 #include "daemon/transport/gloo/gloo_transport.h"
 #include "microd/config.h"
@@ -59,6 +60,14 @@ ABSL_FLAG(std::string, metrics, "",
           "plaintext and read-only");
 ABSL_FLAG(std::string, metrics_port_file, "",
           "write the metrics port to this file once listening");
+ABSL_FLAG(std::string, timeline, "",
+          "keep a timeline of the steps and write it to this file (Chrome trace-event JSON, "
+          "for Perfetto or chrome://tracing), rewritten every --timeline_flush_s and at exit "
+          "(empty: off; `microctl timeline` captures one from a running daemon either way)");
+ABSL_FLAG(uint64_t, timeline_steps, 10000,
+          "the timeline keeps the last N bucket steps (about 230 bytes each)");
+ABSL_FLAG(uint64_t, timeline_every, 1, "the timeline keeps every Nth step of each bucket");
+ABSL_FLAG(double, timeline_flush_s, 5, "how often --timeline's file is rewritten, in seconds");
 ABSL_FLAG(std::string, transport, "gloo",
           "data plane: gloo (CPU, TCP; any buffers) or nccl (CUDA builds: the step runs on "
           "--cuda_device and takes only CUDA buffers on it)");
@@ -300,6 +309,13 @@ absl::Status CheckRanges() {
                                         "--stall_warning_s must be at least 1 and "
                                         "--stall_abort_s at least 0"));
   }
+  if (absl::GetFlag(FLAGS_timeline_steps) < 1 || absl::GetFlag(FLAGS_timeline_steps) > 100000000 ||
+      absl::GetFlag(FLAGS_timeline_every) < 1 || !(absl::GetFlag(FLAGS_timeline_flush_s) > 0)) {
+    return Bad("--timeline_steps", absl::InvalidArgumentError(
+                                       "--timeline_steps must be in [1, 100000000], "
+                                       "--timeline_every at least 1 and --timeline_flush_s "
+                                       "positive"));
+  }
   if (absl::GetFlag(FLAGS_max_processes) < 1 || absl::GetFlag(FLAGS_max_buffers_per_process) < 1 ||
       absl::GetFlag(FLAGS_max_bytes_per_process) < 1) {
     return Bad("limits", absl::InvalidArgumentError(
@@ -418,6 +434,11 @@ class Daemon {
   absl::Status StartCoordinator();
   absl::Status StartAdmin();
   absl::Status StartMetrics();
+  absl::Status StartTimeline();
+  // microctl timeline: records for the request's window (or takes what the
+  // ring keeps), then answers with the trace.
+  grpc::Status Timeline(grpc::ServerContext* ctx, const microd::v1::GetTimelineRequest& req,
+                        microd::v1::GetTimelineResponse* resp);
   absl::Status Join();
   absl::Status StartDataPlane(const microd::engine::EngineOptions& eo);
   absl::Status Serve(const microd::engine::EngineOptions& eo);
@@ -442,10 +463,15 @@ class Daemon {
   std::unique_ptr<microd::engine::Engine> engine_;
   std::unique_ptr<microd::local::LocalServer> local_server_;
   absl::Mutex mu_;  // guards the pointers above against the Admin thread
+  microd::engine::Timeline timeline_{{absl::GetFlag(FLAGS_timeline_steps),
+                                      absl::GetFlag(FLAGS_timeline_every)}};
+  std::unique_ptr<microd::engine::TimelineFile> timeline_file_;
   microd::control::AdminService admin_service_{
       [this](const microd::v1::GetStatusRequest& req, microd::v1::GetStatusResponse* r) {
         FillStatus(req, r);
-      }};
+      },
+      [this](grpc::ServerContext* ctx, const microd::v1::GetTimelineRequest& req,
+             microd::v1::GetTimelineResponse* resp) { return Timeline(ctx, req, resp); }};
   std::unique_ptr<microd::control::ControlServer> admin_;
   std::unique_ptr<microd::engine::MetricsServer> metrics_;  // stops before the Admin service
 };
@@ -603,6 +629,38 @@ absl::Status Daemon::StartMetrics() {
   return absl::OkStatus();
 }
 
+absl::Status Daemon::StartTimeline() {
+  const std::string path = absl::GetFlag(FLAGS_timeline);
+  if (path.empty()) return absl::OkStatus();
+  auto file = microd::engine::TimelineFile::Start(
+      &timeline_, path, absl::Seconds(absl::GetFlag(FLAGS_timeline_flush_s)));
+  if (!file.ok()) return Bad("--timeline", file.status());
+  timeline_file_ = std::move(file).value();
+  std::fprintf(stderr, "microd: timeline of the last %llu steps in %s\n",
+               static_cast<unsigned long long>(absl::GetFlag(FLAGS_timeline_steps)), path.c_str());
+  return absl::OkStatus();
+}
+
+grpc::Status Daemon::Timeline(grpc::ServerContext* ctx, const microd::v1::GetTimelineRequest& req,
+                              microd::v1::GetTimelineResponse* resp) {
+  absl::Time since = absl::InfinitePast();
+  if (req.seconds() > 0) {
+    since = absl::Now();
+    const absl::Time until = since + absl::Seconds(req.seconds());
+    timeline_.Hold();
+    // Bounded by the window; a client that gives up (or a shutdown) ends it early.
+    while (absl::Now() < until && !ctx->IsCancelled()) {
+      absl::SleepFor(std::min(absl::Milliseconds(100), until - absl::Now()));
+    }
+    timeline_.Release();
+    if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "timeline: cancelled");
+  }
+  uint64_t steps = 0;
+  resp->set_trace_json(timeline_.ChromeJson(since, &steps));
+  resp->set_steps(steps);
+  return grpc::Status::OK;
+}
+
 absl::Status Daemon::Join() {
   microd::control::CoordinatorClientOptions cco;
   cco.address = coordinator_address_;
@@ -691,6 +749,7 @@ absl::Status Daemon::Serve(const microd::engine::EngineOptions& eo) {
     local_server_ = std::move(server).value();
   }
   engine_->SetServer(local_server_.get());
+  engine_->SetTimeline(&timeline_);
   client_->SetFailureCallback([e = engine_.get()](const absl::Status& s) { e->Fail(s, false); });
   // Buckets waiting for half the warning time go to the stall inspector.
   client_->SetWaitingProvider(
@@ -708,7 +767,9 @@ absl::Status Daemon::Start(StopWatcher* stop) {
   RETURN_IF_ERROR(StartCoordinator());
   RETURN_IF_ERROR(StartAdmin());
   RETURN_IF_ERROR(StartMetrics());
+  RETURN_IF_ERROR(StartTimeline());
   RETURN_IF_ERROR(Join());
+  timeline_.SetNode(membership_.node_rank, config_.node_name);
   const microd::engine::EngineOptions eo = EngineOptionsOf(config_);
   RETURN_IF_ERROR(StartDataPlane(eo));
   if (absl::Status s =
@@ -732,6 +793,7 @@ void Daemon::Stop(int sig) {
   local_server_->Stop();  // no new work; removes the socket
   engine_->Stop(absl::CancelledError(
       absl::StrCat("microd on node ", membership_.node_rank, " is shutting down")));
+  timeline_file_.reset();  // its last write, with every step run
   (void)client_->Leave();
   admin_->Shutdown(absl::Now() + absl::Seconds(1));
   if (coordinator_server_ != nullptr) coordinator_server_->Shutdown(absl::Now() + absl::Seconds(1));

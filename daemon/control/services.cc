@@ -151,6 +151,17 @@ grpc::Status AdminService::GetStatus(grpc::ServerContext*, const microd::v1::Get
   return grpc::Status::OK;
 }
 
+grpc::Status AdminService::GetTimeline(grpc::ServerContext* ctx,
+                                       const microd::v1::GetTimelineRequest* req,
+                                       microd::v1::GetTimelineResponse* resp) {
+  if (timeline_ == nullptr) return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "no timeline");
+  if (!(req->seconds() >= 0 && req->seconds() <= 3600)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        "timeline: seconds must be in [0, 3600]");
+  }
+  return timeline_(ctx, *req, resp);
+}
+
 void FillJobStatus(const JobSnapshot& job, microd::v1::GetStatusResponse* resp) {
   resp->set_job_state(ToProto(job.state));
   resp->set_failure(job.failure);

@@ -48,12 +48,19 @@ class AdminService final : public microd::v1::Admin::Service {
  public:
   using StatusSource =
       std::function<void(const microd::v1::GetStatusRequest&, microd::v1::GetStatusResponse*)>;
-  explicit AdminService(StatusSource source) : source_(std::move(source)) {}
+  using TimelineSource =
+      std::function<grpc::Status(grpc::ServerContext*, const microd::v1::GetTimelineRequest&,
+                                 microd::v1::GetTimelineResponse*)>;
+  explicit AdminService(StatusSource source, TimelineSource timeline = nullptr)
+      : source_(std::move(source)), timeline_(std::move(timeline)) {}
   grpc::Status GetStatus(grpc::ServerContext* ctx, const microd::v1::GetStatusRequest* req,
                          microd::v1::GetStatusResponse* resp) override;
+  grpc::Status GetTimeline(grpc::ServerContext* ctx, const microd::v1::GetTimelineRequest* req,
+                           microd::v1::GetTimelineResponse* resp) override;
 
  private:
   StatusSource source_;
+  TimelineSource timeline_;
 };
 
 microd::v1::JobState ToProto(JobState state);

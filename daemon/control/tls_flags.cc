@@ -42,6 +42,7 @@ std::shared_ptr<grpc::Channel> AdminChannel(const std::string& address) {
   const TlsFiles f = IsLocalOnly(address) ? TlsFiles{} : TlsFilesFromFlags();
   grpc::ChannelArguments args;
   AddTlsChannelArgs(f, &args);
+  args.SetMaxReceiveMessageSize(256 << 20);  // a timeline (GetTimeline) runs to megabytes
   return grpc::CreateCustomChannel(address, ChannelCredentialsFor(f), args);
 }
 

@@ -1,15 +1,13 @@
 #include "daemon/engine/checkpoint.h"
 
-#include <fcntl.h>
-#include <unistd.h>
 #include <zlib.h>
 
-#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/atomic_file.h"
 
 namespace microd::engine {
 namespace {
@@ -70,31 +68,7 @@ absl::Status WriteCheckpoint(const std::string& path, const microd::v1::NodeChec
   Put(&frame, kFormat);
   Put(&frame, static_cast<uint64_t>(payload.size()));
   Put(&frame, Crc(payload));
-  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
-  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("cannot write ", tmp, ": ", std::strerror(errno)));
-  }
-  bool ok = true;
-  for (const std::string* part : {&frame, &payload}) {
-    size_t at = 0;
-    while (ok && at < part->size()) {
-      const ssize_t n = write(fd, part->data() + at, part->size() - at);
-      if (n < 0 && errno == EINTR) continue;
-      ok = n > 0;
-      if (ok) at += static_cast<size_t>(n);
-    }
-  }
-  const int saved_errno = errno;
-  ok = ok && fsync(fd) == 0;
-  close(fd);
-  if (!ok || rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string why = std::strerror(ok ? errno : saved_errno);
-    unlink(tmp.c_str());
-    return absl::ResourceExhaustedError(absl::StrCat("cannot write ", path, ": ", why));
-  }
-  return absl::OkStatus();
+  return WriteFileAtomically(path, {frame, payload});
 }
 
 absl::StatusOr<microd::v1::NodeCheckpoint> ReadCheckpoint(const std::string& path) {

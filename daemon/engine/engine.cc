@@ -235,8 +235,7 @@ void Engine::RunInCycle(const InCycle& in_cycle, bool count_batch) {
     }
     state_.in_flight.insert(state_.in_flight.end(), works.begin(), works.end());
   }
-  runner_.FinishInCycle(works, in_cycle.at, in_cycle.area, in_cycle.floats,
-                        in_cycle.local_sum_seconds, in_cycle.exchange_seconds);
+  runner_.FinishInCycle(works, in_cycle);
 }
 
 void Engine::RunBatch(const control::ScheduleBatch& batch, bool cached) {

@@ -56,6 +56,8 @@ class Engine final : public local::LocalHandler, private JobControl {
 
   // Where completions go; set before Start.
   void SetServer(local::LocalServer* server) { server_ = server; }
+  // Where steps go while it records (timeline.h); set before Start.
+  void SetTimeline(Timeline* timeline) { runner_.SetTimeline(timeline); }
   void Start();
   // Fails everything pending and stops the loop.
   void Stop(const absl::Status& reason);

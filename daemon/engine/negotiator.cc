@@ -258,7 +258,9 @@ Plan CycleNegotiator::Cycle() {
       plan.in_cycle.area.insert(plan.in_cycle.area.end(), m.area.begin(), m.area.end());
     }
     plan.in_cycle.floats = mine.area.size();
+    plan.in_cycle.local_sum_start = start;
     plan.in_cycle.local_sum_seconds = local_sum;
+    plan.in_cycle.exchange_start = t0;
     plan.in_cycle.exchange_seconds = exchange;
   }
   return plan;

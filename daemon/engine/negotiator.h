@@ -40,7 +40,9 @@ struct InCycle {
   std::vector<uint64_t> at;
   std::vector<float> area;
   uint64_t floats = 0;
+  absl::Time local_sum_start;
   double local_sum_seconds = 0;
+  absl::Time exchange_start;
   double exchange_seconds = 0;
 };
 

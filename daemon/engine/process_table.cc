@@ -148,6 +148,7 @@ Work ProcessTable::Take(Bucket& b) {
   w.bucket = &b;
   w.buffers = b.buffers;
   w.answer = std::make_shared<Answer>(b.clients, b.tickets, b.buffer_ids);
+  w.ready_at = b.ready_at;
   std::fill(b.tickets.begin(), b.tickets.end(), 0);
   b.submitted = 0;
   if (b.cache_id >= 0) cached_ready_[b.cache_id] = false;

@@ -53,6 +53,7 @@ struct Work {
   Bucket* bucket = nullptr;
   std::vector<std::shared_ptr<local::ProcessBuffer>> buffers;
   std::shared_ptr<Answer> answer;
+  absl::Time ready_at;  // the bucket's, when taken (the timeline's waiting)
 
   // True if some local process has gone since it submitted.
   bool missing_buffer() const;

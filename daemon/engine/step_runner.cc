@@ -29,6 +29,15 @@ absl::Status Named(const absl::Status& s, const std::string& bucket) {
   return absl::Status(s.code(), absl::StrCat("bucket '", bucket, "': ", s.message()));
 }
 
+TraceStep DenseTrace(const Work& w, uint64_t step) {
+  TraceStep t;
+  t.step = step;
+  t.dense = true;
+  t.selected = t.budget = w.bucket->count;
+  t.ready = w.ready_at;
+  return t;
+}
+
 }  // namespace
 
 absl::Status StepRunner::CopyFloats(float* dst, const float* src, uint64_t count) {
@@ -103,9 +112,10 @@ void StepRunner::NonFinite(const Work& w, const absl::Status& status) {
   job_->Finish(w, absl::OkStatus());
 }
 
-void StepRunner::FinishInCycle(const std::vector<Work>& works, const std::vector<uint64_t>& at,
-                               const std::vector<float>& area, uint64_t floats,
-                               double local_sum_seconds, double exchange_seconds) {
+void StepRunner::FinishInCycle(const std::vector<Work>& works, const InCycle& in_cycle) {
+  const std::vector<uint64_t>& at = in_cycle.at;
+  const std::vector<float>& area = in_cycle.area;
+  const uint64_t floats = in_cycle.floats;
   const int n = membership_.node_count;
   uint64_t total = 0;
   for (const Work& w : works) total += w.bucket->count;
@@ -136,11 +146,22 @@ void StepRunner::FinishInCycle(const std::vector<Work>& works, const std::vector
                                                           "': write-back: ", s.message())));
       return;
     }
+    const absl::Time t1 = absl::Now();
+    uint64_t step;
     {
       absl::MutexLock lock(&state_->mu);
       const double share = static_cast<double>(d) / static_cast<double>(total);
       ++state_->cycle_reductions;
-      w.bucket->stats.AddDense(local_sum_seconds * share, exchange_seconds * share, Seconds(t0));
+      w.bucket->stats.AddDense(in_cycle.local_sum_seconds * share,
+                               in_cycle.exchange_seconds * share, absl::ToDoubleSeconds(t1 - t0));
+      step = w.bucket->stats.steps - 1;
+    }
+    if (tracing()) {
+      TraceStep t = DenseTrace(w, step);
+      t.Span(Phase::kLocalSum, in_cycle.local_sum_start, in_cycle.local_sum_seconds);
+      t.Span(Phase::kExchange, in_cycle.exchange_start, in_cycle.exchange_seconds);
+      t.Span(Phase::kWriteBack, t0, t1);
+      timeline_->Record(w.bucket->name, t);
     }
     job_->Finish(w, absl::OkStatus());
   }
@@ -199,7 +220,8 @@ void StepRunner::RunSparse(const Work& w) {
     }
     grad = grad_.get();
   }
-  const double local_sum = Seconds(t0);
+  const absl::Time ts = absl::Now();
+  const double local_sum = absl::ToDoubleSeconds(ts - t0);
   float* update = L > 1 ? update_.get() : memory_->Data(*w.buffers[0]);
   auto st = b.state->Step(grad, update, *transport_, absl::Now() + options_.op_timeout);
   if (!st.ok()) {
@@ -227,10 +249,26 @@ void StepRunner::RunSparse(const Work& w) {
     MemoryFailed({&w}, written);
     return;
   }
-  const double writeback = Seconds(t1);
+  const absl::Time t2 = absl::Now();
   {
     absl::MutexLock lock(&state_->mu);
-    b.stats.AddSparse(*st, local_sum, writeback, options_.stats_history);
+    b.stats.AddSparse(*st, local_sum, absl::ToDoubleSeconds(t2 - t1), options_.stats_history);
+  }
+  if (tracing()) {
+    TraceStep t;
+    t.step = st->step;
+    t.selected = st->selected;
+    t.budget = st->budget;
+    t.cre = st->cre;
+    t.threshold = st->threshold;
+    t.ready = w.ready_at;
+    // Inside the step: the selection, the exchange, then the update applied
+    // (its end, then the copies into the buffers: the write-back).
+    t.Span(Phase::kLocalSum, t0, ts);
+    t.Span(Phase::kSelection, ts, st->select_seconds);
+    t.Span(Phase::kExchange, t.end[static_cast<int>(Phase::kSelection)], st->exchange_seconds);
+    t.Span(Phase::kWriteBack, t1 - absl::Seconds(st->apply_seconds), t2);
+    timeline_->Record(b.name, t);
   }
   job_->Finish(w, absl::OkStatus());
 }
@@ -325,8 +363,8 @@ void StepRunner::RunFusedDense(const std::vector<Work>& works) {
     MemoryFailed(works, s);
     return;
   }
-  const double local_sum = Seconds(t0);
   const absl::Time t1 = absl::Now();
+  const double local_sum = absl::ToDoubleSeconds(t1 - t0);
   if (absl::Status s = ReduceFused(works, total, nonfinite); !s.ok()) {
     if (ToClientStatus(s) == ClientStatus::kNonFinite) {
       for (const Work& w : works) NonFinite(w, s);
@@ -342,12 +380,25 @@ void StepRunner::RunFusedDense(const std::vector<Work>& works) {
     MemoryFailed(works, s);
     return;
   }
-  const double writeback = Seconds(t2);
+  const absl::Time t3 = absl::Now();
+  const double writeback = absl::ToDoubleSeconds(t3 - t2);
+  std::vector<uint64_t> steps;
   {
     absl::MutexLock lock(&state_->mu);
     for (const Work& w : works) {
       const double share = static_cast<double>(w.bucket->count) / static_cast<double>(total);
       w.bucket->stats.AddDense(local_sum * share, exchange * share, writeback * share);
+      steps.push_back(w.bucket->stats.steps - 1);
+    }
+  }
+  if (tracing()) {
+    // Every bucket's track shows the fused collective's whole phases.
+    for (size_t i = 0; i < works.size(); ++i) {
+      TraceStep t = DenseTrace(works[i], steps[i]);
+      t.Span(Phase::kLocalSum, t0, t1);
+      t.Span(Phase::kExchange, t1, exchange);
+      t.Span(Phase::kWriteBack, t2, t3);
+      timeline_->Record(works[i].bucket->name, t);
     }
   }
   for (const Work& w : works) job_->Finish(w, absl::OkStatus());

@@ -14,8 +14,10 @@
 #include "absl/status/status.h"
 #include "daemon/control/coordinator_client.h"
 #include "daemon/engine/engine_state.h"
+#include "daemon/engine/negotiator.h"
 #include "daemon/engine/options.h"
 #include "daemon/engine/step_memory.h"
+#include "daemon/engine/timeline.h"
 #include "daemon/sparsify/bucket.h"
 #include "daemon/transport/transport.h"
 #include "kernels/sparse_ops.h"
@@ -43,12 +45,13 @@ class StepRunner {
   void RunFusedDense(const std::vector<Work>& works);
   void RunSparse(const Work& work);
   // Buckets a cycle reduced itself: node r's local sum of works[k] is at
-  // area[r * floats + at[k]]; the sum in node order, then the average.
-  void FinishInCycle(const std::vector<Work>& works, const std::vector<uint64_t>& at,
-                     const std::vector<float>& area, uint64_t floats, double local_sum_seconds,
-                     double exchange_seconds);
+  // in_cycle.area[r * floats + at[k]]; the sum in node order, then the average.
+  void FinishInCycle(const std::vector<Work>& works, const InCycle& in_cycle);
+  // Where each step goes while the timeline records (may be null).
+  void SetTimeline(Timeline* timeline) { timeline_ = timeline; }
 
  private:
+  bool tracing() const { return timeline_ != nullptr && timeline_->recording(); }
   // A step hit a NaN/Inf: answers the work per --nonfinite (fail or skip).
   void NonFinite(const Work& w, const absl::Status& status);
   // A memory failure fails the job (the other nodes are in the step).
@@ -75,6 +78,7 @@ class StepRunner {
   StepMemory* const memory_;
   EngineState* const state_;
   JobControl* const job_;
+  Timeline* timeline_ = nullptr;
   uint32_t next_slot_ = 1;  // transport tag slots; 0 is the fused dense buffer
   // Scratch buffers (device memory of ops_).
   sparsify::DeviceBuffer<float> grad_, update_, fusion_;

@@ -34,7 +34,7 @@ OTHER_PROGRAMS = {
     "scripts/build-install.sh": ["prefix", "build-dir"],
     "bench/training/run.py": ["netlab-rate", "budget", "methods", "steps"],
     "examples/fashion_mnist/remedies.sh": ["epochs", "only", "out"],
-    "daemon/microctl_main.cc": ["admin", "json", "history"],
+    "daemon/microctl_main.cc": ["admin", "json", "history", "seconds", "out"],
     "daemon/sim/microd_sim.cc": ["size", "density", "steps", "controller"],
 }
 EXTERNAL_OPTIONS = {"no-build-isolation"}  # pip's
