@@ -279,7 +279,7 @@ class Flooder {
       microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER, sizeof reg);
       reg.buffer_id = static_cast<uint32_t>(b);
       reg.kind = MICROD_BUFFER_HOST;
-      reg.dtype = MICROD_DTYPE_FLOAT32;
+      reg.dtype = MICROD_WIRE_DTYPE_FLOAT32;
       reg.count = l.Count(b);
       std::snprintf(reg.name, sizeof reg.name, "b%d", b);
       if (microd_wire_send(fd_, &reg, sizeof reg, mfd) != 0) return "register";

@@ -93,6 +93,14 @@ inline bool FusedSelectArgsValid(const FusedSelectArgs& a) {
   return a.select_end == a.select_begin || (a.out_index != nullptr && a.out_value != nullptr);
 }
 
+// A bucket's element type in the processes' buffers (the wire's dtype
+// values). The step itself always runs in fp32: half-precision gradients
+// are widened on the way in and rounded on the way out.
+enum class ElementType : int { kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
+// Bytes per element; 0 for a value that is no ElementType.
+size_t ElementBytes(ElementType type);
+const char* ElementTypeName(ElementType type);
+
 // Which instruction set the CPU backend uses. kAuto picks the best one the
 // processor supports at run time.
 enum class CpuIsa : int { kAuto = 0, kScalar = 1, kAvx2 = 2 };
@@ -197,6 +205,15 @@ class SparseOps {
   virtual KernelStatus TopK(const float* acc, uint64_t size, uint64_t k, uint32_t* out_index,
                             float* out_value, StepScalars* scalars, void* stream) = 0;
 
+  // dst[i] = src[i] widened to fp32 (exact) for a bf16 or fp16 `type`.
+  virtual KernelStatus HalfToFloat(const uint16_t* src, ElementType type, uint64_t count,
+                                   float* dst, void* stream) = 0;
+  // dst[i] = src[i] rounded to `type` (bf16 or fp16), to nearest with ties to
+  // even; beyond fp16's range +-Inf; a NaN stays a NaN (quiet, its sign and
+  // the top of its payload kept). Every backend gives the same bits
+  // (kernels/convert.h).
+  virtual KernelStatus FloatToHalf(const float* src, ElementType type, uint64_t count,
+                                   uint16_t* dst, void* stream) = 0;
   // Sorts index[0..count) ascending and removes duplicates in place;
   // scalars->count receives the number of distinct indices.
   virtual KernelStatus SortUnique(uint32_t* index, uint64_t count, StepScalars* scalars,

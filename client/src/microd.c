@@ -363,6 +363,11 @@ void microd_buffer_options_init(microd_buffer_options* options) {
   options->struct_size = sizeof *options;
 }
 
+_Static_assert((int)MICROD_DTYPE_FLOAT32 == (int)MICROD_WIRE_DTYPE_FLOAT32 &&
+                   (int)MICROD_DTYPE_BFLOAT16 == (int)MICROD_WIRE_DTYPE_BFLOAT16 &&
+                   (int)MICROD_DTYPE_FLOAT16 == (int)MICROD_WIRE_DTYPE_FLOAT16,
+               "the API's dtypes are the wire's");
+
 microd_status microd_momentum_correction(const microd_client* client, float* beta) {
   if (!check_handle(client)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
   if (beta == NULL) return MICROD_ERR_INVALID_ARGUMENT;
@@ -379,8 +384,9 @@ microd_status microd_register_host_buffer(microd_client* c, const char* name, ui
 static microd_status check_register_args(microd_client* c, const char* name, uint64_t count,
                                          const microd_buffer_options* options,
                                          const int32_t* buffer_id, uint32_t* flags,
-                                         size_t* name_len) {
+                                         uint32_t* dtype, size_t* name_len) {
   *flags = 0;
+  *dtype = MICROD_DTYPE_FLOAT32;
   if (options != NULL) {
     if (options->struct_size < offsetof(microd_buffer_options, flags) + sizeof(uint32_t) ||
         options->struct_size > 4096) {
@@ -392,6 +398,16 @@ static microd_status check_register_args(microd_client* c, const char* name, uin
       return fail(c, MICROD_ERR_INVALID_ARGUMENT, "unknown buffer flags 0x%x", options->flags);
     }
     *flags = options->flags;
+    if (options->struct_size >= offsetof(microd_buffer_options, dtype) + sizeof(uint32_t) &&
+        options->dtype != 0) {
+      if (options->dtype != MICROD_DTYPE_FLOAT32 && options->dtype != MICROD_DTYPE_BFLOAT16 &&
+          options->dtype != MICROD_DTYPE_FLOAT16) {
+        return fail(c, MICROD_ERR_INVALID_ARGUMENT,
+                    "unknown dtype %u (MICROD_DTYPE_FLOAT32, _BFLOAT16 or _FLOAT16)",
+                    options->dtype);
+      }
+      *dtype = options->dtype;
+    }
   }
   if (name == NULL || buffer_id == NULL) {
     return fail(c, MICROD_ERR_INVALID_ARGUMENT, "name and buffer_id must not be NULL");
@@ -495,10 +511,25 @@ static microd_status register_with_daemon(microd_client* c, void* msg, size_t le
 microd_status microd_register_buffer(microd_client* c, const char* name, uint64_t count,
                                      const microd_buffer_options* options, float** data,
                                      int32_t* buffer_id) {
+  if (check_handle(c) && options != NULL &&
+      options->struct_size >= offsetof(microd_buffer_options, dtype) + sizeof(uint32_t) &&
+      options->dtype != 0 && options->dtype != MICROD_DTYPE_FLOAT32) {
+    return fail(c, MICROD_ERR_INVALID_ARGUMENT,
+                "buffer '%s': microd_register_buffer takes fp32 buffers; register dtype %u with "
+                "microd_register_typed_buffer",
+                name != NULL ? name : "", options->dtype);
+  }
+  return microd_register_typed_buffer(c, name, count, options, (void**)data, buffer_id);
+}
+
+microd_status microd_register_typed_buffer(microd_client* c, const char* name, uint64_t count,
+                                           const microd_buffer_options* options, void** data,
+                                           int32_t* buffer_id) {
   if (!check_handle(c)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
-  uint32_t flags = 0;
+  uint32_t flags = 0, dtype = MICROD_DTYPE_FLOAT32;
   size_t name_len = 0;
-  microd_status status = check_register_args(c, name, count, options, buffer_id, &flags, &name_len);
+  microd_status status =
+      check_register_args(c, name, count, options, buffer_id, &flags, &dtype, &name_len);
   if (status != MICROD_OK) return status;
   if (data == NULL) return fail(c, MICROD_ERR_INVALID_ARGUMENT, "data must not be NULL");
   pthread_mutex_lock(&c->mu);
@@ -506,7 +537,7 @@ microd_status microd_register_buffer(microd_client* c, const char* name, uint64_
   pthread_mutex_unlock(&c->mu);
   if (status != MICROD_OK) return status;
 
-  const size_t bytes = (size_t)count * sizeof(float);
+  const size_t bytes = (size_t)count * (dtype == MICROD_DTYPE_FLOAT32 ? sizeof(float) : 2);
   char memfd_name[MICROD_WIRE_NAME_BYTES + 8];
   snprintf(memfd_name, sizeof memfd_name, "microd:%s", name);
   int mfd = memfd_create(memfd_name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -519,7 +550,7 @@ microd_status microd_register_buffer(microd_client* c, const char* name, uint64_
     close(mfd);
     return s;
   }
-  float* mem = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
+  void* mem = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
   if (mem == MAP_FAILED) {
     microd_status s = fail(c, MICROD_ERR_RESOURCE, "mmap: %s", strerror(errno));
     close(mfd);
@@ -530,7 +561,7 @@ microd_status microd_register_buffer(microd_client* c, const char* name, uint64_
   memset(&reg, 0, sizeof reg);
   microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER, sizeof reg);
   reg.kind = MICROD_BUFFER_HOST;
-  reg.dtype = MICROD_DTYPE_FLOAT32;
+  reg.dtype = dtype; /* microd_dtype's values are the wire's */
   reg.flags = flags;
   reg.count = count;
   memcpy(reg.name, name, name_len);
@@ -554,10 +585,17 @@ microd_status microd_register_cuda_buffer(microd_client* c, const char* name, vo
                                           uint64_t count, const microd_buffer_options* options,
                                           int32_t* buffer_id) {
   if (!check_handle(c)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
-  uint32_t flags = 0;
+  uint32_t flags = 0, dtype = MICROD_DTYPE_FLOAT32;
   size_t name_len = 0;
-  microd_status status = check_register_args(c, name, count, options, buffer_id, &flags, &name_len);
+  microd_status status =
+      check_register_args(c, name, count, options, buffer_id, &flags, &dtype, &name_len);
   if (status != MICROD_OK) return status;
+  if (dtype != MICROD_DTYPE_FLOAT32) {
+    return fail(c, MICROD_ERR_UNSUPPORTED,
+                "buffer '%s': bf16/fp16 CUDA buffers are not supported yet (host buffers are); "
+                "register a float32 CUDA buffer",
+                name);
+  }
   if (device_ptr == NULL) {
     return fail(c, MICROD_ERR_INVALID_ARGUMENT, "buffer '%s': device_ptr is NULL", name);
   }
@@ -584,7 +622,7 @@ microd_status microd_register_cuda_buffer(microd_client* c, const char* name, vo
   microd_wire_register_cuda reg;
   memset(&reg, 0, sizeof reg);
   microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER_CUDA, sizeof reg);
-  reg.dtype = MICROD_DTYPE_FLOAT32;
+  reg.dtype = MICROD_WIRE_DTYPE_FLOAT32;
   reg.flags = flags;
   reg.device_ordinal = cu.device_ordinal;
   reg.count = count;

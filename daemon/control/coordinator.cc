@@ -12,7 +12,18 @@
 namespace microd::control {
 namespace {
 
-constexpr int kDataTypeFloat32 = 1;  // microd.v1.DataType.DATA_TYPE_FLOAT32
+// microd.v1.DataType's values, by name (the step is fp32 for every one).
+const char* DataTypeName(int dtype) {
+  switch (dtype) {
+    case 1:
+      return "float32";
+    case 2:
+      return "bfloat16";
+    case 3:
+      return "float16";
+  }
+  return nullptr;
+}
 constexpr int64_t kMaxBucketCount = 0xFFFFFFFFll;
 
 uint64_t RandomSession() {
@@ -39,8 +50,9 @@ absl::Status ValidateName(const std::string& what, const std::string& name) {
 }
 
 std::string Describe(const BucketInfo& b) {
-  return absl::StrCat(b.dtype == kDataTypeFloat32 ? "float32" : "dtype " + std::to_string(b.dtype),
-                      " x ", b.count, b.dense ? " dense" : "");
+  const char* type = DataTypeName(b.dtype);
+  return absl::StrCat(type != nullptr ? type : "dtype " + std::to_string(b.dtype), " x ", b.count,
+                      b.dense ? " dense" : "");
 }
 
 }  // namespace
@@ -310,7 +322,7 @@ absl::Status Coordinator::Report(uint64_t session, int rank, const std::vector<B
   std::set<std::string> names;
   for (const BucketInfo& b : ready) {
     if (absl::Status s = ValidateName("bucket name", b.name); !s.ok()) return s;
-    if (b.dtype != kDataTypeFloat32) {
+    if (DataTypeName(b.dtype) == nullptr) {
       return absl::InvalidArgumentError(
           absl::StrCat("bucket '", b.name, "': unsupported data type ", b.dtype));
     }

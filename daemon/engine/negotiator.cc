@@ -171,6 +171,11 @@ void CycleNegotiator::SumForCycle(const std::vector<ToSend>& to_send,
     std::vector<const float*> inputs;
     for (const auto& buf : t.buffers) {
       if (buf == nullptr || buf->device() != nullptr) break;  // CUDA ones need staging
+      if (buf->half() != nullptr &&
+          ops_->HalfToFloat(buf->half(), static_cast<kernels::ElementType>(buf->dtype()),
+                            buf->count(), buf->data(), nullptr) != kernels::KernelStatus::kOk) {
+        break;
+      }
       inputs.push_back(buf->data());
     }
     if (inputs.size() != t.buffers.size()) continue;

@@ -8,7 +8,6 @@
 namespace microd::engine {
 namespace {
 
-constexpr int kDtypeFloat32 = 1;  // microd.v1.DataType.DATA_TYPE_FLOAT32
 
 }  // namespace
 
@@ -59,6 +58,7 @@ absl::Status ProcessTable::Register(uint64_t client, uint32_t buffer_id, const s
   if (b.count == 0) {
     b.name = name;
     b.count = buffer->count();
+    b.dtype = buffer->dtype();
     b.buffers.resize(L_);
     b.clients.assign(L_, 0);
     b.buffer_ids.assign(L_, 0);
@@ -68,17 +68,24 @@ absl::Status ProcessTable::Register(uint64_t client, uint32_t buffer_id, const s
     b.dense = dense || b.count < dense_floor_;
     b.stats.dense = b.dense;
     b.requested_dense = dense;
-  } else if (b.count != buffer->count() || b.requested_dense != dense) {
+  } else if (b.count != buffer->count() || b.requested_dense != dense ||
+             b.dtype != buffer->dtype()) {
     int other = -1;
     for (int r = 0; r < L_; ++r) {
       if (b.buffers[r] != nullptr) other = r;
     }
+    // The element types only when they are what differs.
+    auto type = [&](uint32_t dtype) -> std::string {
+      if (b.dtype == buffer->dtype()) return "";
+      return absl::StrCat(" ", kernels::ElementTypeName(static_cast<kernels::ElementType>(dtype)));
+    };
     // The bucket can never run: fail it for every local process, now and later.
     b.poisoned = WithClientStatus(
         absl::InvalidArgumentError(absl::StrCat(
-            "buffer '", name, "' has ", buffer->count(), dense ? " elements (dense)" : " elements",
-            " on local rank ", p.local_rank, " but ", b.count, b.requested_dense ? " (dense)" : "",
-            " on local rank ", other)),
+            "buffer '", name, "' has ", buffer->count(), type(buffer->dtype()),
+            dense ? " elements (dense)" : " elements", " on local rank ", p.local_rank, " but ",
+            b.count, type(b.dtype), b.requested_dense ? " (dense)" : "", " on local rank ",
+            other)),
         ClientStatus::kMismatch);
     if (b.submitted > 0) refused->push_back(Take(b));
     return b.poisoned;
@@ -164,7 +171,7 @@ std::vector<Work> ProcessTable::TakeAllSubmitted() {
 }
 
 control::BucketInfo ProcessTable::InfoOf(const Bucket& b) {
-  return {b.name, kDtypeFloat32, static_cast<int64_t>(b.count), b.requested_dense};
+  return {b.name, static_cast<int>(b.dtype), static_cast<int64_t>(b.count), b.requested_dense};
 }
 
 std::vector<control::BucketInfo> ProcessTable::TakeNewlyReady() {

@@ -31,6 +31,7 @@ namespace microd::engine {
 struct Bucket {
   std::string name;
   uint64_t count = 0;
+  uint32_t dtype = 1;            // the buffers' element type (kernels::ElementType values)
   bool dense = false;            // below the size floor, or asked for by the processes
   bool requested_dense = false;  // the processes registered it with MICROD_BUFFER_DENSE
   std::vector<std::shared_ptr<local::ProcessBuffer>> buffers;  // by local rank

@@ -5,6 +5,7 @@
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/common/status_map.h"
 
 namespace microd::engine {
@@ -38,19 +39,43 @@ absl::Status ForEachDevice(const Work& w, absl::Time deadline,
   return result;
 }
 
+// A bf16/fp16 host buffer's elements widened into its fp32 copy (`in`), or
+// the copy rounded back into them.
+absl::Status ConvertHalfs(const Work& w, kernels::SparseOps* ops, bool in) {
+  for (size_t r = 0; r < w.buffers.size(); ++r) {
+    const local::ProcessBuffer* b = w.buffers[r].get();
+    if (b == nullptr || b->half() == nullptr) continue;
+    const auto type = static_cast<kernels::ElementType>(b->dtype());
+    const kernels::KernelStatus k =
+        in ? ops->HalfToFloat(b->half(), type, b->count(), b->data(), nullptr)
+           : ops->FloatToHalf(b->data(), type, b->count(), b->half(), nullptr);
+    if (k != kernels::KernelStatus::kOk) {
+      return InBucket(absl::InternalError(absl::StrCat(in ? "widening " : "rounding ",
+                                                       kernels::ElementTypeName(type), ": ",
+                                                       kernels::KernelStatusString(k))),
+                      w.bucket->name, r);
+    }
+  }
+  return absl::OkStatus();
+}
+
 class HostStaging final : public StepMemory {
  public:
+  // `ops`: the host backend (the conversions of bf16/fp16 buffers).
+  explicit HostStaging(kernels::SparseOps* ops) : ops_(ops) {}
   absl::Status Admit(const std::string&, const local::ProcessBuffer&) const override {
     return absl::OkStatus();
   }
   float* Data(const local::ProcessBuffer& b) const override { return b.data(); }
   absl::Status StageIn(const Work& w, absl::Time deadline,
                        const std::function<bool()>& abandoned) override {
+    RETURN_IF_ERROR(ConvertHalfs(w, ops_, /*in=*/true));
     return ForEachDevice(w, deadline, [&](local::DeviceMemory& dev) {
       return dev.BeginCopyIn(deadline, abandoned);
     });
   }
   absl::Status StageOut(const Work& w, absl::Time deadline) override {
+    RETURN_IF_ERROR(ConvertHalfs(w, ops_, /*in=*/false));
     return ForEachDevice(w, deadline, [](local::DeviceMemory& dev) { return dev.BeginCopyOut(); });
   }
   absl::Status EndBatch(const std::vector<const Work*>&, absl::Duration) override {
@@ -58,6 +83,9 @@ class HostStaging final : public StepMemory {
   }
   bool on_host() const override { return true; }
   const char* what() const override { return "CUDA staging"; }
+
+ private:
+  kernels::SparseOps* const ops_;
 };
 
 class DeviceResident final : public StepMemory {
@@ -112,7 +140,7 @@ class DeviceResident final : public StepMemory {
 std::unique_ptr<StepMemory> MakeStepMemory(bool device_resident, int device,
                                            kernels::SparseOps* ops) {
   if (device_resident) return std::make_unique<DeviceResident>(device, ops);
-  return std::make_unique<HostStaging>();
+  return std::make_unique<HostStaging>(ops);
 }
 
 }  // namespace microd::engine

@@ -141,6 +141,7 @@ void StepRunner::FinishInCycle(const std::vector<Work>& works, const InCycle& in
     for (const auto& buf : w.buffers) {
       if (s.ok()) s = CopyFloats(buf->data(), sum.data(), d);
     }
+    if (s.ok()) s = memory_->StageOut(w, t0 + options_.op_timeout);  // bf16/fp16: rounded
     if (!s.ok()) {
       MemoryFailed({&w}, absl::InternalError(absl::StrCat("bucket '", w.bucket->name,
                                                           "': write-back: ", s.message())));

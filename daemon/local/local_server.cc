@@ -99,6 +99,11 @@ absl::Status PrepareSocketPath(const std::string& path) {
 }  // namespace
 
 ProcessBuffer::~ProcessBuffer() {
+  if (half_ != nullptr) {
+    if (mapped_bytes_ > 0) munmap(half_, mapped_bytes_);
+    std::free(data_);
+    return;
+  }
   if (mapped_bytes_ > 0) munmap(data_, mapped_bytes_);
 }
 
@@ -540,7 +545,9 @@ bool LocalServer::HandleRegister(uint64_t id, Client& c, const ::microd_wire_reg
             "not REGISTER")),
         ClientStatus::kUnsupported));
   }
-  if (r.kind != MICROD_BUFFER_HOST || r.dtype != MICROD_DTYPE_FLOAT32 || (r.flags & ~1u) != 0) {
+  const bool half = r.dtype == MICROD_WIRE_DTYPE_BFLOAT16 || r.dtype == MICROD_WIRE_DTYPE_FLOAT16;
+  if (r.kind != MICROD_BUFFER_HOST || (r.dtype != MICROD_WIRE_DTYPE_FLOAT32 && !half) ||
+      (r.flags & ~1u) != 0) {
     Refuse(id, kProtocol,
            absl::StrCat("buffer '", name, "': unknown kind ", r.kind, ", dtype ", r.dtype,
                         " or flags ", r.flags));
@@ -550,7 +557,7 @@ bool LocalServer::HandleRegister(uint64_t id, Client& c, const ::microd_wire_reg
     Refuse(id, kProtocol, absl::StrCat("register of '", name, "' must carry one memfd"));
     return false;
   }
-  const uint64_t bytes = r.count * sizeof(float);
+  const uint64_t bytes = r.count * (half ? sizeof(uint16_t) : sizeof(float));
   if (absl::Status room = CheckRoom(c, r.buffer_id, name, r.count); !room.ok()) return answer(room);
   struct stat st;
   const int seals = fcntl(fds[0], F_GET_SEALS);
@@ -565,6 +572,21 @@ bool LocalServer::HandleRegister(uint64_t id, Client& c, const ::microd_wire_reg
     return answer(WithClientStatus(absl::ResourceExhaustedError(absl::StrCat(
                                        "buffer '", name, "': mmap: ", std::strerror(errno))),
                                    ClientStatus::kResource));
+  }
+  if (half) {
+    // The fp32 copy the step works on (counted by CheckRoom: 4 bytes an element).
+    auto* staging = static_cast<float*>(std::malloc(r.count * sizeof(float)));
+    if (staging == nullptr) {
+      munmap(p, bytes);
+      return answer(WithClientStatus(
+          absl::ResourceExhaustedError(absl::StrCat("buffer '", name, "': no memory for its ",
+                                                    r.count * sizeof(float),
+                                                    "-byte fp32 copy")),
+          ClientStatus::kResource));
+    }
+    return AcceptBuffer(id, c, r.buffer_id, name, (r.flags & 1u) != 0, bytes,
+                        std::make_shared<ProcessBuffer>(static_cast<uint16_t*>(p), r.dtype,
+                                                        staging, r.count, bytes));
   }
   return AcceptBuffer(id, c, r.buffer_id, name, (r.flags & 1u) != 0, bytes,
                       std::make_shared<ProcessBuffer>(static_cast<float*>(p), r.count, bytes));
@@ -659,10 +681,19 @@ bool LocalServer::HandleRegisterCuda(uint64_t id, Client& c, const microd_wire_r
   auto answer = [&](const absl::Status& s) { return AnswerRegister(c, r.buffer_id, s); };
   const std::string name = RegisterName(id, r.name);
   if (name.empty()) return false;
-  if (r.dtype != MICROD_DTYPE_FLOAT32 || (r.flags & ~1u) != 0) {
+  if ((r.dtype != MICROD_WIRE_DTYPE_FLOAT32 && r.dtype != MICROD_WIRE_DTYPE_BFLOAT16 &&
+       r.dtype != MICROD_WIRE_DTYPE_FLOAT16) ||
+      (r.flags & ~1u) != 0) {
     Refuse(id, kProtocol,
            absl::StrCat("buffer '", name, "': unknown dtype ", r.dtype, " or flags ", r.flags));
     return false;
+  }
+  if (r.dtype != MICROD_WIRE_DTYPE_FLOAT32) {
+    return answer(WithClientStatus(
+        absl::UnimplementedError(absl::StrCat(
+            "buffer '", name, "': bf16/fp16 CUDA buffers are not supported yet (host buffers "
+            "are); register a float32 CUDA buffer")),
+        ClientStatus::kUnsupported));
   }
   // The fields are checked here, before anything CUDA, so that a bad request
   // gets the same answer from every build. The daemon's staging copy counts

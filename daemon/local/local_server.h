@@ -79,10 +79,24 @@ class DeviceMemory {
 // (unmapped when the last reference goes; the engine may hold one while a
 // step runs); for a CUDA buffer data() is the daemon's staging copy of the
 // device memory, moved (or used in place) through device().
+//
+// A bf16 or fp16 host buffer (dtype MICROD_WIRE_DTYPE_BFLOAT16 / _FLOAT16) keeps
+// the process's 2-byte elements at half() and a daemon-owned fp32 copy at
+// data() that the step works on: widened before the step, rounded back
+// after it (the engine's step memory does both).
 class ProcessBuffer {
  public:
   ProcessBuffer(float* data, uint64_t count, size_t mapped_bytes)
       : data_(data), count_(count), mapped_bytes_(mapped_bytes) {}
+  // A half-precision host buffer: the mapping at `half`, and `staging`
+  // (count floats from malloc, owned from here on).
+  ProcessBuffer(uint16_t* half, uint32_t dtype, float* staging, uint64_t count,
+                size_t mapped_bytes)
+      : data_(staging),
+        count_(count),
+        mapped_bytes_(mapped_bytes),
+        half_(half),
+        dtype_(dtype) {}
   explicit ProcessBuffer(std::unique_ptr<DeviceMemory> device)
       : data_(device->staging()),
         count_(device->count()),
@@ -93,6 +107,9 @@ class ProcessBuffer {
   ProcessBuffer& operator=(const ProcessBuffer&) = delete;
   float* data() const { return data_; }
   uint64_t count() const { return count_; }
+  // The process's elements of a bf16/fp16 buffer; null for fp32 and CUDA ones.
+  uint16_t* half() const { return half_; }
+  uint32_t dtype() const { return dtype_; }  // MICROD_WIRE_DTYPE_*
   // Null for host buffers.
   DeviceMemory* device() const { return device_.get(); }
 
@@ -101,6 +118,8 @@ class ProcessBuffer {
   const uint64_t count_;
   const size_t mapped_bytes_;  // 0: not a mapping of ours
   const std::unique_ptr<DeviceMemory> device_;
+  uint16_t* const half_ = nullptr;
+  const uint32_t dtype_ = 1;  // MICROD_WIRE_DTYPE_FLOAT32
 };
 
 struct ProcessInfo {

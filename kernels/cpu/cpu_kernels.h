@@ -23,6 +23,13 @@ uint64_t SelectRangeScalar(const float* acc, uint64_t begin, uint64_t end, float
 uint64_t SelectRangeAvx2(const float* acc, uint64_t begin, uint64_t end, float threshold,
                          uint32_t* out_index, float* out_value);
 
+// SparseOps::HalfToFloat / FloatToHalf (kernels/convert.h's rules),
+// arguments already validated.
+void HalfToFloatScalar(const uint16_t* src, ElementType type, uint64_t count, float* dst);
+void FloatToHalfScalar(const float* src, ElementType type, uint64_t count, uint16_t* dst);
+void HalfToFloatAvx2(const uint16_t* src, ElementType type, uint64_t count, float* dst);
+void FloatToHalfAvx2(const float* src, ElementType type, uint64_t count, uint16_t* dst);
+
 // Number of NaN/Inf values in data[0..size).
 uint64_t CountNonFiniteScalar(const float* data, uint64_t size);
 uint64_t CountNonFiniteAvx2(const float* data, uint64_t size);

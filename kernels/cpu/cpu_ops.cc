@@ -19,6 +19,8 @@ namespace {
 
 using cpu::PassResult;
 
+bool IsHalf(ElementType t) { return t == ElementType::kBFloat16 || t == ElementType::kFloat16; }
+
 inline uint32_t FloatBits(float x) {
   uint32_t b;
   std::memcpy(&b, &x, sizeof b);
@@ -256,6 +258,24 @@ class CpuSparseOps final : public SparseOps {
     return KernelStatus::kOk;
   }
 
+  KernelStatus HalfToFloat(const uint16_t* src, ElementType type, uint64_t count, float* dst,
+                           void*) override {
+    if (!IsHalf(type) || (count > 0 && (src == nullptr || dst == nullptr))) {
+      return KernelStatus::kInvalidArgument;
+    }
+    (isa_ == CpuIsa::kAvx2 ? cpu::HalfToFloatAvx2 : cpu::HalfToFloatScalar)(src, type, count, dst);
+    return KernelStatus::kOk;
+  }
+
+  KernelStatus FloatToHalf(const float* src, ElementType type, uint64_t count, uint16_t* dst,
+                           void*) override {
+    if (!IsHalf(type) || (count > 0 && (src == nullptr || dst == nullptr))) {
+      return KernelStatus::kInvalidArgument;
+    }
+    (isa_ == CpuIsa::kAvx2 ? cpu::FloatToHalfAvx2 : cpu::FloatToHalfScalar)(src, type, count, dst);
+    return KernelStatus::kOk;
+  }
+
   KernelStatus TopK(const float* acc, uint64_t size, uint64_t k, uint32_t* out_index,
                     float* out_value, StepScalars* scalars, void*) override {
     if (scalars == nullptr || size > kMaxBucketElements) return KernelStatus::kInvalidArgument;
@@ -300,6 +320,29 @@ class CpuSparseOps final : public SparseOps {
 
 }  // namespace
 
+size_t ElementBytes(ElementType type) {
+  switch (type) {
+    case ElementType::kFloat32:
+      return 4;
+    case ElementType::kBFloat16:
+    case ElementType::kFloat16:
+      return 2;
+  }
+  return 0;
+}
+
+const char* ElementTypeName(ElementType type) {
+  switch (type) {
+    case ElementType::kFloat32:
+      return "float32";
+    case ElementType::kBFloat16:
+      return "bfloat16";
+    case ElementType::kFloat16:
+      return "float16";
+  }
+  return "unknown";
+}
+
 const char* KernelStatusString(KernelStatus status) {
   switch (status) {
     case KernelStatus::kOk:
@@ -322,7 +365,8 @@ bool CpuSupports(CpuIsa isa) {
     case CpuIsa::kScalar:
       return true;
     case CpuIsa::kAvx2:
-      return __builtin_cpu_supports("avx2");
+      // F16C comes with every AVX2 processor; the fp16 conversions use it.
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
   }
   return false;
 }

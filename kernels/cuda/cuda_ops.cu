@@ -22,6 +22,7 @@
 #include <string>
 #include <thread>
 
+#include "kernels/convert.h"
 #include "kernels/cuda/cuda_ops.h"
 
 namespace microd::kernels {
@@ -238,6 +239,21 @@ __global__ void MomentumKernel(const float* grad, const float* vin, float beta, 
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size; i += stride) {
     vout[i] = MomentumOf(beta, vin[i], grad[i]);
+  }
+}
+
+// The element rules of kernels/convert.h, the CPU backend's bits.
+__global__ void HalfToFloatKernel(const uint16_t* src, bool bf16, uint64_t size, float* dst) {
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size; i += stride) {
+    dst[i] = bf16 ? convert::Bf16ToFloat(src[i]) : convert::F16ToFloat(src[i]);
+  }
+}
+
+__global__ void FloatToHalfKernel(const float* src, bool bf16, uint64_t size, uint16_t* dst) {
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size; i += stride) {
+    dst[i] = bf16 ? convert::FloatToBf16(src[i]) : convert::FloatToF16(src[i]);
   }
 }
 
@@ -673,6 +689,32 @@ class CudaSparseOps final : public SparseOps {
     if (!SetDevice()) return KernelStatus::kDeviceError;
     ScaleKernel<<<Grid(size, kThreads), kThreads, 0, S(stream)>>>(in, factor, out, size);
     return Check(cudaGetLastError(), "scale launch");
+  }
+
+  KernelStatus HalfToFloat(const uint16_t* src, ElementType type, uint64_t count, float* dst,
+                           void* stream) override {
+    if ((type != ElementType::kBFloat16 && type != ElementType::kFloat16) ||
+        (count > 0 && (src == nullptr || dst == nullptr))) {
+      return KernelStatus::kInvalidArgument;
+    }
+    if (count == 0) return KernelStatus::kOk;
+    if (!SetDevice()) return KernelStatus::kDeviceError;
+    HalfToFloatKernel<<<Grid(count, kThreads), kThreads, 0, S(stream)>>>(
+        src, type == ElementType::kBFloat16, count, dst);
+    return Check(cudaGetLastError(), "half to float launch");
+  }
+
+  KernelStatus FloatToHalf(const float* src, ElementType type, uint64_t count, uint16_t* dst,
+                           void* stream) override {
+    if ((type != ElementType::kBFloat16 && type != ElementType::kFloat16) ||
+        (count > 0 && (src == nullptr || dst == nullptr))) {
+      return KernelStatus::kInvalidArgument;
+    }
+    if (count == 0) return KernelStatus::kOk;
+    if (!SetDevice()) return KernelStatus::kDeviceError;
+    FloatToHalfKernel<<<Grid(count, kThreads), kThreads, 0, S(stream)>>>(
+        src, type == ElementType::kBFloat16, count, dst);
+    return Check(cudaGetLastError(), "float to half launch");
   }
 
   KernelStatus Gather(const float* acc, const uint32_t* index, uint64_t count, float* out,

@@ -238,7 +238,7 @@ class Process {
     microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER, sizeof reg);
     reg.buffer_id = id;
     reg.kind = MICROD_BUFFER_HOST;
-    reg.dtype = MICROD_DTYPE_FLOAT32;
+    reg.dtype = MICROD_WIRE_DTYPE_FLOAT32;
     reg.count = count;
     std::strcpy(reg.name, name.c_str());
     const int answer = Registered(&reg, sizeof reg, mfd);
@@ -257,7 +257,7 @@ class Process {
     microd_wire_register_cuda reg{};
     microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER_CUDA, sizeof reg);
     reg.buffer_id = id;
-    reg.dtype = MICROD_DTYPE_FLOAT32;
+    reg.dtype = MICROD_WIRE_DTYPE_FLOAT32;
     reg.device_ordinal = 0;
     reg.count = count;
     std::strcpy(reg.name, name.c_str());

@@ -42,7 +42,7 @@ void LocalProtocol(const std::string& dir) {
   microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER, sizeof reg);
   reg.buffer_id = 0;
   reg.kind = MICROD_BUFFER_HOST;
-  reg.dtype = MICROD_DTYPE_FLOAT32;
+  reg.dtype = MICROD_WIRE_DTYPE_FLOAT32;
   reg.count = 1000;
   std::strcpy(reg.name, "w");
   microd_wire_submit sub{};
@@ -53,7 +53,7 @@ void LocalProtocol(const std::string& dir) {
   microd_wire_register_cuda cuda{};
   microd_wire_header_init(&cuda.h, MICROD_MSG_REGISTER_CUDA, sizeof cuda);
   cuda.buffer_id = 1;
-  cuda.dtype = MICROD_DTYPE_FLOAT32;
+  cuda.dtype = MICROD_WIRE_DTYPE_FLOAT32;
   cuda.count = 256;
   cuda.alloc_bytes = 4096;
   std::strcpy(cuda.name, "g");

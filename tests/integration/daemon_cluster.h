@@ -219,9 +219,12 @@ class DaemonCluster {
 // issue A over the in-process transport, the hash of the update every local
 // process receives. ref[node][step][bucket]. `base`: the sparsifier of the
 // buckets at or above kDenseFloor (the daemons' flags must say the same).
+// `dtype` (2 bf16, 3 fp16): each process's gradient is that type's rounding of
+// its fp32 one, widened for the step; the update is rounded to it again and
+// hashed as 2-byte elements.
 using ReferenceHashes = std::vector<std::vector<std::vector<uint64_t>>>;
 inline ReferenceHashes Reference(int n, int L, const std::vector<BucketSpec>& buckets, long steps,
-                                 const sparsify::SparsifyOptions& base = {}) {
+                                 const sparsify::SparsifyOptions& base = {}, int dtype = 1) {
   auto ops = kernels::CreateCpuSparseOps();
   auto group = transport::CreateInprocGroup(n);
   std::vector<std::vector<std::vector<uint64_t>>> ref(
@@ -242,8 +245,13 @@ inline ReferenceHashes Reference(int n, int L, const std::vector<BucketSpec>& bu
           const uint64_t d = buckets[b].count;
           std::vector<std::vector<float>> local(L, std::vector<float>(d));
           std::vector<const float*> ptr;
+          std::vector<uint16_t> half(dtype == 1 ? 0 : d);
           for (int l = 0; l < L; ++l) {
             e2e_fill(local[l].data(), d, r * L + l, static_cast<int>(b), t);
+            if (dtype != 1) {
+              e2e_narrow(local[l].data(), d, dtype, half.data());
+              e2e_widen(half.data(), d, dtype, local[l].data());
+            }
             ptr.push_back(local[l].data());
           }
           std::vector<float> grad(d), update(d);
@@ -251,7 +259,12 @@ inline ReferenceHashes Reference(int n, int L, const std::vector<BucketSpec>& bu
           auto s = state[b]->Step(grad.data(), update.data(), *group[r],
                                   absl::Now() + absl::Seconds(60));
           ASSERT_TRUE(s.ok()) << s.status();
-          ref[r][t][b] = e2e_hash(update.data(), d * sizeof(float));
+          if (dtype != 1) {
+            e2e_narrow(update.data(), d, dtype, half.data());
+            ref[r][t][b] = e2e_hash(half.data(), d * sizeof(uint16_t));
+          } else {
+            ref[r][t][b] = e2e_hash(update.data(), d * sizeof(float));
+          }
         }
       }
     });

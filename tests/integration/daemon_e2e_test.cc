@@ -196,6 +196,80 @@ TEST(DaemonFaults, SizeMismatchBetweenNodesIsReportedEverywhere) {
   EXPECT_EQ(codes, (std::vector<int>{3, 3}));
 }
 
+// bf16 and fp16 buckets through the daemons: each process's gradient
+// rounded to the type, widened exactly, the step in fp32 (the residual too),
+// the update rounded to nearest-even, bit for bit the reference of these
+// rules; dense (fused and in the cycle) and sparse buckets, n in {1..4}.
+struct HalfCase {
+  int dtype;  // 2 bf16, 3 fp16
+  int nodes, local;
+};
+
+class HalfPrecision : public ::testing::TestWithParam<HalfCase> {};
+
+TEST_P(HalfPrecision, BucketsMatchTheReference) {
+  const HalfCase c = GetParam();
+  const std::vector<BucketSpec> buckets = {{"embed", 1000}, {"bias", 3001}, {"fc", 200003}};
+  const long steps = 12;
+  DaemonCluster cluster(c.nodes, c.local);
+  const std::string dtype = c.dtype == 2 ? "dtype=bf16" : "dtype=fp16";
+  cluster.StartClients(buckets, steps, -1, -1, -1,
+                       [&](int, int) { return std::vector<std::string>{dtype}; });
+  const auto codes = cluster.WaitClients(std::chrono::seconds(240));
+  const auto ref = Reference(c.nodes, c.local, buckets, steps, {}, c.dtype);
+  ExpectMatchesReference(cluster, codes, ref, c.nodes, c.local, buckets, steps);
+  auto status = cluster.Status(0);
+  ASSERT_TRUE(status.ok()) << status.status();
+  for (const auto& b : status->buckets()) EXPECT_EQ(b.steps(), static_cast<uint64_t>(steps));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Types, HalfPrecision,
+    ::testing::Values(HalfCase{2, 1, 1}, HalfCase{2, 2, 2}, HalfCase{2, 3, 1}, HalfCase{2, 4, 1},
+                      HalfCase{3, 1, 2}, HalfCase{3, 2, 1}, HalfCase{3, 3, 1}, HalfCase{3, 4, 1}),
+    [](const auto& info) {
+      return absl::StrCat(info.param.dtype == 2 ? "Bf16" : "Fp16", "_", info.param.nodes, "x",
+                          info.param.local);
+    });
+
+// A bucket registered as bf16 on one node and fp16 (or fp32) on another can
+// never run: MICROD_ERR_MISMATCH on every node, naming the types.
+TEST(DaemonFaults, DtypeMismatchBetweenNodesIsReportedEverywhere) {
+  DaemonCluster cluster(2, 1);
+  const std::string out0 = cluster.dir() + "/m0", out1 = cluster.dir() + "/m1";
+  std::vector<pid_t> pids = {
+      Spawn({MICROD_TEST_CLIENT, cluster.socket(0), "w:100000", "3", out0, "-1", "20000", "0",
+             "dtype=bf16"}),
+      Spawn({MICROD_TEST_CLIENT, cluster.socket(1), "w:100000", "3", out1, "-1", "20000", "0",
+             "dtype=fp16"})};
+  const auto codes = WaitAll(pids, std::chrono::seconds(60));
+  for (const std::string& out : {out0, out1}) {
+    std::string line;
+    EXPECT_EQ(FailedStatus(out, &line), 4) << line;  // MICROD_ERR_MISMATCH
+    EXPECT_TRUE(absl::StrContains(line, "'w'")) << line;
+    EXPECT_TRUE(absl::StrContains(line, "bfloat16")) << line;
+    EXPECT_TRUE(absl::StrContains(line, "float16 x")) << line;
+  }
+  EXPECT_EQ(codes, (std::vector<int>{3, 3}));
+}
+
+TEST(DaemonFaults, DtypeMismatchWithinANodeIsReportedToBothProcesses) {
+  DaemonCluster cluster(1, 2);
+  const std::string out0 = cluster.dir() + "/m0", out1 = cluster.dir() + "/m1";
+  std::vector<pid_t> pids = {
+      Spawn({MICROD_TEST_CLIENT, cluster.socket(0), "w:1000", "3", out0, "-1", "20000", "0",
+             "dtype=bf16"}),
+      Spawn({MICROD_TEST_CLIENT, cluster.socket(0), "w:1000", "3", out1, "-1", "20000", "1"})};
+  const auto codes = WaitAll(pids, std::chrono::seconds(60));
+  for (const std::string& out : {out0, out1}) {
+    std::string line;
+    EXPECT_EQ(FailedStatus(out, &line), 4) << line;
+    EXPECT_TRUE(absl::StrContains(line, "bfloat16") && absl::StrContains(line, "float32"))
+        << line;
+  }
+  EXPECT_EQ(codes, (std::vector<int>{3, 3}));
+}
+
 TEST(DaemonFaults, SizeMismatchWithinANodeIsReportedToBothProcesses) {
   DaemonCluster cluster(1, 2);
   const std::string out0 = cluster.dir() + "/m0", out1 = cluster.dir() + "/m1";
@@ -265,7 +339,7 @@ TEST(DaemonFaults, MalformedMessagesLeaveTheDaemonServing) {
     microd_wire_register reg{};
     microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER, sizeof reg);
     reg.kind = MICROD_BUFFER_HOST;
-    reg.dtype = MICROD_DTYPE_FLOAT32;
+    reg.dtype = MICROD_WIRE_DTYPE_FLOAT32;
     reg.count = 10;
     std::strcpy(reg.name, "x");
     ASSERT_EQ(send(fd, &reg, sizeof reg, 0), static_cast<ssize_t>(sizeof reg));
@@ -319,7 +393,7 @@ TEST(DaemonFaults, CudaRegistrationIsAnsweredAndTheProcessStays) {
   microd_wire_register_cuda reg{};
   microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER_CUDA, sizeof reg);
   reg.buffer_id = 0;
-  reg.dtype = MICROD_DTYPE_FLOAT32;
+  reg.dtype = MICROD_WIRE_DTYPE_FLOAT32;
   reg.count = 1000;
   std::strcpy(reg.name, "g");
   reg.alloc_bytes = 4096;
@@ -340,7 +414,7 @@ TEST(DaemonFaults, CudaRegistrationIsAnsweredAndTheProcessStays) {
   microd_wire_header_init(&old.h, MICROD_MSG_REGISTER, sizeof old);
   old.buffer_id = 0;
   old.kind = MICROD_BUFFER_CUDA;
-  old.dtype = MICROD_DTYPE_FLOAT32;
+  old.dtype = MICROD_WIRE_DTYPE_FLOAT32;
   old.count = 1000;
   std::strcpy(old.name, "g");
   EXPECT_EQ(registered(&old, sizeof old, -1, &message), kUnsupported) << message;

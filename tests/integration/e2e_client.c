@@ -8,7 +8,9 @@
  * then any of: "reverse": submit the buckets last first, 2 ms apart (nodes
  * that submit in other orders and at other times); "first=N": the first
  * step's number (a resumed job); "load=DIR": microd_state_load(DIR) before
- * the first step; "save=DIR": microd_state_save(DIR) after the last. */
+ * the first step; "save=DIR": microd_state_save(DIR) after the last;
+ * "dtype=bf16" or "dtype=fp16": the buckets hold that type (the gradient
+ * rounded to it, the hash over its 2-byte elements). */
 #define _POSIX_C_SOURCE 200809L /* nanosleep */
 #include <signal.h>
 #include <stdio.h>
@@ -50,7 +52,17 @@ int main(int argc, char** argv) {
 
   char names[MAX_BUCKETS][128];
   uint64_t counts[MAX_BUCKETS];
-  float* data[MAX_BUCKETS];
+  void* data[MAX_BUCKETS];
+  int dtype = MICROD_DTYPE_FLOAT32;
+  for (int i = 8; i < argc; ++i) {
+    if (strcmp(argv[i], "dtype=bf16") == 0) dtype = MICROD_DTYPE_BFLOAT16;
+    if (strcmp(argv[i], "dtype=fp16") == 0) dtype = MICROD_DTYPE_FLOAT16;
+  }
+  microd_buffer_options bopt;
+  microd_buffer_options_init(&bopt);
+  bopt.dtype = (uint32_t)dtype;
+  const size_t elem = dtype == MICROD_DTYPE_FLOAT32 ? sizeof(float) : 2;
+  float* wide = NULL; /* a half bucket's gradient before rounding */
   int32_t ids[MAX_BUCKETS];
   int nb = 0;
   char spec[1024];
@@ -61,7 +73,7 @@ int main(int argc, char** argv) {
     *colon = '\0';
     snprintf(names[nb], sizeof names[nb], "%s", tok);
     counts[nb] = strtoull(colon + 1, NULL, 10);
-    s = microd_register_host_buffer(c, names[nb], counts[nb], &data[nb], &ids[nb]);
+    s = microd_register_typed_buffer(c, names[nb], counts[nb], &bopt, &data[nb], &ids[nb]);
     if (s != MICROD_OK) {
       fprintf(out, "FAILED %d register %s: %s\n", (int)s, names[nb], microd_last_error(c));
       fclose(out);
@@ -94,7 +106,15 @@ int main(int argc, char** argv) {
         const struct timespec pause = {0, 2000000};
         nanosleep(&pause, NULL);
       }
-      e2e_fill(data[b], counts[b], job.rank, b, (uint64_t)t);
+      if (dtype == MICROD_DTYPE_FLOAT32) {
+        e2e_fill((float*)data[b], counts[b], job.rank, b, (uint64_t)t);
+      } else {
+        float* grown = realloc(wide, counts[b] * sizeof(float));
+        if (grown == NULL) return 2;
+        wide = grown;
+        e2e_fill(wide, counts[b], job.rank, b, (uint64_t)t);
+        e2e_narrow(wide, counts[b], dtype, (uint16_t*)data[b]);
+      }
       s = microd_allreduce_async(c, ids[b], &tickets[b]);
       if (s != MICROD_OK) {
         fprintf(out, "FAILED %d submit: %s\n", (int)s, microd_last_error(c));
@@ -114,7 +134,7 @@ int main(int argc, char** argv) {
         return 3;
       }
       fprintf(out, "%ld %d %016llx\n", t, b,
-              (unsigned long long)e2e_hash(data[b], counts[b] * sizeof(float)));
+              (unsigned long long)e2e_hash(data[b], counts[b] * elem));
     }
     fflush(out);
   }

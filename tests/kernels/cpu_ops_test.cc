@@ -453,6 +453,160 @@ TEST_P(CpuOpsTest, AllocateIsAlignedAndZeroed) {
   ops_->Free(nullptr);
 }
 
+// --- bf16 / fp16 conversions -------------------------------------------------
+
+// The reference of round to nearest, ties to even, from the definition: of
+// the two neighbours of x in the format (found by truncating the bits), the
+// nearer; on a tie the one with an even last bit. bf16 only (fp16's is the
+// compiler's _Float16).
+uint16_t RefBf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint16_t lo = static_cast<uint16_t>(u >> 16);  // toward zero
+  const uint16_t hi = static_cast<uint16_t>(lo + 1);   // away from zero
+  float flo, fhi;
+  const uint32_t ulo = static_cast<uint32_t>(lo) << 16, uhi = static_cast<uint32_t>(hi) << 16;
+  std::memcpy(&flo, &ulo, sizeof flo);
+  std::memcpy(&fhi, &uhi, sizeof fhi);
+  const double dlo = std::fabs(static_cast<double>(x) - flo);
+  const double dhi = std::isinf(fhi) ? std::ldexp(1.0, 128) - std::fabs(static_cast<double>(x))
+                                     : std::fabs(static_cast<double>(fhi) - x);
+  if (dlo < dhi) return lo;
+  if (dhi < dlo) return hi;
+  return (lo & 1) == 0 ? lo : hi;
+}
+
+// Floats of every kind: random bits, gradient-like values, the specials,
+// and the boundaries of both formats (ties, subnormals, overflow).
+std::vector<float> ConversionInputs() {
+  std::vector<float> v = RandomValues(100003, 21);
+  std::mt19937 rng(22);
+  for (int i = 0; i < 300000; ++i) {
+    const uint32_t u = rng();
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    v.push_back(f);
+  }
+  for (uint32_t hi = 0; hi < 0x10000; hi += 0x101) {  // bf16 ties both ways, +-0x8000 around them
+    for (uint32_t lo : {0x7fffu, 0x8000u, 0x8001u, 0u}) {
+      const uint32_t u = hi << 16 | lo;
+      float f;
+      std::memcpy(&f, &u, sizeof f);
+      v.push_back(f);
+    }
+  }
+  for (float f : {0.0f, -0.0f, 1.0f, -1.0f, 65504.0f, 65519.996f, 65520.0f, -65520.0f, 65536.0f,
+                  0x1p-14f, 0x1p-24f, 0x1p-25f, 0x1.8p-25f, 0x1.8p-24f, 0x1.4p-24f, 0x1p-26f,
+                  0x1.ffcp-15f, 0x1.ffep-15f, 1.0f + 0x1p-11f, 1.0f + 0x3p-11f, 1e-45f, 3e38f,
+                  std::numeric_limits<float>::max(), std::numeric_limits<float>::infinity(),
+                  -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
+                  -std::numeric_limits<float>::quiet_NaN(),
+                  std::numeric_limits<float>::signaling_NaN()}) {
+    v.push_back(f);
+  }
+  return v;
+}
+
+void ExpectSameHalf(uint16_t got, uint16_t want, bool nan, float x, bool f16) {
+  const char* what = f16 ? "f16" : "bf16";
+  if (nan) {  // a NaN stays a NaN of the same sign (payloads: the ISAs agree, below)
+    ASSERT_EQ(got & 0x8000, want & 0x8000) << what << " of " << x;
+    ASSERT_TRUE(f16 ? (got & 0x7c00) == 0x7c00 && (got & 0x3ff) != 0
+                               : (got & 0x7f80) == 0x7f80 && (got & 0x7f) != 0)
+        << what << " of NaN: " << got;
+    return;
+  }
+  ASSERT_EQ(got, want) << what << " of " << x;
+}
+
+TEST_P(CpuOpsTest, HalfsRoundToNearestEven) {
+  const std::vector<float> in = ConversionInputs();
+  std::vector<uint16_t> bf(in.size()), f16(in.size());
+  ASSERT_EQ(ops_->FloatToHalf(in.data(), ElementType::kBFloat16, in.size(), bf.data(), nullptr),
+            KernelStatus::kOk);
+  ASSERT_EQ(ops_->FloatToHalf(in.data(), ElementType::kFloat16, in.size(), f16.data(), nullptr),
+            KernelStatus::kOk);
+  for (size_t i = 0; i < in.size(); ++i) {
+    const bool nan = std::isnan(in[i]);
+    ExpectSameHalf(bf[i], nan ? (std::signbit(in[i]) ? 0xffc0 : 0x7fc0) : RefBf16(in[i]), nan,
+                   in[i], /*f16=*/false);
+    const _Float16 h = static_cast<_Float16>(in[i]);
+    uint16_t want;
+    std::memcpy(&want, &h, sizeof want);
+    ExpectSameHalf(f16[i], want, nan, in[i], /*f16=*/true);
+  }
+}
+
+TEST_P(CpuOpsTest, HalfsWidenExactlyAndRoundTrip) {
+  std::vector<uint16_t> every(65536);
+  for (uint32_t i = 0; i < 65536; ++i) every[i] = static_cast<uint16_t>(i);
+  for (const ElementType t : {ElementType::kBFloat16, ElementType::kFloat16}) {
+    SCOPED_TRACE(ElementTypeName(t));
+    std::vector<float> wide(every.size());
+    std::vector<uint16_t> back(every.size());
+    ASSERT_EQ(ops_->HalfToFloat(every.data(), t, every.size(), wide.data(), nullptr),
+              KernelStatus::kOk);
+    ASSERT_EQ(ops_->FloatToHalf(wide.data(), t, wide.size(), back.data(), nullptr),
+              KernelStatus::kOk);
+    for (uint32_t i = 0; i < 65536; ++i) {
+      const uint16_t h = static_cast<uint16_t>(i);
+      float want;
+      if (t == ElementType::kBFloat16) {
+        const uint32_t u = i << 16;
+        std::memcpy(&want, &u, sizeof want);
+      } else {
+        _Float16 x;
+        std::memcpy(&x, &h, sizeof x);
+        want = static_cast<float>(x);
+      }
+      if (std::isnan(want)) {
+        ASSERT_TRUE(std::isnan(wide[i])) << i;
+        ASSERT_EQ(std::signbit(wide[i]), std::signbit(want)) << i;
+        continue;
+      }
+      ASSERT_EQ(Bits(wide[i]), Bits(want)) << "code " << i;
+      ASSERT_EQ(back[i], h) << "code " << i;  // every value survives the round trip
+    }
+  }
+}
+
+// The vector path gives the scalar path's bits on every input, NaN payloads
+// included, at every length (the tails run scalar).
+TEST_P(CpuOpsTest, HalfConversionsMatchTheScalarPath) {
+  auto scalar = CreateCpuSparseOps(CpuIsa::kScalar);
+  std::vector<float> in = ConversionInputs();
+  std::vector<uint16_t> codes(65536);
+  for (uint32_t i = 0; i < 65536; ++i) codes[i] = static_cast<uint16_t>(i);
+  for (const ElementType t : {ElementType::kBFloat16, ElementType::kFloat16}) {
+    for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{15}, size_t{17}, in.size()}) {
+      std::vector<uint16_t> a(n), b(n);
+      ASSERT_EQ(ops_->FloatToHalf(in.data(), t, n, a.data(), nullptr), KernelStatus::kOk);
+      ASSERT_EQ(scalar->FloatToHalf(in.data(), t, n, b.data(), nullptr), KernelStatus::kOk);
+      ASSERT_EQ(a, b) << ElementTypeName(t) << " n " << n;
+    }
+    std::vector<float> a(codes.size()), b(codes.size());
+    ASSERT_EQ(ops_->HalfToFloat(codes.data(), t, codes.size(), a.data(), nullptr), KernelStatus::kOk);
+    ASSERT_EQ(scalar->HalfToFloat(codes.data(), t, codes.size(), b.data(), nullptr),
+              KernelStatus::kOk);
+    for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(Bits(a[i]), Bits(b[i])) << i;
+  }
+}
+
+TEST_P(CpuOpsTest, HalfConversionsRefuseBadArguments) {
+  float f = 1.0f;
+  uint16_t h = 0;
+  EXPECT_EQ(ops_->FloatToHalf(&f, ElementType::kFloat32, 1, &h, nullptr),
+            KernelStatus::kInvalidArgument);
+  EXPECT_EQ(ops_->HalfToFloat(&h, static_cast<ElementType>(9), 1, &f, nullptr),
+            KernelStatus::kInvalidArgument);
+  EXPECT_EQ(ops_->FloatToHalf(nullptr, ElementType::kBFloat16, 1, &h, nullptr),
+            KernelStatus::kInvalidArgument);
+  EXPECT_EQ(ops_->HalfToFloat(&h, ElementType::kFloat16, 1, nullptr, nullptr),
+            KernelStatus::kInvalidArgument);
+  EXPECT_EQ(ops_->HalfToFloat(nullptr, ElementType::kFloat16, 0, nullptr, nullptr),
+            KernelStatus::kOk);
+}
+
 INSTANTIATE_TEST_SUITE_P(Isa, CpuOpsTest, ::testing::Values(CpuIsa::kScalar, CpuIsa::kAvx2),
                          [](const auto& info) {
                            return info.param == CpuIsa::kScalar ? std::string("Scalar")

@@ -674,3 +674,41 @@ TEST_F(CudaOpsTest, FusedPassIndexesPast2To31) {
 
 }  // namespace
 }  // namespace microd::kernels
+
+namespace microd::kernels {
+namespace {
+
+// Every fp16 and bf16 value widened, and floats of every kind rounded
+// (specials, ties, subnormal and overflow boundaries, random bits): the CPU
+// backend's bits.
+TEST_F(CudaOpsTest, HalfConversionsMatchCpu) {
+  std::vector<uint16_t> every(65536);
+  for (uint32_t i = 0; i < 65536; ++i) every[i] = static_cast<uint16_t>(i);
+  std::vector<float> floats = RandomValues(200003, 9);
+  std::mt19937 rng(10);
+  for (int i = 0; i < 200000; ++i) {
+    const uint32_t u = rng();
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    floats.push_back(f);
+  }
+  for (const ElementType t : {ElementType::kBFloat16, ElementType::kFloat16}) {
+    SCOPED_TRACE(ElementTypeName(t));
+    std::vector<float> wide(every.size());
+    ASSERT_EQ(cpu_->HalfToFloat(every.data(), t, every.size(), wide.data(), nullptr),
+              KernelStatus::kOk);
+    float* wd = Zeros<float>(every.size());
+    ASSERT_EQ(gpu_->HalfToFloat(Up(every), t, every.size(), wd, stream()), KernelStatus::kOk);
+    const std::vector<float> got_wide = Down(wd, every.size());
+    for (size_t i = 0; i < every.size(); ++i) ASSERT_EQ(Bits(got_wide[i]), Bits(wide[i])) << i;
+    std::vector<uint16_t> narrow(floats.size());
+    ASSERT_EQ(cpu_->FloatToHalf(floats.data(), t, floats.size(), narrow.data(), nullptr),
+              KernelStatus::kOk);
+    uint16_t* nd = Zeros<uint16_t>(floats.size());
+    ASSERT_EQ(gpu_->FloatToHalf(Up(floats), t, floats.size(), nd, stream()), KernelStatus::kOk);
+    EXPECT_EQ(Down(nd, floats.size()), narrow);
+  }
+}
+
+}  // namespace
+}  // namespace microd::kernels

@@ -107,12 +107,24 @@ MICROD_API microd_status microd_job_info_get(const microd_client* client, microd
 /* Per-buffer options. Set struct_size = sizeof(microd_buffer_options)
  * (microd_buffer_options_init does) so that fields can be appended. */
 #define MICROD_BUFFER_DENSE 1u /* always reduce this buffer dense (no sparsification) */
+
+/* A buffer's element type. The daemon works in fp32 whatever it is: it
+ * widens a bf16/fp16 gradient exactly, keeps the residual in fp32, and
+ * writes the update back rounded to nearest (ties to even). */
+typedef enum microd_dtype {
+  MICROD_DTYPE_FLOAT32 = 1,
+  MICROD_DTYPE_BFLOAT16 = 2, /* 2 bytes: the top half of an fp32 */
+  MICROD_DTYPE_FLOAT16 = 3   /* 2 bytes: IEEE binary16 */
+} microd_dtype;
+
 typedef struct microd_buffer_options {
   size_t struct_size;
   uint32_t flags; /* MICROD_BUFFER_* */
+  uint32_t dtype; /* microd_dtype; 0 is MICROD_DTYPE_FLOAT32. Every process
+                     registers a name with the same dtype. */
 } microd_buffer_options;
 
-/* Fills defaults (no flags). Never blocks. */
+/* Fills defaults (no flags, fp32). Never blocks. */
 MICROD_API void microd_buffer_options_init(microd_buffer_options* options);
 
 /* Allocates `count` fp32 elements in shared memory, registers them with the
@@ -125,11 +137,22 @@ MICROD_API microd_status microd_register_host_buffer(microd_client* client, cons
                                                      int32_t* buffer_id);
 
 /* microd_register_host_buffer with options (NULL: defaults). Every process
- * must register a name with the same flags. Blocks. */
+ * must register a name with the same flags. fp32 only (a bf16/fp16 dtype is
+ * MICROD_ERR_INVALID_ARGUMENT: use microd_register_typed_buffer). Blocks. */
 MICROD_API microd_status microd_register_buffer(microd_client* client, const char* name,
                                                 uint64_t count,
                                                 const microd_buffer_options* options,
                                                 float** data, int32_t* buffer_id);
+
+/* microd_register_buffer for any dtype: *data receives `count` elements of
+ * options->dtype (fp32: float; bf16 and fp16: 2 bytes each, e.g. uint16_t
+ * bits, C's _Float16, a torch.bfloat16/float16 tensor over the memory).
+ * Every process registers a name with the same count, flags and dtype (a
+ * difference is MICROD_ERR_MISMATCH, naming the dtypes). Blocks. */
+MICROD_API microd_status microd_register_typed_buffer(microd_client* client, const char* name,
+                                                      uint64_t count,
+                                                      const microd_buffer_options* options,
+                                                      void** data, int32_t* buffer_id);
 
 /* Registers `count` fp32 elements of GPU memory at `device_ptr` under `name`:
  * memory from cudaMalloc, or a piece of such an allocation (e.g. a PyTorch

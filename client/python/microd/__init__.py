@@ -96,7 +96,32 @@ class _Options(ctypes.Structure):
 
 
 class _BufferOptions(ctypes.Structure):
-    _fields_ = [("struct_size", ctypes.c_size_t), ("flags", ctypes.c_uint32)]
+    _fields_ = [("struct_size", ctypes.c_size_t), ("flags", ctypes.c_uint32),
+                ("dtype", ctypes.c_uint32)]
+
+
+# microd_dtype: the element types of a buffer (the daemon works in fp32).
+DTYPES = {"float32": 1, "bfloat16": 2, "float16": 3}
+
+
+def dtype_name(dtype):
+    """'float32', 'bfloat16' or 'float16' for a numpy or torch dtype (or one
+    of those names); InvalidArgumentError for anything else."""
+    if isinstance(dtype, str):
+        name = dtype
+    elif "torch" in type(dtype).__module__:
+        name = str(dtype).replace("torch.", "")  # torch.bfloat16 -> bfloat16
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = str(dtype)
+    name = {"float": "float32", "half": "float16"}.get(name, name)
+    if name not in DTYPES:
+        raise InvalidArgumentError(Status.INVALID_ARGUMENT,
+                                   f"dtype {dtype!r}: microd buffers are float32, bfloat16 or "
+                                   f"float16")
+    return name
 
 
 class _JobInfo(ctypes.Structure):
@@ -171,6 +196,9 @@ def _library():
                                                c.POINTER(_BufferOptions),
                                                c.POINTER(c.POINTER(c.c_float)),
                                                c.POINTER(c.c_int32)]
+        lib.microd_register_typed_buffer.argtypes = [c.c_void_p, c.c_char_p, c.c_uint64,
+                                                     c.POINTER(_BufferOptions),
+                                                     c.POINTER(c.c_void_p), c.POINTER(c.c_int32)]
         lib.microd_register_cuda_buffer.argtypes = [c.c_void_p, c.c_char_p, c.c_void_p,
                                                     c.c_uint64, c.POINTER(_BufferOptions),
                                                     c.POINTER(c.c_int32)]
@@ -205,16 +233,19 @@ class JobInfo:
 
 
 class Buffer:
-    """A registered buffer: `array` is a float32 numpy view of the shared
-    memory (valid until the client closes); `tensor` a torch view of the same
-    memory (as for CudaBuffer; torch is imported at the first use)."""
+    """A registered buffer: `array` is a numpy view of the shared memory
+    (valid until the client closes): float32 or float16, and for bfloat16,
+    which numpy lacks, its raw bits as uint16; `tensor` a torch view of the
+    same memory in the buffer's dtype (as for CudaBuffer; torch is imported at
+    the first use)."""
 
-    def __init__(self, client, name, buffer_id, array, dense):
+    def __init__(self, client, name, buffer_id, array, dense, dtype="float32"):
         self.client = client
         self.name = name
         self.id = buffer_id
         self.array = array
         self.dense = dense
+        self.dtype = dtype
         self._tensor = None
 
     @property
@@ -225,7 +256,10 @@ class Buffer:
     def tensor(self):
         if self._tensor is None:
             import torch
-            self._tensor = torch.from_numpy(self.array)
+            if self.dtype == "bfloat16":  # torch has no uint16: the same bits as int16
+                self._tensor = torch.from_numpy(self.array.view(np.int16)).view(torch.bfloat16)
+            else:
+                self._tensor = torch.from_numpy(self.array)
         return self._tensor
 
     def __repr__(self):
@@ -335,18 +369,28 @@ class Client:
         opts.flags = BUFFER_DENSE if dense else 0
         return opts
 
-    def register(self, name, count, dense=False):
-        """Allocates `count` float32 elements in shared memory and registers
-        them under `name` (the same on every process). `dense`: never sparsify."""
+    def register(self, name, count, dense=False, dtype="float32"):
+        """Allocates `count` elements in shared memory and registers them under
+        `name` (the same on every process, with the same count and dtype).
+        `dense`: never sparsify. `dtype`: float32, bfloat16 or float16 (a numpy
+        or torch dtype, or its name); the daemon widens bf16/fp16 gradients,
+        steps in fp32 and writes the update back rounded to nearest-even."""
+        dtype = dtype_name(dtype)
         opts = self._buffer_options(name, dense)
+        opts.dtype = DTYPES[dtype]
         lib = _library()
-        data = ctypes.POINTER(ctypes.c_float)()
+        data = ctypes.c_void_p()
         buffer_id = ctypes.c_int32(-1)
-        self._check(lib.microd_register_buffer(self._live(), name.encode(), int(count),
-                                               ctypes.byref(opts), ctypes.byref(data),
-                                               ctypes.byref(buffer_id)))
-        array = np.ctypeslib.as_array(data, shape=(int(count),))
-        buf = Buffer(self, name, buffer_id.value, array, dense)
+        self._check(lib.microd_register_typed_buffer(self._live(), name.encode(), int(count),
+                                                     ctypes.byref(opts), ctypes.byref(data),
+                                                     ctypes.byref(buffer_id)))
+        element = {"float32": ctypes.c_float, "bfloat16": ctypes.c_uint16,
+                   "float16": ctypes.c_uint16}[dtype]
+        array = np.ctypeslib.as_array(ctypes.cast(data, ctypes.POINTER(element)),
+                                      shape=(int(count),))
+        if dtype == "float16":
+            array = array.view(np.float16)
+        buf = Buffer(self, name, buffer_id.value, array, dense, dtype)
         self.buffers[name] = buf
         return buf
 

@@ -63,6 +63,9 @@ def apply_momentum_correction(optimizer, client=None):
     return switched
 
 
+_HALF_OR_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+
+
 class _Bucket:
     def __init__(self, client, name, params):
         self.params = params
@@ -71,7 +74,9 @@ class _Bucket:
         for p in params:
             self.offsets.append(total)
             total += p.numel()
-        self.buffer = client.register(name, total)
+        # The parameters' dtype (one per bucket): bf16/fp16 gradients go to the
+        # daemon as they are, which steps in fp32 and rounds the update back.
+        self.buffer = client.register(name, total, dtype=params[0].dtype)
         self.flat = self.buffer.tensor
         self.ready = set()
         self.ticket = None
@@ -112,10 +117,15 @@ class DistributedOptimizer:
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         if not named:
             raise ValueError("DistributedOptimizer: no parameters that require gradients")
+        for n, p in named:
+            if p.dtype not in _HALF_OR_FLOAT:
+                raise ValueError(f"DistributedOptimizer: parameter {n} is {p.dtype}; microd "
+                                 f"buckets are float32, bfloat16 or float16")
         cap = max(1, int(bucket_cap_mb * 1024 * 1024 / 4))
         groups, current, size = [], [], 0
         for _, p in reversed(named):
-            if current and size + p.numel() > cap:
+            # A bucket holds one dtype: a new one starts where the dtype changes.
+            if current and (size + p.numel() > cap or p.dtype != current[0].dtype):
                 groups.append(current)
                 current, size = [], 0
             current.append(p)
@@ -236,11 +246,13 @@ def comm_hook(state, bucket):
         name = f"{state.prefix}.{key[0]}.{key[1]}"
         if tensor.is_cuda:
             # A float32 buffer of the daemon's on the bucket's GPU (CUDA IPC:
-            # the update is written into it in place).
+            # the update is written into it in place; bf16/fp16 CUDA buffers
+            # are not taken yet, so a half bucket goes through fp32 here).
             flat = torch.empty(key[1], dtype=torch.float32, device=tensor.device)
             buf = state.client.register_cuda(name, flat)
         else:
-            buf = state.client.register(name, key[1])
+            # In the bucket's own dtype: a bf16/fp16 bucket is not widened here.
+            buf = state.client.register(name, key[1], dtype=tensor.dtype)
         state.buffers[key] = buf
     flat = buf.tensor
     # On the current stream for a CUDA bucket: the submission below makes the
@@ -254,7 +266,8 @@ def comm_hook(state, bucket):
             state.client.wait(ticket, state.timeout_ms)
             # DDP copies the result into the gradients itself: hand it the
             # shared buffer (rewritten only by this bucket's next step).
-            fut.set_result(flat.view_as(tensor))
+            out = flat.view_as(tensor)
+            fut.set_result(out if out.dtype == tensor.dtype else out.to(tensor.dtype))
         except Exception as e:  # delivered to DDP through the future
             fut.set_exception(e)
 

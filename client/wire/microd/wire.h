@@ -42,7 +42,12 @@ enum microd_wire_type {
 #define MICROD_WIRE_CAP_REGISTER_CUDA 1u
 
 enum microd_wire_buffer_kind { MICROD_BUFFER_HOST = 1, MICROD_BUFFER_CUDA = 2 };
-enum microd_wire_dtype { MICROD_DTYPE_FLOAT32 = 1 };
+/* The values of microd.h's MICROD_DTYPE_* (there: the buffer options). */
+enum microd_wire_dtype {
+  MICROD_WIRE_DTYPE_FLOAT32 = 1,
+  MICROD_WIRE_DTYPE_BFLOAT16 = 2,
+  MICROD_WIRE_DTYPE_FLOAT16 = 3
+};
 
 typedef struct microd_wire_header {
   uint32_t magic;
