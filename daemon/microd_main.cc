@@ -98,6 +98,10 @@ ABSL_FLAG(double, warmup_density, 0.0,
 ABSL_FLAG(uint64_t, warmup_decay_steps, 0, "length of the density decay, in steps");
 ABSL_FLAG(std::string, nonfinite, "fail",
           "a NaN/Inf in a gradient: fail that step on every node, or skip it (zero update)");
+ABSL_FLAG(std::string, wire_dtype, "fp32",
+          "the selected values of bf16/fp16 sparse buckets travel as fp32, or as the bucket's "
+          "own type (bucket: half the value bytes; what rounding drops stays in the residual; "
+          "Gloo transport only)");
 ABSL_FLAG(uint64_t, stats_history, 1024,
           "sparse steps kept per bucket for `microctl --history buckets` (0: none)");
 ABSL_FLAG(bool, response_cache, true,
@@ -286,6 +290,13 @@ absl::Status CheckRanges() {
   if (absl::GetFlag(FLAGS_nonfinite) != "fail" && absl::GetFlag(FLAGS_nonfinite) != "skip") {
     return Bad("--nonfinite", absl::InvalidArgumentError("must be fail or skip"));
   }
+  if (absl::GetFlag(FLAGS_wire_dtype) != "fp32" && absl::GetFlag(FLAGS_wire_dtype) != "bucket") {
+    return Bad("--wire_dtype", absl::InvalidArgumentError("must be fp32 or bucket"));
+  }
+  if (absl::GetFlag(FLAGS_wire_dtype) == "bucket" && absl::GetFlag(FLAGS_transport) == "nccl") {
+    return Bad("--wire_dtype", absl::InvalidArgumentError(
+                                   "bucket needs --transport=gloo (NCCL takes fp32 buckets)"));
+  }
   if (const int l = absl::GetFlag(FLAGS_local_size); l < 1 || l > microd::control::kMaxLocalSize) {
     return Bad("--local_size", absl::InvalidArgumentError(absl::StrCat(
                                    "must be in [1, ", microd::control::kMaxLocalSize, "]")));
@@ -402,6 +413,7 @@ microd::engine::EngineOptions EngineOptionsOf(const Config& c) {
   eo.dense_floor = absl::GetFlag(FLAGS_dense_floor);
   eo.skip_nonfinite = absl::GetFlag(FLAGS_nonfinite) == "skip";
   eo.stats_history = absl::GetFlag(FLAGS_stats_history);
+  eo.wire_bucket_dtype = absl::GetFlag(FLAGS_wire_dtype) == "bucket";
   eo.response_cache = c.response_cache;
   eo.cycle_floats = absl::GetFlag(FLAGS_cycle_floats);
   eo.op_timeout = c.op_timeout;

@@ -214,6 +214,11 @@ class SparseOps {
   // (kernels/convert.h).
   virtual KernelStatus FloatToHalf(const float* src, ElementType type, uint64_t count,
                                    uint16_t* dst, void* stream) = 0;
+  // The selected values sent as `type` (bf16 or fp16), what the rounding
+  // drops kept: out[j] = round(acc[index[j]]) (as FloatToHalf), then
+  // acc[index[j]] -= widen(out[j]) (exact: a rounding error is a float).
+  virtual KernelStatus GatherRounded(float* acc, const uint32_t* index, uint64_t count,
+                                     ElementType type, uint16_t* out, void* stream) = 0;
   // Sorts index[0..count) ascending and removes duplicates in place;
   // scalars->count receives the number of distinct indices.
   virtual KernelStatus SortUnique(uint32_t* index, uint64_t count, StepScalars* scalars,

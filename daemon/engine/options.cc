@@ -33,6 +33,7 @@ absl::Status CheckOptionsAgree(transport::Transport& transport, const EngineOpti
       {"--response_cache", o.response_cache ? 1u : 0u},
       {"--cycle_floats", o.cycle_floats},
       {"--transport", o.device_resident ? 1u : 0u},
+      {"--wire_dtype", o.wire_bucket_dtype ? 1u : 0u},
   };
   const size_t k = mine.size();
   std::vector<uint64_t> values(k), all(k * transport.size());

@@ -41,6 +41,9 @@ struct EngineOptions {
   // staged through it (step_memory.h).
   bool device_resident = false;
   int device = 0;
+  // --wire_dtype=bucket: the selected values of a bf16/fp16 sparse bucket
+  // travel in its own type (half the value bytes; sparsify::BucketSpec::wire).
+  bool wire_bucket_dtype = false;
 };
 
 // Every node must run with the same step options (the collectives' sizes

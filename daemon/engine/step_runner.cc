@@ -170,8 +170,10 @@ void StepRunner::FinishInCycle(const std::vector<Work>& works, const InCycle& in
 
 absl::Status StepRunner::EnsureState(Bucket& b) {
   if (b.state != nullptr) return absl::OkStatus();
+  sparsify::BucketSpec spec{b.name, b.count, next_slot_++};
+  if (options_.wire_bucket_dtype) spec.wire = static_cast<kernels::ElementType>(b.dtype);
   auto state = sparsify::BucketState::Create(
-      {b.name, b.count, next_slot_++},
+      spec,
       {membership_.node_count, membership_.node_rank, membership_.world_size}, options_.sparsify,
       ops_);
   if (!state.ok()) return state.status();

@@ -301,19 +301,51 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, float* acc, float* update,
     return absl::ResourceExhaustedError(
         absl::StrCat("bucket '", spec_.name, "': out of memory for ", K, " values"));
   }
-  RETURN_IF_ERROR(
-      Check(ops_->Gather(acc, global_index_.get(), K, values_.get(), stream_), "gather"));
   CollectiveOptions o = options;
   o.tag = MakeTag(spec_.slot, TagKind::kValues);
-  stats.bytes_sent += K * sizeof(float);
-  stats.bytes_received += K * sizeof(float);
-  RETURN_IF_ERROR(transport.AllreduceSum(values_.get(), K, DataType::kFloat32, o));
+  const bool half_wire = spec_.wire != kernels::ElementType::kFloat32;
+  if (half_wire) {
+    if (!wire_values_.Reserve(ops_, std::max<uint64_t>(K, 1))) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("bucket '", spec_.name, "': out of memory for ", K, " values"));
+    }
+    // The residual keeps what rounding the values drops (no zeroing below).
+    RETURN_IF_ERROR(Check(ops_->GatherRounded(acc, global_index_.get(), K, spec_.wire,
+                                              wire_values_.get(), stream_),
+                          "gather"));
+    stats.bytes_sent += K * sizeof(uint16_t);
+    stats.bytes_received += K * sizeof(uint16_t);
+    RETURN_IF_ERROR(transport.AllreduceSum(
+        wire_values_.get(), K,
+        spec_.wire == kernels::ElementType::kBFloat16 ? DataType::kBFloat16 : DataType::kFloat16,
+        o));
+    RETURN_IF_ERROR(Check(
+        ops_->HalfToFloat(wire_values_.get(), spec_.wire, K, values_.get(), stream_), "widen"));
+    // A sum past the type's range (fp16: 65504) is Inf on every node alike.
+    RETURN_IF_ERROR(Check(ops_->CountNonFinite(values_.get(), K, scalars_.get(), stream_),
+                          "overflow check"));
+    ASSIGN_OR_RETURN(const kernels::StepScalars overflow, ReadScalars());
+    if (overflow.nonfinite != 0) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "bucket '", spec_.name, "' step ", step_, ": ", overflow.nonfinite,
+          " selected values overflow ", kernels::ElementTypeName(spec_.wire),
+          " on the wire (--wire_dtype=bucket); run with --wire_dtype=fp32"));
+    }
+  } else {
+    RETURN_IF_ERROR(
+        Check(ops_->Gather(acc, global_index_.get(), K, values_.get(), stream_), "gather"));
+    stats.bytes_sent += K * sizeof(float);
+    stats.bytes_received += K * sizeof(float);
+    RETURN_IF_ERROR(transport.AllreduceSum(values_.get(), K, DataType::kFloat32, o));
+  }
   const absl::Time apply_start = absl::Now();
   RETURN_IF_ERROR(
       Check(ops_->ScatterAverage(values_.get(), global_index_.get(), K,
                                  static_cast<float>(job_.world_size), update, spec_.size, stream_),
             "scatter"));
-  RETURN_IF_ERROR(Check(ops_->ZeroAt(acc, global_index_.get(), K, stream_), "zeroing"));
+  if (!half_wire) {
+    RETURN_IF_ERROR(Check(ops_->ZeroAt(acc, global_index_.get(), K, stream_), "zeroing"));
+  }
   stats.apply_seconds = absl::ToDoubleSeconds(absl::Now() - apply_start);
   stats.selected = K;
   stats.cre = std::fabs(static_cast<double>(K) / static_cast<double>(stats.budget) - 1.0);

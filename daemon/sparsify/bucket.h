@@ -22,6 +22,11 @@ struct BucketSpec {
   std::string name;   // for messages
   uint64_t size = 0;  // d, fp32 elements, 1 <= d < 2^32
   uint32_t slot = 0;  // distinguishes this bucket's collectives (transport tag)
+  // The selected values' type on the wire (--wire_dtype=bucket: a bf16/fp16
+  // bucket's own): each node's values rounded to it (what the rounding drops
+  // stays in the residual), summed in fp32 and rounded once by the
+  // transport. fp32: as computed.
+  kernels::ElementType wire = kernels::ElementType::kFloat32;
 };
 
 // What one step did, as this node saw it.
@@ -167,6 +172,7 @@ class BucketState {
   DeviceBuffer<float> candidate_value_;
   DeviceBuffer<uint32_t> global_index_;
   DeviceBuffer<float> values_;
+  DeviceBuffer<uint16_t> wire_values_;  // the values as sent, with a bf16/fp16 wire
   DeviceBuffer<kernels::StepScalars> scalars_;
 };
 

@@ -12,6 +12,9 @@ size_t DataTypeSize(DataType type) {
       return 4;
     case DataType::kInt64:
       return 8;
+    case DataType::kBFloat16:
+    case DataType::kFloat16:
+      return 2;
   }
   return 0;
 }
@@ -24,6 +27,10 @@ const char* DataTypeName(DataType type) {
       return "int32";
     case DataType::kInt64:
       return "int64";
+    case DataType::kBFloat16:
+      return "bfloat16";
+    case DataType::kFloat16:
+      return "float16";
   }
   return "unknown";
 }

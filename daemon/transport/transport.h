@@ -18,6 +18,9 @@
 // - AllreduceSum leaves the identical result on every rank. The host
 //   backends (in-process, Gloo) sum floats in rank order (((x0 + x1) + x2)
 //   + ...), so their results are the same bits; NCCL sums in its own order.
+//   bf16 and fp16 data (2-byte elements) travel as they are and are summed
+//   widened to fp32, in rank order, the sum rounded once to the type
+//   (kernels/convert.h); only the host backends take them.
 #pragma once
 
 #include <cstddef>
@@ -30,7 +33,7 @@
 
 namespace microd::transport {
 
-enum class DataType : int { kFloat32 = 0, kInt32 = 1, kInt64 = 2 };
+enum class DataType : int { kFloat32 = 0, kInt32 = 1, kInt64 = 2, kBFloat16 = 3, kFloat16 = 4 };
 size_t DataTypeSize(DataType type);
 const char* DataTypeName(DataType type);
 

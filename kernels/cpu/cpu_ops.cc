@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/convert.h"
 #include "kernels/sparse_ops.h"
 
 namespace microd::kernels {
@@ -273,6 +274,20 @@ class CpuSparseOps final : public SparseOps {
       return KernelStatus::kInvalidArgument;
     }
     (isa_ == CpuIsa::kAvx2 ? cpu::FloatToHalfAvx2 : cpu::FloatToHalfScalar)(src, type, count, dst);
+    return KernelStatus::kOk;
+  }
+
+  KernelStatus GatherRounded(float* acc, const uint32_t* index, uint64_t count, ElementType type,
+                             uint16_t* out, void*) override {
+    if (!IsHalf(type) || (count > 0 && (acc == nullptr || index == nullptr || out == nullptr))) {
+      return KernelStatus::kInvalidArgument;
+    }
+    const bool bf16 = type == ElementType::kBFloat16;
+    for (uint64_t j = 0; j < count; ++j) {
+      float& a = acc[index[j]];
+      out[j] = bf16 ? convert::FloatToBf16(a) : convert::FloatToF16(a);
+      a -= bf16 ? convert::Bf16ToFloat(out[j]) : convert::F16ToFloat(out[j]);
+    }
     return KernelStatus::kOk;
   }
 

@@ -257,6 +257,17 @@ __global__ void FloatToHalfKernel(const float* src, bool bf16, uint64_t size, ui
   }
 }
 
+__global__ void GatherRoundedKernel(float* acc, const uint32_t* index, uint64_t count, bool bf16,
+                                    uint16_t* out) {
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  for (uint64_t j = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < count; j += stride) {
+    const float a = acc[index[j]];
+    const uint16_t h = bf16 ? convert::FloatToBf16(a) : convert::FloatToF16(a);
+    out[j] = h;
+    acc[index[j]] = __fsub_rn(a, bf16 ? convert::Bf16ToFloat(h) : convert::F16ToFloat(h));
+  }
+}
+
 __global__ void ScaleKernel(const float* in, float factor, float* out, uint64_t size) {
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size; i += stride) {
@@ -715,6 +726,19 @@ class CudaSparseOps final : public SparseOps {
     FloatToHalfKernel<<<Grid(count, kThreads), kThreads, 0, S(stream)>>>(
         src, type == ElementType::kBFloat16, count, dst);
     return Check(cudaGetLastError(), "float to half launch");
+  }
+
+  KernelStatus GatherRounded(float* acc, const uint32_t* index, uint64_t count, ElementType type,
+                             uint16_t* out, void* stream) override {
+    if ((type != ElementType::kBFloat16 && type != ElementType::kFloat16) ||
+        (count > 0 && (acc == nullptr || index == nullptr || out == nullptr))) {
+      return KernelStatus::kInvalidArgument;
+    }
+    if (count == 0) return KernelStatus::kOk;
+    if (!SetDevice()) return KernelStatus::kDeviceError;
+    GatherRoundedKernel<<<Grid(count, kThreads), kThreads, 0, S(stream)>>>(
+        acc, index, count, type == ElementType::kBFloat16, out);
+    return Check(cudaGetLastError(), "gather rounded launch");
   }
 
   KernelStatus Gather(const float* acc, const uint32_t* index, uint64_t count, float* out,

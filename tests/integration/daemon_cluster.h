@@ -221,10 +221,12 @@ class DaemonCluster {
 // buckets at or above kDenseFloor (the daemons' flags must say the same).
 // `dtype` (2 bf16, 3 fp16): each process's gradient is that type's rounding of
 // its fp32 one, widened for the step; the update is rounded to it again and
-// hashed as 2-byte elements.
+// hashed as 2-byte elements. `wire_bucket` (--wire_dtype=bucket): the sparse
+// buckets' selected values travel in `dtype`.
 using ReferenceHashes = std::vector<std::vector<std::vector<uint64_t>>>;
 inline ReferenceHashes Reference(int n, int L, const std::vector<BucketSpec>& buckets, long steps,
-                                 const sparsify::SparsifyOptions& base = {}, int dtype = 1) {
+                                 const sparsify::SparsifyOptions& base = {}, int dtype = 1,
+                                 bool wire_bucket = false) {
   auto ops = kernels::CreateCpuSparseOps();
   auto group = transport::CreateInprocGroup(n);
   std::vector<std::vector<std::vector<uint64_t>>> ref(
@@ -236,9 +238,9 @@ inline ReferenceHashes Reference(int n, int L, const std::vector<BucketSpec>& bu
       for (size_t b = 0; b < buckets.size(); ++b) {
         sparsify::SparsifyOptions o = base;
         if (buckets[b].count < kDenseFloor) o.sparsifier = sparsify::SparsifierKind::kDense;
-        state.push_back(*sparsify::BucketState::Create(
-            {buckets[b].name, buckets[b].count, static_cast<uint32_t>(b + 1)}, {n, r, n * L}, o,
-            ops.get()));
+        sparsify::BucketSpec spec{buckets[b].name, buckets[b].count, static_cast<uint32_t>(b + 1)};
+        if (wire_bucket) spec.wire = static_cast<kernels::ElementType>(dtype);
+        state.push_back(*sparsify::BucketState::Create(spec, {n, r, n * L}, o, ops.get()));
       }
       for (long t = 0; t < steps; ++t) {
         for (size_t b = 0; b < buckets.size(); ++b) {

@@ -203,6 +203,7 @@ TEST(DaemonFaults, SizeMismatchBetweenNodesIsReportedEverywhere) {
 struct HalfCase {
   int dtype;  // 2 bf16, 3 fp16
   int nodes, local;
+  bool wire = false;  // --wire_dtype=bucket
 };
 
 class HalfPrecision : public ::testing::TestWithParam<HalfCase> {};
@@ -211,25 +212,41 @@ TEST_P(HalfPrecision, BucketsMatchTheReference) {
   const HalfCase c = GetParam();
   const std::vector<BucketSpec> buckets = {{"embed", 1000}, {"bias", 3001}, {"fc", 200003}};
   const long steps = 12;
-  DaemonCluster cluster(c.nodes, c.local);
+  DaemonCluster cluster(c.nodes, c.local,
+                        c.wire ? std::vector<std::string>{"--wire_dtype=bucket"}
+                               : std::vector<std::string>{});
   const std::string dtype = c.dtype == 2 ? "dtype=bf16" : "dtype=fp16";
   cluster.StartClients(buckets, steps, -1, -1, -1,
                        [&](int, int) { return std::vector<std::string>{dtype}; });
   const auto codes = cluster.WaitClients(std::chrono::seconds(240));
-  const auto ref = Reference(c.nodes, c.local, buckets, steps, {}, c.dtype);
+  const auto ref = Reference(c.nodes, c.local, buckets, steps, {}, c.dtype, c.wire);
   ExpectMatchesReference(cluster, codes, ref, c.nodes, c.local, buckets, steps);
   auto status = cluster.Status(0);
   ASSERT_TRUE(status.ok()) << status.status();
-  for (const auto& b : status->buckets()) EXPECT_EQ(b.steps(), static_cast<uint64_t>(steps));
+  for (const auto& b : status->buckets()) {
+    EXPECT_EQ(b.steps(), static_cast<uint64_t>(steps));
+    if (b.name() == "fc" && c.nodes > 1) {
+      // A value is 2 bytes on a half wire, 4 otherwise; an index 4: sent
+      // bytes per selected value, headers aside.
+      const double per_value = static_cast<double>(b.bytes_sent()) /
+                               static_cast<double>(b.last_selected() * steps);
+      if (c.wire) {
+        EXPECT_LT(per_value, 6.5) << b.bytes_sent();
+      } else {
+        EXPECT_GT(per_value, 7.0) << b.bytes_sent();
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Types, HalfPrecision,
     ::testing::Values(HalfCase{2, 1, 1}, HalfCase{2, 2, 2}, HalfCase{2, 3, 1}, HalfCase{2, 4, 1},
-                      HalfCase{3, 1, 2}, HalfCase{3, 2, 1}, HalfCase{3, 3, 1}, HalfCase{3, 4, 1}),
+                      HalfCase{3, 1, 2}, HalfCase{3, 2, 1}, HalfCase{3, 3, 1}, HalfCase{3, 4, 1},
+                      HalfCase{2, 2, 1, true}, HalfCase{3, 3, 2, true}, HalfCase{2, 4, 1, true}),
     [](const auto& info) {
       return absl::StrCat(info.param.dtype == 2 ? "Bf16" : "Fp16", "_", info.param.nodes, "x",
-                          info.param.local);
+                          info.param.local, info.param.wire ? "_WireBucket" : "");
     });
 
 // A bucket registered as bf16 on one node and fp16 (or fp32) on another can

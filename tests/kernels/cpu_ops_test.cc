@@ -592,6 +592,42 @@ TEST_P(CpuOpsTest, HalfConversionsMatchTheScalarPath) {
   }
 }
 
+// Values sent as bf16/fp16: each rounded as FloatToHalf, and exactly what
+// the rounding dropped left behind (acc after + widened value = acc before).
+TEST_P(CpuOpsTest, GatherRoundedKeepsWhatRoundingDrops) {
+  std::vector<float> before = RandomValues(100003, 31);
+  for (float& x : before) x *= 3.0f;
+  std::vector<uint32_t> index;
+  for (uint32_t i = 5; i < before.size(); i += 7) index.push_back(i);
+  for (const ElementType t : {ElementType::kBFloat16, ElementType::kFloat16}) {
+    SCOPED_TRACE(ElementTypeName(t));
+    std::vector<float> acc = before;
+    std::vector<uint16_t> out(index.size()), want(index.size());
+    ASSERT_EQ(ops_->GatherRounded(acc.data(), index.data(), index.size(), t, out.data(), nullptr),
+              KernelStatus::kOk);
+    std::vector<float> picked(index.size()), wide(index.size());
+    for (size_t j = 0; j < index.size(); ++j) picked[j] = before[index[j]];
+    ASSERT_EQ(ops_->FloatToHalf(picked.data(), t, picked.size(), want.data(), nullptr),
+              KernelStatus::kOk);
+    ASSERT_EQ(out, want);
+    ASSERT_EQ(ops_->HalfToFloat(out.data(), t, out.size(), wide.data(), nullptr),
+              KernelStatus::kOk);
+    size_t j = 0;
+    for (size_t i = 0; i < acc.size(); ++i) {
+      if (j < index.size() && index[j] == i) {
+        ASSERT_EQ(acc[i] + wide[j], before[i]) << i;  // the remainder, exactly
+        ASSERT_LE(std::fabs(acc[i]), std::fabs(before[i]) * (t == ElementType::kBFloat16
+                                                                 ? 0x1p-8f : 0x1p-11f) +
+                                         0x1p-24f)
+            << i;
+        ++j;
+      } else {
+        ASSERT_EQ(Bits(acc[i]), Bits(before[i])) << "untouched at " << i;
+      }
+    }
+  }
+}
+
 TEST_P(CpuOpsTest, HalfConversionsRefuseBadArguments) {
   float f = 1.0f;
   uint16_t h = 0;

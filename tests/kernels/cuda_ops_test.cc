@@ -707,6 +707,21 @@ TEST_F(CudaOpsTest, HalfConversionsMatchCpu) {
     uint16_t* nd = Zeros<uint16_t>(floats.size());
     ASSERT_EQ(gpu_->FloatToHalf(Up(floats), t, floats.size(), nd, stream()), KernelStatus::kOk);
     EXPECT_EQ(Down(nd, floats.size()), narrow);
+    // The values sent with a half wire, and the remainders left behind.
+    std::vector<uint32_t> index;
+    for (uint32_t i = 3; i < floats.size(); i += 5) {
+      if (std::isfinite(floats[i])) index.push_back(i);
+    }
+    std::vector<float> acc = floats;
+    std::vector<uint16_t> sent(index.size());
+    ASSERT_EQ(cpu_->GatherRounded(acc.data(), index.data(), index.size(), t, sent.data(), nullptr),
+              KernelStatus::kOk);
+    float* accd = Up(floats);
+    uint16_t* sentd = Zeros<uint16_t>(index.size());
+    ASSERT_EQ(gpu_->GatherRounded(accd, Up(index), index.size(), t, sentd, stream()),
+              KernelStatus::kOk);
+    EXPECT_EQ(Down(sentd, index.size()), sent);
+    ExpectSameBits(Down(accd, floats.size()), acc);
   }
 }
 

@@ -55,13 +55,31 @@ std::vector<Vec> MakeGrads(int n, uint64_t d, uint64_t t, uint32_t seed) {
   return g;
 }
 
-// The reference: state of every node, one step at a time.
+// A half wire's rounding, from the definitions (not the kernels' code): bf16
+// the nearer of the two truncations, ties to even; fp16 GCC's _Float16.
+float ViaWire(int wire, float x) {
+  if (wire == 2) {
+    const uint32_t lo = Bits(x) & 0xffff0000u, hi = lo + 0x10000u;
+    float flo, fhi;
+    std::memcpy(&flo, &lo, sizeof flo);
+    std::memcpy(&fhi, &hi, sizeof fhi);
+    const double a = std::fabs(double(x) - flo), b = std::fabs(double(fhi) - x);
+    return a < b || (a == b && ((lo >> 16) & 1u) == 0) ? flo : fhi;
+  }
+  return static_cast<float>(static_cast<_Float16>(x));
+}
+
+// The reference: state of every node, one step at a time. `wire` (2 bf16,
+// 3 fp16; 1 fp32) is the selected values' type on the wire: each node's
+// values rounded to it (the rest stays in its residual), their sum in fp32
+// rounded once.
 class Reference {
  public:
-  Reference(int n, int W, uint64_t d, SparsifyOptions o)
+  Reference(int n, int W, uint64_t d, SparsifyOptions o, int wire = 1)
       : n_(n),
         W_(W),
         d_(d),
+        wire_(wire),
         o_(o),
         k_(Budget(o.density, d)),
         e_(n, Vec(d, 0.0f)),
@@ -144,6 +162,12 @@ class Reference {
       I.assign(uni.begin(), uni.end());
     }
     for (uint32_t i : I) {
+      if (wire_ != 1) {
+        float v = ViaWire(wire_, acc[0][i]);
+        for (int r = 1; r < n_; ++r) v += ViaWire(wire_, acc[r][i]);
+        u[i] = ViaWire(wire_, v) / float(W_);
+        continue;
+      }
       float v = acc[0][i];
       for (int r = 1; r < n_; ++r) v += acc[r][i];
       u[i] = v / float(W_);
@@ -151,7 +175,7 @@ class Reference {
     for (int r = 0; r < n_; ++r) {
       e_[r] = acc[r];
       for (uint32_t i : I) {
-        e_[r][i] = 0.0f;
+        e_[r][i] = wire_ != 1 ? acc[r][i] - ViaWire(wire_, acc[r][i]) : 0.0f;
         m_[r][i] = 0.0f;  // momentum factor masking
       }
     }
@@ -169,6 +193,7 @@ class Reference {
  private:
   const int n_, W_;
   const uint64_t d_;
+  const int wire_;
   const SparsifyOptions o_;
   const uint64_t k_;
   std::vector<Vec> e_;
@@ -180,11 +205,12 @@ class Reference {
 // n nodes of one bucket over the in-process transport.
 class Cluster {
  public:
-  Cluster(int n, int W, uint64_t d, const SparsifyOptions& o) : n_(n), W_(W), d_(d), o_(o) {
+  Cluster(int n, int W, uint64_t d, const SparsifyOptions& o, int wire = 1)
+      : n_(n), W_(W), d_(d), o_(o), spec_{"grads.0", d, 3, static_cast<kernels::ElementType>(wire)} {
     ops_ = kernels::CreateCpuSparseOps();
     group_ = transport::CreateInprocGroup(n);
     for (int r = 0; r < n; ++r) {
-      auto b = BucketState::Create({"grads.0", d, 3}, {n, r, W}, o, ops_.get());
+      auto b = BucketState::Create(spec_, {n, r, W}, o, ops_.get());
       EXPECT_TRUE(b.ok()) << b.status();
       buckets_.push_back(std::move(b).value());
     }
@@ -230,7 +256,7 @@ class Cluster {
     for (int r = 0; r < n_; ++r) {
       auto saved = buckets_[r]->Save();
       ASSERT_TRUE(saved.ok()) << saved.status();
-      auto fresh = BucketState::Create({"grads.0", d_, 3}, {n_, r, W_}, o_, ops_.get());
+      auto fresh = BucketState::Create(spec_, {n_, r, W_}, o_, ops_.get());
       ASSERT_TRUE(fresh.ok()) << fresh.status();
       ASSERT_TRUE((*fresh)->Load(*saved).ok());
       buckets_[r] = std::move(fresh).value();
@@ -242,6 +268,7 @@ class Cluster {
   const int W_;
   const uint64_t d_;
   const SparsifyOptions o_;
+  const BucketSpec spec_;
   std::unique_ptr<kernels::SparseOps> ops_;
   std::vector<std::unique_ptr<transport::Transport>> group_;
   std::vector<std::unique_ptr<BucketState>> buckets_;
@@ -254,9 +281,11 @@ struct Case {
   uint64_t warmup_steps = 0;
   double warmup_density = 0.0;  // decays to the density over 10 steps
   double clip_norm = 0.0;
+  int wire = 1;  // the selected values on the wire: 1 fp32, 2 bf16, 3 fp16
 };
 void PrintTo(const Case& c, std::ostream* os) {
-  *os << SparsifierName(c.sparsifier) << "/" << ControllerName(c.controller) << "/m" << c.momentum;
+  *os << SparsifierName(c.sparsifier) << "/" << ControllerName(c.controller) << "/m" << c.momentum
+      << (c.wire == 2 ? "/wire bf16" : c.wire == 3 ? "/wire fp16" : "");
 }
 
 SparsifyOptions OptionsOf(const Case& c, double density) {
@@ -282,8 +311,8 @@ TEST_P(StepTest, MatchesReferenceBitForBit) {
         SCOPED_TRACE(testing::Message() << "n=" << n << " d=" << d << " density=" << density);
         const SparsifyOptions o = OptionsOf(c, density);
         const int W = 2 * n;  // two training processes per node
-        Cluster cluster(n, W, d, o);
-        Reference ref(n, W, d, o);
+        Cluster cluster(n, W, d, o, c.wire);
+        Reference ref(n, W, d, o, c.wire);
         std::vector<Vec> updates;
         std::vector<StepStats> stats;
         bool any_clipped = false;
@@ -339,13 +368,19 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.0, 2, 0.25},
                       Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.0, 0, 0.25},
                       Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9, 0, 0.0, 0.3},
-                      Case{SparsifierKind::kHard, ControllerKind::kHistogram, 0.0, 0, 0.0, 0.5}),
+                      Case{SparsifierKind::kHard, ControllerKind::kHistogram, 0.0, 0, 0.0, 0.5},
+                      // --wire_dtype=bucket for bf16/fp16 buckets.
+                      Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.0, 0, 0.0, 0.0, 2},
+                      Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9, 0, 0.0, 0.0, 3},
+                      Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.0, 0, 0.0, 0.0, 2},
+                      Case{SparsifierKind::kHard, ControllerKind::kHistogram, 0.0, 0, 0.0, 0.0, 3}),
     [](const auto& info) {
       return std::string(SparsifierName(info.param.sparsifier)) + "_" +
              ControllerName(info.param.controller) + (info.param.momentum > 0 ? "_momentum" : "") +
              (info.param.warmup_steps > 0 ? "_warmup" : "") +
              (info.param.warmup_density > 0 ? "_schedule" : "") +
-             (info.param.clip_norm > 0 ? "_clip" : "");
+             (info.param.clip_norm > 0 ? "_clip" : "") +
+             (info.param.wire == 2 ? "_wirebf16" : info.param.wire == 3 ? "_wirefp16" : "");
     });
 
 // A checkpoint of every node's state after 20 steps, loaded into fresh
@@ -357,7 +392,7 @@ TEST_P(StepTest, ASavedStateContinuesBitForBit) {
     for (uint64_t d : {uint64_t{1003}, uint64_t{20011}}) {
       SCOPED_TRACE(testing::Message() << "n=" << n << " d=" << d);
       const SparsifyOptions o = OptionsOf(c, 0.01);
-      Cluster straight(n, 2 * n, d, o), restarted(n, 2 * n, d, o);
+      Cluster straight(n, 2 * n, d, o, c.wire), restarted(n, 2 * n, d, o, c.wire);
       std::vector<Vec> a, b;
       std::vector<StepStats> sa, sb;
       for (uint64_t t = 0; t < 40; ++t) {
@@ -376,6 +411,24 @@ TEST_P(StepTest, ASavedStateContinuesBitForBit) {
         ExpectBitEqual(restarted.residual(r), straight.residual(r), "final residual");
       }
     }
+  }
+}
+
+// Selected values past fp16's range on an fp16 wire: the step fails on every
+// node, saying so, instead of handing out an Inf update.
+TEST(StepHalfWire, AnFp16OverflowFailsTheStepOnEveryNode) {
+  SparsifyOptions o;
+  o.density = 0.1;
+  Cluster cluster(2, 2, 1003, o, /*wire=*/3);
+  std::vector<Vec> g = MakeGrads(2, 1003, 0, 5);
+  for (Vec& v : g) {
+    for (float& x : v) x *= 1e7f;  // |x| up to ~1e6 > 65504
+  }
+  std::vector<Vec> updates;
+  std::vector<StepStats> stats;
+  for (const auto& s : cluster.Step(g, updates, stats)) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "overflow float16 on the wire")) << s;
   }
 }
 

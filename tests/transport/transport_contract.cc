@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 
@@ -118,6 +119,74 @@ TEST_P(TransportContractTest, FloatSumsAreTheRankOrderSumsBitForBit) {
             << "rank " << r << " of " << n << " element " << i << ": " << f[i] << " vs " << want;
       }
     });
+  }
+}
+
+// bf16 and fp16 sums (the host backends): every rank's 2-byte values widened,
+// summed in rank order in fp32, rounded once to nearest-even; every path
+// (small, burst, segmented large). NCCL refuses them with a clear error.
+TEST_P(TransportContractTest, HalfSumsAreWidenedSummedInRankOrderAndRoundedOnce) {
+  auto bits_of = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return u;
+  };
+  // Reference roundings, from the definition (not the backends' code):
+  // bf16 by the nearer of the two truncations, ties to even; fp16 by GCC's
+  // _Float16.
+  auto bf16 = [&](float x) -> uint16_t {
+    const uint32_t lo = bits_of(x) & 0xffff0000u, hi = lo + 0x10000u;
+    float flo, fhi;
+    std::memcpy(&flo, &lo, sizeof flo);
+    std::memcpy(&fhi, &hi, sizeof fhi);
+    const double a = std::fabs(double(x) - flo), b = std::fabs(double(fhi) - x);
+    return static_cast<uint16_t>((a < b || (a == b && ((lo >> 16) & 1u) == 0) ? lo : hi) >> 16);
+  };
+  auto f16 = [](float x) -> uint16_t {
+    const _Float16 h = static_cast<_Float16>(x);
+    uint16_t u;
+    std::memcpy(&u, &h, sizeof u);
+    return u;
+  };
+  auto widen = [](bool is_bf16, uint16_t h) {
+    if (is_bf16) {
+      const uint32_t u = uint32_t{h} << 16;
+      float f;
+      std::memcpy(&f, &u, sizeof f);
+      return f;
+    }
+    _Float16 x;
+    std::memcpy(&x, &h, sizeof x);
+    return static_cast<float>(x);
+  };
+  for (const bool is_bf16 : {true, false}) {
+    const DataType type = is_bf16 ? DataType::kBFloat16 : DataType::kFloat16;
+    for (const auto& [n, count] : std::vector<std::pair<int, size_t>>{
+             {2, 17}, {3, 20011}, {4, 100003}, {3, 3000017}}) {
+      auto group = GetParam().create(n);
+      auto value = [&](int q, size_t i) {
+        const float v =
+            (float(q) + 0.37f) * 1e-2f * float((i * 2654435761u) % 1000 + 1) * (q % 2 ? -1 : 1);
+        return is_bf16 ? bf16(v) : f16(v);
+      };
+      RunRanks(group, [&](int r, Transport& t) {
+        std::vector<uint16_t> h(count);
+        for (size_t i = 0; i < count; ++i) h[i] = value(r, i);
+        const absl::Status s = t.AllreduceSum(h.data(), count, type, Opts(41));
+        if (!GetParam().rank_order_sums) {
+          EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+          return;
+        }
+        ASSERT_TRUE(s.ok()) << s;
+        for (size_t i = 0; i < count; ++i) {
+          float sum = widen(is_bf16, value(0, i));
+          for (int q = 1; q < n; ++q) sum += widen(is_bf16, value(q, i));
+          const uint16_t want = is_bf16 ? bf16(sum) : f16(sum);
+          ASSERT_EQ(h[i], want) << DataTypeName(type) << " rank " << r << " of " << n
+                                << " element " << i;
+        }
+      });
+    }
   }
 }
 

@@ -40,6 +40,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "daemon/transport/gloo/store_adapter.h"
+#include "daemon/transport/half_sum.h"
 
 namespace microd::transport {
 namespace {
@@ -128,6 +129,12 @@ class GlooTransport final : public Transport {
           break;
         case DataType::kInt64:
           Reduce(static_cast<int64_t*>(data), count, o.tag, timeout);
+          break;
+        case DataType::kBFloat16:
+          Reduce(static_cast<Bf16*>(data), count, o.tag, timeout);
+          break;
+        case DataType::kFloat16:
+          Reduce(static_cast<F16*>(data), count, o.tag, timeout);
           break;
       }
     });
@@ -342,11 +349,7 @@ class GlooTransport final : public Transport {
       // order (one round instead of two).
       std::vector<T> all(count * n);
       GatherFixed(data, count * sizeof(T), all.data(), GlooTag(tag, GlooKind::kAllgather), timeout);
-      std::memcpy(data, all.data(), count * sizeof(T));
-      for (int q = 1; q < n; ++q) {
-        const T* in = all.data() + q * count;
-        for (size_t i = 0; i < count; ++i) data[i] += in[i];
-      }
+      SumInRankOrder(all.data(), count, n, count, data);
       Divide(data, count, divisor);
       return;
     }
@@ -419,11 +422,7 @@ class GlooTransport final : public Transport {
       if (!whole->waitSend(deadline)) throw std::runtime_error("transport aborted");
     }
     if (len > 0) {
-      for (size_t i = 0; i < len; ++i) out[i] = c[i] + c[len + i];
-      for (int q = 2; q < n; ++q) {
-        const T* in = c + q * len;
-        for (size_t i = 0; i < len; ++i) out[i] += in[i];
-      }
+      SumInRankOrder(c, len, n, len, out);
       Divide(out, len, divisor);
       for (int s = 1; s < n; ++s) {
         whole->send((r + s) % n, ag_slot, offset[r] * sizeof(T), len * sizeof(T));
@@ -510,13 +509,8 @@ class GlooTransport final : public Transport {
     auto sum = [&](int k) {
       const size_t len = seg_len(r, k);
       if (len == 0) return;
-      const T* c = contributions(k);
       T* out = data + offset[r] + seg_begin(r, k);
-      for (size_t i = 0; i < len; ++i) out[i] = c[i] + c[len + i];
-      for (int q = 2; q < n; ++q) {
-        const T* in = c + q * len;
-        for (size_t i = 0; i < len; ++i) out[i] += in[i];
-      }
+      SumInRankOrder(contributions(k), len, n, len, out);
       Divide(out, len, divisor);
     };
     // Round by round, every rank in step: Gloo sends only once the

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/transport/half_sum.h"
 
 namespace microd::transport {
 namespace {
@@ -93,15 +94,16 @@ class Hub {
   std::vector<Post> posts_;  // slot r written by rank r under mu_ before rendezvous A
 };
 
+// Every rank's contribution side by side, summed as the Gloo backend does
+// (half_sum.h).
 template <typename T>
-void SumInRankOrder(const Hub& hub, size_t count, T* out) {
+void SumPosts(const Hub& hub, size_t count, T* out) {
   if (count == 0) return;  // (null buffers allowed then)
-  const T* first = static_cast<const T*>(hub.post(0).in);
-  std::memcpy(out, first, count * sizeof(T));
-  for (int r = 1; r < hub.size(); ++r) {
-    const T* in = static_cast<const T*>(hub.post(r).in);
-    for (size_t i = 0; i < count; ++i) out[i] += in[i];
+  std::vector<T> all(count * hub.size());
+  for (int r = 0; r < hub.size(); ++r) {
+    std::memcpy(all.data() + r * count, hub.post(r).in, count * sizeof(T));
   }
+  SumInRankOrder(all.data(), count, hub.size(), count, out);
 }
 
 class InprocTransport final : public Transport {
@@ -161,13 +163,19 @@ class InprocTransport final : public Transport {
       }
       switch (type) {
         case DataType::kFloat32:
-          SumInRankOrder(*hub_, count, reinterpret_cast<float*>(result.data()));
+          SumPosts(*hub_, count, reinterpret_cast<float*>(result.data()));
           break;
         case DataType::kInt32:
-          SumInRankOrder(*hub_, count, reinterpret_cast<int32_t*>(result.data()));
+          SumPosts(*hub_, count, reinterpret_cast<int32_t*>(result.data()));
           break;
         case DataType::kInt64:
-          SumInRankOrder(*hub_, count, reinterpret_cast<int64_t*>(result.data()));
+          SumPosts(*hub_, count, reinterpret_cast<int64_t*>(result.data()));
+          break;
+        case DataType::kBFloat16:
+          SumPosts(*hub_, count, reinterpret_cast<Bf16*>(result.data()));
+          break;
+        case DataType::kFloat16:
+          SumPosts(*hub_, count, reinterpret_cast<F16*>(result.data()));
           break;
       }
       return absl::OkStatus();

@@ -207,7 +207,9 @@ class NcclTransport final : public Transport {
         dt = ncclInt64;
         break;
       default:
-        return absl::InvalidArgumentError("AllreduceSum: unknown data type");
+        return absl::InvalidArgumentError(absl::StrCat(
+            "AllreduceSum: ", DataTypeName(type),
+            " is not summed over NCCL (bf16/fp16 sums: the host backends only)"));
     }
     const size_t bytes = count * DataTypeSize(type);
     absl::Time deadline;
