@@ -34,9 +34,13 @@ RUN scripts/build-install.sh --prefix /opt/microd --build-dir /src/build --jobs 
 FROM ${RUNTIME_IMAGE} AS runtime
 ENV DEBIAN_FRONTEND=noninteractive
 COPY --from=build /opt/microd-runtime-packages.txt /tmp/microd-runtime-packages.txt
+# The apt caches go in this layer whatever the base's apt settings (images
+# without the official ones' docker-clean keep 80 MB of them otherwise).
 RUN apt-get update -qq \
     && xargs -a /tmp/microd-runtime-packages.txt apt-get install -y -qq --no-install-recommends \
-    && rm -rf /var/lib/apt/lists/* /tmp/microd-runtime-packages.txt
+    && apt-get clean \
+    && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/cache/apt/archives/*.deb \
+       /tmp/microd-runtime-packages.txt
 COPY --from=build /opt/microd/ /usr/local/
 RUN ldconfig \
     && groupadd --system --gid 10001 microd \

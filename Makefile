@@ -9,11 +9,16 @@
 #   make gpu-bundle        the GPU checks built here and packed for a GPU machine
 #                          (build/gpu-bundle, checked here; run.sh runs them there)
 #   make gpu-bundle-check  checks an existing bundle again
+#   make image             the Dockerfile built with podman as microd:test (root;
+#                          Debian base images made here, no registry)
+#   make image-test        the image run for real: size, --help, health, a job in
+#                          containers (root; builds the image when missing)
 BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all deps configure build test test-asan test-tsan fuzz gpu-bundle gpu-bundle-check demo bench clean
+.PHONY: all deps configure build test test-asan test-tsan fuzz gpu-bundle gpu-bundle-check demo bench clean \
+	image image-test
 
 all: build
 
@@ -43,6 +48,12 @@ gpu-bundle:
 
 gpu-bundle-check:
 	bash scripts/gpu-bundle-check.sh
+
+image:
+	bash scripts/image.sh
+
+image-test:
+	bash scripts/image-test.sh
 
 demo: build
 	bash scripts/demo.sh $(BUILD) $(DEMO_ARGS)

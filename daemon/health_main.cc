@@ -20,6 +20,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "daemon/common/command_line.h"
 #include "daemon/control/tls_flags.h"
 
 ABSL_FLAG(std::string, admin, "",
@@ -86,7 +87,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "microd-health: grpc.health.v1 check of a microd Admin port.\n"
       "  exit 0 SERVING, 1 another answer, 2 no answer");
-  std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  std::vector<char*> rest = microd::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::fprintf(stderr, "microd-health: unexpected argument '%s'\n", rest[1]);
     return 2;

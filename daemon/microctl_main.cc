@@ -12,6 +12,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_format.h"
+#include "daemon/common/command_line.h"
 #include "daemon/control/tls_flags.h"
 #include "microd/v1/admin.grpc.pb.h"
 
@@ -182,7 +183,7 @@ int Timeline(microd::v1::Admin::Stub* stub, const std::string& address) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
-  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  std::vector<char*> args = microd::ParseCommandLine(argc, argv);
   const std::string command = args.size() > 1 ? args[1] : "status";
   const bool known = command == "status" || command == "buckets" || command == "stalls" ||
                      command == "history" || command == "timeline";

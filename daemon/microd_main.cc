@@ -28,6 +28,7 @@
 #include "daemon/control/address.h"
 #include "daemon/control/coordinator.h"
 #include "daemon/control/coordinator_client.h"
+#include "daemon/common/command_line.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/control/services.h"
 #include "daemon/control/tls.h"
@@ -233,7 +234,21 @@ absl::StatusOr<std::string> DataPlaneAddress(const std::string& coordinator_addr
       chosen = microd::control::PrimaryHostAddress();
       why = "this host's address (the coordinator listens on every interface)";
     } else {
+      // A name the job's DNS serves may fail to resolve for a moment (a
+      // container network or a headless service catching up): retried for
+      // up to --join_timeout_ms.
+      const absl::Time deadline =
+          absl::Now() + absl::Milliseconds(absl::GetFlag(FLAGS_join_timeout_ms));
       auto local = microd::control::LocalAddressToward(coordinator_address);
+      for (bool said = false; !local.ok() && absl::IsUnavailable(local.status()) &&
+                              absl::Now() < deadline;) {
+        if (!said) {
+          std::fprintf(stderr, "microd: %s; retrying\n", std::string(local.status().message()).c_str());
+          said = true;
+        }
+        absl::SleepFor(absl::Milliseconds(250));
+        local = microd::control::LocalAddressToward(coordinator_address);
+      }
       if (!local.ok()) {
         return absl::Status(local.status().code(),
                             absl::StrCat("cannot tell this node's address from the route to the "
@@ -832,7 +847,7 @@ int main(int argc, char** argv) {
       "  node 0: microd --coordinator_listen=0.0.0.0:7470 --nodes=4 --local_size=1\n"
       "  others: microd --coordinator=node0:7470 --local_size=1");
   if (!ApplyEnvironment()) return 2;
-  absl::ParseCommandLine(argc, argv);
+  microd::ParseCommandLine(argc, argv);
   if (!InstallStopSignals()) return Fatal("pipe", absl::InternalError("pipe2"));
   StopWatcher stop;
   auto config = ParseFlags();

@@ -7,6 +7,9 @@
 #                                     needs (the Dockerfile's build stage)
 #   scripts/install-deps.sh --fuzz    everything and clang with libFuzzer (make fuzz)
 #   scripts/install-deps.sh --gpu-bundle   everything and patchelf (make gpu-bundle)
+#   scripts/install-deps.sh --image   podman, buildah, debootstrap and runc, with
+#                                     netavark and aardvark-dns for networks with
+#                                     DNS (make image, make image-test)
 set -euo pipefail
 
 BUILD_PACKAGES=(
@@ -34,12 +37,16 @@ TEST_PACKAGES=(
 FUZZ_PACKAGES=(clang libclang-rt-14-dev)
 # scripts/gpu-bundle.sh only: RUNPATHs of the bundled libraries.
 BUNDLE_PACKAGES=(patchelf)
+# make image / image-test only: containers from Debian's packages, no registry.
+IMAGE_PACKAGES=(podman buildah debootstrap runc netavark aardvark-dns iptables iproute2)
 case "${1:-}" in
   "") PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}") ;;
   --build) PACKAGES=("${BUILD_PACKAGES[@]}") ;;
   --fuzz) PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}" "${FUZZ_PACKAGES[@]}") ;;
   --gpu-bundle) PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}" "${BUNDLE_PACKAGES[@]}") ;;
-  *) echo "install-deps: unknown option $1 (--build, --fuzz, --gpu-bundle or nothing)" >&2; exit 2 ;;
+  --image) PACKAGES=("${IMAGE_PACKAGES[@]}") ;;
+  *) echo "install-deps: unknown option $1 (--build, --fuzz, --gpu-bundle, --image or nothing)" >&2
+     exit 2 ;;
 esac
 
 missing=()

@@ -1,0 +1,248 @@
+#!/usr/bin/env bash
+# make image-test: the image run for real with podman (root). Builds
+# microd:test when missing (scripts/image.sh), then checks:
+#   1. its size (target <= 120 MB, whatever the base's apt settings);
+#   2. `microd --help` exits 0;
+#   3. microd-health says SERVING once a daemon serves;
+#   4. a 3-node job in containers on a podman network with DNS, inside a
+#      network namespace of its own: each node a daemon container (node 0
+#      serves the coordinator, found by name), one trainer container per node
+#      with --network none and a non-root uid running the Python binding
+#      through the socket volume; the dense bucket equals the exact average,
+#      the sparse one what the same trainers get from daemons outside
+#      containers (deploy/local/launch.sh, the build tree's microd);
+#      `microctl status` from inside node 0; `podman stop` ends each daemon
+#      with 0 and removes its socket;
+#   5. a trainer container killed: the other nodes' trainers get the error
+#      naming the failed node.
+# Everything it makes (containers, volumes, network, namespace) is named
+# after this run and removed on exit.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+source scripts/podman-env.sh
+microd_podman_setup "$ROOT"
+IMAGE="${IMAGE:-microd:test}"
+TRAINER="${IMAGE%%:*}-trainer:${IMAGE##*:}"
+BUILD="${BUILD:-$ROOT/build}"
+RUN="mi$$"  # names of this run
+NS="microd-img-$$"
+NET="microd-img-$$"
+WORK=$(mktemp -d /tmp/microd-image-test.XXXXXX)
+chmod 0755 "$WORK"
+FAILED=0
+
+fail() {
+  echo "image-test: FAIL: $*" >&2
+  FAILED=1
+}
+pass() { echo "image-test: ok: $*"; }
+# podman in the run's network namespace: the network's bridge, its rules and
+# its DNS live there (nsenter, not `ip netns exec`, whose fresh /sys has no
+# cgroup mount for runc).
+pns() { nsenter --net="/var/run/netns/$NS" podman "$@"; }
+# No systemd here: no health-check timers (podman healthcheck run instead).
+NOTIMER=(--health-interval=disable)
+
+cleanup() {
+  set +e
+  local c
+  for c in $(podman ps -a --format '{{.Names}}' | grep "^$RUN-"); do podman rm -f -t 0 "$c" >/dev/null 2>&1; done
+  for c in $(podman volume ls --format '{{.Name}}' | grep "^$RUN-"); do podman volume rm -f "$c" >/dev/null 2>&1; done
+  nsenter --net="/var/run/netns/$NS" podman network rm -f "$NET" >/dev/null 2>&1
+  ip netns del "$NS" 2>/dev/null
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+if ! podman image exists "$IMAGE"; then
+  IMAGE="$IMAGE" bash scripts/image.sh
+fi
+
+# 1. Size.
+size=$(podman image inspect "$IMAGE" --format '{{.Size}}')
+mb=$(( size / 1000000 ))
+if (( mb <= 120 )); then pass "image size $mb MB (target <= 120 MB)"; else fail "image size $mb MB > 120 MB"; fi
+
+# 2. --help.
+if podman run --rm "${NOTIMER[@]}" "$IMAGE" --help >"$WORK/help" 2>&1 && grep -q -- --coordinator_listen "$WORK/help"; then
+  pass "microd --help exits 0"
+else
+  fail "microd --help: $(tail -3 "$WORK/help")"
+fi
+
+# 3. Health: SERVING once a one-node daemon serves (bounded wait).
+podman run -d "${NOTIMER[@]}" --name "$RUN-health" "$IMAGE" --nodes=1 \
+  --coordinator_listen=127.0.0.1:7470 >/dev/null
+serving=""
+for i in $(seq 1 60); do
+  if podman exec "$RUN-health" microd-health --timeout_ms=1000 >/dev/null 2>&1; then serving=$i; break; fi
+  sleep 0.5
+done
+if [[ -n "$serving" ]]; then pass "microd-health SERVING after about $(( serving / 2 )) s"; else fail "microd-health never SERVING"; fi
+# The image's own HEALTHCHECK (kept by --format docker), run by hand.
+if podman healthcheck run "$RUN-health" >/dev/null 2>&1; then
+  pass "the image's HEALTHCHECK: healthy"
+else
+  fail "the image's HEALTHCHECK: $(podman image inspect "$IMAGE" --format '{{.Config.Healthcheck}}')"
+fi
+podman rm -f -t 2 "$RUN-health" >/dev/null
+
+# The trainer image: Python and numpy over the runtime image, the binding's
+# package beside libmicrod, still uid 10001 (built each run: podman's layer
+# cache makes that instant while the image is the same).
+{
+  cat >"$WORK/Containerfile.trainer" <<EOF
+FROM $IMAGE
+USER root
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends python3 python3-numpy \\
+    && apt-get clean && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
+COPY microd /opt/microd-python/microd
+COPY image_trainer.py /usr/local/bin/image_trainer.py
+ENV PYTHONPATH=/opt/microd-python
+USER 10001:10001
+ENTRYPOINT ["python3", "/usr/local/bin/image_trainer.py"]
+EOF
+  # Its own context (the repository's .dockerignore keeps tests/ out).
+  mkdir -p "$WORK/trainer"
+  cp -r client/python/microd tests/deploy/image_trainer.py "$WORK/trainer/"
+  rm -rf "$WORK/trainer/microd/__pycache__"
+  podman build --pull=never --format docker --network host -f "$WORK/Containerfile.trainer" \
+    -t "$TRAINER" "$WORK/trainer" >"$WORK/trainer-build.log" 2>&1 || {
+    tail -20 "$WORK/trainer-build.log" >&2
+    fail "trainer image build"
+    exit 1
+  }
+}
+
+# 4. A 3-node job on a podman network with DNS, in a namespace of this run's.
+ip netns add "$NS"
+ip netns exec "$NS" ip link set lo up
+pns network create "$NET" >/dev/null
+head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$WORK/token"
+chmod 0644 "$WORK/token"
+start_daemons() {  # $1: run label
+  local r args
+  for r in 0 1 2; do
+    podman volume create "$RUN-$1-sock$r" >/dev/null
+    args=(--nodes=3 --local_size=1 --node_name="node$r" --token_file=/etc/microd/token
+          --peer_timeout_ms=5000 --timeout_ms=30000)
+    if [[ $r == 0 ]]; then args+=(--coordinator_listen=0.0.0.0:7470); else args+=(--coordinator=node0:7470); fi
+    pns run -d "${NOTIMER[@]}" --name "$RUN-$1-node$r" --network "$NET" --network-alias "node$r" \
+      -v "$RUN-$1-sock$r:/run/microd" -v "$WORK/token:/etc/microd/token:ro" \
+      "$IMAGE" "${args[@]}" >/dev/null 2>>"$WORK/podman.log"
+  done
+  for r in 0 1 2; do
+    local ok=""
+    for i in $(seq 1 120); do
+      if podman exec "$RUN-$1-node$r" microd-health --service=microd --timeout_ms=1000 >/dev/null 2>&1; then ok=1; break; fi
+      sleep 0.5
+    done
+    if [[ -z "$ok" ]]; then
+      fail "node $r of '$1' never served"
+      local q
+      for q in 0 1 2; do podman logs "$RUN-$1-node$q" 2>&1 | grep -v level= | tail -4 | sed "s/^/  node $q: /" >&2; done
+      return 1
+    fi
+  done
+}
+start_trainers() {  # $1: run label, $2...: trainer arguments
+  local label="$1" r
+  shift
+  for r in 0 1 2; do
+    podman run -d "${NOTIMER[@]}" --name "$RUN-$label-trainer$r" --network none --user 10001:10001 \
+      -v "$RUN-$label-sock$r:/run/microd" "$TRAINER" "$@" >/dev/null 2>>"$WORK/podman.log"
+  done
+}
+wait_trainers() {  # $1: run label; exit codes in $WORK/$1.codes, output in $WORK/$1.trainerR
+  local r
+  : >"$WORK/$1.codes"
+  for r in 0 1 2; do
+    timeout 180 podman wait "$RUN-$1-trainer$r" >>"$WORK/$1.codes" || echo timeout >>"$WORK/$1.codes"
+    podman logs "$RUN-$1-trainer$r" >"$WORK/$1.trainer$r" 2>&1
+  done
+}
+
+if start_daemons job; then
+  start_trainers job
+  wait_trainers job
+  if [[ "$(tr '\n' ' ' <"$WORK/job.codes")" == "0 0 0 " ]]; then
+    pass "3 trainers in containers (--network none, uid 10001) finished"
+  else
+    fail "trainers exited $(tr '\n' ' ' <"$WORK/job.codes"): $(tail -2 "$WORK"/job.trainer*)"
+  fi
+  # The dense bucket: the exact average, in node order, in fp32.
+  PYTHONPATH="$ROOT/client/python" /usr/bin/python3 - "$WORK" <<'EOF' && pass "dense bucket = the exact average on every node" || fail "dense bucket differs from the average"
+import hashlib, sys
+sys.path.insert(0, "tests/deploy")
+from image_trainer import DENSE, STEPS, gradient
+work = sys.argv[1]
+for step in range(STEPS):
+    g = [gradient(r, step, DENSE) for r in range(3)]
+    want = hashlib.sha256(((g[0] + g[1] + g[2]) / 3).astype("float32").tobytes()).hexdigest()
+    for r in range(3):
+        lines = open(f"{work}/job.trainer{r}").read().split("\n")
+        assert f"{step} dense {want}" in lines, (r, step)
+EOF
+  # The sparse bucket: identical on every node, and what daemons outside
+  # containers give the same trainers.
+  sparse=$(cat "$WORK"/job.trainer* | grep " sparse " | sort -u | wc -l || true)
+  if [[ $sparse == 5 ]]; then pass "sparse bucket identical on the 3 nodes"; else fail "sparse bucket: $sparse distinct step results, want 5"; fi
+  if [[ -x "$BUILD/daemon/microd" ]]; then
+    PYTHONPATH="$ROOT/client/python" MICROD_LIBRARY="$BUILD/client/libmicrod.so" \
+      deploy/local/launch.sh --nodes 3 --local 1 --microd "$BUILD/daemon/microd" --logs "$WORK/host" \
+      -- /usr/bin/python3 tests/deploy/image_trainer.py >"$WORK/host.out" 2>&1 || true
+    host=$(cat "$WORK"/host/*.log 2>/dev/null | grep -E "^[0-9]+ sparse " | sort -u || true)
+    cont=$(cat "$WORK"/job.trainer* | grep " sparse " | sort -u || true)
+    if [[ -n "$host" && "$host" == "$cont" ]]; then
+      pass "sparse bucket = the same trainers on daemons outside containers, bit for bit"
+    else
+      fail "sparse bucket differs from the run outside containers (see $WORK/host.out)"
+    fi
+  else
+    fail "no $BUILD/daemon/microd for the reference run outside containers (make build first)"
+  fi
+  # microctl from inside node 0.
+  if podman exec "$RUN-job-node0" microctl status >"$WORK/status" 2>&1 \
+      && grep -q "running" "$WORK/status" && grep -q "rank 0 of 3" "$WORK/status"; then
+    pass "microctl status inside node 0: running, rank 0 of 3"
+  else
+    fail "microctl status: $(head -3 "$WORK/status")"
+  fi
+  # podman stop: exit 0, socket removed.
+  for r in 0 1 2; do
+    pns stop -t 20 "$RUN-job-node$r" >/dev/null
+    code=$(podman inspect "$RUN-job-node$r" --format '{{.State.ExitCode}}')
+    left=$(podman run --rm "${NOTIMER[@]}" --entrypoint /bin/ls -v "$RUN-job-sock$r:/run/microd" "$IMAGE" -A /run/microd)
+    if [[ $code == 0 && -z "$left" ]]; then
+      pass "node $r: podman stop -> exit 0, socket removed"
+    else
+      fail "node $r: podman stop -> exit $code, left in the volume: $left"
+    fi
+  done
+fi
+
+# 5. A trainer killed: the others get the error naming its node.
+if start_daemons kill; then
+  start_trainers kill --steps-forever
+  sleep 3
+  podman kill "$RUN-kill-trainer1" >/dev/null
+  wait_trainers kill
+  named=0
+  for r in 0 2; do
+    if grep -q "FAILED JobFailedError" "$WORK/kill.trainer$r" && grep -qi "node 1" "$WORK/kill.trainer$r"; then
+      named=$((named + 1))
+    fi
+  done
+  if [[ $named == 2 ]]; then
+    pass "trainer of node 1 killed: nodes 0 and 2 get JobFailedError naming node 1"
+  else
+    fail "killed trainer: node 0: $(tail -1 "$WORK/kill.trainer0"); node 2: $(tail -1 "$WORK/kill.trainer2")"
+  fi
+fi
+
+if [[ $FAILED != 0 ]]; then
+  echo "image-test: FAILED" >&2
+  exit 1
+fi
+echo "image-test: all checks passed"
