@@ -50,6 +50,7 @@ cleanup() {
   for c in $(podman ps -a --format '{{.Names}}' | grep "^$RUN-"); do podman rm -f -t 0 "$c" >/dev/null 2>&1; done
   for c in $(podman volume ls --format '{{.Name}}' | grep "^$RUN-"); do podman volume rm -f "$c" >/dev/null 2>&1; done
   nsenter --net="/var/run/netns/$NS" podman network rm -f "$NET" >/dev/null 2>&1
+  [[ -z "$(podman ps -q)" ]] && pkill -x aardvark-dns 2>/dev/null
   ip netns del "$NS" 2>/dev/null
   rm -rf "$WORK"
 }
@@ -116,6 +117,14 @@ EOF
 }
 
 # 4. A 3-node job on a podman network with DNS, in a namespace of this run's.
+# podman's one DNS server (aardvark-dns) serves every network from the
+# namespace it was started in: one left from an earlier run, in a namespace
+# gone since, would answer nothing here. With no container running, it is
+# stopped so that this run's first container starts it in this run's namespace.
+stop_idle_dns() {
+  if [[ -z "$(podman ps -q)" ]]; then pkill -x aardvark-dns 2>/dev/null || true; fi
+}
+stop_idle_dns
 ip netns add "$NS"
 ip netns exec "$NS" ip link set lo up
 pns network create "$NET" >/dev/null
