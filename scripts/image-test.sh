@@ -14,7 +14,11 @@
 #      `microctl status` from inside node 0; `podman stop` ends each daemon
 #      with 0 and removes its socket;
 #   5. a trainer container killed: the other nodes' trainers get the error
-#      naming the failed node.
+#      naming the failed node;
+#   6. a pod per node (podman pod: one network namespace, the socket in a
+#      pod-local volume) with the daemon and the trainer as its two
+#      containers, the closest this machine gets to the Kubernetes pod: the
+#      same job, the same results.
 # Everything it makes (containers, volumes, network, namespace) is named
 # after this run and removed on exit.
 set -euo pipefail
@@ -43,11 +47,19 @@ pass() { echo "image-test: ok: $*"; }
 pns() { nsenter --net="/var/run/netns/$NS" podman "$@"; }
 # No systemd here: no health-check timers (podman healthcheck run instead).
 NOTIMER=(--health-interval=disable)
+# The network's DNS server reloads as containers join and may miss a query
+# meanwhile; the resolver's default 5 s per try (and this machine's own
+# nameserver after it, unreachable in the run's namespace) would stall a
+# daemon past the peer timeout. Short tries, a few of them.
+DNSOPTS=(--dns-option=timeout:1 --dns-option=attempts:5)
+# Even so a lookup can take seconds here: the daemons' peer timeout (a node
+# that has not written its rendezvous key by then fails the job) is 20 s.
 
 cleanup() {
   set +e
   local c
   for c in $(podman ps -a --format '{{.Names}}' | grep "^$RUN-"); do podman rm -f -t 0 "$c" >/dev/null 2>&1; done
+  for c in $(podman pod ls --format '{{.Name}}' | grep "^$RUN-"); do podman pod rm -f -t 0 "$c" >/dev/null 2>&1; done
   for c in $(podman volume ls --format '{{.Name}}' | grep "^$RUN-"); do podman volume rm -f "$c" >/dev/null 2>&1; done
   nsenter --net="/var/run/netns/$NS" podman network rm -f "$NET" >/dev/null 2>&1
   [[ -z "$(podman ps -q)" ]] && pkill -x aardvark-dns 2>/dev/null
@@ -66,14 +78,14 @@ mb=$(( size / 1000000 ))
 if (( mb <= 120 )); then pass "image size $mb MB (target <= 120 MB)"; else fail "image size $mb MB > 120 MB"; fi
 
 # 2. --help.
-if podman run --rm "${NOTIMER[@]}" "$IMAGE" --help >"$WORK/help" 2>&1 && grep -q -- --coordinator_listen "$WORK/help"; then
+if podman run --rm "${NOTIMER[@]}" --network none "$IMAGE" --help >"$WORK/help" 2>&1 && grep -q -- --coordinator_listen "$WORK/help"; then
   pass "microd --help exits 0"
 else
   fail "microd --help: $(tail -3 "$WORK/help")"
 fi
 
 # 3. Health: SERVING once a one-node daemon serves (bounded wait).
-podman run -d "${NOTIMER[@]}" --name "$RUN-health" "$IMAGE" --nodes=1 \
+podman run -d "${NOTIMER[@]}" --network none --name "$RUN-health" "$IMAGE" --nodes=1 \
   --coordinator_listen=127.0.0.1:7470 >/dev/null
 serving=""
 for i in $(seq 1 60); do
@@ -128,6 +140,17 @@ stop_idle_dns
 ip netns add "$NS"
 ip netns exec "$NS" ip link set lo up
 pns network create "$NET" >/dev/null
+# The network's DNS server starts with its first container and learns of
+# each later one by a reload signal; a container that joins while it is
+# still starting is never learnt, and its queries go unanswered. So a
+# placeholder container first, and the nodes once the server listens.
+pns run -d "${NOTIMER[@]}" --name "$RUN-dns" --network "$NET" --entrypoint /bin/sleep "$IMAGE" \
+  infinity >/dev/null 2>>"$WORK/podman.log"
+for i in $(seq 1 50); do
+  ip netns exec "$NS" ss -uln 2>/dev/null | grep -q ':53 ' && break
+  sleep 0.2
+done
+sleep 0.5
 head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$WORK/token"
 chmod 0644 "$WORK/token"
 start_daemons() {  # $1: run label
@@ -135,12 +158,17 @@ start_daemons() {  # $1: run label
   for r in 0 1 2; do
     podman volume create "$RUN-$1-sock$r" >/dev/null
     args=(--nodes=3 --local_size=1 --node_name="node$r" --token_file=/etc/microd/token
-          --peer_timeout_ms=5000 --timeout_ms=30000)
+          --peer_timeout_ms=20000 --timeout_ms=30000)
     if [[ $r == 0 ]]; then args+=(--coordinator_listen=0.0.0.0:7470); else args+=(--coordinator=node0:7470); fi
-    pns run -d "${NOTIMER[@]}" --name "$RUN-$1-node$r" --network "$NET" --network-alias "node$r" \
+    pns run -d "${NOTIMER[@]}" "${DNSOPTS[@]}" --name "$RUN-$1-node$r" --network "$NET" \
+      --network-alias "node$r" \
       -v "$RUN-$1-sock$r:/run/microd" -v "$WORK/token:/etc/microd/token:ro" \
       "$IMAGE" "${args[@]}" >/dev/null 2>>"$WORK/podman.log"
   done
+  # Reload signals that arrive while the DNS server is reloading are lost
+  # (aardvark-dns 1.4): one more once every container is up.
+  sleep 0.5
+  pkill -HUP -x aardvark-dns 2>/dev/null || true
   for r in 0 1 2; do
     local ok=""
     for i in $(seq 1 120); do
@@ -222,7 +250,7 @@ EOF
   for r in 0 1 2; do
     pns stop -t 20 "$RUN-job-node$r" >/dev/null
     code=$(podman inspect "$RUN-job-node$r" --format '{{.State.ExitCode}}')
-    left=$(podman run --rm "${NOTIMER[@]}" --entrypoint /bin/ls -v "$RUN-job-sock$r:/run/microd" "$IMAGE" -A /run/microd)
+    left=$(podman run --rm "${NOTIMER[@]}" --network none --entrypoint /bin/ls -v "$RUN-job-sock$r:/run/microd" "$IMAGE" -A /run/microd)
     if [[ $code == 0 && -z "$left" ]]; then
       pass "node $r: podman stop -> exit 0, socket removed"
     else
@@ -247,6 +275,65 @@ if start_daemons kill; then
     pass "trainer of node 1 killed: nodes 0 and 2 get JobFailedError naming node 1"
   else
     fail "killed trainer: node 0: $(tail -1 "$WORK/kill.trainer0"); node 2: $(tail -1 "$WORK/kill.trainer2")"
+  fi
+fi
+
+# The first jobs' containers go: their names on the network are the pods' now.
+for c in $(podman ps -a --format '{{.Names}}' | grep -E "^$RUN-(job|kill)-"); do
+  podman rm -f -t 0 "$c" >/dev/null 2>&1
+done
+
+# 6. A pod per node: daemon and trainer share the pod's network namespace
+# and a pod-local socket volume; the pods on the run's network, by name.
+if (( FAILED == 0 )); then
+  pods_ok=1
+  for r in 0 1 2; do
+    args=(--nodes=3 --local_size=1 --node_name="node$r" --token_file=/etc/microd/token
+          --peer_timeout_ms=20000 --timeout_ms=30000)
+    if [[ $r == 0 ]]; then args+=(--coordinator_listen=0.0.0.0:7470); else args+=(--coordinator=node0:7470); fi
+    podman volume create "$RUN-pod-sock$r" >/dev/null
+    if ! pns pod create "${DNSOPTS[@]}" --name "$RUN-pod$r" --network "$NET" --network-alias "node$r" >/dev/null \
+        2>>"$WORK/podman.log"; then
+      fail "pod create: $(grep -v level= "$WORK/podman.log" | tail -1)"
+      pods_ok=0
+      break
+    fi
+    pns run -d "${NOTIMER[@]}" --pod "$RUN-pod$r" --name "$RUN-pod-node$r" \
+      -v "$RUN-pod-sock$r:/run/microd" -v "$WORK/token:/etc/microd/token:ro" \
+      "$IMAGE" "${args[@]}" >/dev/null 2>>"$WORK/podman.log"
+  done
+  sleep 0.5
+  pkill -HUP -x aardvark-dns 2>/dev/null || true
+  for r in 0 1 2; do
+    (( pods_ok )) || break
+    ok=""
+    for i in $(seq 1 120); do
+      if podman exec "$RUN-pod-node$r" microd-health --service=microd --timeout_ms=1000 >/dev/null 2>&1; then ok=1; break; fi
+      sleep 0.5
+    done
+    if [[ -z "$ok" ]]; then
+      fail "pod $r: daemon never served"
+      for q in 0 1 2; do podman logs "$RUN-pod-node$q" 2>&1 | grep -v level= | tail -3 | sed "s/^/  pod $q: /" >&2; done
+      pods_ok=0
+    fi
+  done
+  if (( pods_ok )); then
+    for r in 0 1 2; do
+      pns run -d "${NOTIMER[@]}" --pod "$RUN-pod$r" --name "$RUN-pod-trainer$r" --user 10001:10001 \
+        -v "$RUN-pod-sock$r:/run/microd" "$TRAINER" >/dev/null 2>>"$WORK/podman.log"
+    done
+    : >"$WORK/pod.codes"
+    for r in 0 1 2; do
+      timeout 180 podman wait "$RUN-pod-trainer$r" >>"$WORK/pod.codes" || echo timeout >>"$WORK/pod.codes"
+      podman logs "$RUN-pod-trainer$r" 2>/dev/null | grep -E "^[0-9]+ (dense|sparse) " >"$WORK/pod.trainer$r" || true
+    done
+    want=$(cat "$WORK"/job.trainer* | grep -E "^[0-9]+ (dense|sparse) " | sort -u || true)
+    got=$(cat "$WORK"/pod.trainer* | sort -u || true)
+    if [[ "$(tr '\n' ' ' <"$WORK/pod.codes")" == "0 0 0 " && -n "$want" && "$got" == "$want" ]]; then
+      pass "a pod per node (daemon + trainer, pod-local socket volume): the same results, bit for bit"
+    else
+      fail "pods: trainers exited $(tr '\n' ' ' <"$WORK/pod.codes"), results $( [[ "$got" == "$want" ]] && echo equal || echo differ)"
+    fi
   fi
 fi
 

@@ -9,7 +9,7 @@
 #   scripts/install-deps.sh --gpu-bundle   everything and patchelf (make gpu-bundle)
 #   scripts/install-deps.sh --image   podman, buildah, debootstrap and runc, with
 #                                     netavark and aardvark-dns for networks with
-#                                     DNS (make image, make image-test)
+#                                     DNS, catatonit for pods (make image, make image-test)
 set -euo pipefail
 
 BUILD_PACKAGES=(
@@ -38,7 +38,7 @@ FUZZ_PACKAGES=(clang libclang-rt-14-dev)
 # scripts/gpu-bundle.sh only: RUNPATHs of the bundled libraries.
 BUNDLE_PACKAGES=(patchelf)
 # make image / image-test only: containers from Debian's packages, no registry.
-IMAGE_PACKAGES=(podman buildah debootstrap runc netavark aardvark-dns iptables iproute2)
+IMAGE_PACKAGES=(podman buildah debootstrap runc netavark aardvark-dns catatonit iptables iproute2)
 case "${1:-}" in
   "") PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}") ;;
   --build) PACKAGES=("${BUILD_PACKAGES[@]}") ;;
