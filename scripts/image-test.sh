@@ -137,6 +137,13 @@ stop_idle_dns() {
   if [[ -z "$(podman ps -q)" ]]; then pkill -x aardvark-dns 2>/dev/null || true; fi
 }
 stop_idle_dns
+reload_dns() {
+  local i
+  for i in 1 2; do
+    sleep 1
+    pkill -HUP -x aardvark-dns 2>/dev/null || true
+  done
+}
 ip netns add "$NS"
 ip netns exec "$NS" ip link set lo up
 pns network create "$NET" >/dev/null
@@ -159,16 +166,17 @@ start_daemons() {  # $1: run label
     podman volume create "$RUN-$1-sock$r" >/dev/null
     args=(--nodes=3 --local_size=1 --node_name="node$r" --token_file=/etc/microd/token
           --peer_timeout_ms=20000 --timeout_ms=30000)
-    if [[ $r == 0 ]]; then args+=(--coordinator_listen=0.0.0.0:7470); else args+=(--coordinator=node0:7470); fi
+    # Names of this job's own: a record the DNS server keeps of an earlier
+    # job's container (a lost reload) must not answer for this one's.
+    if [[ $r == 0 ]]; then args+=(--coordinator_listen=0.0.0.0:7470); else args+=(--coordinator="$1-node0:7470"); fi
     pns run -d "${NOTIMER[@]}" "${DNSOPTS[@]}" --name "$RUN-$1-node$r" --network "$NET" \
-      --network-alias "node$r" \
+      --network-alias "$1-node$r" \
       -v "$RUN-$1-sock$r:/run/microd" -v "$WORK/token:/etc/microd/token:ro" \
       "$IMAGE" "${args[@]}" >/dev/null 2>>"$WORK/podman.log"
   done
   # Reload signals that arrive while the DNS server is reloading are lost
-  # (aardvark-dns 1.4): one more once every container is up.
-  sleep 0.5
-  pkill -HUP -x aardvark-dns 2>/dev/null || true
+  # (aardvark-dns 1.4): more once every container is up.
+  reload_dns
   for r in 0 1 2; do
     local ok=""
     for i in $(seq 1 120); do
@@ -278,7 +286,7 @@ if start_daemons kill; then
   fi
 fi
 
-# The first jobs' containers go: their names on the network are the pods' now.
+# The first jobs' containers go.
 for c in $(podman ps -a --format '{{.Names}}' | grep -E "^$RUN-(job|kill)-"); do
   podman rm -f -t 0 "$c" >/dev/null 2>&1
 done
@@ -290,9 +298,9 @@ if (( FAILED == 0 )); then
   for r in 0 1 2; do
     args=(--nodes=3 --local_size=1 --node_name="node$r" --token_file=/etc/microd/token
           --peer_timeout_ms=20000 --timeout_ms=30000)
-    if [[ $r == 0 ]]; then args+=(--coordinator_listen=0.0.0.0:7470); else args+=(--coordinator=node0:7470); fi
+    if [[ $r == 0 ]]; then args+=(--coordinator_listen=0.0.0.0:7470); else args+=(--coordinator=pod-node0:7470); fi
     podman volume create "$RUN-pod-sock$r" >/dev/null
-    if ! pns pod create "${DNSOPTS[@]}" --name "$RUN-pod$r" --network "$NET" --network-alias "node$r" >/dev/null \
+    if ! pns pod create "${DNSOPTS[@]}" --name "$RUN-pod$r" --network "$NET" --network-alias "pod-node$r" >/dev/null \
         2>>"$WORK/podman.log"; then
       fail "pod create: $(grep -v level= "$WORK/podman.log" | tail -1)"
       pods_ok=0
@@ -302,8 +310,7 @@ if (( FAILED == 0 )); then
       -v "$RUN-pod-sock$r:/run/microd" -v "$WORK/token:/etc/microd/token:ro" \
       "$IMAGE" "${args[@]}" >/dev/null 2>>"$WORK/podman.log"
   done
-  sleep 0.5
-  pkill -HUP -x aardvark-dns 2>/dev/null || true
+  reload_dns
   for r in 0 1 2; do
     (( pods_ok )) || break
     ok=""
