@@ -99,6 +99,10 @@ inline bool FusedSelectArgsValid(const FusedSelectArgs& a) {
 enum class ElementType : int { kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
 // Bytes per element; 0 for a value that is no ElementType.
 size_t ElementBytes(ElementType type);
+// bf16 or fp16: the types HalfToFloat, FloatToHalf and GatherRounded take.
+constexpr bool IsHalfType(ElementType type) {
+  return type == ElementType::kBFloat16 || type == ElementType::kFloat16;
+}
 const char* ElementTypeName(ElementType type);
 
 // Which instruction set the CPU backend uses. kAuto picks the best one the

@@ -20,7 +20,6 @@ namespace {
 
 using cpu::PassResult;
 
-bool IsHalf(ElementType t) { return t == ElementType::kBFloat16 || t == ElementType::kFloat16; }
 
 inline uint32_t FloatBits(float x) {
   uint32_t b;
@@ -261,7 +260,7 @@ class CpuSparseOps final : public SparseOps {
 
   KernelStatus HalfToFloat(const uint16_t* src, ElementType type, uint64_t count, float* dst,
                            void*) override {
-    if (!IsHalf(type) || (count > 0 && (src == nullptr || dst == nullptr))) {
+    if (!IsHalfType(type) || (count > 0 && (src == nullptr || dst == nullptr))) {
       return KernelStatus::kInvalidArgument;
     }
     (isa_ == CpuIsa::kAvx2 ? cpu::HalfToFloatAvx2 : cpu::HalfToFloatScalar)(src, type, count, dst);
@@ -270,7 +269,7 @@ class CpuSparseOps final : public SparseOps {
 
   KernelStatus FloatToHalf(const float* src, ElementType type, uint64_t count, uint16_t* dst,
                            void*) override {
-    if (!IsHalf(type) || (count > 0 && (src == nullptr || dst == nullptr))) {
+    if (!IsHalfType(type) || (count > 0 && (src == nullptr || dst == nullptr))) {
       return KernelStatus::kInvalidArgument;
     }
     (isa_ == CpuIsa::kAvx2 ? cpu::FloatToHalfAvx2 : cpu::FloatToHalfScalar)(src, type, count, dst);
@@ -279,7 +278,7 @@ class CpuSparseOps final : public SparseOps {
 
   KernelStatus GatherRounded(float* acc, const uint32_t* index, uint64_t count, ElementType type,
                              uint16_t* out, void*) override {
-    if (!IsHalf(type) || (count > 0 && (acc == nullptr || index == nullptr || out == nullptr))) {
+    if (!IsHalfType(type) || (count > 0 && (acc == nullptr || index == nullptr || out == nullptr))) {
       return KernelStatus::kInvalidArgument;
     }
     const bool bf16 = type == ElementType::kBFloat16;

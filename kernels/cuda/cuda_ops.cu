@@ -704,8 +704,7 @@ class CudaSparseOps final : public SparseOps {
 
   KernelStatus HalfToFloat(const uint16_t* src, ElementType type, uint64_t count, float* dst,
                            void* stream) override {
-    if ((type != ElementType::kBFloat16 && type != ElementType::kFloat16) ||
-        (count > 0 && (src == nullptr || dst == nullptr))) {
+    if (!IsHalfType(type) || (count > 0 && (src == nullptr || dst == nullptr))) {
       return KernelStatus::kInvalidArgument;
     }
     if (count == 0) return KernelStatus::kOk;
@@ -717,8 +716,7 @@ class CudaSparseOps final : public SparseOps {
 
   KernelStatus FloatToHalf(const float* src, ElementType type, uint64_t count, uint16_t* dst,
                            void* stream) override {
-    if ((type != ElementType::kBFloat16 && type != ElementType::kFloat16) ||
-        (count > 0 && (src == nullptr || dst == nullptr))) {
+    if (!IsHalfType(type) || (count > 0 && (src == nullptr || dst == nullptr))) {
       return KernelStatus::kInvalidArgument;
     }
     if (count == 0) return KernelStatus::kOk;
@@ -730,7 +728,7 @@ class CudaSparseOps final : public SparseOps {
 
   KernelStatus GatherRounded(float* acc, const uint32_t* index, uint64_t count, ElementType type,
                              uint16_t* out, void* stream) override {
-    if ((type != ElementType::kBFloat16 && type != ElementType::kFloat16) ||
+    if (!IsHalfType(type) ||
         (count > 0 && (acc == nullptr || index == nullptr || out == nullptr))) {
       return KernelStatus::kInvalidArgument;
     }
