@@ -52,7 +52,7 @@ gpu-bundle-check:
 image:
 	bash scripts/image.sh
 
-image-test:
+image-test: image
 	bash scripts/image-test.sh
 
 demo: build

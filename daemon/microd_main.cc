@@ -74,9 +74,10 @@ ABSL_FLAG(std::string, transport, "gloo",
           "--cuda_device and takes only CUDA buffers on it)");
 ABSL_FLAG(int, cuda_device, 0, "with --transport=nccl: the CUDA device (ordinal) to reduce on");
 ABSL_FLAG(std::string, hostname, "",
-          "address peers reach this node's data plane on (default: the local address of the "
-          "route to the coordinator; on node 0 the --coordinator_listen address, or this host's "
-          "address when that is a wildcard). Give it when the coordinator is on this host but "
+          "address peers reach this node's data plane on (default: the address the coordinator "
+          "saw this node's join come from, when it is one of this host's, else the local address "
+          "of the route to the coordinator; on node 0 with a wildcard --coordinator_listen, this "
+          "host's address). Give it when the coordinator is on this host but "
           "other hosts must reach this node (several daemons per host)");
 ABSL_FLAG(int, gloo_io_nice, 0,
           "lower the priority of Gloo's network thread by this much (0-19); for several daemons "
@@ -224,7 +225,10 @@ std::string HostName() {
 }
 
 // The address this node's data plane is reached on (--hostname).
-absl::StatusOr<std::string> DataPlaneAddress(const std::string& coordinator_address) {
+// `observed_host`: the address the coordinator saw this node's join come
+// from ("" when unknown).
+absl::StatusOr<std::string> DataPlaneAddress(const std::string& coordinator_address,
+                                             const std::string& observed_host) {
   std::string chosen = absl::GetFlag(FLAGS_hostname);
   std::string why = "--hostname";
   if (chosen.empty()) {
@@ -233,6 +237,13 @@ absl::StatusOr<std::string> DataPlaneAddress(const std::string& coordinator_addr
     if (!listen.empty() && listen_hp.ok() && microd::control::IsWildcardHost(listen_hp->host)) {
       chosen = microd::control::PrimaryHostAddress();
       why = "this host's address (the coordinator listens on every interface)";
+    } else if (!observed_host.empty() && microd::control::IsLocalAddress(observed_host)) {
+      // What the coordinator saw is the source address of this node's
+      // route to it: no name lookup here (a container network's DNS may
+      // answer gRPC's resolver and still fail this process's own lookups).
+      chosen = observed_host;
+      why = absl::StrCat("the address the coordinator at ", coordinator_address,
+                         " saw this node join from");
     } else {
       // A name the job's DNS serves may fail to resolve for a moment (a
       // container network or a headless service catching up): retried for
@@ -257,6 +268,10 @@ absl::StatusOr<std::string> DataPlaneAddress(const std::string& coordinator_addr
       }
       chosen = *local;
       why = absl::StrCat("the route to the coordinator at ", coordinator_address);
+      if (!observed_host.empty()) {
+        absl::StrAppend(&why, "; the coordinator saw this node join from ", observed_host,
+                        ", not an address of this host: a NAT in between?");
+      }
     }
   }
   std::fprintf(stderr, "microd: data plane on %s (%s)\n", chosen.c_str(), why.c_str());
@@ -722,7 +737,7 @@ absl::Status Daemon::Join() {
 
 absl::Status Daemon::StartDataPlane(const microd::engine::EngineOptions& eo) {
   if (!eo.device_resident) {
-    auto data_address = DataPlaneAddress(coordinator_address_);
+    auto data_address = DataPlaneAddress(coordinator_address_, membership_.observed_host);
     if (!data_address.ok()) return Bad("--hostname", data_address.status());
     microd::transport::GlooOptions go;
     go.rank = membership_.node_rank;

@@ -35,6 +35,7 @@ NET="microd-img-$$"
 WORK=$(mktemp -d /tmp/microd-image-test.XXXXXX)
 chmod 0755 "$WORK"
 FAILED=0
+LOGS="${IMAGE_TEST_LOGS:-$BUILD/image-test-logs}"
 
 fail() {
   echo "image-test: FAIL: $*" >&2
@@ -58,6 +59,13 @@ DNSOPTS=(--dns-option=timeout:1 --dns-option=attempts:5)
 cleanup() {
   set +e
   local c
+  # A failed run keeps every container's log (and podman's) for a look.
+  if [[ $FAILED != 0 ]]; then
+    rm -rf "$LOGS" && mkdir -p "$LOGS"
+    for c in $(podman ps -a --format '{{.Names}}' | grep "^$RUN-"); do podman logs "$c" >"$LOGS/${c#"$RUN-"}.log" 2>&1; done
+    cp "$WORK"/*.log "$WORK"/*.trainer* "$LOGS/" 2>/dev/null
+    echo "image-test: logs of the failed run in $LOGS" >&2
+  fi
   for c in $(podman ps -a --format '{{.Names}}' | grep "^$RUN-"); do podman rm -f -t 0 "$c" >/dev/null 2>&1; done
   for c in $(podman pod ls --format '{{.Name}}' | grep "^$RUN-"); do podman pod rm -f -t 0 "$c" >/dev/null 2>&1; done
   for c in $(podman volume ls --format '{{.Name}}' | grep "^$RUN-"); do podman volume rm -f "$c" >/dev/null 2>&1; done
@@ -247,6 +255,21 @@ EOF
   else
     fail "no $BUILD/daemon/microd for the reference run outside containers (make build first)"
   fi
+  # Nodes 1 and 2 take the address the coordinator saw them join from: no
+  # name lookup of their own after the join (this network's DNS answers
+  # gRPC's resolver yet may fail a process's own lookups for seconds).
+  seen=0
+  for r in 1 2; do
+    ip=$(podman inspect "$RUN-job-node$r" --format '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}')
+    if podman logs "$RUN-job-node$r" 2>&1 | grep -qF "data plane on $ip (the address the coordinator at job-node0:7470 saw"; then
+      seen=$((seen + 1))
+    fi
+  done
+  if [[ $seen == 2 ]]; then
+    pass "nodes 1 and 2: data plane on their own address, as the coordinator saw their joins"
+  else
+    fail "data-plane addresses: $(podman logs "$RUN-job-node1" 2>&1 | grep 'data plane')"
+  fi
   # microctl from inside node 0.
   if podman exec "$RUN-job-node0" microctl status >"$WORK/status" 2>&1 \
       && grep -q "running" "$WORK/status" && grep -q "rank 0 of 3" "$WORK/status"; then
@@ -286,10 +309,12 @@ if start_daemons kill; then
   fi
 fi
 
-# The first jobs' containers go.
-for c in $(podman ps -a --format '{{.Names}}' | grep -E "^$RUN-(job|kill)-"); do
-  podman rm -f -t 0 "$c" >/dev/null 2>&1
-done
+# The first jobs' containers go (kept for their logs if a check failed).
+if (( FAILED == 0 )); then
+  for c in $(podman ps -a --format '{{.Names}}' | grep -E "^$RUN-(job|kill)-"); do
+    podman rm -f -t 0 "$c" >/dev/null 2>&1
+  done
+fi
 
 # 6. A pod per node: daemon and trainer share the pod's network namespace
 # and a pod-local socket volume; the pods on the run's network, by name.

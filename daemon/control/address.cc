@@ -16,6 +16,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 
 namespace microd::control {
 namespace {
@@ -166,6 +167,46 @@ std::string PrimaryHostAddress() {
     }
   }
   return local.empty() ? "127.0.0.1" : local.front();
+}
+
+std::string HostOfGrpcPeer(const std::string& peer) {
+  std::string rest;
+  if (absl::StartsWith(peer, "ipv4:")) {
+    rest = peer.substr(5);
+  } else if (absl::StartsWith(peer, "ipv6:")) {
+    rest = absl::StrReplaceAll(peer.substr(5), {{"%5B", "["}, {"%5D", "]"}, {"%5b", "["},
+                                                 {"%5d", "]"}, {"%3A", ":"}, {"%3a", ":"},
+                                                 {"%25", "%"}});
+  } else {
+    return "";
+  }
+  auto hp = ParseHostPort(rest);
+  if (!hp.ok() || hp->host.empty()) return "";
+  // Only a numeric address: nothing here may need a name lookup.
+  in6_addr v6{};
+  in_addr v4{};
+  const std::string bare = hp->host.substr(0, hp->host.find('%'));
+  if (inet_pton(AF_INET, bare.c_str(), &v4) != 1 && inet_pton(AF_INET6, bare.c_str(), &v6) != 1) {
+    return "";
+  }
+  return hp->host;
+}
+
+bool IsLocalAddress(const std::string& ip) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  hints.ai_flags = AI_NUMERICHOST;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(ip.c_str(), "0", &hints, &found) != 0) return false;
+  bool local = false;
+  for (addrinfo* ai = found; ai != nullptr && !local; ai = ai->ai_next) {
+    const int fd = socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    local = bind(fd, ai->ai_addr, ai->ai_addrlen) == 0;
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return local;
 }
 
 }  // namespace microd::control

@@ -44,4 +44,13 @@ std::string PrimaryHostAddress();
 // True for 127.0.0.0/8 and ::1.
 bool IsLoopbackAddress(const std::string& ip);
 
+// The IP address in a gRPC peer string ("ipv4:10.0.0.7:41234",
+// "ipv6:[fd00::7]:41234", brackets possibly %-encoded), or "" for any other
+// kind of peer (unix sockets) or a string not of that form.
+std::string HostOfGrpcPeer(const std::string& peer);
+
+// True when `ip` is an address of this host (this network namespace): a
+// socket can be bound to it.
+bool IsLocalAddress(const std::string& ip);
+
 }  // namespace microd::control

@@ -59,6 +59,9 @@ struct Membership {
   std::vector<std::string> node_names;
   int world_size = 0;
   uint64_t session = 0;
+  // The address the coordinator saw the join come from (set by the client
+  // from the answer; "" when unknown).
+  std::string observed_host;
 };
 
 struct BucketInfo {

@@ -146,6 +146,7 @@ absl::StatusOr<Membership> CoordinatorClient::Join(absl::Time deadline) {
   membership_.node_names.assign(resp.node_names().begin(), resp.node_names().end());
   membership_.world_size = resp.world_size();
   membership_.session = resp.session();
+  membership_.observed_host = resp.observed_host();
   if (membership_.node_rank < 0 || membership_.node_rank >= membership_.node_count ||
       static_cast<int>(membership_.local_sizes.size()) != membership_.node_count) {
     return absl::InternalError("join: inconsistent answer from the coordinator");

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/control/address.h"
 
 namespace microd::control {
 namespace {
@@ -57,6 +58,7 @@ grpc::Status CoordinatorService::Join(grpc::ServerContext* ctx, const microd::v1
   for (const auto& n : m->node_names) resp->add_node_names(n);
   resp->set_world_size(m->world_size);
   resp->set_session(m->session);
+  resp->set_observed_host(HostOfGrpcPeer(ctx->peer()));
   return grpc::Status::OK;
 }
 

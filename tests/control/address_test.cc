@@ -70,6 +70,27 @@ TEST(Address, LocalAddressTowardIsTheRoutesSource) {
   EXPECT_FALSE(LocalAddressToward("unix:/tmp/x").ok());
 }
 
+TEST(Address, HostOfAGrpcPeer) {
+  EXPECT_EQ(HostOfGrpcPeer("ipv4:10.89.0.7:41234"), "10.89.0.7");
+  EXPECT_EQ(HostOfGrpcPeer("ipv6:[fd00::7]:41234"), "fd00::7");
+  EXPECT_EQ(HostOfGrpcPeer("ipv6:%5Bfd00::7%5D:41234"), "fd00::7");
+  EXPECT_EQ(HostOfGrpcPeer("ipv6:%5Bfe80::1%25eth0%5D:1"), "fe80::1%eth0");
+  // Anything else names no address (and is never looked up).
+  for (const char* s : {"unix:/run/microd/x.sock", "", "ipv4:", "ipv4:10.0.0.1", "ipv4:host:5",
+                        "ipv6:[zz::1]:5", "dns:node0:7470", "ipv4:10.0.0.1:99999"}) {
+    EXPECT_EQ(HostOfGrpcPeer(s), "") << s;
+  }
+}
+
+TEST(Address, LocalAddressesAreThoseOfThisHost) {
+  EXPECT_TRUE(IsLocalAddress("127.0.0.1"));
+  EXPECT_TRUE(IsLocalAddress(PrimaryHostAddress()));
+  // TEST-NET-1 (RFC 5737) is nobody's address; a name is not an address.
+  EXPECT_FALSE(IsLocalAddress("192.0.2.77"));
+  EXPECT_FALSE(IsLocalAddress("localhost"));
+  EXPECT_FALSE(IsLocalAddress(""));
+}
+
 TEST(Address, PrimaryHostAddressIsAnIpv4Address) {
   const std::string ip = PrimaryHostAddress();
   in_addr parsed{};

@@ -94,6 +94,8 @@ TEST_F(CoordinatorTest, JoinAssignsRanksAndReportsTheJob) {
     EXPECT_EQ(r->world_size, 6);
     EXPECT_EQ(r->local_sizes, (std::vector<int>{2, 1, 3}));
     EXPECT_EQ(r->node_names, (std::vector<std::string>{"b", "a", "c"}));
+    // Where the coordinator saw the join come from (clients on loopback).
+    EXPECT_EQ(r->observed_host, "127.0.0.1");
   }
   // Each node its own credential.
   EXPECT_NE(m[0]->session, m[1]->session);
