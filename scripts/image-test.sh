@@ -18,7 +18,11 @@
 #   6. a pod per node (podman pod: one network namespace, the socket in a
 #      pod-local volume) with the daemon and the trainer as its two
 #      containers, the closest this machine gets to the Kubernetes pod: the
-#      same job, the same results.
+#      same job, the same results;
+#   7. the Kubernetes manifests' own pod (the four-nodes overlay rendered and
+#      translated by tests/deploy/pod_to_podman.py), one podman pod per
+#      node named and addressed as the headless Service makes them: the 4
+#      example trainers get the average.
 # Everything it makes (containers, volumes, network, namespace) is named
 # after this run and removed on exit.
 set -euo pipefail
@@ -35,6 +39,7 @@ NET="microd-img-$$"
 WORK=$(mktemp -d /tmp/microd-image-test.XXXXXX)
 chmod 0755 "$WORK"
 FAILED=0
+TAGGED=()
 LOGS="${IMAGE_TEST_LOGS:-$BUILD/image-test-logs}"
 
 fail() {
@@ -69,6 +74,7 @@ cleanup() {
   for c in $(podman ps -a --format '{{.Names}}' | grep "^$RUN-"); do podman rm -f -t 0 "$c" >/dev/null 2>&1; done
   for c in $(podman pod ls --format '{{.Name}}' | grep "^$RUN-"); do podman pod rm -f -t 0 "$c" >/dev/null 2>&1; done
   for c in $(podman volume ls --format '{{.Name}}' | grep "^$RUN-"); do podman volume rm -f "$c" >/dev/null 2>&1; done
+  for c in "${TAGGED[@]}"; do podman untag "$IMAGE" "$c" >/dev/null 2>&1; done
   nsenter --net="/var/run/netns/$NS" podman network rm -f "$NET" >/dev/null 2>&1
   [[ -z "$(podman ps -q)" ]] && pkill -x aardvark-dns 2>/dev/null
   ip netns del "$NS" 2>/dev/null
@@ -154,7 +160,9 @@ reload_dns() {
 }
 ip netns add "$NS"
 ip netns exec "$NS" ip link set lo up
-pns network create "$NET" >/dev/null
+# A subnet of this run's (addresses are given to the manifest's pods below).
+SUBNET="10.$(( 100 + $$ % 100 )).$(( ($$ / 100) % 250 ))"
+pns network create --subnet "$SUBNET.0/24" "$NET" >/dev/null
 # The network's DNS server starts with its first container and learns of
 # each later one by a reload signal; a container that joins while it is
 # still starting is never learnt, and its queries go unanswered. So a
@@ -261,7 +269,8 @@ EOF
   seen=0
   for r in 1 2; do
     ip=$(podman inspect "$RUN-job-node$r" --format '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}')
-    if podman logs "$RUN-job-node$r" 2>&1 | grep -qF "data plane on $ip (the address the coordinator at job-node0:7470 saw"; then
+    log=$(podman logs "$RUN-job-node$r" 2>&1)  # (grep -q on a pipe: SIGPIPE under pipefail)
+    if grep -qF "data plane on $ip (the address the coordinator at job-node0:7470 saw" <<<"$log"; then
       seen=$((seen + 1))
     fi
   done
@@ -365,6 +374,67 @@ if (( FAILED == 0 )); then
       pass "a pod per node (daemon + trainer, pod-local socket volume): the same results, bit for bit"
     else
       fail "pods: trainers exited $(tr '\n' ' ' <"$WORK/pod.codes"), results $( [[ "$got" == "$want" ]] && echo equal || echo differ)"
+    fi
+  fi
+fi
+
+# 7. The Kubernetes manifests' own pod, rendered for the four-nodes overlay
+# and run by podman (tests/deploy/pod_to_podman.py: the image, command,
+# environment with the Downward API fields filled in, volumes, user, limits;
+# any field it cannot translate fails): one pod per node, named and
+# addressed as the headless Service makes them, the trainer started once
+# the sidecar's startup probe passes, as a native sidecar is.
+if (( FAILED == 0 )); then
+  for c in $(podman pod ls --format "{{.Name}}" | grep -E "^$RUN-pod"); do podman pod rm -f -t 0 "$c" >/dev/null 2>&1; done
+  cp -r deploy/k8s "$WORK/k8s"
+  for o in "$WORK"/k8s/overlays/*; do cp "$WORK/token" "$o/token"; done
+  mkdir -m 0755 "$WORK/secret-token" && cp "$WORK/token" "$WORK/secret-token/token"
+  plan() { /usr/bin/python3 tests/deploy/pod_to_podman.py --k8s "$WORK/k8s" --overlay four-nodes \
+             --secret "microd-token=$WORK/secret-token" --prefix "$RUN-k8s" "$@"; }
+  nodes=$(plan --node 0 --pod-ip 0 --part nodes)
+  # The manifests' image name, given to this image.
+  for img in $(plan --node 0 --pod-ip 0 --part image); do podman tag "$IMAGE" "$img"; TAGGED+=("$img"); done
+  k8s_ok=1
+  for (( r = 0; r < nodes; ++r )); do
+    ip="$SUBNET.$(( 20 + r ))"
+    while read -r line; do eval "podman $line" >/dev/null; done < <(plan --node $r --pod-ip "$ip" --part volumes)
+    if ! eval "pns $(plan --node $r --pod-ip "$ip" --part pod) --network $NET ${DNSOPTS[*]}" >/dev/null 2>>"$WORK/podman.log" \
+        || ! eval "pns $(plan --node $r --pod-ip "$ip" --part sidecar)" >/dev/null 2>>"$WORK/podman.log"; then
+      fail "manifest pod $r: $(grep -v level= "$WORK/podman.log" | tail -1)"
+      k8s_ok=0
+      break
+    fi
+  done
+  reload_dns
+  for (( r = 0; r < nodes && k8s_ok; ++r )); do
+    started=""
+    for i in $(seq 1 120); do
+      if eval "podman $(plan --node $r --pod-ip 0 --part startup)" >/dev/null 2>&1; then started=1; break; fi
+      sleep 0.5
+    done
+    if [[ -z "$started" ]]; then
+      fail "manifest pod $r: the sidecar's startup probe never passed"
+      for (( q = 0; q < nodes; ++q )); do podman logs "$RUN-k8s-microd$q" 2>&1 | grep -v level= | tail -3 | sed "s/^/  pod $q: /" >&2; done
+      k8s_ok=0
+    fi
+  done
+  if (( k8s_ok )); then
+    for (( r = 0; r < nodes; ++r )); do
+      eval "pns $(plan --node $r --pod-ip "$SUBNET.$(( 20 + r ))" --part trainer)" >/dev/null 2>>"$WORK/podman.log"
+    done
+    good=0
+    want=$(awk -v n="$nodes" 'BEGIN { s = 0; for (r = 1; r <= n; ++r) s += r; printf "%g", s / n }')
+    for (( r = 0; r < nodes; ++r )); do
+      code=$(timeout 120 podman wait "$RUN-k8s-trainer$r" || echo timeout)
+      podman logs "$RUN-k8s-trainer$r" >"$WORK/k8s.trainer$r" 2>&1
+      if [[ $code == 0 ]] && grep -qx "rank $r of $nodes: first value of the averaged update $want" "$WORK/k8s.trainer$r"; then
+        good=$((good + 1))
+      fi
+    done
+    if [[ $good == "$nodes" ]]; then
+      pass "the manifests' pod (four-nodes overlay) in podman: $nodes trainers averaged to $want through their sidecars"
+    else
+      fail "the manifests' pod: $good of $nodes trainers right: $(tail -q -n1 "$WORK"/k8s.trainer* | tr '\n' ';')"
     fi
   fi
 fi
