@@ -189,6 +189,9 @@ def plan(docs, node, pod_ip, secrets, prefix):
     _only(probe, {"exec", "periodSeconds", "timeoutSeconds", "failureThreshold"}, "startupProbe")
     out["startup"] = ["exec", f"{prefix}-microd{node}"] + probe["exec"]["command"]
     out["image"] = sorted({sidecar["image"], trainer["image"]})
+    # The ports the sidecar declares (not published: a pod's address is
+    # reached directly, on Kubernetes as on the podman network).
+    out["ports"] = [f"{port['name']} {port['containerPort']}" for port in sidecar.get("ports", [])]
     return out
 
 
@@ -200,7 +203,7 @@ def main():
     ap.add_argument("--pod-ip", required=True)
     ap.add_argument("--secret", action="append", default=[], help="NAME=HOSTDIR")
     ap.add_argument("--prefix", required=True)
-    ap.add_argument("--part", choices=["image", "volumes", "pod", "sidecar", "trainer", "startup", "nodes"],
+    ap.add_argument("--part", choices=["image", "ports", "volumes", "pod", "sidecar", "trainer", "startup", "nodes"],
                     required=True)
     a = ap.parse_args()
     docs = deploy_lib.kustomize(os.path.join(a.k8s, "overlays", a.overlay))
@@ -209,7 +212,7 @@ def main():
         return
     secrets = dict(s.split("=", 1) for s in a.secret)
     part = plan(docs, a.node, a.pod_ip, secrets, a.prefix)[a.part]
-    if a.part == "image":
+    if a.part in ("image", "ports"):
         print("\n".join(part))
         return
     for command in part if a.part == "volumes" else [part]:

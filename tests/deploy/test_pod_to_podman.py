@@ -28,7 +28,7 @@ def _env(args):
 def test_every_overlay_translates(target):
     docs = d.kustomize(target)
     out = p.plan(docs, 0, "10.1.2.20", SECRETS, "t")
-    assert set(out) == {"image", "volumes", "pod", "sidecar", "trainer", "startup"}
+    assert set(out) == {"image", "ports", "volumes", "pod", "sidecar", "trainer", "startup"}
 
 
 def test_the_four_node_pod_as_kubernetes_would_run_it():
@@ -70,6 +70,7 @@ def test_the_four_node_pod_as_kubernetes_would_run_it():
     assert not any(m.startswith("/srv/token") for m in mounts["trainer"])
     (dshm,) = [v for v in out["volumes"] if v[-1] == "t-dshm2"]
     assert "type=tmpfs" in dshm and "o=nr_blocks=524288,uid=10001,gid=10001" in dshm
+    assert out["ports"] == ["coordinator 7470", "metrics 9464"]
     # The startup probe is the manifest's command, run in the sidecar.
     assert out["startup"] == ["exec", "t-microd2"] + sidecar["startupProbe"]["exec"]["command"]
 
