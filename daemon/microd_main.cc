@@ -464,6 +464,9 @@ class Daemon {
   explicit Daemon(Config config) : config_(std::move(config)) {}
   ~Daemon() {
     absl::MutexLock lock(&mu_);
+    // The heartbeats' failure callback calls into the engine (a Start that
+    // failed half-way has not left the job).
+    if (client_ != nullptr) client_->StopHeartbeats();
     engine_.reset();
     local_server_.reset();
   }

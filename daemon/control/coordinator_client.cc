@@ -39,7 +39,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(
   return c;
 }
 
-CoordinatorClient::~CoordinatorClient() {
+CoordinatorClient::~CoordinatorClient() { StopHeartbeats(); }
+
+void CoordinatorClient::StopHeartbeats() {
   if (!stop_.HasBeenNotified()) stop_.Notify();
   if (heartbeat_.joinable()) heartbeat_.join();
 }
@@ -317,8 +319,7 @@ absl::StatusOr<std::vector<ScheduleBatch>> CoordinatorClient::Poll(uint64_t next
 }
 
 absl::Status CoordinatorClient::Leave() {
-  if (!stop_.HasBeenNotified()) stop_.Notify();
-  if (heartbeat_.joinable()) heartbeat_.join();
+  StopHeartbeats();
   if (membership_.session == 0) return absl::OkStatus();
   microd::v1::LeaveRequest req;
   req.set_session(membership_.session);

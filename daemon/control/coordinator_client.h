@@ -61,6 +61,10 @@ class CoordinatorClient final : public KeyValueStore {
   absl::StatusOr<std::vector<ScheduleBatch>> Poll(uint64_t next, absl::Time deadline);
   // Leaves cleanly and stops heartbeats.
   absl::Status Leave();
+  // Ends the heartbeats (and with them the failure callback's calls) and
+  // waits for their thread; Leave and the destructor do it first. Call it
+  // before whatever the failure callback uses goes.
+  void StopHeartbeats();
   // Tells the coordinator the job failed here (best effort, short deadline).
   absl::Status ReportFailure(const std::string& reason);
 

@@ -165,6 +165,8 @@ class Node {
   ~Node() {
     local_->Stop();
     engine_->Stop(absl::CancelledError("test over"));
+    // The heartbeats' failure callback calls into the engine.
+    client_->StopHeartbeats();
     engine_.reset();
     local_.reset();
     server_->Shutdown(absl::Now() + absl::Seconds(1));
