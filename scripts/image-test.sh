@@ -47,6 +47,15 @@ fail() {
   FAILED=1
 }
 pass() { echo "image-test: ok: $*"; }
+# Runs a command every 0.5 s until it succeeds, for up to 60 s (120 tries).
+poll_60s() {
+  local i
+  for i in $(seq 1 120); do
+    "$@" >/dev/null 2>&1 && return 0
+    sleep 0.5
+  done
+  return 1
+}
 # podman in the run's network namespace: the network's bridge, its rules and
 # its DNS live there (nsenter, not `ip netns exec`, whose fresh /sys has no
 # cgroup mount for runc).
@@ -194,12 +203,7 @@ start_daemons() {  # $1: run label
   # (aardvark-dns 1.4): more once every container is up.
   reload_dns
   for r in 0 1 2; do
-    local ok=""
-    for i in $(seq 1 120); do
-      if podman exec "$RUN-$1-node$r" microd-health --service=microd --timeout_ms=1000 >/dev/null 2>&1; then ok=1; break; fi
-      sleep 0.5
-    done
-    if [[ -z "$ok" ]]; then
+    if ! poll_60s podman exec "$RUN-$1-node$r" microd-health --service=microd --timeout_ms=1000; then
       fail "node $r of '$1' never served"
       local q
       for q in 0 1 2; do podman logs "$RUN-$1-node$q" 2>&1 | grep -v level= | tail -4 | sed "s/^/  node $q: /" >&2; done
@@ -347,12 +351,7 @@ if (( FAILED == 0 )); then
   reload_dns
   for r in 0 1 2; do
     (( pods_ok )) || break
-    ok=""
-    for i in $(seq 1 120); do
-      if podman exec "$RUN-pod-node$r" microd-health --service=microd --timeout_ms=1000 >/dev/null 2>&1; then ok=1; break; fi
-      sleep 0.5
-    done
-    if [[ -z "$ok" ]]; then
+    if ! poll_60s podman exec "$RUN-pod-node$r" microd-health --service=microd --timeout_ms=1000; then
       fail "pod $r: daemon never served"
       for q in 0 1 2; do podman logs "$RUN-pod-node$q" 2>&1 | grep -v level= | tail -3 | sed "s/^/  pod $q: /" >&2; done
       pods_ok=0
@@ -407,12 +406,7 @@ if (( FAILED == 0 )); then
   done
   reload_dns
   for (( r = 0; r < nodes && k8s_ok; ++r )); do
-    started=""
-    for i in $(seq 1 120); do
-      if eval "podman $(plan --node $r --pod-ip 0 --part startup)" >/dev/null 2>&1; then started=1; break; fi
-      sleep 0.5
-    done
-    if [[ -z "$started" ]]; then
+    if ! eval "poll_60s podman $(plan --node $r --pod-ip 0 --part startup)"; then
       fail "manifest pod $r: the sidecar's startup probe never passed"
       for (( q = 0; q < nodes; ++q )); do podman logs "$RUN-k8s-microd$q" 2>&1 | grep -v level= | tail -3 | sed "s/^/  pod $q: /" >&2; done
       k8s_ok=0
