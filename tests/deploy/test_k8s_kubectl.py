@@ -47,9 +47,13 @@ def _lost(ours, theirs, path=""):
     return [] if ours == theirs or str(ours) == str(theirs) else [f"{path}: {ours!r} -> {theirs!r}"]
 
 
+def _kubectl_local(args, obj):
+    return subprocess.run([os.environ["KUBECTL"], *args, "--local", "-f", "-", "-o", "yaml"],
+                          input=yaml.safe_dump(obj), capture_output=True, text=True)
+
+
 def _round_trip(args, obj):
-    out = subprocess.run([os.environ["KUBECTL"], *args, "--local", "-f", "-", "-o", "yaml"],
-                         input=yaml.safe_dump(obj), capture_output=True, text=True)
+    out = _kubectl_local(args, obj)
     assert out.returncode == 0, out.stderr
     return yaml.safe_load(out.stdout)
 
@@ -87,6 +91,5 @@ def test_round_trip_catches_unknown_fields_and_wrong_types():
     back = _round_trip(["set", "env", "MICROD_ROUND_TRIP=1"], job)
     assert ".spec.template.spec.initContainers[0].restartPolicyy" in _lost(job, back)
     job["spec"]["template"]["spec"]["initContainers"][0]["ports"][0]["containerPort"] = "7470x"
-    out = subprocess.run([os.environ["KUBECTL"], "set", "env", "X=1", "--local", "-f", "-", "-o",
-                          "yaml"], input=yaml.safe_dump(job), capture_output=True, text=True)
+    out = _kubectl_local(["set", "env", "X=1"], job)
     assert out.returncode != 0 and "containerPort" in out.stderr
