@@ -16,6 +16,7 @@
 //   throw and never abort. This module depends on nothing but the C++ library.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -45,7 +46,9 @@ struct StepScalars {
 // The fused pass of steps 2 and 6 of the algorithm:
 //   acc[i] = residual[i] + grad[i]               for i in [0, size)
 //   select (i, acc[i]) with |acc[i]| >= threshold for i in [select_begin, select_end)
-// `acc` may alias `residual` (in place) but not `grad`. The outputs receive the
+// `acc` may be `residual` (in place) but must not otherwise overlap an input;
+// without that identity the arrays are distinct (the backend may then read the
+// inputs ahead of the stores, through a read-only path). The outputs receive the
 // selected indices and values (any order; capacity select_end - select_begin).
 // `scalars->nonfinite` counts non-finite acc values over the whole bucket; when
 // it is non-zero the caller must discard `acc` (the residual is untouched when
@@ -116,6 +119,13 @@ class SparseOps {
   virtual Device device() const = 0;
   // Human-readable name of the code path, e.g. "cpu-avx2".
   virtual const char* name() const = 0;
+
+  // How many calls so far returned only once the stream's work was done:
+  // CopyToHost and CopyToDevice of at least one byte, Synchronize,
+  // SynchronizeFor, SumOfSquares of at least one element. On a device each
+  // is a round trip the host waits for; the CPU backend counts the same
+  // calls, so a step's count is the same on both.
+  uint64_t host_waits() const { return host_waits_.load(std::memory_order_relaxed); }
 
   // Memory of this device, 64-byte aligned, zero-filled. Returns nullptr when
   // out of memory. Free(nullptr) is a no-op.
@@ -227,6 +237,12 @@ class SparseOps {
   // scalars->count receives the number of distinct indices.
   virtual KernelStatus SortUnique(uint32_t* index, uint64_t count, StepScalars* scalars,
                                   void* stream) = 0;
+
+ protected:
+  void CountHostWait() { host_waits_.fetch_add(1, std::memory_order_relaxed); }
+
+ private:
+  std::atomic<uint64_t> host_waits_{0};
 };
 
 // Creates the CPU backend. kAvx2 on a processor without AVX2 returns nullptr.

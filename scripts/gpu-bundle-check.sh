@@ -6,7 +6,8 @@
 #     needs inside the bundle, except the C and C++ runtimes, the CUDA driver
 #     and NCCL (which the GPU machine has); no RUNPATH names a path outside it;
 #  2. its programs run from it in an empty environment (env -i): the GPU tests
-#     start and skip for want of a GPU, microd serves a 1-node job, microctl
+#     start and skip for want of a GPU, the step benchmark runs 2 CPU nodes,
+#     microd serves a 1-node job, microctl
 #     reads its status, and the bundle's Python package under this machine's
 #     interpreter allreduces through the bundle's libmicrod and microd.
 #   scripts/gpu-bundle-check.sh [BUNDLE]     (default build/gpu-bundle)
@@ -62,6 +63,15 @@ done
 if ! clean "$B/tests/transport_nccl_test" --gtest_list_tests >"$scratch/nccl.log" 2>&1; then
   grep -q "libnccl.so.2" "$scratch/nccl.log" ||
     { cat "$scratch/nccl.log"; fail "transport_nccl_test fails to start for another reason"; }
+fi
+# The step benchmark: its CPU mode (Gloo) through 2 processes, where NCCL loads.
+if clean "$B/bench/microd-bench-transport" --nodes=2 --size=100003 --warmup=1 --reps=1 \
+    --dense_reps=1 >"$scratch/bench.log" 2>&1; then
+  grep -q "micro (hist)" "$scratch/bench.log" ||
+    { cat "$scratch/bench.log"; fail "microd-bench-transport printed no step"; }
+else
+  grep -q "libnccl.so.2" "$scratch/bench.log" ||
+    { cat "$scratch/bench.log"; fail "microd-bench-transport failed from the bundle"; }
 fi
 clean "$B/daemon/microd" --socket="$scratch/microd.sock" --nodes=1 \
   --coordinator_listen=127.0.0.1:0 --admin=127.0.0.1:0 --admin_port_file="$scratch/admin" \

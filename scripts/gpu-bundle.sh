@@ -49,7 +49,7 @@ EXECUTABLES=(
   tests/transport_nccl_test tests/microd-test-nccl-rank
   tests/integration_daemon_cuda_test tests/microd-test-cuda-client
   daemon/microd daemon/microctl daemon/microd-health
-  bench/microd-bench-kernels-cuda
+  bench/microd-bench-kernels-cuda bench/microd-bench-transport
 )
 LIBRARIES=(client/libmicrod.so)
 TARGETS=()

@@ -15,7 +15,8 @@
 # when the machine has it), CUDA buffers through the daemons (staged and
 # --transport=nccl), the Python CUDA tests with the machine's PyTorch, the
 # kernel benchmark at d = 25,557,032 and 1e9 beside the e += g floor and
-# torch.topk.
+# torch.topk, the device-resident step (25,557,032 floats, 2 NCCL ranks on
+# the one GPU) beside NCCL's dense allreduce, with its host waits per step.
 set -uo pipefail
 BUNDLE="$(cd "$(dirname "$0")" && pwd)"
 OUT="${OUT:-$BUNDLE/out}"
@@ -232,6 +233,33 @@ EOF
 )
     echo "$table" >"$OUT/bench_summary.txt"
     record bench_kernels_cuda ok "$(echo "$table" | tr '\n' ' ' | cut -c1-600)"
+  fi
+fi
+
+# --- The device-resident step: CUDA kernels over NCCL, 2 ranks ---------------
+limit=$(budget 45)
+if (( limit < 10 )); then
+  record bench_step_nccl "NOT RUN" "no time left"
+else
+  timeout --kill-after=5 "$limit" "$BUNDLE/bench/microd-bench-transport" --device=cuda --nodes=2 \
+    --size=25557032 --warmup=3 --reps=10 --dense_reps=5 --json="$OUT/bench_step_nccl.json" \
+    >"$OUT/bench_step_nccl.log" 2>&1
+  rc=$?
+  if (( rc != 0 )) || [[ ! -s "$OUT/bench_step_nccl.json" ]]; then
+    record bench_step_nccl FAILED "exit $rc (see bench_step_nccl.log)"
+  else
+    line=$("${PYTHON:-python3}" - "$OUT/bench_step_nccl.json" <<'EOF' 2>&1
+import json, sys
+rows = json.load(open(sys.argv[1]))["results"]
+dense = rows[-1]
+for r in rows:
+    if r["method"].startswith("micro") and abs(r["density"] - 0.001) < 1e-9:
+        print(f"micro 0.1%: {r['ms_per_step']:.2f} ms/step, {r['host_waits_per_step']} host "
+              f"waits/step; {dense['method']} {dense['ms_per_step']:.2f} ms "
+              f"({r['speedup_vs_dense_ring']:.1f}x)")
+EOF
+)
+    record bench_step_nccl ok "$line"
   fi
 fi
 

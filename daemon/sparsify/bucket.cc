@@ -100,7 +100,8 @@ Range BucketState::SenderRange(int r) const {
 absl::Status BucketState::Allocate() {
   const uint64_t d = spec_.size;
   const uint64_t capacity = CandidateCapacity();
-  scalars_.Reset(ops_, 1);
+  // One for the step's passes, then one per node for the check of its indices.
+  scalars_.Reset(ops_, 1 + job_.num_nodes);
   bool ok = scalars_.ok();
   if (options_.sparsifier != SparsifierKind::kDense) {
     residual_[0].Reset(ops_, d);
@@ -211,17 +212,26 @@ absl::StatusOr<StepStats> BucketState::Step(const float* grad, float* update,
         "bucket '", spec_.name, "': transport is rank ", transport.rank(), " of ", transport.size(),
         " but the job says node ", job_.node_rank, " of ", job_.num_nodes));
   }
-  if (step_ < options_.warmup_steps) return StepDense(grad, update, transport, deadline);
-  switch (options_.sparsifier) {
-    case SparsifierKind::kMicro:
-      return StepMicro(grad, update, transport, deadline);
-    case SparsifierKind::kTopK:
-    case SparsifierKind::kHard:
-      return StepUnion(grad, update, transport, deadline);
-    case SparsifierKind::kDense:
-      return StepDense(grad, update, transport, deadline);
+  const uint64_t waits_before = ops_->host_waits() + transport.host_waits();
+  absl::StatusOr<StepStats> stats = absl::InternalError("unknown sparsifier");
+  if (step_ < options_.warmup_steps) {
+    stats = StepDense(grad, update, transport, deadline);
+  } else {
+    switch (options_.sparsifier) {
+      case SparsifierKind::kMicro:
+        stats = StepMicro(grad, update, transport, deadline);
+        break;
+      case SparsifierKind::kTopK:
+      case SparsifierKind::kHard:
+        stats = StepUnion(grad, update, transport, deadline);
+        break;
+      case SparsifierKind::kDense:
+        stats = StepDense(grad, update, transport, deadline);
+        break;
+    }
   }
-  return absl::InternalError("unknown sparsifier");
+  if (stats.ok()) stats->host_waits = ops_->host_waits() + transport.host_waits() - waits_before;
+  return stats;
 }
 
 absl::StatusOr<std::vector<BucketState::Header>> BucketState::ExchangeHeaders(
@@ -275,21 +285,31 @@ absl::StatusOr<uint64_t> BucketState::GatherIndices(const std::vector<Header>& h
   stats.bytes_received += total * sizeof(uint32_t) - bytes[job_.node_rank];
   CollectiveOptions o = options;
   o.tag = MakeTag(spec_.slot, TagKind::kIndices);
+  o.shape_agreed = true;  // every node sizes it from the same headers
   RETURN_IF_ERROR(transport.AllgatherV(candidate_index_.get(), bytes, global_index_.get(), o));
+  // Every node's indices checked against its range, the counts read back at once.
+  const int n = job_.num_nodes;
   uint64_t at = 0;
-  for (int r = 0; r < job_.num_nodes; ++r) {
+  for (int r = 0; r < n; ++r) {
     const Range range = SenderRange(r);
     RETURN_IF_ERROR(Check(ops_->CountOutside(global_index_.get() + at, headers[r].count,
-                                             range.begin, range.end, scalars_.get(), stream_),
+                                             range.begin, range.end, scalars_.get() + 1 + r,
+                                             stream_),
                           "index check"));
-    ASSIGN_OR_RETURN(const kernels::StepScalars outside, ReadScalars());
-    if (outside.count != 0) {
+    at += headers[r].count;
+  }
+  std::vector<kernels::StepScalars> outside(n);
+  RETURN_IF_ERROR(Check(ops_->CopyToHost(outside.data(), scalars_.get() + 1,
+                                         n * sizeof(kernels::StepScalars), stream_),
+                        "copy"));
+  for (int r = 0; r < n; ++r) {
+    if (outside[r].count != 0) {
+      const Range range = SenderRange(r);
       return absl::DataLossError(absl::StrCat(
-          "bucket '", spec_.name, "' step ", step_, ": node ", r, " sent ", outside.count, " of ",
-          headers[r].count, " indices outside [", range.begin, ", ", range.end,
+          "bucket '", spec_.name, "' step ", step_, ": node ", r, " sent ", outside[r].count,
+          " of ", headers[r].count, " indices outside [", range.begin, ", ", range.end,
           "), the elements it selects from; a bad peer, step failed on every node"));
     }
-    at += headers[r].count;
   }
   return total;
 }
@@ -303,6 +323,7 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, float* acc, float* update,
   }
   CollectiveOptions o = options;
   o.tag = MakeTag(spec_.slot, TagKind::kValues);
+  o.shape_agreed = true;  // K follows from the indices every node has
   const bool half_wire = spec_.wire != kernels::ElementType::kFloat32;
   if (half_wire) {
     if (!wire_values_.Reserve(ops_, std::max<uint64_t>(K, 1))) {
@@ -425,6 +446,9 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
     Candidates candidates(this, acc, part, scalars.count);
     ControllerContext ctx = ControllerContextFor(transport, options, stats);
     ctx.rescans = &stats.rescans;
+    // After the checked header exchange: the controller's rounds (and any
+    // rescans) follow from histograms summed over every node, alike everywhere.
+    ctx.options.shape_agreed = true;
     ASSIGN_OR_RETURN(threshold, controller_->Resolve(candidates, ctx));
     RETURN_IF_ERROR(Check(ops_->TrimBelow(candidate_index_.get(), candidate_value_.get(),
                                           candidates.count(), threshold, scalars_.get(), stream_),
@@ -434,7 +458,9 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
     const Header mine{scalars.count, 0};
     stats.bytes_sent += sizeof(Header);
     stats.bytes_received += (n - 1) * sizeof(Header);
-    RETURN_IF_ERROR(transport.Allgather(&mine, sizeof(Header), headers.data(), options));
+    CollectiveOptions final_counts = options;
+    final_counts.shape_agreed = true;  // the headers' size, as above
+    RETURN_IF_ERROR(transport.Allgather(&mine, sizeof(Header), headers.data(), final_counts));
   }
   stats.threshold = threshold;
   stats.select_seconds = absl::ToDoubleSeconds(absl::Now() - start);
@@ -567,6 +593,7 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
   options.tag = MakeTag(spec_.slot, TagKind::kHeader);
   RETURN_IF_ERROR(ExchangeHeaders({0, scalars.nonfinite}, transport, options, stats).status());
   options.tag = MakeTag(spec_.slot, TagKind::kDense);
+  options.shape_agreed = true;  // the bucket's size, after the checked header exchange
   stats.bytes_sent += spec_.size * sizeof(float);
   stats.bytes_received += spec_.size * sizeof(float);
   const float divisor = static_cast<float>(job_.world_size);

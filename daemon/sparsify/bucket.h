@@ -42,6 +42,9 @@ struct StepStats {
   uint64_t bytes_sent = 0;      // payload bytes this node handed to collectives
   uint64_t bytes_received = 0;  // payload bytes the collectives delivered from other nodes
   int rescans = 0;              // `hist` controller: extra passes over the partition
+  // Times the host waited for the device during the step: the kernel
+  // backend's waits (SparseOps::host_waits) and the transport's.
+  uint64_t host_waits = 0;
   bool clipped = false;         // local clipping scaled this node's gradient
   bool dense = false;
   // Where the time went: selection (fused pass, threshold control, trim),

@@ -56,6 +56,12 @@ constexpr uint32_t MakeTag(uint32_t bucket_slot, TagKind kind) {
 struct CollectiveOptions {
   absl::Time deadline = absl::InfiniteFuture();
   uint32_t tag = 0;
+  // The caller's promise that every rank makes this call next, with this tag
+  // and the same sizes: they follow from what an earlier checked collective
+  // delivered to every rank (a step's headers), and a rank that fails in
+  // between fails the job, which aborts the transport. A backend that checks
+  // each call's shape with a round of its own (NCCL) skips that round.
+  bool shape_agreed = false;
 };
 
 // Argument checks every backend makes before a collective.
@@ -71,6 +77,10 @@ class Transport {
   virtual int size() const = 0;
   // Backend name for logs and statistics ("inproc", "gloo", "nccl").
   virtual const char* name() const = 0;
+  // How many times so far a call waited on the host for device work of its
+  // own (NCCL: each collective's completion, each descriptor round); 0 for
+  // the host backends.
+  virtual uint64_t host_waits() const { return 0; }
 
   // Every rank contributes `bytes` bytes; `out` (size() * bytes) receives rank
   // r's contribution at offset r * bytes.

@@ -81,13 +81,20 @@ class CpuSparseOps final : public SparseOps {
     if (bytes == 0) return KernelStatus::kOk;
     if (dst == nullptr || src == nullptr) return KernelStatus::kInvalidArgument;
     std::memmove(dst, src, bytes);
+    CountHostWait();
     return KernelStatus::kOk;
   }
   KernelStatus CopyToDevice(void* dst, const void* src, size_t bytes, void* s) override {
     return CopyToHost(dst, src, bytes, s);
   }
-  KernelStatus Synchronize(void*) override { return KernelStatus::kOk; }
-  KernelStatus SynchronizeFor(void*, double) override { return KernelStatus::kOk; }
+  KernelStatus Synchronize(void*) override {
+    CountHostWait();
+    return KernelStatus::kOk;
+  }
+  KernelStatus SynchronizeFor(void*, double) override {
+    CountHostWait();
+    return KernelStatus::kOk;
+  }
 
   KernelStatus FusedAccumulateSelect(const FusedSelectArgs& a, void*) override {
     if (!FusedSelectArgsValid(a)) return KernelStatus::kInvalidArgument;
@@ -161,6 +168,7 @@ class CpuSparseOps final : public SparseOps {
     double sum = 0.0;
     for (uint64_t i = 0; i < size; ++i) sum += static_cast<double>(data[i]) * data[i];
     *host_result = sum;
+    if (size > 0) CountHostWait();
     return KernelStatus::kOk;
   }
 

@@ -20,10 +20,10 @@
 #include <map>
 #include <mutex>
 #include <string>
-#include <thread>
 
 #include "kernels/convert.h"
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/poll_pacer.h"
 
 namespace microd::kernels {
 namespace {
@@ -87,13 +87,17 @@ struct FusedParams {
   StepScalars* scalars = nullptr;
 };
 
+// The fused pass's work, shared by the kernels below, which name the arrays
+// (p's own, or the same as __restrict__ kernel parameters).
 // kAccumulate: acc = residual + grad over [first, end) and count non-finite
 // acc values (with velocity_out set, grad is first replaced by
 // u = beta * velocity_in + grad, written to velocity_out, rounded multiply
 // then add as on the CPU); otherwise acc is only read. Both select over [sel_begin,
 // sel_end). kAligned: grad, residual and acc (those used) are 16-byte aligned.
 template <bool kAccumulate, bool kAligned>
-__global__ void __launch_bounds__(kThreads) FusedKernel(FusedParams p) {
+__device__ __forceinline__ void FusedTiles(const FusedParams& p, const float* grad,
+                                           const float* residual, float* acc,
+                                           const float* velocity_in, float* velocity_out) {
   __shared__ unsigned warp_offset[kWarps];
   __shared__ unsigned long long block_base;
   const int lane = threadIdx.x & 31;
@@ -111,18 +115,18 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedParams p) {
       if (kAligned && i0 + 4 <= p.end) {
         float4 a;
         if constexpr (kAccumulate) {
-          const float4 e = *reinterpret_cast<const float4*>(p.residual + i0);
-          float4 g = *reinterpret_cast<const float4*>(p.grad + i0);
-          if (p.velocity_out != nullptr) {
-            const float4 u = *reinterpret_cast<const float4*>(p.velocity_in + i0);
+          const float4 e = *reinterpret_cast<const float4*>(residual + i0);
+          float4 g = *reinterpret_cast<const float4*>(grad + i0);
+          if (velocity_out != nullptr) {
+            const float4 u = *reinterpret_cast<const float4*>(velocity_in + i0);
             g = make_float4(MomentumOf(p.beta, u.x, g.x), MomentumOf(p.beta, u.y, g.y),
                             MomentumOf(p.beta, u.z, g.z), MomentumOf(p.beta, u.w, g.w));
-            *reinterpret_cast<float4*>(p.velocity_out + i0) = g;
+            *reinterpret_cast<float4*>(velocity_out + i0) = g;
           }
           a = make_float4(e.x + g.x, e.y + g.y, e.z + g.z, e.w + g.w);
-          *reinterpret_cast<float4*>(p.acc + i0) = a;
+          *reinterpret_cast<float4*>(acc + i0) = a;
         } else {
-          a = *reinterpret_cast<const float4*>(p.acc + i0);
+          a = *reinterpret_cast<const float4*>(acc + i0);
         }
         v[4 * q + 0] = a.x;
         v[4 * q + 1] = a.y;
@@ -135,15 +139,15 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedParams p) {
           float x = 0.0f;
           if (i < p.end) {
             if constexpr (kAccumulate) {
-              float g = p.grad[i];
-              if (p.velocity_out != nullptr) {
-                g = MomentumOf(p.beta, p.velocity_in[i], g);
-                p.velocity_out[i] = g;
+              float g = grad[i];
+              if (velocity_out != nullptr) {
+                g = MomentumOf(p.beta, velocity_in[i], g);
+                velocity_out[i] = g;
               }
-              x = p.residual[i] + g;
-              p.acc[i] = x;
+              x = residual[i] + g;
+              acc[i] = x;
             } else {
-              x = p.acc[i];
+              x = acc[i];
             }
           }
           v[4 * q + j] = x;
@@ -204,6 +208,27 @@ __global__ void __launch_bounds__(kThreads) FusedKernel(FusedParams p) {
     __syncthreads();
   }
   if constexpr (kAccumulate) FlushCount(nonfinite, NonFinitePtr(p.scalars));
+}
+
+// Any allowed aliasing (acc may be residual, velocity_out velocity_in): the
+// compiler keeps each store before the loads after it.
+template <bool kAccumulate, bool kAligned>
+__global__ void __launch_bounds__(kThreads) FusedKernel(FusedParams p) {
+  FusedTiles<kAccumulate, kAligned>(p, p.grad, p.residual, p.acc, p.velocity_in, p.velocity_out);
+}
+
+// No output is an input (the engine's double-buffered residual and velocity):
+// __restrict__ lets the compiler issue a tile's loads ahead of its stores and
+// read the inputs through the read-only path (ld.global.nc). Left alone it
+// takes 47 registers on sm_90 (5 blocks of 256 per SM); at least 6 blocks
+// per SM, as the aliasing kernel gets with its 39-40, fits in 40 without
+// spilling (ptxas -v).
+template <bool kAligned>
+__global__ void __launch_bounds__(kThreads, 6)
+    FusedKernelDistinct(FusedParams p, const float* __restrict__ grad,
+                        const float* __restrict__ residual, float* __restrict__ acc,
+                        const float* __restrict__ velocity_in, float* __restrict__ velocity_out) {
+  FusedTiles<true, kAligned>(p, grad, residual, acc, velocity_in, velocity_out);
 }
 
 template <bool kShared>
@@ -494,10 +519,12 @@ class CudaSparseOps final : public SparseOps {
   }
   KernelStatus Synchronize(void* stream) override {
     if (!SetDevice()) return KernelStatus::kDeviceError;
+    CountHostWait();
     return Check(cudaStreamSynchronize(S(stream)), "cudaStreamSynchronize");
   }
   KernelStatus SynchronizeFor(void* stream, double seconds) override {
     if (!SetDevice()) return KernelStatus::kDeviceError;
+    CountHostWait();
     // An event after the queued work, polled until the deadline (a host
     // wait with no deadline could hang on a stuck kernel).
     cudaEvent_t done = nullptr;
@@ -505,7 +532,7 @@ class CudaSparseOps final : public SparseOps {
     KernelStatus result = Check(cudaEventRecord(done, S(stream)), "cudaEventRecord");
     const auto deadline = std::chrono::steady_clock::now() +
                           std::chrono::duration<double>(std::max(0.0, seconds));
-    auto nap = std::chrono::microseconds(10);
+    const PollPacer pacer;
     while (result == KernelStatus::kOk) {
       const cudaError_t e = cudaEventQuery(done);
       if (e == cudaSuccess) break;
@@ -518,8 +545,7 @@ class CudaSparseOps final : public SparseOps {
         result = KernelStatus::kTimedOut;
         break;
       }
-      std::this_thread::sleep_for(nap);
-      nap = std::min(nap * 2, std::chrono::microseconds(1000));
+      pacer.Pause();
     }
     cudaEventDestroy(done);  // released once the event completes, even if still pending
     return result;
@@ -549,10 +575,18 @@ class CudaSparseOps final : public SparseOps {
     const uint64_t tiles = (a.size + kTile - 1) / kTile;
     const bool velocity_aligned =
         a.velocity_out == nullptr || (Aligned16(a.velocity_in) && Aligned16(a.velocity_out));
-    if (Aligned16(a.grad) && Aligned16(a.residual) && Aligned16(a.acc) && velocity_aligned) {
-      FusedKernel<true, true><<<GridFor(FusedKernel<true, true>, tiles), kThreads, 0, s>>>(p);
+    const bool aligned =
+        Aligned16(a.grad) && Aligned16(a.residual) && Aligned16(a.acc) && velocity_aligned;
+    // FusedSelectArgs allows no overlap but these two identities.
+    const bool distinct = a.acc != a.residual &&
+                          (a.velocity_out == nullptr || a.velocity_out != a.velocity_in);
+    if (distinct) {
+      const auto kernel = aligned ? FusedKernelDistinct<true> : FusedKernelDistinct<false>;
+      kernel<<<GridFor(kernel, tiles), kThreads, 0, s>>>(p, p.grad, p.residual, p.acc,
+                                                         p.velocity_in, p.velocity_out);
     } else {
-      FusedKernel<true, false><<<GridFor(FusedKernel<true, false>, tiles), kThreads, 0, s>>>(p);
+      const auto kernel = aligned ? FusedKernel<true, true> : FusedKernel<true, false>;
+      kernel<<<GridFor(kernel, tiles), kThreads, 0, s>>>(p);
     }
     return Check(cudaGetLastError(), "fused kernel launch");
   }
@@ -581,11 +615,8 @@ class CudaSparseOps final : public SparseOps {
     p.out_value = out_value;
     p.scalars = scalars;
     const uint64_t tiles = (p.end - p.first + kTile - 1) / kTile;
-    if (Aligned16(acc)) {
-      FusedKernel<false, true><<<GridFor(FusedKernel<false, true>, tiles), kThreads, 0, s>>>(p);
-    } else {
-      FusedKernel<false, false><<<GridFor(FusedKernel<false, false>, tiles), kThreads, 0, s>>>(p);
-    }
+    const auto kernel = Aligned16(acc) ? FusedKernel<false, true> : FusedKernel<false, false>;
+    kernel<<<GridFor(kernel, tiles), kThreads, 0, s>>>(p);
     return Check(cudaGetLastError(), "select kernel launch");
   }
 
@@ -688,6 +719,7 @@ class CudaSparseOps final : public SparseOps {
     TRY(cudaGetLastError(), "sum of partials launch");
     double h = 0.0;
     TRY(cudaMemcpyAsync(&h, result, sizeof h, cudaMemcpyDeviceToHost, s), "copy sum");
+    CountHostWait();
     TRY(cudaStreamSynchronize(s), "sum of squares sync");
     *host_result = h;
     return KernelStatus::kOk;
@@ -986,6 +1018,7 @@ class CudaSparseOps final : public SparseOps {
     if (!SetDevice()) return KernelStatus::kDeviceError;
     cudaStream_t s = S(stream);
     TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s), what);
+    CountHostWait();
     return Check(cudaStreamSynchronize(s), what);
   }
 

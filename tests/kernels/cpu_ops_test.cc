@@ -2,6 +2,7 @@
 // instruction set this processor runs, over sizes {0, 1, 7, 1000, 1000003}
 // and every partition edge.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -13,6 +14,7 @@
 
 #include "gtest/gtest.h"
 #include "tests/common/kernel_inputs.h"
+#include "kernels/poll_pacer.h"
 #include "kernels/sparse_ops.h"
 
 namespace microd::kernels {
@@ -71,6 +73,43 @@ TEST_P(CpuOpsTest, SynchronizeReturnsAtOnceAndStatusesHaveNames) {
   EXPECT_EQ(ops_->SynchronizeFor(nullptr, 0.0), KernelStatus::kOk);
   EXPECT_STREQ(KernelStatusString(KernelStatus::kTimedOut), "timed out");
   EXPECT_STREQ(KernelStatusString(KernelStatus::kDeviceError), "device error");
+}
+
+// The calls that wait for the stream's work are counted (on a device each is
+// a round trip); kernels queued on the stream and empty copies are not.
+TEST_P(CpuOpsTest, HostWaitsCountTheCallsThatWait) {
+  const std::vector<float> host = {1.0f, -2.0f, 3.0f};
+  float* a = Device(std::vector<float>(3));
+  float* b = Device(std::vector<float>(3));
+  StepScalars* scalars = static_cast<StepScalars*>(ops_->Allocate(sizeof(StepScalars)));
+  owned_.push_back(scalars);
+  const uint64_t before = ops_->host_waits();
+  ASSERT_EQ(ops_->CopyToDevice(a, host.data(), 3 * sizeof(float), nullptr), KernelStatus::kOk);
+  ASSERT_EQ(ops_->CopyToDevice(a, host.data(), 0, nullptr), KernelStatus::kOk);
+  ASSERT_EQ(ops_->CopyFloats(b, a, 3, nullptr), KernelStatus::kOk);
+  ASSERT_EQ(ops_->CountNonFinite(b, 3, scalars, nullptr), KernelStatus::kOk);
+  EXPECT_EQ(ops_->host_waits() - before, 1u);
+  StepScalars s;
+  ASSERT_EQ(ops_->CopyToHost(&s, scalars, sizeof s, nullptr), KernelStatus::kOk);
+  double sum = 0;
+  ASSERT_EQ(ops_->SumOfSquares(b, 3, &sum, nullptr), KernelStatus::kOk);
+  ASSERT_EQ(ops_->SumOfSquares(b, 0, &sum, nullptr), KernelStatus::kOk);
+  ASSERT_EQ(ops_->Synchronize(nullptr), KernelStatus::kOk);
+  ASSERT_EQ(ops_->SynchronizeFor(nullptr, 1.0), KernelStatus::kOk);
+  EXPECT_EQ(ops_->host_waits() - before, 5u);
+  EXPECT_EQ(ops_->CopyToHost(nullptr, scalars, sizeof s, nullptr), KernelStatus::kInvalidArgument);
+  EXPECT_EQ(ops_->host_waits() - before, 5u);
+}
+
+// Polls of device work: yields while a wait is young, then naps of at most
+// kNap, never the long sleeps of a doubling back-off.
+TEST(PollPacer, YieldsFirstThenNapsShortly) {
+  using std::chrono::microseconds;
+  EXPECT_EQ(PollPacer::PauseAfter(microseconds(0)).count(), 0);
+  EXPECT_EQ(PollPacer::PauseAfter(PollPacer::kSpin - microseconds(1)).count(), 0);
+  EXPECT_EQ(PollPacer::PauseAfter(PollPacer::kSpin), PollPacer::kNap);
+  EXPECT_EQ(PollPacer::PauseAfter(std::chrono::seconds(100)), PollPacer::kNap);
+  EXPECT_LE(PollPacer::kNap, microseconds(100));
 }
 
 TEST_P(CpuOpsTest, FusedAccumulateSelectMatchesReference) {

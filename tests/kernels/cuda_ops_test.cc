@@ -528,6 +528,37 @@ TEST_F(CudaOpsTest, SynchronizeForWaitsUntilItsDeadline) {
   EXPECT_STREQ(KernelStatusString(KernelStatus::kTimedOut), "timed out");
 }
 
+// Both backends count the same calls as waits, so a step's count measured on
+// the CPU is the GPU's.
+TEST_F(CudaOpsTest, HostWaitsCountTheSameCallsAsCpu) {
+  const std::vector<float> host = {1.0f, -2.0f, 3.0f, 4.0f};
+  auto run = [&](SparseOps& ops, void* s) {
+    float* a = static_cast<float*>(ops.Allocate(4 * sizeof(float)));
+    float* b = static_cast<float*>(ops.Allocate(4 * sizeof(float)));
+    auto* scalars = static_cast<StepScalars*>(ops.Allocate(sizeof(StepScalars)));
+    const uint64_t before = ops.host_waits();
+    EXPECT_EQ(ops.CopyToDevice(a, host.data(), 4 * sizeof(float), s), KernelStatus::kOk);
+    EXPECT_EQ(ops.CopyToDevice(a, host.data(), 0, s), KernelStatus::kOk);
+    EXPECT_EQ(ops.CopyFloats(b, a, 4, s), KernelStatus::kOk);
+    EXPECT_EQ(ops.CountNonFinite(b, 4, scalars, s), KernelStatus::kOk);
+    StepScalars sc;
+    EXPECT_EQ(ops.CopyToHost(&sc, scalars, sizeof sc, s), KernelStatus::kOk);
+    double sum = 0;
+    EXPECT_EQ(ops.SumOfSquares(b, 4, &sum, s), KernelStatus::kOk);
+    EXPECT_EQ(ops.SumOfSquares(b, 0, &sum, s), KernelStatus::kOk);
+    EXPECT_EQ(ops.Synchronize(s), KernelStatus::kOk);
+    EXPECT_EQ(ops.SynchronizeFor(s, 10.0), KernelStatus::kOk);
+    const uint64_t waits = ops.host_waits() - before;
+    ops.Free(a);
+    ops.Free(b);
+    ops.Free(scalars);
+    return waits;
+  };
+  const uint64_t cpu_waits = run(*cpu_, nullptr);
+  EXPECT_EQ(cpu_waits, 5u);
+  EXPECT_EQ(run(*gpu_, stream()), cpu_waits);
+}
+
 TEST_F(CudaOpsTest, GatherScatterZeroMatchCpu) {
   for (uint64_t n : kSizes) {
     const std::vector<float> acc = RandomValues(n, 31);

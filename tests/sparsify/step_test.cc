@@ -207,10 +207,11 @@ class Cluster {
  public:
   Cluster(int n, int W, uint64_t d, const SparsifyOptions& o, int wire = 1)
       : n_(n), W_(W), d_(d), o_(o), spec_{"grads.0", d, 3, static_cast<kernels::ElementType>(wire)} {
-    ops_ = kernels::CreateCpuSparseOps();
     group_ = transport::CreateInprocGroup(n);
     for (int r = 0; r < n; ++r) {
-      auto b = BucketState::Create(spec_, {n, r, W}, o, ops_.get());
+      // A backend per node, as each daemon has its own (and its own count of waits).
+      ops_.push_back(kernels::CreateCpuSparseOps());
+      auto b = BucketState::Create(spec_, {n, r, W}, o, ops_[r].get());
       EXPECT_TRUE(b.ok()) << b.status();
       buckets_.push_back(std::move(b).value());
     }
@@ -256,7 +257,7 @@ class Cluster {
     for (int r = 0; r < n_; ++r) {
       auto saved = buckets_[r]->Save();
       ASSERT_TRUE(saved.ok()) << saved.status();
-      auto fresh = BucketState::Create(spec_, {n_, r, W_}, o_, ops_.get());
+      auto fresh = BucketState::Create(spec_, {n_, r, W_}, o_, ops_[r].get());
       ASSERT_TRUE(fresh.ok()) << fresh.status();
       ASSERT_TRUE((*fresh)->Load(*saved).ok());
       buckets_[r] = std::move(fresh).value();
@@ -269,7 +270,7 @@ class Cluster {
   const uint64_t d_;
   const SparsifyOptions o_;
   const BucketSpec spec_;
-  std::unique_ptr<kernels::SparseOps> ops_;
+  std::vector<std::unique_ptr<kernels::SparseOps>> ops_;
   std::vector<std::unique_ptr<transport::Transport>> group_;
   std::vector<std::unique_ptr<BucketState>> buckets_;
 };
@@ -492,6 +493,52 @@ TEST(StepBuildUp, TopKAndHardBuildUpMicroDoesNot) {
       EXPECT_EQ(overlap_steps, 0u);
     } else {
       EXPECT_EQ(overlap_steps, 10u) << SparsifierName(kind);
+    }
+  }
+}
+
+// What the host waits for per step (each wait a round trip to a GPU): the
+// count readbacks a step needs, none per node. The index checks of every node
+// are read back at once (they were one wait per node), so the count is the
+// same for 2, 3 and 4 nodes.
+TEST(StepHostWaits, DoNotGrowWithTheNumberOfNodes) {
+  struct Want {
+    SparsifierKind sparsifier;
+    ControllerKind controller;
+    uint64_t waits;  // per step after the first
+    const char* what;
+  };
+  const Want wants[] = {
+      {SparsifierKind::kMicro, ControllerKind::kPaper, 2, "pass counts, index checks"},
+      {SparsifierKind::kMicro, ControllerKind::kHistogram, 5,
+       "pass counts, 2 histograms, trimmed count, index checks"},
+      {SparsifierKind::kTopK, ControllerKind::kPaper, 4,
+       "pass counts, top-k count, index checks, union count"},
+      {SparsifierKind::kHard, ControllerKind::kPaper, 3, "pass counts, index checks, union count"},
+      {SparsifierKind::kDense, ControllerKind::kPaper, 1, "non-finite count"},
+  };
+  const uint64_t d = 30011;
+  for (const Want& want : wants) {
+    for (int n : {2, 3, 4}) {
+      SparsifyOptions o;
+      o.sparsifier = want.sparsifier;
+      o.controller = want.controller;
+      o.density = 0.01;
+      Cluster cluster(n, n, d, o);
+      std::vector<Vec> updates;
+      std::vector<StepStats> stats;
+      for (uint64_t t = 0; t < 4; ++t) {
+        for (const auto& s : cluster.Step(MakeGrads(n, d, t, 13), updates, stats)) {
+          ASSERT_TRUE(s.ok()) << s;
+        }
+        if (t == 0) continue;  // the first step of `hist` also samples for its prime
+        for (int r = 0; r < n; ++r) {
+          ASSERT_EQ(stats[r].rescans, 0);
+          EXPECT_EQ(stats[r].host_waits, want.waits)
+              << SparsifierName(want.sparsifier) << "/" << ControllerName(want.controller)
+              << " (" << want.what << "), node " << r << " of " << n << ", step " << t;
+        }
+      }
     }
   }
 }

@@ -39,6 +39,7 @@ enum class WorkerOp : uint32_t {
 
 constexpr uint32_t kNullIn = 1;   // pass nullptr as the input buffer
 constexpr uint32_t kNullOut = 2;  // pass nullptr as the output buffer
+constexpr uint32_t kShapeAgreed = 4;  // CollectiveOptions::shape_agreed
 
 struct WorkerRequest {
   uint32_t op = 0;
@@ -46,7 +47,7 @@ struct WorkerRequest {
   int64_t deadline_unix_ns = 0;  // INT64_MAX: infinite
   uint64_t a = 0;                // bytes (Allgather) or count (AllreduceSum)
   uint32_t type = 0;             // DataType of AllreduceSum
-  uint32_t flags = 0;            // kNullIn | kNullOut
+  uint32_t flags = 0;            // kNullIn | kNullOut | kShapeAgreed
   uint64_t num_sizes = 0;        // AllgatherV: recv_bytes entries that follow
   uint64_t payload_bytes = 0;    // input bytes that follow the sizes
 };
@@ -55,6 +56,7 @@ struct WorkerResponse {
   int32_t code = 0;  // absl::StatusCode
   uint32_t message_bytes = 0;
   uint64_t payload_bytes = 0;  // output bytes after the message
+  uint64_t host_waits = 0;     // the worker's Transport::host_waits() after the call
 };
 
 inline bool WriteAll(int fd, const void* data, size_t bytes) {
@@ -88,9 +90,11 @@ inline absl::Time FromWireDeadline(int64_t ns) {
   return ns == INT64_MAX ? absl::InfiniteFuture() : absl::FromUnixNanos(ns);
 }
 
-inline bool WriteResponse(int fd, const absl::Status& s, const void* payload, size_t bytes) {
+inline bool WriteResponse(int fd, const absl::Status& s, const void* payload, size_t bytes,
+                          uint64_t host_waits = 0) {
   WorkerResponse r;
   r.code = static_cast<int32_t>(s.code());
+  r.host_waits = host_waits;
   const std::string msg(s.message());
   r.message_bytes = static_cast<uint32_t>(msg.size());
   r.payload_bytes = bytes;

@@ -100,6 +100,7 @@ int Main(int argc, char** argv) {
     CollectiveOptions co;
     co.tag = req.tag;
     co.deadline = FromWireDeadline(req.deadline_unix_ns);
+    co.shape_agreed = (req.flags & kShapeAgreed) != 0;
     const bool null_in = req.flags & kNullIn, null_out = req.flags & kNullOut;
     absl::Status s;
     std::vector<char> out;
@@ -147,7 +148,7 @@ int Main(int argc, char** argv) {
       default:
         s = absl::InvalidArgumentError("worker: unknown op");
     }
-    if (!WriteResponse(kWorkerCallFd, s, out.data(), out.size())) break;
+    if (!WriteResponse(kWorkerCallFd, s, out.data(), out.size(), t->host_waits())) break;
   }
   // Wake the aborter (blocked in read) before the transport goes.
   ::shutdown(kWorkerAbortFd, SHUT_RDWR);

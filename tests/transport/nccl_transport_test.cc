@@ -94,6 +94,8 @@ class ProcessTransport final : public Transport {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   const char* name() const override { return "nccl"; }
+  // The worker's count, as of its last answer.
+  uint64_t host_waits() const override { return host_waits_; }
 
   absl::Status Allgather(const void* in, size_t bytes, void* out,
                          const CollectiveOptions& o) override {
@@ -148,7 +150,8 @@ class ProcessTransport final : public Transport {
     req.op = static_cast<uint32_t>(op);
     req.tag = o.tag;
     req.deadline_unix_ns = ToWireDeadline(o.deadline);
-    req.flags = (in == nullptr ? kNullIn : 0) | (out == nullptr ? kNullOut : 0);
+    req.flags = (in == nullptr ? kNullIn : 0) | (out == nullptr ? kNullOut : 0) |
+                (o.shape_agreed ? kShapeAgreed : 0);
     return req;
   }
 
@@ -180,6 +183,7 @@ class ProcessTransport final : public Transport {
         !ReadAll(call_fd_, payload->data(), payload->size())) {
       return absl::UnavailableError(absl::StrCat("rank ", rank_, ": worker gone"));
     }
+    host_waits_ = r.host_waits;
     return absl::Status(static_cast<absl::StatusCode>(r.code), msg);
   }
 
@@ -188,6 +192,7 @@ class ProcessTransport final : public Transport {
   const pid_t pid_;
   const int call_fd_;
   const int abort_fd_;
+  uint64_t host_waits_ = 0;
 };
 
 // This process's environment plus what makes NCCL run one "host" per rank
@@ -265,6 +270,30 @@ std::vector<std::unique_ptr<Transport>> CreateGroup(int size, bool device_buffer
   std::vector<std::unique_ptr<Transport>> group;
   for (auto& p : procs) group.push_back(std::move(p));
   return group;
+}
+
+// The host's waits per collective: its completion, and one more for the
+// descriptor round unless the call's shape is agreed.
+TEST(NcclTransport, ShapeAgreedCallsSkipTheDescriptorRound) {
+  if (const std::string reason = NoGpuReason(); !reason.empty()) GTEST_SKIP() << reason;
+  for (bool device_buffers : {false, true}) {
+    auto group = CreateGroup(2, device_buffers);
+    ASSERT_EQ(group.size(), 2u);
+    RunRanks(group, [&](int r, Transport& t) {
+      CollectiveOptions o;
+      o.tag = 21;
+      o.deadline = absl::Now() + absl::Seconds(60);
+      int64_t v = r;
+      ASSERT_TRUE(t.AllreduceSum(&v, 1, DataType::kInt64, o).ok());
+      const uint64_t before = t.host_waits();
+      ASSERT_TRUE(t.AllreduceSum(&v, 1, DataType::kInt64, o).ok());
+      EXPECT_EQ(t.host_waits() - before, 2u) << "checked, rank " << r;
+      o.shape_agreed = true;
+      ASSERT_TRUE(t.AllreduceSum(&v, 1, DataType::kInt64, o).ok());
+      EXPECT_EQ(t.host_waits() - before, 3u) << "agreed, rank " << r;
+      EXPECT_EQ(v, 4);  // 0 + 1, then doubled twice
+    });
+  }
 }
 
 }  // namespace

@@ -237,6 +237,40 @@ TEST_P(TransportContractTest, BarrierAndManyCollectivesInOrder) {
   }
 }
 
+// A step's pattern: a checked header allgather, then calls whose shapes follow
+// from the headers (shape_agreed), then checked calls again; every result as
+// without the promise.
+TEST_P(TransportContractTest, ShapeAgreedCallsBetweenCheckedOnes) {
+  for (int n : GetParam().ranks) {
+    auto group = GetParam().create(n);
+    RunRanks(group, [&](int r, Transport& t) {
+      for (int step = 0; step < 5; ++step) {
+        const uint64_t mine = (r * 7 + step) % 5;  // this rank's count, 0 included
+        std::vector<uint64_t> counts(n);
+        ASSERT_TRUE(t.Allgather(&mine, sizeof mine, counts.data(), Opts(11)).ok());
+        CollectiveOptions agreed = Opts(12);
+        agreed.shape_agreed = true;
+        std::vector<size_t> bytes(n);
+        size_t total = 0;
+        for (int q = 0; q < n; ++q) total += bytes[q] = counts[q] * sizeof(uint32_t);
+        std::vector<uint32_t> in(mine, uint32_t(r << 16 | step));
+        std::vector<uint32_t> out(total / sizeof(uint32_t) + 1, 0xFFFFFFFF);
+        ASSERT_TRUE(t.AllgatherV(in.data(), bytes, out.data(), agreed).ok());
+        size_t at = 0;
+        for (int q = 0; q < n; ++q) {
+          for (uint64_t i = 0; i < counts[q]; ++i) ASSERT_EQ(out[at++], uint32_t(q << 16 | step));
+        }
+        int64_t sum = static_cast<int64_t>(mine);
+        ASSERT_TRUE(t.AllreduceSum(&sum, 1, DataType::kInt64, agreed).ok());
+        int64_t want = 0;
+        for (uint64_t c : counts) want += static_cast<int64_t>(c);
+        ASSERT_EQ(sum, want);
+        ASSERT_TRUE(t.Barrier(Opts(13)).ok());
+      }
+    });
+  }
+}
+
 TEST_P(TransportContractTest, MissingRankFailsEveryoneByTheDeadline) {
   for (int n : {2, 4}) {
     auto group = GetParam().create(n);

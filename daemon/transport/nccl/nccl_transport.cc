@@ -24,6 +24,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "daemon/common/status_macros.h"
+#include "kernels/poll_pacer.h"
 
 namespace microd::transport {
 namespace {
@@ -146,6 +147,7 @@ class NcclTransport final : public Transport {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   const char* name() const override { return "nccl"; }
+  uint64_t host_waits() const override { return host_waits_.load(std::memory_order_relaxed); }
 
   absl::Status Allgather(const void* in, size_t bytes, void* out,
                          const CollectiveOptions& o) override {
@@ -153,7 +155,7 @@ class NcclTransport final : public Transport {
     absl::Time deadline;
     RETURN_IF_ERROR(Begin(o, &deadline));
     absl::Status s = [&]() -> absl::Status {
-      RETURN_IF_ERROR(CheckDescriptor(Kind::kAllgather, o.tag, bytes, 0, deadline));
+      RETURN_IF_ERROR(CheckDescriptor(Kind::kAllgather, o, bytes, 0, deadline));
       if (bytes == 0) return absl::OkStatus();
       return Execute(in, bytes, out, bytes * size_, /*in_place=*/false, deadline, "Allgather",
                      [&](const void* din, void* dout) {
@@ -172,7 +174,7 @@ class NcclTransport final : public Transport {
     absl::Time deadline;
     RETURN_IF_ERROR(Begin(o, &deadline));
     absl::Status s = [&]() -> absl::Status {
-      RETURN_IF_ERROR(CheckDescriptor(Kind::kAllgatherV, o.tag, static_cast<int64_t>(total),
+      RETURN_IF_ERROR(CheckDescriptor(Kind::kAllgatherV, o, static_cast<int64_t>(total),
                                       static_cast<int64_t>(HashSizes(recv_bytes)), deadline));
       if (total == 0) return absl::OkStatus();
       // No all-gather-v in NCCL: one broadcast per contributing root, grouped.
@@ -215,7 +217,7 @@ class NcclTransport final : public Transport {
     absl::Time deadline;
     RETURN_IF_ERROR(Begin(o, &deadline));
     absl::Status s = [&]() -> absl::Status {
-      RETURN_IF_ERROR(CheckDescriptor(Kind::kAllreduce, o.tag, static_cast<int64_t>(count),
+      RETURN_IF_ERROR(CheckDescriptor(Kind::kAllreduce, o, static_cast<int64_t>(count),
                                       static_cast<int64_t>(type), deadline));
       if (count == 0) return absl::OkStatus();
       return Execute(data, bytes, data, bytes, /*in_place=*/true, deadline, "AllreduceSum",
@@ -288,7 +290,8 @@ class NcclTransport final : public Transport {
   // Polls until the group's operations are enqueued (wait_event false) or the
   // work up to event_ is done (true).
   absl::Status Poll(absl::Time deadline, const char* what, bool wait_event) {
-    for (int spin = 0;; ++spin) {
+    const kernels::PollPacer pacer;
+    for (;;) {
       if (abort_requested_.load()) {
         return absl::AbortedError(absl::StrCat("nccl transport: aborted during ", what));
       }
@@ -310,8 +313,7 @@ class NcclTransport final : public Transport {
             absl::StrCat("nccl transport: ", what, " did not complete by its deadline (rank ",
                          rank_, " of ", size_, ")"));
       }
-      // Spin briefly (small collectives finish in microseconds), then back off.
-      if (spin > 256) absl::SleepFor(absl::Microseconds(50));
+      pacer.Pause();
     }
   }
 
@@ -326,8 +328,11 @@ class NcclTransport final : public Transport {
     return NcclStatus(r2, comm_, what);
   }
 
+  // The host's wait for the call's work on the stream: one per collective,
+  // one more for its descriptor round.
   absl::Status RecordAndWait(absl::Time deadline, const char* what) {
     RETURN_IF_ERROR(CudaStatus(cudaEventRecord(event_, stream_), "cudaEventRecord"));
+    host_waits_.fetch_add(1, std::memory_order_relaxed);
     return Poll(deadline, what, /*wait_event=*/true);
   }
 
@@ -366,10 +371,12 @@ class NcclTransport final : public Transport {
     return absl::OkStatus();
   }
 
-  absl::Status CheckDescriptor(Kind kind, uint32_t tag, int64_t a, int64_t b,
+  // The descriptor round, unless checks are off or the caller says every
+  // rank agrees on this call's shape (CollectiveOptions::shape_agreed).
+  absl::Status CheckDescriptor(Kind kind, const CollectiveOptions& o, int64_t a, int64_t b,
                                absl::Time deadline) {
-    if (!check_) return absl::OkStatus();
-    return ExchangeDescriptor(kind, tag, a, b, deadline);
+    if (!check_ || o.shape_agreed) return absl::OkStatus();
+    return ExchangeDescriptor(kind, o.tag, a, b, deadline);
   }
 
   // Grows the staging buffers to `bytes` each.
@@ -445,6 +452,7 @@ class NcclTransport final : public Transport {
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
   bool in_call_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> abort_requested_{false};
+  std::atomic<uint64_t> host_waits_{0};
 };
 
 }  // namespace

@@ -10,7 +10,8 @@
 //   descriptor (kind, tag, sizes, call number) with one small allgather and
 //   the collective runs only when all agree; a mismatch is kInvalidArgument
 //   and breaks the transport. NCCL itself cannot detect a mismatch (it
-//   would hang or mix data). `check_collectives = false` saves that round.
+//   would hang or mix data). `check_collectives = false` saves that round
+//   for every call, CollectiveOptions::shape_agreed for one.
 // - Work runs on `stream` after what the caller queued there earlier; each
 //   call returns only once its work on the stream is complete.
 // - Waits poll ncclCommGetAsyncError and a CUDA event until the deadline;
