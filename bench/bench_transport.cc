@@ -248,6 +248,9 @@ int Worker() {
         if (!t.Barrier(barrier).ok()) return 3;
         const auto t0 = Clock::now();
         auto st = (*bucket)->Step(s % 2 ? g1 : g0, update, t, absl::Now() + absl::Seconds(300));
+        // On a GPU the step returns with its last kernels queued (the
+        // update's scatter, the residual's zeroing): the time includes them.
+        if (cuda && ops->Synchronize(nullptr) != microd::kernels::KernelStatus::kOk) return 3;
         const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
         if (!st.ok()) {
           std::fprintf(stderr, "worker %d: %s\n", rank, st.status().ToString().c_str());
@@ -315,6 +318,7 @@ int Worker() {
       microd::transport::CollectiveOptions o;
       o.tag = 7;
       o.deadline = absl::Now() + absl::Seconds(300);
+      o.shape_agreed = true;  // NCCL's allreduce alone, without microd's descriptor round
       if (!t.AllreduceSum(update, d, microd::transport::DataType::kFloat32, o).ok()) return 3;
     } else {
       gloo::AllreduceOptions opts(ring);

@@ -58,9 +58,10 @@ struct StepScalars {
 //   u[i] = beta * velocity_in[i] + grad[i];  velocity_out[i] = u[i]
 //   acc[i] = residual[i] + u[i]
 // (the same float operations, in the same order, as Momentum() followed by the
-// plain pass). `velocity_out` may alias `velocity_in` but none of grad,
-// residual and acc; a non-finite u makes acc non-finite, so the count above
-// covers it.
+// plain pass). `velocity_out` may be `velocity_in` but must overlap none of
+// grad, residual and acc; a non-finite u makes acc non-finite, so the count
+// above covers it. `out_index`, `out_value` and `scalars` overlap no other
+// array.
 struct FusedSelectArgs {
   const float* grad = nullptr;
   const float* residual = nullptr;
@@ -124,7 +125,9 @@ class SparseOps {
   // CopyToHost and CopyToDevice of at least one byte, Synchronize,
   // SynchronizeFor, SumOfSquares of at least one element. On a device each
   // is a round trip the host waits for; the CPU backend counts the same
-  // calls, so a step's count is the same on both.
+  // calls, so a step's count is the same on both. Not counted: the waits of
+  // allocation (Allocate, and a backend's scratch growing), which a step in
+  // its steady state does not make.
   uint64_t host_waits() const { return host_waits_.load(std::memory_order_relaxed); }
 
   // Memory of this device, 64-byte aligned, zero-filled. Returns nullptr when

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -234,13 +235,35 @@ absl::StatusOr<StepStats> BucketState::Step(const float* grad, float* update,
   return stats;
 }
 
+BucketState::Header BucketState::MakeHeader(uint64_t count, uint64_t nonfinite) const {
+  const float threshold = controller_ != nullptr ? controller_->PassThreshold() : 0.0f;
+  uint32_t bits;
+  std::memcpy(&bits, &threshold, sizeof bits);
+  return {count, nonfinite, step_, bits};
+}
+
 absl::StatusOr<std::vector<BucketState::Header>> BucketState::ExchangeHeaders(
-    const Header& mine, transport::Transport& transport, const CollectiveOptions& options,
-    StepStats& stats) {
+    uint64_t count, uint64_t nonfinite, transport::Transport& transport,
+    const CollectiveOptions& options, StepStats& stats) {
+  const Header mine = MakeHeader(count, nonfinite);
   std::vector<Header> headers(job_.num_nodes);
   stats.bytes_sent += sizeof(Header);
   stats.bytes_received += (job_.num_nodes - 1) * sizeof(Header);
   RETURN_IF_ERROR(transport.Allgather(&mine, sizeof(Header), headers.data(), options));
+  std::vector<std::string> apart;
+  for (int r = 0; r < job_.num_nodes; ++r) {
+    if (headers[r].step != mine.step || headers[r].threshold_bits != mine.threshold_bits) {
+      apart.push_back(absl::StrCat("node ", r, " is at step ", headers[r].step, " (threshold bits 0x",
+                                   absl::Hex(headers[r].threshold_bits), ")"));
+    }
+  }
+  if (!apart.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "bucket '", spec_.name, "': this node (", job_.node_rank, ") is at step ", step_,
+        " (threshold bits 0x", absl::Hex(mine.threshold_bits), "), ", absl::StrJoin(apart, ", "),
+        "; the nodes' states differ (restored from checkpoints of different steps?), step "
+        "failed on every node"));
+  }
   std::vector<std::string> bad;
   for (int r = 0; r < job_.num_nodes; ++r) {
     if (headers[r].nonfinite != 0) {
@@ -439,7 +462,7 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
 
   options.tag = MakeTag(spec_.slot, TagKind::kHeader);
   ASSIGN_OR_RETURN(std::vector<Header> headers,
-                   ExchangeHeaders({scalars.count, scalars.nonfinite}, transport, options, stats));
+                   ExchangeHeaders(scalars.count, scalars.nonfinite, transport, options, stats));
 
   float threshold = pass_threshold;
   if (controller_->Refines()) {
@@ -455,7 +478,7 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
                           "trim"));
     ASSIGN_OR_RETURN(scalars, ReadScalars());
     // Final per-node counts (the header's were candidate counts).
-    const Header mine{scalars.count, 0};
+    const Header mine = MakeHeader(scalars.count, 0);
     stats.bytes_sent += sizeof(Header);
     stats.bytes_received += (n - 1) * sizeof(Header);
     CollectiveOptions final_counts = options;
@@ -561,7 +584,7 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
   options.tag = MakeTag(spec_.slot, TagKind::kHeader);
   ASSIGN_OR_RETURN(
       const std::vector<Header> headers,
-      ExchangeHeaders({nonfinite == 0 ? scalars.count : 0, nonfinite}, transport, options, stats));
+      ExchangeHeaders(nonfinite == 0 ? scalars.count : 0, nonfinite, transport, options, stats));
   ASSIGN_OR_RETURN(const uint64_t total, GatherIndices(headers, transport, options, stats));
   // The union of every node's indices: overlaps build up to n * k.
   RETURN_IF_ERROR(
@@ -591,7 +614,7 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
   CollectiveOptions options;
   options.deadline = deadline;
   options.tag = MakeTag(spec_.slot, TagKind::kHeader);
-  RETURN_IF_ERROR(ExchangeHeaders({0, scalars.nonfinite}, transport, options, stats).status());
+  RETURN_IF_ERROR(ExchangeHeaders(0, scalars.nonfinite, transport, options, stats).status());
   options.tag = MakeTag(spec_.slot, TagKind::kDense);
   options.shape_agreed = true;  // the bucket's size, after the checked header exchange
   stats.bytes_sent += spec_.size * sizeof(float);

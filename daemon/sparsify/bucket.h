@@ -103,15 +103,24 @@ class BucketState {
   struct Header {
     uint64_t count;
     uint64_t nonfinite;
+    // What, beside the counts, decides the step's later collectives (their
+    // number and sizes): the step and the bits of the pass's threshold (the
+    // controller's state). They must agree on every node.
+    uint64_t step;
+    uint64_t threshold_bits;
   };
+  Header MakeHeader(uint64_t count, uint64_t nonfinite) const;
 
   BucketState(const BucketSpec& spec, const JobShape& job, const SparsifyOptions& options,
               kernels::SparseOps* ops);
   absl::Status Allocate();
   absl::Status Check(kernels::KernelStatus status, const char* what) const;
   absl::StatusOr<kernels::StepScalars> ReadScalars() const;
-  // Allgathers headers; fails on every node if any node saw a non-finite value.
-  absl::StatusOr<std::vector<Header>> ExchangeHeaders(const Header& mine,
+  // Allgathers headers; fails on every node if the nodes are at different
+  // steps or thresholds (FailedPrecondition: states restored from checkpoints
+  // of different steps), or if any node saw a non-finite value. The step's
+  // later collectives follow from these headers (CollectiveOptions::shape_agreed).
+  absl::StatusOr<std::vector<Header>> ExchangeHeaders(uint64_t count, uint64_t nonfinite,
                                                       transport::Transport& transport,
                                                       const transport::CollectiveOptions& options,
                                                       StepStats& stats);

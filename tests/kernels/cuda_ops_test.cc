@@ -269,9 +269,10 @@ TEST_F(CudaOpsTest, FusedPassCountsNonFiniteLikeCpu) {
 TEST_F(CudaOpsTest, BadArgumentsAreRefusedLikeCpu) {
   float* v = Zeros<float>(16);
   float* out = Zeros<float>(16);
+  float* vals = Zeros<float>(16);
   uint32_t* idx = Zeros<uint32_t>(16);
   StepScalars* s = Zeros<StepScalars>(1);
-  FusedSelectArgs ok{v, v, out, 16, 0, 16, 0.5f, idx, out, s};
+  FusedSelectArgs ok{v, v, out, 16, 0, 16, 0.5f, idx, vals, s};
   FusedSelectArgs a = ok;
   ASSERT_EQ(gpu_->FusedAccumulateSelect(a, stream()), KernelStatus::kOk);
   a.grad = nullptr;

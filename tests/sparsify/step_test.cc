@@ -543,6 +543,45 @@ TEST(StepHostWaits, DoNotGrowWithTheNumberOfNodes) {
   }
 }
 
+// Nodes whose states are of different steps (each daemon restores its own
+// checkpoint) fail the step on every node, naming each node's step, at the
+// header exchange: what follows it (partitions, budgets, the controller's
+// rounds) would differ between them, and NCCL takes its shape on trust.
+TEST(StepStates, NodesAtDifferentStepsFailEveryNode) {
+  const int n = 3;
+  const uint64_t d = 5003;
+  for (const Case c : {Case{SparsifierKind::kMicro, ControllerKind::kPaper},
+                       Case{SparsifierKind::kMicro, ControllerKind::kHistogram},
+                       Case{SparsifierKind::kTopK, ControllerKind::kPaper}}) {
+    Cluster cluster(n, n, d, OptionsOf(c, 0.01));
+    std::vector<Vec> updates;
+    std::vector<StepStats> stats;
+    absl::StatusOr<BucketCheckpoint> saved;
+    for (uint64_t t = 0; t < 3; ++t) {
+      for (const auto& s : cluster.Step(MakeGrads(n, d, t, 21), updates, stats)) {
+        ASSERT_TRUE(s.ok()) << s;
+      }
+      if (t == 0) saved = cluster.bucket(1).Save();
+    }
+    ASSERT_TRUE(saved.ok()) << saved.status();
+    ASSERT_TRUE(cluster.bucket(1).Load(*saved).ok());  // node 1 back at step 1
+    const auto status = cluster.Step(MakeGrads(n, d, 3, 21), updates, stats);
+    for (int r = 0; r < n; ++r) {
+      ASSERT_EQ(status[r].code(), absl::StatusCode::kFailedPrecondition)
+          << ::testing::PrintToString(c) << " node " << r << ": " << status[r];
+      const std::string msg(status[r].message());
+      EXPECT_TRUE(absl::StrContains(msg, "grads.0")) << msg;
+      if (r == 1) {
+        EXPECT_TRUE(absl::StrContains(msg, "this node (1) is at step 1")) << msg;
+        EXPECT_TRUE(absl::StrContains(msg, "node 0 is at step 3")) << msg;
+      } else {
+        EXPECT_TRUE(absl::StrContains(msg, "is at step 3")) << msg;
+        EXPECT_TRUE(absl::StrContains(msg, "node 1 is at step 1")) << msg;
+      }
+    }
+  }
+}
+
 TEST(StepBadInput, InvalidConfigurationIsRefused) {
   auto ops = kernels::CreateCpuSparseOps();
   SparsifyOptions o;
