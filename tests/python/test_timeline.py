@@ -18,7 +18,26 @@ PHASES = ["waiting", "local_sum", "selection", "exchange", "write_back"]
 
 
 def run_steps(cluster, steps, buckets=(("big", 100003), ("small", 1000)), stop=None):
+    """Every node's process runs `steps` steps, or with `stop` (an Event) on
+    until it is set. The processes stop after the same step: the first to
+    see `stop` fixes it at one past the most any has completed (they run in
+    lockstep, at most one apart), which every one of them can still reach;
+    each stopping at its own first look would leave one waiting for a peer
+    that had left."""
     errors = []
+    progress = [0] * cluster.nodes
+    last = []  # [the step every process stops after], set once
+    lock = threading.Lock()
+
+    def more(s):
+        if s < steps:
+            return True
+        if stop is None:
+            return False
+        with lock:
+            if not last and stop.is_set():
+                last.append(max(progress) + 1)
+            return not last or s < last[0]
 
     def worker(r):
         try:
@@ -26,11 +45,13 @@ def run_steps(cluster, steps, buckets=(("big", 100003), ("small", 1000)), stop=N
                 bufs = [c.register(name, n) for name, n in buckets]
                 rng = np.random.default_rng(r)
                 s = 0
-                while s < steps or (stop is not None and not stop.is_set()):
+                while more(s):
                     for b in bufs:
                         b.array[:] = rng.standard_normal(b.count).astype(np.float32)
                         c.allreduce(b, 30000)
                     s += 1
+                    with lock:
+                        progress[r] = s
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
