@@ -24,7 +24,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -388,21 +387,17 @@ int Launcher(char* self) {
     argv.push_back(nullptr);
     // With --device=cuda every rank is its own NCCL "host" sharing GPU 0.
     std::vector<std::string> env;
-    for (char** e = environ; *e != nullptr; ++e) {
-      if (!cuda || std::strncmp(*e, "NCCL_HOSTID=", 12) != 0) env.push_back(*e);
-    }
 #if MICROD_HAVE_NCCL
-    if (cuda) {
-      for (std::string& v : microd::testing::NcclLoopbackVariables(absl::StrCat("bench-", r))) {
-        env.push_back(std::move(v));
-      }
-    }
+    if (cuda) env = microd::testing::NcclRankEnvironment(absl::StrCat("bench-", r));
 #endif
     std::vector<char*> envp;
     for (auto& v : env) envp.push_back(v.data());
     envp.push_back(nullptr);
     pid_t pid;
-    if (posix_spawn(&pid, self, nullptr, nullptr, argv.data(), envp.data()) != 0) return 2;
+    if (posix_spawn(&pid, self, nullptr, nullptr, argv.data(), cuda ? envp.data() : environ) !=
+        0) {
+      return 2;
+    }
     pids.push_back(pid);
   }
   std::printf("microd-bench-transport: %d nodes (processes) on loopback, d = %llu, %s\n", n,

@@ -3,6 +3,8 @@
 // communicator on one GPU of one host), talking over loopback sockets.
 #pragma once
 
+#include <unistd.h>  // environ
+
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -21,6 +23,17 @@ inline std::vector<std::string> NcclLoopbackVariables(const std::string& host_id
     if (std::getenv(name.c_str()) == nullptr) vars.push_back(kv);
   }
   return vars;
+}
+
+// A rank process's whole environment: this process's, plus the above
+// (variables already set win, except NCCL_HOSTID).
+inline std::vector<std::string> NcclRankEnvironment(const std::string& host_id) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::strncmp(*e, "NCCL_HOSTID=", 12) != 0) env.push_back(*e);
+  }
+  for (std::string& v : NcclLoopbackVariables(host_id)) env.push_back(std::move(v));
+  return env;
 }
 
 }  // namespace microd::testing

@@ -195,19 +195,6 @@ class ProcessTransport final : public Transport {
   uint64_t host_waits_ = 0;
 };
 
-// This process's environment plus what makes NCCL run one "host" per rank
-// over loopback (variables already set win, except NCCL_HOSTID).
-std::vector<std::string> WorkerEnvironment(const std::string& host_id) {
-  std::vector<std::string> env;
-  for (char** e = environ; *e != nullptr; ++e) {
-    if (std::strncmp(*e, "NCCL_HOSTID=", 12) != 0) env.push_back(*e);
-  }
-  for (std::string& v : microd::testing::NcclLoopbackVariables(host_id)) {
-    env.push_back(std::move(v));
-  }
-  return env;
-}
-
 std::vector<std::unique_ptr<Transport>> CreateGroup(int size, bool device_buffers) {
   static std::atomic<int> group_id{0};
   const int id = group_id++;
@@ -233,7 +220,7 @@ std::vector<std::unique_ptr<Transport>> CreateGroup(int size, bool device_buffer
     const char* argv[] = {worker.c_str(), rank_s.c_str(), size_s.c_str(),
                           prefix.c_str(),          dir,            device_buffers ? "1" : "0",
                           nullptr};
-    std::vector<std::string> env = WorkerEnvironment(
+    std::vector<std::string> env = microd::testing::NcclRankEnvironment(
         absl::StrCat("microd-nccl-test-", ::getpid(), "-", id, "-", r));
     std::vector<const char*> envp;
     for (const std::string& e : env) envp.push_back(e.c_str());
