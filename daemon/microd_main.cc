@@ -409,28 +409,32 @@ absl::StatusOr<Config> ParseFlags() {
 }
 
 // Whether serving on `address` is allowed: only this machine reaches it, or
-// TLS (and for the coordinator a job token, or TLS) protects it, or
-// --insecure says the network is trusted.
+// whoever connects is authenticated (mutual TLS: a CA the clients'
+// certificates must chain to; for the coordinator also a job token), or
+// --insecure says the network is trusted. TLS with a server certificate
+// alone encrypts but lets anyone in.
 absl::Status CheckExposure(const std::string& flag, const std::string& address, const Config& c,
                            bool token_counts) {
-  if (microd::control::IsLocalOnly(address) || c.tls.enabled() ||
-      (token_counts && !c.token.empty())) {
-    return absl::OkStatus();
-  }
+  const bool clients_authenticated = !c.tls.ca.empty() || (token_counts && !c.token.empty());
+  if (microd::control::IsLocalOnly(address) || clients_authenticated) return absl::OkStatus();
+  const std::string tls_alone =
+      c.tls.enabled() ? " (TLS with --tls_cert alone authenticates nobody who connects)" : "";
   if (absl::GetFlag(FLAGS_insecure)) {
-    std::fprintf(stderr, "microd: warning: %s %s is reachable from the network without TLS%s "
-                         "(--insecure)\n",
-                 flag.c_str(), address.c_str(), token_counts ? " or a job token" : "");
+    std::fprintf(stderr, "microd: warning: %s %s is reachable from the network without client "
+                         "authentication%s (--insecure)%s\n",
+                 flag.c_str(), address.c_str(), token_counts ? " or a job token" : "",
+                 tls_alone.c_str());
     return absl::OkStatus();
   }
   return Bad(flag, absl::FailedPreconditionError(absl::StrCat(
-                       "refusing to serve on ", address, ", which other hosts reach, without TLS",
-                       token_counts ? " or a job token" : "",
-                       ": anyone who reaches it could ",
+                       "refusing to serve on ", address,
+                       ", which other hosts reach, without authenticating who connects",
+                       tls_alone, ": anyone who reaches it could ",
                        token_counts ? "join the job, read its state or end it"
                                     : "read the job's state",
-                       ". Give --tls_cert and --tls_key (and --tls_ca for mutual TLS)",
-                       token_counts ? " or --token_file" : "",
+                       ". Give --tls_ca (mutual TLS: every client presents a certificate it "
+                       "signed) with --tls_cert and --tls_key",
+                       token_counts ? ", or --token_file" : "",
                        ", listen on loopback, or pass --insecure on a trusted network")));
 }
 

@@ -238,6 +238,34 @@ static microd_status resolve_options(const microd_options* options, microd_optio
   return MICROD_OK;
 }
 
+/* Whether the process serving the socket may be handed this process's
+ * buffers: it runs as this process's uid, as root, or as the uid in
+ * $MICROD_DAEMON_UID (a sidecar of another uid). Anyone who can write the
+ * socket's directory could otherwise serve a socket of their own there and
+ * receive the trainer's memory. */
+static microd_status check_daemon(int fd, const char* path) {
+  struct ucred cred;
+  socklen_t len = sizeof cred;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return fail(NULL, MICROD_ERR_UNAVAILABLE, "cannot tell who serves %s: %s", path,
+                strerror(errno));
+  }
+  if (cred.uid == geteuid() || cred.uid == 0) return MICROD_OK;
+  const char* env = getenv("MICROD_DAEMON_UID");
+  if (env != NULL && env[0] != '\0') {
+    char* end = NULL;
+    const unsigned long v = strtoul(env, &end, 10);
+    if (*end != '\0' || v > 0xFFFFFFFEul) {
+      return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "bad uid '%s' in MICROD_DAEMON_UID", env);
+    }
+    if ((uid_t)v == cred.uid) return MICROD_OK;
+  }
+  return fail(NULL, MICROD_ERR_PERMISSION,
+              "the process serving %s (pid %d) runs as uid %u, not this process's uid %u, root "
+              "or $MICROD_DAEMON_UID: not handing it this process's buffers",
+              path, (int)cred.pid, (unsigned)cred.uid, (unsigned)geteuid());
+}
+
 /* Connects to the daemon's socket, retrying while it is not there yet (a
  * sidecar starting beside the trainer) until the deadline. */
 static microd_status connect_socket(const char* path, int64_t deadline, int* out_fd) {
@@ -252,6 +280,11 @@ static microd_status connect_socket(const char* path, int64_t deadline, int* out
     const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (fd < 0) return fail(NULL, MICROD_ERR_RESOURCE, "socket: %s", strerror(errno));
     if (connect(fd, (struct sockaddr*)&addr, sizeof addr) == 0) {
+      const microd_status s = check_daemon(fd, path);
+      if (s != MICROD_OK) {
+        close(fd);
+        return s;
+      }
       *out_fd = fd;
       return MICROD_OK;
     }

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -145,26 +146,30 @@ absl::Status Coordinator::CheckMember(uint64_t session, int rank, int* caller) {
 }
 
 absl::Status Coordinator::CheckKeyWrite(int caller, const std::string& key) {
-  // Gloo's rendezvous: each rank writes its addresses under "<prefix>/<rank>".
+  // Gloo's rendezvous: each rank writes its addresses under "<prefix>/<rank>"
+  // (or "<prefix>/rank_<rank>").
+  // Every other key is job-wide (NCCL's bootstrap id): node 0's alone, so
+  // that no member can plant one before node 0 writes it.
   const size_t slash = key.rfind('/');
   int entry_rank = -1;
-  if (slash != std::string::npos && absl::SimpleAtoi(key.substr(slash + 1), &entry_rank) &&
-      entry_rank >= 0 && entry_rank < static_cast<int>(nodes_.size()) && entry_rank != caller) {
+  std::string last = slash == std::string::npos ? "" : key.substr(slash + 1);
+  if (absl::StartsWith(last, "rank_")) last = last.substr(5);  // Gloo's full-mesh entries
+  if (!last.empty() && absl::SimpleAtoi(last, &entry_rank) && entry_rank >= 0 &&
+      entry_rank < static_cast<int>(nodes_.size())) {
+    if (entry_rank == caller) return absl::OkStatus();
     return absl::PermissionDeniedError(absl::StrCat(
         "key '", key, "' is node ", entry_rank, "'s rendezvous entry: node ", caller,
         " may not write it"));
   }
-  auto it = key_owner_.find(key);
-  if (it != key_owner_.end() && it->second != caller) {
-    return absl::PermissionDeniedError(absl::StrCat("key '", key, "' was written by node ",
-                                                    it->second, ": node ", caller,
-                                                    " may not overwrite it"));
+  if (caller != 0) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("key '", key, "' is job-wide and only node 0 writes those: node ", caller,
+                     " may not"));
   }
-  key_owner_[key] = caller;
   return absl::OkStatus();
 }
 
-void Coordinator::LogWrongToken(const std::string& node_name) {
+void Coordinator::LogWrongToken(const std::string& node_name, const std::string& peer_host) {
   absl::MutexLock lock(&log_mu_);
   const absl::Time now = absl::Now();
   if (now - last_token_log_ < absl::Seconds(1)) {
@@ -175,16 +180,57 @@ void Coordinator::LogWrongToken(const std::string& node_name) {
   if (unlogged_token_refusals_ > 0) {
     more = absl::StrCat(" (and ", unlogged_token_refusals_, " more refusals not shown)");
   }
-  std::fprintf(stderr, "microd coordinator: refused node '%s': wrong job token%s\n",
-               node_name.c_str(), more.c_str());
+  std::fprintf(stderr, "microd coordinator: refused node '%s' from %s: wrong job token%s\n",
+               node_name.c_str(), peer_host.empty() ? "(unknown)" : peer_host.c_str(),
+               more.c_str());
   last_token_log_ = now;
   unlogged_token_refusals_ = 0;
+}
+
+absl::Status Coordinator::CheckToken(const std::string& token, const std::string& node_name,
+                                     const std::string& peer_host) {
+  const absl::Time now = absl::Now();
+  {
+    absl::MutexLock lock(&log_mu_);
+    auto it = token_failures_.find(peer_host);
+    if (it != token_failures_.end() && now < it->second.refused_until) {
+      return absl::UnavailableError(absl::StrCat(
+          "too many wrong job tokens from ", peer_host.empty() ? "this caller" : peer_host,
+          ": its joins are refused for another ",
+          absl::ToInt64Milliseconds(it->second.refused_until - now), " ms"));
+    }
+  }
+  const bool right = SameToken(token, options_.token);
+  absl::MutexLock lock(&log_mu_);
+  if (right) {
+    token_failures_.erase(peer_host);
+    return absl::OkStatus();
+  }
+  if (token_failures_.size() >= kMaxTokenFailureHosts) {
+    // Forget the hosts no longer refused; if every one still is, the oldest pause.
+    for (auto it = token_failures_.begin(); it != token_failures_.end();) {
+      it = it->second.refused_until <= now ? token_failures_.erase(it) : std::next(it);
+    }
+    if (token_failures_.size() >= kMaxTokenFailureHosts) token_failures_.clear();
+  }
+  TokenFailures& f = token_failures_[peer_host];
+  if (++f.wrong >= kFreeTokenTries) {
+    const int doublings = std::min(f.wrong - kFreeTokenTries, 6);  // 1 s .. 64 s
+    f.refused_until = now + absl::Seconds(1 << doublings);
+  }
+  return absl::UnauthenticatedError("wrong job token");
 }
 
 absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
                                              const std::string& node_name, int local_size,
                                              const std::string& token, int requested_rank,
-                                             absl::Time deadline) {
+                                             absl::Time deadline, const std::string& peer_host) {
+  // The token first: an unauthenticated caller learns nothing of the job
+  // (not even the number of nodes, from a rank out of range).
+  if (absl::Status s = CheckToken(token, node_name, peer_host); !s.ok()) {
+    if (absl::IsUnauthenticated(s)) LogWrongToken(node_name, peer_host);
+    return s;
+  }
   if (absl::Status s = ValidateName("job id", job_id); !s.ok()) return s;
   if (absl::Status s = ValidateName("node name", node_name); !s.ok()) return s;
   if (local_size < 1 || local_size > kMaxLocalSize) {
@@ -195,10 +241,6 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
     return absl::InvalidArgumentError(absl::StrCat("requested rank ", requested_rank,
                                                    " out of range [0, ", options_.expected_nodes,
                                                    ") (or -1 for any)"));
-  }
-  if (!SameToken(token, options_.token)) {
-    LogWrongToken(node_name);
-    return absl::UnauthenticatedError("wrong job token");
   }
   if (job_id != options_.job_id) {
     return absl::FailedPreconditionError(absl::StrCat("node '", node_name, "' belongs to job '",

@@ -111,9 +111,13 @@ class Coordinator {
 
   // Blocks until n nodes joined or `deadline` (then this node is removed again
   // and the error says how many arrived). requested_rank -1 takes a free rank.
+  // `peer_host`: where the call came from (wrong tokens are counted per
+  // host: after kFreeTokenTries in a row, that host's joins are refused
+  // (Unavailable) for 1 s, then 2 s, ... up to 64 s, without a look at the
+  // token).
   absl::StatusOr<Membership> Join(const std::string& job_id, const std::string& node_name,
                                   int local_size, const std::string& token, int requested_rank,
-                                  absl::Time deadline);
+                                  absl::Time deadline, const std::string& peer_host = "");
   absl::Status KeySet(uint64_t session, const std::string& key, const std::string& value);
   absl::StatusOr<std::vector<std::string>> KeyGet(uint64_t session,
                                                   const std::vector<std::string>& keys,
@@ -167,11 +171,11 @@ class Coordinator {
   // some node for -1. `caller` (optional): the rank whose credential it is.
   absl::Status CheckMember(uint64_t session, int rank, int* caller = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A rank may write its own rendezvous entries only ("<prefix>/<rank>"), and
-  // no rank may overwrite another's key.
+  // A rank may write its own rendezvous entries only ("<prefix>/<rank>",
+  // "<prefix>/rank_<rank>"); every other key is job-wide and node 0's alone.
   absl::Status CheckKeyWrite(int caller, const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // "wrong job token" lines, at most one a second (with how many were not shown).
-  void LogWrongToken(const std::string& node_name);
+  void LogWrongToken(const std::string& node_name, const std::string& peer_host);
   absl::Status JobError() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailLocked(const std::string& reason, bool log = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AssignRanks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -184,13 +188,23 @@ class Coordinator {
 
   const CoordinatorOptions options_;
   InMemoryKeyValueStore store_;
+  // The token's check and the pause of a host that guessed wrong too often.
+  absl::Status CheckToken(const std::string& token, const std::string& node_name,
+                          const std::string& peer_host);
+  struct TokenFailures {
+    int wrong = 0;  // wrong tokens in a row
+    absl::Time refused_until = absl::InfinitePast();
+  };
+  static constexpr int kFreeTokenTries = 5;
+  static constexpr size_t kMaxTokenFailureHosts = 4096;
+
   absl::Mutex log_mu_;
+  std::map<std::string, TokenFailures> token_failures_ ABSL_GUARDED_BY(log_mu_);
   absl::Time last_token_log_ ABSL_GUARDED_BY(log_mu_) = absl::InfinitePast();
   int unlogged_token_refusals_ ABSL_GUARDED_BY(log_mu_) = 0;
 
   mutable absl::Mutex mu_;
   JobState state_ ABSL_GUARDED_BY(mu_) = JobState::kForming;
-  std::map<std::string, int> key_owner_ ABSL_GUARDED_BY(mu_);  // key -> the rank that wrote it
   std::string failure_ ABSL_GUARDED_BY(mu_);
   std::vector<Node> nodes_ ABSL_GUARDED_BY(mu_);  // join order; by rank once running
   // Negotiation: buckets reported by some nodes, and the schedule log

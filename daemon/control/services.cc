@@ -50,7 +50,8 @@ grpc::Status CoordinatorService::Join(grpc::ServerContext* ctx, const microd::v1
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "timeout_ms is negative");
   }
   auto m = coordinator_->Join(req->job_id(), req->node_name(), req->local_size(), req->token(),
-                              req->requested_rank(), Deadline(ctx, req->timeout_ms()));
+                              req->requested_rank(), Deadline(ctx, req->timeout_ms()),
+                              HostOfGrpcPeer(ctx->peer()));
   if (!m.ok()) return ToGrpcStatus(m.status());
   resp->set_node_rank(m->node_rank);
   resp->set_node_count(m->node_count);

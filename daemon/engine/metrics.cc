@@ -168,7 +168,11 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     const std::string& address, std::shared_ptr<MetricsCollector> collector) {
   auto server = std::unique_ptr<MetricsServer>(new MetricsServer());
   try {
-    server->exposer_ = std::make_unique<prometheus::Exposer>(address, 1);
+    // Several threads and a short request timeout: a connection that sends
+    // nothing holds one thread for 2 s at most (civetweb's default is 30 s,
+    // and with one thread a single idle connection stopped every scrape).
+    server->exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+        "listening_ports", address, "num_threads", "4", "request_timeout_ms", "2000"});
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", address, ": ",
                                                e.what()));

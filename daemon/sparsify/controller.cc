@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/sparsify/device_buffer.h"
 
@@ -131,6 +132,23 @@ absl::Status HistogramController::Prime(const std::vector<float>& sample, double
   return absl::OkStatus();
 }
 
+absl::Status HistogramController::BadOverflow(int64_t local, int64_t global,
+                                              const ControllerContext& ctx) {
+  // Who claimed the values: every node's own count, gathered once.
+  const int n = ctx.transport->size();
+  std::vector<int64_t> counts(n);
+  RETURN_IF_ERROR(ctx.transport->Allgather(&local, sizeof local, counts.data(), ctx.options));
+  std::vector<std::string> claims;
+  for (int r = 0; r < n; ++r) {
+    if (counts[r] != 0) claims.push_back(absl::StrCat("node ", r, " (", counts[r], ")"));
+  }
+  return absl::DataLossError(absl::StrCat(
+      "histogram: ", global, " candidates above the largest finite magnitude, where there can "
+      "be none: a bad peer; ",
+      claims.empty() ? std::string("every node reports none of them, so a peer altered the sum")
+                     : absl::StrCat("claimed by ", absl::StrJoin(claims, ", "))));
+}
+
 absl::StatusOr<float> HistogramController::Resolve(CandidateSet& candidates,
                                                    const ControllerContext& ctx) {
   kernels::SparseOps& ops = *ctx.ops;
@@ -140,6 +158,7 @@ absl::StatusOr<float> HistogramController::Resolve(CandidateSet& candidates,
   }
   std::vector<int64_t> coarse(kCoarseBins + 1);
   std::vector<int64_t> fine(kFineBins + 1);
+  int64_t local_overflow = 0;  // this node's count above the last window, before the sum
 
   // Runs LogHistogram on the candidates and sums it across nodes.
   auto global_histogram = [&](uint32_t shift, uint32_t first, uint32_t num,
@@ -155,6 +174,7 @@ absl::StatusOr<float> HistogramController::Resolve(CandidateSet& candidates,
         kernels::KernelStatus::kOk) {
       return absl::InternalError("histogram: copy to host failed");
     }
+    local_overflow = out[num];
     if (ctx.bytes_sent != nullptr) *ctx.bytes_sent += (num + 1) * sizeof(int64_t);
     if (ctx.bytes_received != nullptr) *ctx.bytes_received += (num + 1) * sizeof(int64_t);
     return ctx.transport->AllreduceSum(out.data(), num + 1, transport::DataType::kInt64,
@@ -183,7 +203,14 @@ absl::StatusOr<float> HistogramController::Resolve(CandidateSet& candidates,
       continue;
     }
     if (static_cast<uint64_t>(coarse[kCoarseBins]) >= k) {
-      first += kCoarseBins;  // the k-th value lies above the window: move it up
+      // The k-th value lies above the window: move it up, at most to the
+      // largest finite magnitude. Past it only a peer that adds to the sum
+      // what it does not hold keeps the count up (every node sees the same
+      // sum, so every node stops here together).
+      if (first + kCoarseBins >= kFiniteCoarseBins) {
+        return BadOverflow(local_overflow, coarse[kCoarseBins], ctx);
+      }
+      first += kCoarseBins;
       continue;
     }
     break;

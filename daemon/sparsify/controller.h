@@ -115,6 +115,8 @@ class HistogramController final : public ThresholdController {
   static constexpr uint32_t kFineShift = 12;    // 11 mantissa bits
   static constexpr uint32_t kFineBins = 1u << (kCoarseShift - kFineShift);
   static constexpr uint64_t kCandidateMargin = 4;
+  // Coarse bins of finite magnitudes: bin 0x7f8 holds Inf and NaN.
+  static constexpr uint32_t kFiniteCoarseBins = 0x7f800000u >> kCoarseShift;
 
   HistogramController();
   float PassThreshold() const override { return lower_bound_; }
@@ -128,6 +130,10 @@ class HistogramController final : public ThresholdController {
   absl::Status Load(const std::string& bytes) override;
 
  private:
+  // The sum says k or more candidates lie above every finite magnitude:
+  // DataLoss naming the nodes that claim them (one allgather of `local`).
+  absl::Status BadOverflow(int64_t local, int64_t global, const ControllerContext& ctx);
+
   bool primed_ = false;                // a lower bound was set (by Prime or a step)
   DeviceBuffer<int64_t> device_bins_;  // histogram scratch, kept across steps
   float lower_bound_;                  // tau_lo of the coming step

@@ -139,6 +139,39 @@ TEST_F(CoordinatorTest, WrongTokenDuplicateNameAndTakenRankAreRefused) {
   first.join();
 }
 
+// An unauthenticated caller learns nothing of the job (before: a rank out of
+// range was refused naming --nodes before the token was looked at), and
+// guessing is slowed: after 5 wrong tokens in a row a host's joins are
+// refused for a while, the right token included.
+TEST_F(CoordinatorTest, WrongTokensComeFirstAndAreRateLimitedPerHost) {
+  Start(2);
+  auto join = [&](const std::string& token, int rank, std::string* message = nullptr) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    microd::v1::JoinRequest req;
+    req.set_job_id("job");
+    req.set_node_name("guesser");
+    req.set_local_size(1);
+    req.set_token(token);
+    req.set_requested_rank(rank);
+    req.set_timeout_ms(200);
+    microd::v1::JoinResponse resp;
+    grpc::Status s = stub_->Join(&ctx, req, &resp);
+    if (message != nullptr) *message = s.error_message();
+    return s.error_code();
+  };
+  std::string message;
+  EXPECT_EQ(join("guess", 99, &message), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_FALSE(absl::StrContains(message, "[0, 2)")) << message;
+  for (int i = 1; i < 5; ++i) EXPECT_EQ(join("guess", -1), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(join("secret", -1, &message), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_TRUE(absl::StrContains(message, "too many wrong job tokens from 127.0.0.1")) << message;
+  // The pause ends; the right token then works (and clears the count).
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+  EXPECT_EQ(join("secret", -1), grpc::StatusCode::DEADLINE_EXCEEDED);  // 1 of 2 nodes came
+  EXPECT_EQ(join("guess", -1), grpc::StatusCode::UNAUTHENTICATED);
+}
+
 TEST_F(CoordinatorTest, MalformedRequestsGetInvalidArgument) {
   Start(1);
   auto call_join = [&](const microd::v1::JoinRequest& req) {
@@ -294,11 +327,16 @@ TEST_F(CoordinatorTest, ACredentialSpeaksOnlyForItsOwnRank) {
     return code(stub_->KeySet(&ctx, req, &resp));
   };
   EXPECT_EQ(key_set(mallory, "gloo/job/0", "evil:1"), grpc::StatusCode::PERMISSION_DENIED);
+  // A job-wide key is node 0's even before node 0 writes it (before: the
+  // first writer owned it, and node 0's own write was refused).
+  EXPECT_EQ(key_set(mallory, "nccl/unique_id", "first"), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(key_set(m[0]->session, "gloo/job/0", "node0:1"), grpc::StatusCode::OK);
   EXPECT_EQ(key_set(m[0]->session, "gloo/job/0", "node0:2"), grpc::StatusCode::OK);  // its own
   EXPECT_EQ(key_set(m[0]->session, "nccl/unique_id", "id"), grpc::StatusCode::OK);
   EXPECT_EQ(key_set(mallory, "nccl/unique_id", "evil"), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_EQ(key_set(mallory, "gloo/job/1", "node1:1"), grpc::StatusCode::OK);
+  EXPECT_EQ(key_set(mallory, "gloo/job/rank_1", "node1:1"), grpc::StatusCode::OK);
+  EXPECT_EQ(key_set(mallory, "gloo/job/rank_0", "evil:1"), grpc::StatusCode::PERMISSION_DENIED);
   const std::vector<std::string> keys = {"gloo/job/0", "nccl/unique_id"};
   auto v = c[1]->Get(keys, absl::Now());
   ASSERT_TRUE(v.ok()) << v.status();

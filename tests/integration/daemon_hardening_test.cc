@@ -5,6 +5,8 @@
 // per node).
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -283,6 +285,52 @@ TEST(Hardening, AConnectionThatNeverSaysHelloIsClosed) {
   // A real process is served.
   Trainer t(cluster.socket(0), 0, 1, 10);
   EXPECT_EQ(t.Step(1), "");
+}
+
+// Whoever can write the socket's directory could serve a socket there; the
+// client checks who serves it before handing over any memory (before: it
+// sent its hello, then its buffers, to whoever listened). As root: the
+// impostor runs as nobody (65534).
+TEST(Hardening, AClientRefusesADaemonOfAnotherUid) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to serve a socket as another uid";
+  const std::string dir = MakeTempDir("impostor");
+  const std::string path = dir + "/microd.sock";
+  chmod(dir.c_str(), 0777);  // the impostor's bind needs the directory
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t impostor = fork();
+  if (impostor == 0) {
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(1);
+    const int fd = socket(AF_UNIX, SOCK_SEQPACKET, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strcpy(addr.sun_path, path.c_str());
+    if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || listen(fd, 4) != 0) {
+      _exit(2);
+    }
+    (void)!write(ready[1], "x", 1);
+    pause();
+    _exit(0);
+  }
+  close(ready[1]);
+  char x;
+  ASSERT_EQ(read(ready[0], &x, 1), 1) << "the impostor did not start";
+  close(ready[0]);
+  microd_options o;
+  microd_options_init(&o);
+  o.socket_path = path.c_str();
+  o.timeout_ms = 2000;
+  microd_client* c = nullptr;
+  EXPECT_EQ(microd_connect(&o, &c), MICROD_ERR_PERMISSION);
+  const std::string message = microd_last_error(nullptr);
+  EXPECT_TRUE(absl::StrContains(message, "runs as uid 65534")) << message;
+  // Named in MICROD_DAEMON_UID it is trusted: the hello goes out (and the
+  // impostor never answers it).
+  setenv("MICROD_DAEMON_UID", "65534", 1);
+  EXPECT_EQ(microd_connect(&o, &c), MICROD_ERR_TIMEOUT) << microd_last_error(nullptr);
+  unsetenv("MICROD_DAEMON_UID");
+  kill(impostor, SIGKILL);
+  waitpid(impostor, nullptr, 0);
 }
 
 // Issue J: a bucket one process never submits left every node waiting with

@@ -157,7 +157,7 @@ TEST(Exposure, ANetworkListenWithoutTlsOrATokenIsRefusedAtStart) {
     std::vector<std::string> flags;
     std::string names;
   };
-  const std::vector<Case> cases = {
+  std::vector<Case> cases = {
       {{"--coordinator_listen=0.0.0.0:0", "--admin=127.0.0.1:0"}, "--coordinator_listen"},
       {{"--coordinator_listen=127.0.0.1:0", "--admin=0.0.0.0:0"}, "--admin"},
       // A token protects the coordinator, not the Admin service.
@@ -165,6 +165,20 @@ TEST(Exposure, ANetworkListenWithoutTlsOrATokenIsRefusedAtStart) {
        "--admin"},
   };
   std::ofstream(dir + "/t") << "a token\n";
+  // A server certificate alone encrypts but authenticates nobody who
+  // connects (before: it counted as protection, the coordinator started
+  // on 0.0.0.0 and node 0 then failed its own handshake for want of a CA).
+  TestCerts certs(dir);
+  certs.Ca("ca");
+  certs.Cert("server", "ca", {"127.0.0.1"});
+  const std::vector<std::string> server_only = {"--tls_cert=" + certs.pem("server"),
+                                                "--tls_key=" + certs.key("server")};
+  cases.push_back({{"--coordinator_listen=0.0.0.0:0", "--admin=127.0.0.1:0", server_only[0],
+                    server_only[1]},
+                   "--coordinator_listen"});
+  cases.push_back({{"--coordinator_listen=127.0.0.1:0", "--admin=0.0.0.0:0", server_only[0],
+                    server_only[1]},
+                   "--admin"});
   for (size_t i = 0; i < cases.size(); ++i) {
     std::vector<std::string> args = {HelperPath(MICROD_DAEMON),
                                      absl::StrCat("--socket=", dir, "/s", i, "/microd.sock"),
@@ -176,6 +190,8 @@ TEST(Exposure, ANetworkListenWithoutTlsOrATokenIsRefusedAtStart) {
     EXPECT_TRUE(absl::StrContains(text, cases[i].names + ": ")) << text;
     EXPECT_TRUE(absl::StrContains(text, "refusing to serve on 0.0.0.0:0")) << text;
     EXPECT_TRUE(absl::StrContains(text, "--insecure")) << text;
+    EXPECT_TRUE(absl::StrContains(text, "--tls_ca")) << text;
+    if (i >= 3) EXPECT_TRUE(absl::StrContains(text, "authenticates nobody")) << text;
   }
   std::error_code ignored;
   std::filesystem::remove_all(dir, ignored);

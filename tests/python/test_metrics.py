@@ -4,6 +4,7 @@ what microctl --json says of the same daemon."""
 import json
 import math
 import re
+import socket
 import subprocess
 import threading
 import urllib.request
@@ -116,3 +117,18 @@ def test_metrics_match_microctl(make_cluster):
         assert one("microd_bucket_cre_count", bucket="big") == STEPS - 2
         assert one("microd_bucket_step_seconds_count", bucket="big", phase="selection") == STEPS
         assert one("microd_bucket_cre_count", bucket="small") == 0
+
+
+def test_idle_connections_do_not_stop_the_scrapes(make_cluster):
+    """Connections that send nothing are closed after a short timeout and
+    several threads serve: before, one idle connection held the exporter's
+    only thread for 30 s and every scrape timed out behind it."""
+    cluster = make_cluster(1, 1, ["--metrics=127.0.0.1:0", "--metrics_port_file={dir}/metrics{r}"])
+    port = int(open(f"{cluster.dir}/metrics0").read())
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(8)]
+    try:
+        samples, _ = scrape(port)  # 10 s timeout
+        assert any(name == "microd_nodes" for name, _ in samples)
+    finally:
+        for s in idle:
+            s.close()

@@ -224,5 +224,68 @@ TEST(HistogramController, TinyBucketSelectsAtLeastOne) {
   }
 }
 
+// A peer that adds to every histogram sum `extra` candidates above the
+// window it was asked about, and claims them when asked.
+class OverflowingPeer final : public transport::Transport {
+ public:
+  OverflowingPeer(transport::Transport* inner, int64_t extra) : inner_(inner), extra_(extra) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  const char* name() const override { return "overflowing"; }
+  absl::Status Allgather(const void* in, size_t bytes, void* out,
+                         const transport::CollectiveOptions& o) override {
+    if (bytes != sizeof(int64_t)) return inner_->Allgather(in, bytes, out, o);
+    return inner_->Allgather(&extra_, bytes, out, o);
+  }
+  absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv_bytes, void* out,
+                          const transport::CollectiveOptions& o) override {
+    return inner_->AllgatherV(in, recv_bytes, out, o);
+  }
+  absl::Status AllreduceSum(void* data, size_t count, transport::DataType type,
+                            const transport::CollectiveOptions& o) override {
+    if (type == transport::DataType::kInt64) static_cast<int64_t*>(data)[count - 1] += extra_;
+    return inner_->AllreduceSum(data, count, type, o);
+  }
+  absl::Status Barrier(const transport::CollectiveOptions& o) override {
+    return inner_->Barrier(o);
+  }
+  void Abort(const absl::Status& reason) override { inner_->Abort(reason); }
+
+ private:
+  transport::Transport* const inner_;
+  const int64_t extra_;
+};
+
+// Before: every node moved its window up forever (each allreduce succeeded,
+// so no deadline fired). Now the step fails on every node, naming the peer.
+TEST(HistogramController, APeerClaimingValuesAboveEveryFiniteOneFailsTheStep) {
+  const int n = 3;
+  const uint64_t k = 100;
+  auto ops = kernels::CreateCpuSparseOps();
+  auto group = transport::CreateInprocGroup(n);
+  OverflowingPeer liar(group[1].get(), static_cast<int64_t>(k));
+  std::vector<absl::Status> results(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      HistogramController c;
+      ControllerContext ctx;
+      ctx.ops = ops.get();
+      ctx.transport = r == 1 ? static_cast<transport::Transport*>(&liar) : group[r].get();
+      ctx.options.deadline = absl::Now() + absl::Seconds(30);
+      ctx.k = k;
+      FakeCandidates mine(HeavyTailed(10000, 1.0f, r + 1));
+      mine.Scan(c.PassThreshold());
+      results[r] = c.Resolve(mine, ctx).status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(results[r].code(), absl::StatusCode::kDataLoss) << "node " << r << ": " << results[r];
+    EXPECT_NE(results[r].message().find("claimed by node 1 (100)"), std::string::npos)
+        << results[r];
+  }
+}
+
 }  // namespace
 }  // namespace microd::sparsify

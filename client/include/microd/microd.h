@@ -49,7 +49,7 @@ typedef enum microd_status {
   MICROD_ERR_UNSUPPORTED = 6,      /* not available here (e.g. CUDA buffers without CUDA) */
   MICROD_ERR_PROTOCOL = 7,         /* malformed message between library and daemon */
   MICROD_ERR_RESOURCE = 8,         /* out of memory or over a daemon limit */
-  MICROD_ERR_PERMISSION = 9,       /* the daemon refused this process (uid/gid) */
+  MICROD_ERR_PERMISSION = 9,       /* the daemon refused this process, or it the daemon (uid/gid) */
   MICROD_ERR_NONFINITE = 10,       /* NaN or Inf in a gradient; the step was not applied */
   MICROD_ERR_INTERNAL = 11,        /* a bug: please report the message */
   MICROD_ERR_CLOSED = 12           /* the handle was closed */
@@ -86,7 +86,10 @@ MICROD_API const char* microd_status_string(microd_status status);
 MICROD_API void microd_options_init(microd_options* options);
 
 /* Connects to the daemon and introduces this process, retrying until the
- * daemon's socket appears or options->timeout_ms passes. Blocks. On success
+ * daemon's socket appears or options->timeout_ms passes. The process
+ * serving the socket must run as this process's uid, as root, or as the uid
+ * in $MICROD_DAEMON_UID (MICROD_ERR_PERMISSION otherwise: nothing is sent to
+ * it). Blocks. On success
  * *out owns a handle to pass to microd_close. On failure *out is NULL and
  * the reason is returned (microd_last_error(NULL) gives its message). */
 MICROD_API microd_status microd_connect(const microd_options* options, microd_client** out);
