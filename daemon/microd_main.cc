@@ -32,6 +32,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/control/services.h"
 #include "daemon/control/tls.h"
+#include "daemon/engine/checkpoint.h"
 #include "daemon/engine/engine.h"
 #include "daemon/engine/engine_status.h"
 #include "daemon/engine/metrics.h"
@@ -119,6 +120,10 @@ ABSL_FLAG(int, peer_timeout_ms, 10000, "a node silent this long fails the job");
 ABSL_FLAG(int, join_timeout_ms, 300000, "how long to wait for all nodes to join");
 ABSL_FLAG(std::string, job_id, "microd", "job identifier (all nodes must agree)");
 ABSL_FLAG(std::string, token_file, "", "file holding the job token (all nodes must agree)");
+ABSL_FLAG(std::string, state_key_file, "",
+          "file holding the secret that authenticates saved state (microd_state_save): a state "
+          "file made with another secret, or altered, is refused at load (default: the job "
+          "token; with neither, state files are checksummed, not authenticated)");
 ABSL_FLAG(std::string, tls_cert, "",
           "this node's certificate (PEM): the coordinator's and a non-loopback Admin's TLS "
           "identity on node 0, the client certificate for mutual TLS elsewhere");
@@ -291,6 +296,7 @@ struct Config {
   bool response_cache = true;
   absl::Duration op_timeout, peer_timeout;
   std::string token;
+  std::string state_secret;  // --state_key_file's, else the token
   std::string node_name;
   microd::control::TlsFiles tls;
 };
@@ -366,6 +372,18 @@ absl::Status CheckRanges() {
   return absl::OkStatus();
 }
 
+// The secret in `path` (trailing white space dropped; "" for no path).
+absl::StatusOr<std::string> ReadSecretFile(const std::string& flag, const std::string& path) {
+  if (path.empty()) return std::string();
+  std::ifstream in(path);
+  if (!in) return Bad(flag, absl::NotFoundError(absl::StrCat("cannot read ", path)));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string secret(absl::StripTrailingAsciiWhitespace(ss.str()));
+  if (secret.empty()) return Bad(flag, absl::InvalidArgumentError(absl::StrCat(path, " is empty")));
+  return secret;
+}
+
 absl::StatusOr<Config> ParseFlags() {
   Config c;
   if (absl::Status s = ParseSparsify(&c.sparsify); !s.ok()) return s;
@@ -387,13 +405,12 @@ absl::StatusOr<Config> ParseFlags() {
   }
   c.op_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
   c.peer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_peer_timeout_ms));
-  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
-    std::ifstream in(path);
-    if (!in) return Bad("--token_file", absl::NotFoundError(absl::StrCat("cannot read ", path)));
-    std::stringstream ss;
-    ss << in.rdbuf();
-    c.token = std::string(absl::StripTrailingAsciiWhitespace(ss.str()));
-  }
+  auto token = ReadSecretFile("--token_file", absl::GetFlag(FLAGS_token_file));
+  if (!token.ok()) return token.status();
+  c.token = *token;
+  auto state_secret = ReadSecretFile("--state_key_file", absl::GetFlag(FLAGS_state_key_file));
+  if (!state_secret.ok()) return state_secret.status();
+  c.state_secret = state_secret->empty() ? c.token : *state_secret;
   c.node_name = absl::GetFlag(FLAGS_node_name);
   if (c.node_name.empty()) c.node_name = HostName();
   c.tls.cert = absl::GetFlag(FLAGS_tls_cert);
@@ -442,6 +459,7 @@ absl::Status CheckExposure(const std::string& flag, const std::string& address, 
 microd::engine::EngineOptions EngineOptionsOf(const Config& c) {
   microd::engine::EngineOptions eo;
   eo.job_id = absl::GetFlag(FLAGS_job_id);
+  eo.state_key = microd::engine::DeriveStateKey(c.state_secret);
   eo.local_size = c.local_size;
   eo.sparsify = c.sparsify;
   eo.dense_floor = absl::GetFlag(FLAGS_dense_floor);

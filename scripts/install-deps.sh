@@ -18,7 +18,7 @@ BUILD_PACKAGES=(
   libprotobuf-dev protobuf-compiler
   libgrpc++-dev protobuf-compiler-grpc
   libgloo-dev
-  prometheus-cpp-dev zlib1g-dev
+  prometheus-cpp-dev libssl-dev
 )
 TEST_PACKAGES=(
   libgtest-dev libgmock-dev googletest

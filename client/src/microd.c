@@ -12,6 +12,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -802,6 +803,17 @@ static microd_status state_op(microd_client* c, uint32_t op, const char* dir, in
     return fail(c, MICROD_ERR_INVALID_ARGUMENT, "the state directory is longer than %d bytes",
                 MICROD_WIRE_PATH_BYTES - 1);
   }
+  /* The daemon works in the directory this process opens, never by its
+   * path: it writes and reads only where this process can itself. */
+  if (op == MICROD_STATE_SAVE && mkdir(dir, 0700) != 0 && errno != EEXIST) {
+    return fail(c, MICROD_ERR_INVALID_ARGUMENT, "cannot make the state directory %s: %s", dir,
+                strerror(errno));
+  }
+  const int dirfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dirfd < 0) {
+    return fail(c, errno == ENOENT ? MICROD_ERR_INVALID_ARGUMENT : MICROD_ERR_PERMISSION,
+                "cannot open the state directory %s: %s", dir, strerror(errno));
+  }
   pthread_mutex_lock(&c->mu);
   microd_status status = MICROD_OK;
   if (c->broken != MICROD_OK) {
@@ -817,7 +829,7 @@ static microd_status state_op(microd_client* c, uint32_t op, const char* dir, in
     m.op = op;
     m.ticket = ticket = ++c->next_ticket;
     memcpy(m.dir, dir, strlen(dir));
-    if (microd_wire_send(c->fd, &m, sizeof m, -1) != 0) {
+    if (microd_wire_send(c->fd, &m, sizeof m, dirfd) != 0) {
       break_connection(c, MICROD_ERR_UNAVAILABLE, "sending to the daemon failed");
       status = fail(c, c->broken, "%s", c->broken_message);
     } else {
@@ -828,6 +840,7 @@ static microd_status state_op(microd_client* c, uint32_t op, const char* dir, in
     }
   }
   pthread_mutex_unlock(&c->mu);
+  close(dirfd);
   if (status != MICROD_OK) return status;
   return microd_wait(c, ticket, timeout_ms);
 }

@@ -1,31 +1,22 @@
 #include "daemon/engine/checkpoint.h"
 
-#include <zlib.h>
+#include <openssl/core_names.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
 
+#include <climits>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
-#include "daemon/common/atomic_file.h"
 
 namespace microd::engine {
 namespace {
 
 constexpr char kMagic[8] = {'M', 'C', 'R', 'D', 'S', 'T', 'A', 'T'};
-constexpr uint32_t kFormat = 1;
+constexpr uint32_t kFormat = 2;
 constexpr size_t kFrameBytes = sizeof kMagic + 4 + 8 + 4;
-
-uint32_t Crc(const std::string& bytes) {
-  uLong crc = crc32(0L, Z_NULL, 0);
-  size_t at = 0;
-  while (at < bytes.size()) {  // crc32 takes at most 4 GiB - 1 at a time
-    const uInt n = static_cast<uInt>(std::min<size_t>(bytes.size() - at, 1u << 30));
-    crc = crc32(crc, reinterpret_cast<const Bytef*>(bytes.data() + at), n);
-    at += n;
-  }
-  return static_cast<uint32_t>(crc);
-}
+constexpr size_t kTagBytes = 32;  // HMAC-SHA256
+constexpr uint32_t kUnkeyed = 0, kKeyed = 1;
 
 template <typename T>
 void Put(std::string* out, T v) {
@@ -37,6 +28,31 @@ T Get(const std::string& in, size_t at) {
   T v;
   std::memcpy(&v, in.data() + at, sizeof v);
   return v;
+}
+
+// HMAC-SHA256 of the concatenation of `parts` under `key` (OpenSSL).
+std::string Hmac(std::string_view key, std::initializer_list<std::string_view> parts) {
+  unsigned char out[EVP_MAX_MD_SIZE];
+  size_t len = 0;
+  EVP_MAC* mac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
+  EVP_MAC_CTX* ctx = mac != nullptr ? EVP_MAC_CTX_new(mac) : nullptr;
+  char digest[] = "SHA256";
+  OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string("digest", digest, 0),
+                         OSSL_PARAM_construct_end()};
+  // An empty key is a valid HMAC key; OpenSSL wants a non-null pointer for it.
+  static const unsigned char kNone = 0;
+  bool ok = ctx != nullptr &&
+            EVP_MAC_init(ctx,
+                         key.empty() ? &kNone : reinterpret_cast<const unsigned char*>(key.data()),
+                         key.size(), params) == 1;
+  for (std::string_view p : parts) {
+    ok = ok && EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(p.data()), p.size()) == 1;
+  }
+  ok = ok && EVP_MAC_final(ctx, out, &len, sizeof out) == 1 && len == kTagBytes;
+  EVP_MAC_CTX_free(ctx);
+  EVP_MAC_free(mac);
+  // Without a tag nothing verifies: an empty result matches no file.
+  return ok ? std::string(reinterpret_cast<const char*>(out), len) : std::string();
 }
 
 std::string Floats(const std::vector<float>& v) {
@@ -57,47 +73,85 @@ absl::StatusOr<std::vector<float>> FloatsOf(const std::string& bytes, uint64_t c
 
 }  // namespace
 
-std::string CheckpointPath(const std::string& dir, int rank) {
-  return absl::StrCat(dir, "/microd-state-node", rank, ".bin");
+std::string CheckpointName(int rank) { return absl::StrCat("microd-state-node", rank, ".bin"); }
+
+std::string DeriveStateKey(std::string_view secret) {
+  if (secret.empty()) return "";
+  return Hmac(secret, {"microd state file key, version 1"});
 }
 
-absl::Status WriteCheckpoint(const std::string& path, const microd::v1::NodeCheckpoint& c) {
+absl::Status WriteCheckpoint(int dirfd, const std::string& name, const std::string& what,
+                             const microd::v1::NodeCheckpoint& c, const std::string& key,
+                             FileOwner owner) {
   std::string payload;
   if (!c.SerializeToString(&payload)) return absl::InternalError("cannot encode the state");
   std::string frame(kMagic, sizeof kMagic);
   Put(&frame, kFormat);
   Put(&frame, static_cast<uint64_t>(payload.size()));
-  Put(&frame, Crc(payload));
-  return WriteFileAtomically(path, {frame, payload});
+  Put(&frame, key.empty() ? kUnkeyed : kKeyed);
+  const std::string tag = Hmac(key, {frame, payload});
+  if (tag.size() != kTagBytes) return absl::InternalError("cannot compute the state's HMAC");
+  return WriteFileAtomicallyAt(dirfd, name, {frame, payload, tag}, what, owner);
 }
 
-absl::StatusOr<microd::v1::NodeCheckpoint> ReadCheckpoint(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("no state file ", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::string all = ss.str();
-  if (all.size() < kFrameBytes || std::memcmp(all.data(), kMagic, sizeof kMagic) != 0) {
-    return absl::DataLossError(absl::StrCat(path, " is not a microd state file"));
+absl::StatusOr<microd::v1::NodeCheckpoint> ReadCheckpoint(int dirfd, const std::string& name,
+                                                          const std::string& what,
+                                                          uint64_t max_bytes,
+                                                          const std::string& key) {
+  auto read = ReadRegularFileAt(dirfd, name, max_bytes + kFrameBytes + kTagBytes, what);
+  if (!read.ok()) {
+    if (absl::IsNotFound(read.status())) {
+      return absl::NotFoundError(absl::StrCat("no state file ", what));
+    }
+    if (absl::IsResourceExhausted(read.status())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          read.status().message(), ": this job's state is smaller; not a state file of it"));
+    }
+    return read.status();
+  }
+  const std::string& all = *read;
+  if (all.size() < kFrameBytes + kTagBytes || std::memcmp(all.data(), kMagic, sizeof kMagic) != 0) {
+    return absl::DataLossError(absl::StrCat(what, " is not a microd state file"));
   }
   const uint32_t format = Get<uint32_t>(all, 8);
   if (format != kFormat) {
-    return absl::DataLossError(absl::StrCat(path, " has format ", format, "; this microd reads ",
+    return absl::DataLossError(absl::StrCat(what, " has format ", format, "; this microd reads ",
                                             kFormat));
   }
   const uint64_t size = Get<uint64_t>(all, 12);
-  const uint32_t crc = Get<uint32_t>(all, 20);
-  if (all.size() - kFrameBytes != size) {
-    return absl::DataLossError(absl::StrCat(path, " is torn: ", all.size() - kFrameBytes,
+  const uint32_t keyed = Get<uint32_t>(all, 20);
+  if (all.size() - kFrameBytes - kTagBytes != size) {
+    return absl::DataLossError(absl::StrCat(what, " is torn: ", all.size() - kFrameBytes - kTagBytes,
                                             " bytes of state where the frame says ", size));
   }
-  const std::string payload = all.substr(kFrameBytes);
-  if (Crc(payload) != crc) {
-    return absl::DataLossError(absl::StrCat(path, " is corrupted: its checksum does not match"));
+  if (keyed != kUnkeyed && keyed != kKeyed) {
+    return absl::DataLossError(absl::StrCat(what, " is not a microd state file (key ", keyed, ")"));
+  }
+  if (keyed == kUnkeyed && !key.empty()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, " was saved by a job without a secret (no --token_file or --state_key_file), so "
+              "nothing says who wrote it; this job authenticates its state files and refuses it"));
+  }
+  if (keyed == kKeyed && key.empty()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, " was saved by a job with a secret; give this job the same --token_file (or "
+              "--state_key_file) to load it"));
+  }
+  const std::string_view body(all.data(), kFrameBytes + size);
+  const std::string want = Hmac(key, {body});
+  if (want.size() != kTagBytes ||
+      CRYPTO_memcmp(want.data(), all.data() + kFrameBytes + size, kTagBytes) != 0) {
+    if (keyed == kUnkeyed) {
+      return absl::DataLossError(absl::StrCat(what, " is corrupted: its checksum does not match"));
+    }
+    return absl::PermissionDeniedError(absl::StrCat(
+        what, " is not authenticated by this job's key: another job's file (another token or "
+              "--state_key_file), or altered since it was saved"));
   }
   microd::v1::NodeCheckpoint c;
-  if (!c.ParseFromString(payload)) {
-    return absl::DataLossError(absl::StrCat(path, ": the state does not decode"));
+  if (size > static_cast<uint64_t>(INT32_MAX) ||
+      !c.ParseFromArray(all.data() + kFrameBytes, static_cast<int>(size))) {
+    return absl::DataLossError(absl::StrCat(what, ": the state does not decode"));
   }
   return c;
 }

@@ -73,7 +73,7 @@ class Engine final : public local::LocalHandler, private JobControl {
   // microd_state_save / microd_state_load: answered once every local
   // process asked the same, after the node's file is written or read
   // (state_io.cc).
-  absl::Status OnState(uint64_t client, bool save, const std::string& dir,
+  absl::Status OnState(uint64_t client, bool save, local::StateDirectory dir,
                        uint64_t ticket) override;
 
   // Statistics of every bucket; the per-step histories only if asked for.
@@ -102,8 +102,8 @@ class Engine final : public local::LocalHandler, private JobControl {
   // (state_io.cc); the answer for each process.
   void RunStateRequest();
   void AnswerStateRequest(const StateRequest& request, const absl::Status& status);
-  absl::Status SaveState(const std::string& dir);
-  absl::Status LoadState(const std::string& dir);
+  absl::Status SaveState(const StateRequest& q);
+  absl::Status LoadState(const StateRequest& q);
   // What saved state records of this job (checkpoint.h), buckets aside.
   microd::v1::NodeCheckpoint CheckpointShape() const;
 

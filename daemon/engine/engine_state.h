@@ -20,7 +20,9 @@ namespace microd::engine {
 // plans once all asked.
 struct StateRequest {
   bool save = false;
-  std::string dir;
+  // The directory of the first process that asked (the others named the
+  // same one: same device and inode); its owner is given the file.
+  local::StateDirectory dir;
   std::vector<uint64_t> clients;  // by local rank
   std::vector<uint64_t> tickets;  // by local rank, 0: not asked yet
   int asked = 0;

@@ -13,6 +13,9 @@ namespace microd::engine {
 
 struct EngineOptions {
   std::string job_id = "microd";  // recorded in saved state (checkpoint.h)
+  // Authenticates saved state (checkpoint.h: DeriveStateKey of the job's
+  // secret); empty: the files are checksummed, not authenticated.
+  std::string state_key;
   int local_size = 1;
   sparsify::SparsifyOptions sparsify;
   // Buckets with fewer elements go dense, fused into one allreduce per batch.

@@ -186,6 +186,12 @@ Bucket* ProcessTable::find(const std::string& name) {
   return it == buckets_.end() || it->second.count == 0 ? nullptr : &it->second;
 }
 
+uint64_t ProcessTable::total_elements() const {
+  uint64_t total = 0;
+  for (const auto& [name, b] : buckets_) total += b.count;
+  return total;
+}
+
 std::vector<Bucket*> ProcessTable::WithState() {
   std::vector<Bucket*> out;
   for (auto& [name, b] : buckets_) {

@@ -98,6 +98,9 @@ class ProcessTable {
   Bucket* find(const std::string& name);
   // Buckets with a sparsifier state, by name.
   std::vector<Bucket*> WithState();
+  // How many buckets are registered, and their elements in all.
+  size_t bucket_count() const { return buckets_.size(); }
+  uint64_t total_elements() const;
   // The local rank of a connected process.
   absl::StatusOr<int> LocalRankOf(uint64_t client) const;
   // Local ranks whose process registered buffers and left, and no process

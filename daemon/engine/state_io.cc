@@ -1,11 +1,6 @@
 // The engine's part of microd_state_save / microd_state_load: collecting the
 // local processes' requests, and saving or loading every bucket's
 // sparsifier state on the engine's thread between plans (no step runs then).
-#include <sys/stat.h>
-
-#include <cerrno>
-#include <cstring>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "daemon/common/status_macros.h"
@@ -23,7 +18,7 @@ void Engine::AnswerStateRequest(const StateRequest& q, const absl::Status& s) {
   }
 }
 
-absl::Status Engine::OnState(uint64_t client, bool save, const std::string& dir,
+absl::Status Engine::OnState(uint64_t client, bool save, local::StateDirectory dir,
                              uint64_t ticket) {
   StateRequest refused;  // the earlier askers of a conflicting request
   absl::Status conflict;
@@ -42,13 +37,13 @@ absl::Status Engine::OnState(uint64_t client, bool save, const std::string& dir,
     }
     if (q.asked == 0) {
       q.save = save;
-      q.dir = dir;
+      q.dir = std::move(dir);
       q.clients.assign(options_.local_size, 0);
       q.tickets.assign(options_.local_size, 0);
-    } else if (q.save != save || q.dir != dir) {
+    } else if (q.save != save || q.dir.dev != dir.dev || q.dir.ino != dir.ino) {
       conflict = absl::InvalidArgumentError(absl::StrCat(
-          "local process ", *rank, " asks to ", what, " ", dir, " while another asked to ",
-          q.save ? "save the state to " : "load the state from ", q.dir,
+          "local process ", *rank, " asks to ", what, " ", dir.path, " while another asked to ",
+          q.save ? "save the state to " : "load the state from ", q.dir.path,
           ": every process of the job calls the same, at the same point"));
       refused = std::move(q);
       q = StateRequest{};
@@ -56,7 +51,7 @@ absl::Status Engine::OnState(uint64_t client, bool save, const std::string& dir,
     if (conflict.ok()) {
       if (q.tickets[*rank] != 0) {
         return absl::FailedPreconditionError(
-            absl::StrCat("local process ", *rank, " already asked to ", what, " ", q.dir));
+            absl::StrCat("local process ", *rank, " already asked to ", what, " ", q.dir.path));
       }
       q.clients[*rank] = client;
       q.tickets[*rank] = ticket;
@@ -78,14 +73,17 @@ void Engine::RunStateRequest() {
     state_.state_request = StateRequest{};
     state_.state_request_ready = false;
   }
-  absl::Status s = q.save ? SaveState(q.dir) : LoadState(q.dir);
+  absl::Status s = q.save ? SaveState(q) : LoadState(q);
   if (!q.save && (absl::IsFailedPrecondition(s) || absl::IsDataLoss(s) ||
                   absl::IsInvalidArgument(s))) {
     s = WithClientStatus(s, ClientStatus::kMismatch);  // the saved job is not this one
   }
-  std::fprintf(stderr, "microd: node %d: %s %s: %s\n", membership_.node_rank,
-               q.save ? "saved the state to" : "loaded the state from", q.dir.c_str(),
-               s.ok() ? "ok" : std::string(s.message()).c_str());
+  std::fprintf(stderr, "microd: node %d: %s %s: %s%s\n", membership_.node_rank,
+               q.save ? "saved the state to" : "loaded the state from", q.dir.path.c_str(),
+               s.ok() ? "ok" : std::string(s.message()).c_str(),
+               s.ok() && options_.state_key.empty()
+                   ? " (checksummed, not authenticated: no --token_file or --state_key_file)"
+                   : "");
   AnswerStateRequest(q, s);
   // The other nodes may have loaded theirs: the nodes' states no longer
   // belong together, so the job cannot go on.
@@ -120,11 +118,7 @@ microd::v1::NodeCheckpoint Engine::CheckpointShape() const {
   return c;
 }
 
-absl::Status Engine::SaveState(const std::string& dir) {
-  if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("cannot make the state directory ", dir, ": ", std::strerror(errno)));
-  }
+absl::Status Engine::SaveState(const StateRequest& q) {
   std::vector<Bucket*> buckets;
   {
     absl::MutexLock lock(&state_.mu);
@@ -136,12 +130,24 @@ absl::Status Engine::SaveState(const std::string& dir) {
     if (!saved.ok()) return saved.status();
     *c.add_buckets() = ToProto(b->name, b->count, *saved);
   }
-  return WriteCheckpoint(CheckpointPath(dir, membership_.node_rank), c);
+  const std::string name = CheckpointName(membership_.node_rank);
+  return WriteCheckpoint(q.dir.fd.get(), name, absl::StrCat(q.dir.path, "/", name), c,
+                         options_.state_key, FileOwner{q.dir.uid, q.dir.gid});
 }
 
-absl::Status Engine::LoadState(const std::string& dir) {
-  const std::string path = CheckpointPath(dir, membership_.node_rank);
-  auto saved = ReadCheckpoint(path);
+absl::Status Engine::LoadState(const StateRequest& q) {
+  const std::string name = CheckpointName(membership_.node_rank);
+  const std::string path = absl::StrCat(q.dir.path, "/", name);
+  // The most this job's state can take: every bucket's residual (and
+  // velocity), its name and its controller's few bytes, and the shape.
+  uint64_t max_bytes = 1 << 20;
+  {
+    absl::MutexLock lock(&state_.mu);
+    const uint64_t vectors = options_.sparsify.momentum > 0 ? 2 : 1;
+    max_bytes += vectors * state_.table.total_elements() * sizeof(float) +
+                 1024 * state_.table.bucket_count();
+  }
+  auto saved = ReadCheckpoint(q.dir.fd.get(), name, path, max_bytes, options_.state_key);
   if (!saved.ok()) return saved.status();
   RETURN_IF_ERROR(CheckSameShape(*saved, CheckpointShape(), path));
   // Everything is checked before anything is loaded.

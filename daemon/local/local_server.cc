@@ -6,14 +6,19 @@
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "daemon/common/status_map.h"
 #include "daemon/local/cuda_ipc.h"
 #include "microd/wire.h"
@@ -54,6 +59,35 @@ void CopyMessage(char* dst, const std::string& src) {
   dst[n] = '\0';
 }
 
+// The peer's supplementary groups (empty where the kernel cannot say).
+std::vector<gid_t> PeerGroups(int fd) {
+  std::vector<gid_t> groups(64);
+  for (int tries = 0; tries < 4; ++tries) {
+    socklen_t len = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &len) == 0) {
+      groups.resize(len / sizeof(gid_t));
+      return groups;
+    }
+    if (errno != ERANGE) break;
+    groups.resize(len / sizeof(gid_t) + 1);
+  }
+  return {};
+}
+
+// Whether a process of `uid`, `gid` and `groups` may make files in a
+// directory of `st`, by its mode bits (an ACL that grants more is not
+// looked at: such a directory is refused).
+bool MayWriteDirectory(const struct stat& st, uid_t uid, gid_t gid,
+                       const std::vector<gid_t>& groups) {
+  if (uid == 0) return true;
+  const mode_t m = st.st_mode;
+  if (st.st_uid == uid) return (m & S_IWUSR) != 0 && (m & S_IXUSR) != 0;
+  if (st.st_gid == gid || std::find(groups.begin(), groups.end(), st.st_gid) != groups.end()) {
+    return (m & S_IWGRP) != 0 && (m & S_IXGRP) != 0;
+  }
+  return (m & S_IWOTH) != 0 && (m & S_IXOTH) != 0;
+}
+
 absl::Status PrepareSocketPath(const std::string& path) {
   if (path.empty()) return absl::InvalidArgumentError("no socket path");
   if (path.size() >= sizeof(sockaddr_un::sun_path)) {
@@ -92,6 +126,29 @@ absl::Status PrepareSocketPath(const std::string& path) {
     close(probe);
     if (live) return absl::AlreadyExistsError(absl::StrCat("another microd serves ", path));
     unlink(path.c_str());
+  }
+  return absl::OkStatus();
+}
+
+// The descriptor of a state request is a directory; a save goes only where
+// the asking process could write itself (a process of the daemon's own uid
+// could anyway).
+absl::Status CheckStateDirectory(StateDirectory& dir, const std::vector<gid_t>& groups, bool save) {
+  struct stat st;
+  if (fstat(dir.fd.get(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the state directory ", dir.path, " is not a directory"));
+  }
+  dir.dev = st.st_dev;
+  dir.ino = st.st_ino;
+  if (save && dir.uid != geteuid() && !MayWriteDirectory(st, dir.uid, dir.gid, groups)) {
+    return WithClientStatus(
+        absl::PermissionDeniedError(absl::StrCat(
+            "process of uid ", dir.uid, " may not write the state directory ", dir.path,
+            " (owner ", st.st_uid, ", group ", st.st_gid, ", mode ",
+            absl::StrFormat("%04o", st.st_mode & 07777), "): the daemon writes only where the "
+            "process asking could")),
+        ClientStatus::kPermission);
   }
   return absl::OkStatus();
 }
@@ -331,6 +388,8 @@ void LocalServer::Accept() {
       c.fd = fd;
       c.pid = cred.pid;
       c.uid = cred.uid;
+      c.gid = cred.gid;
+      c.groups = PeerGroups(fd);
       c.connected_at = absl::Now();
       count = clients_.size();
     }
@@ -455,7 +514,7 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
                         ", expected ", expected, ")"));
     return false;
   }
-  if (!fds.empty() && m.h.type != MICROD_MSG_REGISTER) {
+  if (!fds.empty() && m.h.type != MICROD_MSG_REGISTER && m.h.type != MICROD_MSG_STATE) {
     Refuse(id, kProtocol, "unexpected file descriptor");
     return false;
   }
@@ -474,7 +533,7 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
     case MICROD_MSG_SUBMIT:
       return HandleSubmit(id, c, m.submit);
     case MICROD_MSG_STATE:
-      return HandleState(id, m.state);
+      return HandleState(id, c, m.state, fds);
     case MICROD_MSG_GOODBYE:
       Drop(id, true, "goodbye");
       return false;
@@ -567,6 +626,15 @@ bool LocalServer::HandleRegister(uint64_t id, Client& c, const ::microd_wire_reg
         absl::StrCat("buffer '", name, "': the descriptor must be a memfd of at least ", bytes,
                      " bytes sealed against shrinking")));
   }
+  // Only shared memory (tmpfs, what memfd_create makes by default): pages of a
+  // hugetlbfs memfd punched out after registration would SIGBUS the daemon
+  // at its next touch of the buffer.
+  struct statfs fs {};
+  if (fstatfs(fds[0], &fs) != 0 || fs.f_type != TMPFS_MAGIC) {
+    return answer(absl::InvalidArgumentError(absl::StrCat(
+        "buffer '", name, "': the memfd must be plain shared memory (memfd_create without "
+        "MFD_HUGETLB)", fs.f_type == HUGETLBFS_MAGIC ? ", not hugetlbfs" : "")));
+  }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
   if (p == MAP_FAILED) {
     return answer(WithClientStatus(absl::ResourceExhaustedError(absl::StrCat(
@@ -612,7 +680,8 @@ bool LocalServer::HandleSubmit(uint64_t id, Client& c, const ::microd_wire_submi
   return true;
 }
 
-bool LocalServer::HandleState(uint64_t id, const ::microd_wire_state& state) {
+bool LocalServer::HandleState(uint64_t id, const Client& c, const ::microd_wire_state& state,
+                              std::vector<int>& fds) {
   const int kProtocol = static_cast<int>(ClientStatus::kProtocol);
   const size_t len = strnlen(state.dir, MICROD_WIRE_PATH_BYTES);
   if (state.ticket == 0 || state.reserved != 0 || len == MICROD_WIRE_PATH_BYTES ||
@@ -623,10 +692,22 @@ bool LocalServer::HandleState(uint64_t id, const ::microd_wire_state& state) {
                         " (ops: 1 save, 2 load; tickets start at 1; the directory NUL-terminated)"));
     return false;
   }
-  const std::string dir(state.dir, len);
-  absl::Status s = dir.empty() ? absl::InvalidArgumentError("the state directory is empty")
-                               : handler_->OnState(id, state.op == MICROD_STATE_SAVE, dir,
-                                                   state.ticket);
+  if (fds.size() != 1) {
+    Refuse(id, kProtocol,
+           "a state request must carry the directory's descriptor (one, opened by the process)");
+    return false;
+  }
+  StateDirectory dir;
+  dir.path.assign(state.dir, len);
+  dir.fd.reset(fds[0]);
+  fds.clear();  // owned by `dir` from here on
+  dir.uid = c.uid;
+  dir.gid = c.gid;
+  const bool save = state.op == MICROD_STATE_SAVE;
+  absl::Status s = CheckStateDirectory(dir, c.groups, save);
+  if (s.ok()) {
+    s = handler_->OnState(id, save, std::move(dir), state.ticket);
+  }
   if (!s.ok()) Complete(id, state.ticket, MICROD_WIRE_NO_BUFFER, s);
   return true;
 }

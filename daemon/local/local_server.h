@@ -28,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "daemon/common/unique_fd.h"
 
 struct microd_wire_hello;  // client/wire/microd/wire.h
 struct microd_wire_state;
@@ -132,6 +133,19 @@ struct ProcessInfo {
   float momentum_correction = 0.0f;
 };
 
+// The directory of a state request. The process that asks opens it and
+// passes the descriptor, so that the daemon writes and reads only where that
+// process itself can (and never follows a path it could change meanwhile):
+// the file names are fixed, the descriptor is the directory.
+struct StateDirectory {
+  std::string path;  // as the process named it (messages only)
+  UniqueFd fd;
+  dev_t dev = 0;  // the directory's identity: processes naming one directory
+  ino_t ino = 0;  // differently ask for the same
+  uid_t uid = 0;  // the process that asked
+  gid_t gid = 0;
+};
+
 // What the server asks of the engine. Called on the server thread; must not block.
 class LocalHandler {
  public:
@@ -147,9 +161,9 @@ class LocalHandler {
   virtual void OnDisconnect(uint64_t client, bool clean, const std::string& why) = 0;
   // Save (or load) the compression state in `dir`, answered later through
   // Complete(ticket) (buffer id MICROD_WIRE_NO_BUFFER); an error answers it
-  // at once.
-  virtual absl::Status OnState(uint64_t client, bool save, const std::string& dir,
-                               uint64_t ticket) {
+  // at once. The server checked that `dir` is a directory and, for a save,
+  // that the asking process may write it.
+  virtual absl::Status OnState(uint64_t client, bool save, StateDirectory dir, uint64_t ticket) {
     return absl::UnimplementedError("this daemon keeps no compression state");
   }
 };
@@ -206,6 +220,8 @@ class LocalServer {
     int fd = -1;
     pid_t pid = 0;
     uid_t uid = 0;
+    gid_t gid = 0;
+    std::vector<gid_t> groups;  // supplementary (SO_PEERGROUPS)
     bool greeted = false;
     int local_rank = -1;
     std::map<uint32_t, uint64_t> buffers;  // id -> bytes
@@ -232,7 +248,9 @@ class LocalServer {
   // REGISTER_CUDA: validates, opens the allocation and answers.
   bool HandleRegisterCuda(uint64_t id, Client& c, const ::microd_wire_register_cuda& r);
   bool HandleSubmit(uint64_t id, Client& c, const ::microd_wire_submit& submit);
-  bool HandleState(uint64_t id, const ::microd_wire_state& state);
+  // STATE: validates, checks the directory's descriptor and hands it on.
+  bool HandleState(uint64_t id, const Client& c, const ::microd_wire_state& state,
+                   std::vector<int>& fds);
   // A register message's buffer name; empty (and the client refused) when
   // it is empty or not terminated.
   std::string RegisterName(uint64_t id, const char (&wire_name)[128]);

@@ -4,6 +4,8 @@
 // loopback, trainers written against the C API in this process (one thread
 // per node).
 #include <signal.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -268,6 +270,39 @@ TEST(Hardening, TicketZeroIsAProtocolError) {
     return out;
   });
   EXPECT_EQ(results, (std::vector<std::string>{"", ""}));
+}
+
+// A hugetlbfs memfd (its pages can be punched out after registration, and
+// the daemon's next touch of them would be SIGBUS) is refused at
+// registration; the connection stays usable.
+TEST(Hardening, AHugetlbfsMemfdIsRefused) {
+  const int huge = memfd_create("huge", MFD_HUGETLB | MFD_ALLOW_SEALING);
+  if (huge < 0) GTEST_SKIP() << "this kernel makes no hugetlbfs memfd: " << std::strerror(errno);
+  ASSERT_EQ(ftruncate(huge, 2 << 20), 0);
+  ASSERT_EQ(fcntl(huge, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  DaemonCluster cluster(1, 1);
+  const int fd = RawConnect(cluster.socket(0));
+  ASSERT_GE(fd, 0);
+  microd_wire_hello hello{};
+  microd_wire_header_init(&hello.h, MICROD_MSG_HELLO, sizeof hello);
+  hello.local_rank = 0;
+  ASSERT_EQ(send(fd, &hello, sizeof hello, 0), static_cast<ssize_t>(sizeof hello));
+  microd_wire_hello_ack ack{};
+  ASSERT_EQ(recv(fd, &ack, sizeof ack, 0), static_cast<ssize_t>(sizeof ack));
+  microd_wire_register reg{};
+  microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER, sizeof reg);
+  reg.buffer_id = 0;
+  reg.kind = MICROD_BUFFER_HOST;
+  reg.dtype = MICROD_WIRE_DTYPE_FLOAT32;
+  reg.count = 1000;
+  std::strcpy(reg.name, "w");
+  ASSERT_EQ(microd_wire_send(fd, &reg, sizeof reg, huge), 0);
+  close(huge);
+  microd_wire_register_ack answer{};
+  ASSERT_EQ(recv(fd, &answer, sizeof answer, 0), static_cast<ssize_t>(sizeof answer));
+  close(fd);
+  EXPECT_EQ(answer.status, MICROD_ERR_INVALID_ARGUMENT) << answer.message;
+  EXPECT_TRUE(absl::StrContains(answer.message, "not hugetlbfs")) << answer.message;
 }
 
 // Issue J: a connection that never sends HELLO held its slot forever.
