@@ -53,11 +53,12 @@ USER 10001:10001
 ENV MICROD_SOCKET=/run/microd/microd.sock
 # Share it with the training containers (docker run -v microd-sock:/run/microd).
 VOLUME ["/run/microd"]
-# The coordinator (node 0). The Admin port stays on loopback (MICROD_ADMIN);
+# The coordinator (node 0). Admin is a Unix socket beside the training one
+# (MICROD_ADMIN, default unix:/run/microd/admin.sock, this uid only);
 # Gloo's data plane uses ephemeral ports (run on the host network or one
 # user-defined network).
 EXPOSE 7470
-# grpc.health.v1 on the Admin port: "" while the daemon answers.
+# grpc.health.v1 on the Admin socket: "" while the daemon answers.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
   CMD ["microd-health", "--timeout_ms=3000"]
 ENTRYPOINT ["microd"]

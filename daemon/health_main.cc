@@ -24,7 +24,7 @@
 #include "daemon/control/tls_flags.h"
 
 ABSL_FLAG(std::string, admin, "",
-          "daemon Admin address (default $MICROD_ADMIN or 127.0.0.1:7471)");
+          "daemon Admin address (default $MICROD_ADMIN or unix:/run/microd/admin.sock)");
 ABSL_FLAG(std::string, service, "", "health service name (\"\": the whole server)");
 ABSL_FLAG(int, timeout_ms, 3000, "deadline of the check");
 
@@ -95,7 +95,7 @@ int main(int argc, char** argv) {
   std::string address = absl::GetFlag(FLAGS_admin);
   if (address.empty()) {
     const char* env = std::getenv("MICROD_ADMIN");
-    address = env != nullptr && *env != '\0' ? env : "127.0.0.1:7471";
+    address = env != nullptr && *env != '\0' ? env : "unix:/run/microd/admin.sock";
   }
   const int timeout_ms = absl::GetFlag(FLAGS_timeout_ms);
   if (timeout_ms <= 0) {

@@ -16,7 +16,7 @@
 #include "daemon/control/tls_flags.h"
 #include "microd/v1/admin.grpc.pb.h"
 
-ABSL_FLAG(std::string, admin, "", "daemon Admin address (default $MICROD_ADMIN or 127.0.0.1:7471)");
+ABSL_FLAG(std::string, admin, "", "daemon Admin address (default $MICROD_ADMIN or unix:/run/microd/admin.sock)");
 ABSL_FLAG(bool, json, false, "print JSON instead of a table");
 ABSL_FLAG(int, timeout_ms, 5000, "deadline of the call");
 ABSL_FLAG(bool, history, false, "with --json: include each bucket's per-step history");
@@ -195,7 +195,7 @@ int main(int argc, char** argv) {
   std::string address = absl::GetFlag(FLAGS_admin);
   if (address.empty()) {
     const char* env = std::getenv("MICROD_ADMIN");
-    address = env != nullptr && env[0] != '\0' ? env : "127.0.0.1:7471";
+    address = env != nullptr && env[0] != '\0' ? env : "unix:/run/microd/admin.sock";
   }
   if (absl::Status t = microd::control::CheckTlsFiles(microd::control::TlsFilesFromFlags(),
                                                        /*server=*/false);

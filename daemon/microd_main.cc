@@ -6,8 +6,11 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
@@ -29,7 +32,9 @@
 #include "daemon/control/coordinator.h"
 #include "daemon/control/coordinator_client.h"
 #include "daemon/common/command_line.h"
+#include "daemon/common/memory_limit.h"
 #include "daemon/common/status_macros.h"
+#include "daemon/common/unix_socket.h"
 #include "daemon/control/services.h"
 #include "daemon/control/tls.h"
 #include "daemon/engine/checkpoint.h"
@@ -55,7 +60,10 @@ ABSL_FLAG(std::string, coordinator_listen, "",
           "serve the coordinator on this address (node 0 only)");
 ABSL_FLAG(std::string, coordinator_port_file, "",
           "write the coordinator's port to this file once listening");
-ABSL_FLAG(std::string, admin, "127.0.0.1:7471", "Admin service address (port 0: any)");
+ABSL_FLAG(std::string, admin, "unix:/run/microd/admin.sock",
+          "Admin service address (microctl, health checks): unix:PATH (only this daemon's uid, "
+          "and --allow_gid's group, may connect), or host:port (port 0: any; loopback is open "
+          "to every local user; another address needs --tls_ca)");
 ABSL_FLAG(std::string, admin_port_file, "", "write the Admin port to this file once listening");
 ABSL_FLAG(std::string, metrics, "",
           "serve Prometheus metrics at http://HOST:PORT/metrics (empty: off; port 0: any); "
@@ -139,8 +147,15 @@ ABSL_FLAG(bool, insecure, false,
 ABSL_FLAG(int, allow_gid, -1, "also accept training processes of this group id");
 ABSL_FLAG(int, max_processes, 256, "training processes connected at once, at most");
 ABSL_FLAG(int, max_buffers_per_process, 4096, "buffers one training process may register");
-ABSL_FLAG(uint64_t, max_bytes_per_process, 1099511627776,
-          "bytes of buffers one training process may register");
+ABSL_FLAG(uint64_t, max_bytes_per_process, 0,
+          "bytes of buffers (4 per element: the mapping or the daemon's fp32 copy) one training "
+          "process may register (0: the daemon's memory budget, see --max_state_bytes)");
+ABSL_FLAG(uint64_t, max_state_bytes, 0,
+          "the most this node's bucket state (residuals, velocities, candidates, the local "
+          "sum) may take in the daemon's memory; a buffer whose bucket would take it past is "
+          "refused at registration, with the numbers (0: 80% of the memory limit of the "
+          "daemon's cgroup, or of the machine's memory; no limit with --transport=nccl, whose "
+          "state is on the GPU)");
 ABSL_FLAG(int, stall_warning_s, 60,
           "a bucket some process submitted and another node or process has not, for this long, "
           "is reported (log, microctl stalls), naming who it waits for");
@@ -299,6 +314,10 @@ struct Config {
   std::string state_secret;  // --state_key_file's, else the token
   std::string node_name;
   microd::control::TlsFiles tls;
+  // The daemon's memory budget (--max_state_bytes, or derived from the
+  // memory limit) and where it comes from.
+  uint64_t memory_budget = 0;
+  std::string memory_budget_source;
 };
 
 absl::Status ParseSparsify(microd::sparsify::SparsifyOptions* sparsify) {
@@ -363,11 +382,9 @@ absl::Status CheckRanges() {
                                        "--timeline_every at least 1 and --timeline_flush_s "
                                        "positive"));
   }
-  if (absl::GetFlag(FLAGS_max_processes) < 1 || absl::GetFlag(FLAGS_max_buffers_per_process) < 1 ||
-      absl::GetFlag(FLAGS_max_bytes_per_process) < 1) {
+  if (absl::GetFlag(FLAGS_max_processes) < 1 || absl::GetFlag(FLAGS_max_buffers_per_process) < 1) {
     return Bad("limits", absl::InvalidArgumentError(
-                             "--max_processes, --max_buffers_per_process and "
-                             "--max_bytes_per_process must be at least 1"));
+                             "--max_processes and --max_buffers_per_process must be at least 1"));
   }
   return absl::OkStatus();
 }
@@ -411,6 +428,14 @@ absl::StatusOr<Config> ParseFlags() {
   auto state_secret = ReadSecretFile("--state_key_file", absl::GetFlag(FLAGS_state_key_file));
   if (!state_secret.ok()) return state_secret.status();
   c.state_secret = state_secret->empty() ? c.token : *state_secret;
+  if (const uint64_t given = absl::GetFlag(FLAGS_max_state_bytes); given > 0) {
+    c.memory_budget = given;
+    c.memory_budget_source = "--max_state_bytes";
+  } else if (c.transport != "nccl") {
+    const microd::MemoryLimit limit = microd::DetectMemoryLimit();
+    c.memory_budget = limit.bytes / 10 * 8;
+    c.memory_budget_source = absl::StrCat("80% of ", limit.bytes, " bytes, ", limit.source);
+  }
   c.node_name = absl::GetFlag(FLAGS_node_name);
   if (c.node_name.empty()) c.node_name = HostName();
   c.tls.cert = absl::GetFlag(FLAGS_tls_cert);
@@ -460,6 +485,8 @@ microd::engine::EngineOptions EngineOptionsOf(const Config& c) {
   microd::engine::EngineOptions eo;
   eo.job_id = absl::GetFlag(FLAGS_job_id);
   eo.state_key = microd::engine::DeriveStateKey(c.state_secret);
+  eo.state_budget = c.memory_budget;
+  eo.state_budget_source = c.memory_budget_source;
   eo.local_size = c.local_size;
   eo.sparsify = c.sparsify;
   eo.dense_floor = absl::GetFlag(FLAGS_dense_floor);
@@ -533,6 +560,7 @@ class Daemon {
   microd::engine::Timeline timeline_{{absl::GetFlag(FLAGS_timeline_steps),
                                       absl::GetFlag(FLAGS_timeline_every)}};
   std::unique_ptr<microd::engine::TimelineFile> timeline_file_;
+  std::atomic<bool> capturing_{false};  // a timeline capture holds its window
   microd::control::AdminService admin_service_{
       [this](const microd::v1::GetStatusRequest& req, microd::v1::GetStatusResponse* r) {
         FillStatus(req, r);
@@ -645,13 +673,37 @@ absl::Status Daemon::StartAdmin() {
   RETURN_IF_ERROR(CheckExposure("--admin", address, config_, /*token_counts=*/false));
   microd::control::ControlServerOptions so;
   so.reflection = true;
+  // Status calls are short; a timeline capture holds one thread for its
+  // window (one capture at a time). More callers than this are refused.
+  so.max_threads = 16;
   // Plaintext where only this machine reaches it (probes, microctl in the
   // pod); TLS where the network does.
   if (!microd::control::IsLocalOnly(address)) {
     so.credentials = microd::control::ServerCredentialsFor(config_.tls);
   }
+  const bool unix_socket = absl::StartsWith(address, "unix:");
+  const std::string path = unix_socket ? address.substr(5) : "";
+  if (unix_socket) {
+    std::string warning;
+    if (absl::Status s = microd::PrepareSocketPath(path, SOCK_STREAM, &warning); !s.ok()) {
+      return Bad("--admin", s);
+    }
+    if (!warning.empty()) std::fprintf(stderr, "microd: warning: %s\n", warning.c_str());
+  } else if (microd::control::IsLocalOnly(address)) {
+    std::fprintf(stderr, "microd: note: --admin %s: every local user can read this daemon's "
+                         "status and timeline (unix:PATH admits only this uid)\n",
+                 address.c_str());
+  }
+  // gRPC binds with the process's umask: the socket is never more open than
+  // RestrictSocket makes it.
+  const int allow_gid = absl::GetFlag(FLAGS_allow_gid);
+  const mode_t old_umask = unix_socket ? umask(microd::SocketUmask(allow_gid)) : 0;
   auto admin = microd::control::ControlServer::Start(address, {&admin_service_}, so);
+  if (unix_socket) umask(old_umask);
   if (!admin.ok()) return Bad("--admin", admin.status());
+  if (unix_socket) {
+    if (absl::Status s = microd::RestrictSocket(path, allow_gid); !s.ok()) return Bad("--admin", s);
+  }
   admin_ = std::move(admin).value();
   // Health: "" is SERVING while the process answers (liveness); "microd"
   // only once this node joined and serves its training processes (startup
@@ -711,6 +763,19 @@ absl::Status Daemon::StartTimeline() {
 grpc::Status Daemon::Timeline(grpc::ServerContext* ctx, const microd::v1::GetTimelineRequest& req,
                               microd::v1::GetTimelineResponse* resp) {
   absl::Time since = absl::InfinitePast();
+  // One capture at a time: each holds a server thread for its window.
+  bool capturing = false;
+  if (req.seconds() > 0 && !capturing_.compare_exchange_strong(capturing, true)) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        "timeline: another capture is running; one at a time");
+  }
+  struct EndCapture {
+    std::atomic<bool>* flag;
+    bool active;
+    ~EndCapture() {
+      if (active) flag->store(false);
+    }
+  } end_capture{&capturing_, req.seconds() > 0};
   if (req.seconds() > 0) {
     since = absl::Now();
     const absl::Time until = since + absl::Seconds(req.seconds());
@@ -804,6 +869,9 @@ absl::Status Daemon::Serve(const microd::engine::EngineOptions& eo) {
   lo.max_clients = absl::GetFlag(FLAGS_max_processes);
   lo.max_buffers_per_client = absl::GetFlag(FLAGS_max_buffers_per_process);
   lo.max_bytes_per_client = absl::GetFlag(FLAGS_max_bytes_per_process);
+  if (lo.max_bytes_per_client == 0) {
+    lo.max_bytes_per_client = config_.memory_budget > 0 ? config_.memory_budget : uint64_t{1} << 40;
+  }
   lo.hello_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_hello_timeout_ms));
   // A process that reads none of its completions for a whole operation's
   // deadline is not coming back.
@@ -827,6 +895,11 @@ absl::Status Daemon::Serve(const microd::engine::EngineOptions& eo) {
   admin_->SetServing(kHealthService, true);
   std::fprintf(stderr, "microd: serving %d local process(es) on %s\n", config_.local_size,
                lo.socket_path.c_str());
+  if (config_.memory_budget > 0) {
+    std::fprintf(stderr, "microd: the buckets' state may take %llu bytes (%s)\n",
+                 static_cast<unsigned long long>(config_.memory_budget),
+                 config_.memory_budget_source.c_str());
+  }
   return absl::OkStatus();
 }
 
@@ -863,6 +936,9 @@ void Daemon::Stop(int sig) {
   timeline_file_.reset();  // its last write, with every step run
   (void)client_->Leave();
   admin_->Shutdown(absl::Now() + absl::Seconds(1));
+  if (const std::string a = absl::GetFlag(FLAGS_admin); absl::StartsWith(a, "unix:")) {
+    unlink(a.c_str() + 5);
+  }
   if (coordinator_server_ != nullptr) coordinator_server_->Shutdown(absl::Now() + absl::Seconds(1));
 }
 

@@ -2,6 +2,7 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
 
 #include <algorithm>
 #include <chrono>
@@ -219,6 +220,11 @@ absl::StatusOr<std::unique_ptr<ControlServer>> ControlServer::Start(
   // that a new call never waits for one to be created.
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MIN_POLLERS, 4);
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::MAX_POLLERS, 64);
+  if (options.max_threads > 0) {
+    grpc::ResourceQuota quota("microd-control");
+    quota.SetMaxThreads(options.max_threads);
+    builder.SetResourceQuota(quota);
+  }
   builder.AddListeningPort(
       address, options.credentials ? options.credentials : grpc::InsecureServerCredentials(),
       &server->port_);

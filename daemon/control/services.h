@@ -73,6 +73,9 @@ struct ControlServerOptions {
   // gRPC server reflection (grpcurl and the like): on for Admin, off for
   // the coordinator.
   bool reflection = false;
+  // Server threads at most (0: gRPC's default, unbounded); calls beyond
+  // them are refused (RESOURCE_EXHAUSTED) rather than queued.
+  int max_threads = 0;
 };
 
 // A gRPC server on `address` ("host:port"; port 0 picks one) serving the given

@@ -30,7 +30,16 @@ Engine::Engine(EngineOptions options, control::Membership membership,
       ops_(ops),
       state_(options_.local_size, options_.dense_floor),
       memory_(MakeStepMemory(options_.device_resident, options_.device, ops)),
-      runner_(options_, membership_, transport, ops, memory_.get(), &state_, this) {}
+      runner_(options_, membership_, transport, ops, memory_.get(), &state_, this) {
+  absl::MutexLock lock(&state_.mu);
+  state_.table.SetStateBudget(
+      {options_.state_budget, options_.state_budget_source,
+       [sparsify = options_.sparsify, n = membership_.node_count](uint64_t count, bool dense) {
+         // A dense bucket: its slot in the batch's fusion buffer.
+         return dense ? count * sizeof(float)
+                      : sparsify::BucketState::MemoryBytes(count, n, sparsify);
+       }});
+}
 
 Engine::~Engine() { Stop(absl::CancelledError("the daemon is shutting down")); }
 

@@ -16,6 +16,10 @@ struct EngineOptions {
   // Authenticates saved state (checkpoint.h: DeriveStateKey of the job's
   // secret); empty: the files are checksummed, not authenticated.
   std::string state_key;
+  // The most the buckets' state may take on this node (process_table.h:
+  // StateBudget; 0: no limit), and where that figure comes from.
+  uint64_t state_budget = 0;
+  std::string state_budget_source;
   int local_size = 1;
   sparsify::SparsifyOptions sparsify;
   // Buckets with fewer elements go dense, fused into one allreduce per batch.

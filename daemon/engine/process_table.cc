@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "daemon/common/status_map.h"
 
 namespace microd::engine {
@@ -54,6 +55,25 @@ absl::Status ProcessTable::Register(uint64_t client, uint32_t buffer_id, const s
   auto pit = processes_.find(client);
   if (pit == processes_.end()) return absl::FailedPreconditionError("unknown process");
   Process& p = pit->second;
+  if (budget_.cost && buckets_.find(name) == buckets_.end()) {
+    const uint64_t count = buffer->count();
+    const uint64_t cost = budget_.cost(count, dense || count < dense_floor_);
+    const uint64_t local_sum = L_ > 1 ? 2 * sizeof(float) * std::max(largest_count_, count) : 0;
+    const uint64_t total = bucket_state_bytes_ + cost + local_sum;
+    if (budget_.bytes > 0 && total > budget_.bytes) {
+      return WithClientStatus(
+          absl::ResourceExhaustedError(absl::StrFormat(
+              "buffer '%s' of %d elements (local rank %d): the daemon's state for this node's "
+              "buckets would take %d bytes (%d for this bucket, %d for the %d before it%s), over "
+              "its budget of %d bytes (%s; --max_state_bytes)",
+              name, count, p.local_rank, total, cost, bucket_state_bytes_, buckets_.size(),
+              local_sum > 0 ? absl::StrCat(", ", local_sum, " for the local sum") : "",
+              budget_.bytes, budget_.source)),
+          ClientStatus::kResource);
+    }
+    bucket_state_bytes_ += cost;
+    largest_count_ = std::max(largest_count_, count);
+  }
   Bucket& b = buckets_[name];
   if (b.count == 0) {
     b.name = name;
@@ -184,6 +204,10 @@ std::vector<control::BucketInfo> ProcessTable::TakeNewlyReady() {
 Bucket* ProcessTable::find(const std::string& name) {
   auto it = buckets_.find(name);
   return it == buckets_.end() || it->second.count == 0 ? nullptr : &it->second;
+}
+
+uint64_t ProcessTable::state_bytes() const {
+  return bucket_state_bytes_ + (L_ > 1 ? 2 * sizeof(float) * largest_count_ : 0);
 }
 
 uint64_t ProcessTable::total_elements() const {

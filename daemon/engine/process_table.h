@@ -11,6 +11,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -65,9 +66,27 @@ struct Work {
   }
 };
 
+// The daemon's memory for its buckets' state on this node: what a new
+// bucket of `count` elements (reduced dense or not) costs, and the most all
+// buckets may take together.
+struct StateBudget {
+  uint64_t bytes = 0;  // 0: no limit
+  std::string source;  // where the limit comes from (messages)
+  std::function<uint64_t(uint64_t count, bool dense)> cost;
+};
+
 class ProcessTable {
  public:
   ProcessTable(int local_size, uint64_t dense_floor) : L_(local_size), dense_floor_(dense_floor) {}
+
+  // A new bucket whose state would take the buckets' state past the budget
+  // is refused at registration (ResourceExhausted with the numbers), before
+  // anything is allocated.
+  void SetStateBudget(StateBudget budget) { budget_ = std::move(budget); }
+  // The state of the buckets registered so far (StateBudget::cost), with
+  // the local sum's buffers (two of the largest bucket's size) when the
+  // node has several processes.
+  uint64_t state_bytes() const;
 
   // A new local process: its local rank (the one asked for, or the lowest free).
   absl::StatusOr<int> Hello(uint64_t client, int requested_local_rank, pid_t pid);
@@ -130,6 +149,9 @@ class ProcessTable {
 
   const int L_;
   const uint64_t dense_floor_;
+  StateBudget budget_;
+  uint64_t bucket_state_bytes_ = 0;  // sum of budget_.cost over the buckets
+  uint64_t largest_count_ = 0;
   std::map<uint64_t, Process> processes_;
   std::map<std::string, Bucket> buckets_;
   std::vector<std::string> newly_ready_;

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "daemon/common/status_map.h"
+#include "daemon/common/unix_socket.h"
 #include "daemon/local/cuda_ipc.h"
 #include "microd/wire.h"
 
@@ -88,48 +89,6 @@ bool MayWriteDirectory(const struct stat& st, uid_t uid, gid_t gid,
   return (m & S_IWOTH) != 0 && (m & S_IXOTH) != 0;
 }
 
-absl::Status PrepareSocketPath(const std::string& path) {
-  if (path.empty()) return absl::InvalidArgumentError("no socket path");
-  if (path.size() >= sizeof(sockaddr_un::sun_path)) {
-    return absl::InvalidArgumentError(absl::StrCat("socket path too long: ", path));
-  }
-  const std::string dir =
-      path.find('/') == std::string::npos ? "." : path.substr(0, path.rfind('/'));
-  struct stat st;
-  if (!dir.empty() && stat(dir.c_str(), &st) != 0) {
-    // Missing parents are created like `mkdir -p`; the socket's own directory
-    // is the daemon's, mode 0700.
-    for (size_t pos = dir.find('/', 1); pos != std::string::npos; pos = dir.find('/', pos + 1)) {
-      const std::string parent = dir.substr(0, pos);
-      if (mkdir(parent.c_str(), 0755) != 0 && errno != EEXIST) {
-        return absl::PermissionDeniedError(
-            absl::StrCat("cannot create directory ", parent, ": ", std::strerror(errno)));
-      }
-    }
-    if (mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("cannot create socket directory ", dir, ": ", std::strerror(errno)));
-    }
-  } else if (!dir.empty() && !S_ISDIR(st.st_mode)) {
-    return absl::InvalidArgumentError(absl::StrCat(dir, " is not a directory"));
-  }
-  if (lstat(path.c_str(), &st) == 0) {
-    if (!S_ISSOCK(st.st_mode)) {
-      return absl::AlreadyExistsError(absl::StrCat(path, " exists and is not a socket"));
-    }
-    // A socket file: live daemon, or stale?
-    int probe = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    std::strcpy(addr.sun_path, path.c_str());
-    const bool live = connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
-    close(probe);
-    if (live) return absl::AlreadyExistsError(absl::StrCat("another microd serves ", path));
-    unlink(path.c_str());
-  }
-  return absl::OkStatus();
-}
-
 // The descriptor of a state request is a directory; a save goes only where
 // the asking process could write itself (a process of the daemon's own uid
 // could anyway).
@@ -170,7 +129,11 @@ LocalServer::LocalServer(LocalServerOptions options, LocalHandler* handler)
 absl::StatusOr<std::unique_ptr<LocalServer>> LocalServer::Start(const LocalServerOptions& options,
                                                                 LocalHandler* handler) {
   if (handler == nullptr) return absl::InvalidArgumentError("local server: no handler");
-  if (absl::Status s = PrepareSocketPath(options.socket_path); !s.ok()) return s;
+  std::string warning;
+  if (absl::Status s = PrepareSocketPath(options.socket_path, SOCK_SEQPACKET, &warning); !s.ok()) {
+    return s;
+  }
+  if (!warning.empty()) std::fprintf(stderr, "microd: warning: %s\n", warning.c_str());
   std::unique_ptr<LocalServer> server(new LocalServer(options, handler));
   server->listen_fd_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (server->listen_fd_ < 0) {
@@ -179,17 +142,14 @@ absl::StatusOr<std::unique_ptr<LocalServer>> LocalServer::Start(const LocalServe
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::strcpy(addr.sun_path, options.socket_path.c_str());
-  const mode_t old = umask(options.allow_gid >= 0 ? 0117 : 0177);
+  const mode_t old = umask(SocketUmask(options.allow_gid));
   const int bound = bind(server->listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
   umask(old);
   if (bound != 0) {
     return absl::UnavailableError(
         absl::StrCat("bind ", options.socket_path, ": ", std::strerror(errno)));
   }
-  if (options.allow_gid >= 0 && chown(options.socket_path.c_str(), -1, options.allow_gid) != 0) {
-    return absl::PermissionDeniedError(absl::StrCat("chown ", options.socket_path, " to gid ",
-                                                    options.allow_gid, ": ", std::strerror(errno)));
-  }
+  if (absl::Status s = RestrictSocket(options.socket_path, options.allow_gid); !s.ok()) return s;
   if (listen(server->listen_fd_, 128) != 0) {
     return absl::UnavailableError(absl::StrCat("listen: ", std::strerror(errno)));
   }
@@ -400,9 +360,13 @@ void LocalServer::Accept() {
       Refuse(id, static_cast<int>(ClientStatus::kPermission),
              absl::StrCat("process ", cred.pid, " of uid ", cred.uid,
                           " may not use this daemon (uid ", geteuid(), ")"));
-    } else if (static_cast<int>(count) > options_.max_clients) {
+    } else if (static_cast<int>(count) > 2 * options_.max_clients) {
+      // Connections that have not said hello yet are bounded too (each for
+      // --hello_timeout_ms at most), but apart from the processes: they
+      // never take a process's place.
       Refuse(id, static_cast<int>(ClientStatus::kResource),
-             absl::StrCat("too many processes (limit ", options_.max_clients, ")"));
+             absl::StrCat("too many connections (", count - 1, " open; limit ",
+                          2 * options_.max_clients, ")"));
     }
   }
 }
@@ -550,6 +514,16 @@ bool LocalServer::HandleHello(uint64_t id, Client& c, const ::microd_wire_hello&
   if (hello.local_rank < -1) {
     Refuse(id, static_cast<int>(ClientStatus::kInvalidArgument),
            absl::StrCat("local rank ", hello.local_rank, " is negative"));
+    return false;
+  }
+  int greeted = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [other, client] : clients_) greeted += client.greeted ? 1 : 0;
+  }
+  if (greeted >= options_.max_clients) {
+    Refuse(id, static_cast<int>(ClientStatus::kResource),
+           absl::StrCat("too many processes (limit ", options_.max_clients, ")"));
     return false;
   }
   auto info = handler_->OnHello(id, hello.local_rank, c.pid);
@@ -726,9 +700,13 @@ absl::Status LocalServer::CheckRoom(const Client& c, uint32_t buffer_id, const s
   if (static_cast<int>(c.buffers.size()) >= options_.max_buffers_per_client ||
       c.bytes + bytes > options_.max_bytes_per_client) {
     return WithClientStatus(absl::ResourceExhaustedError(absl::StrCat(
-                                "buffer '", name, "': over the per-process limit (",
+                                "buffer '", name, "' of ", count,
+                                " elements: over the per-process limit (",
                                 options_.max_buffers_per_client, " buffers, ",
-                                options_.max_bytes_per_client, " bytes)")),
+                                options_.max_bytes_per_client,
+                                " bytes at 4 an element; this process has ", c.buffers.size(),
+                                " and ", c.bytes, "): --max_buffers_per_process, "
+                                "--max_bytes_per_process")),
                             ClientStatus::kResource);
   }
   return absl::OkStatus();

@@ -171,6 +171,8 @@ class LocalHandler {
 struct LocalServerOptions {
   std::string socket_path;
   int allow_gid = -1;  // also accept peers of this group (socket mode 0660)
+  // Processes that said hello, at most; connections waiting for their hello
+  // count apart (as many again at most), so they never take a place.
   int max_clients = 256;
   int max_buffers_per_client = 4096;
   uint64_t max_bytes_per_client = uint64_t{1} << 40;

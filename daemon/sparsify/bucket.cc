@@ -76,20 +76,37 @@ absl::StatusOr<std::unique_ptr<BucketState>> BucketState::Create(const BucketSpe
   return b;
 }
 
-uint64_t BucketState::CandidateCapacity() const {
-  const uint64_t d = spec_.size;
-  switch (options_.sparsifier) {
+namespace {
+
+// What a bucket of `d` elements keeps candidates for: its largest share.
+uint64_t CandidateCapacityOf(uint64_t d, int num_nodes, const SparsifyOptions& o) {
+  switch (o.sparsifier) {
     case SparsifierKind::kMicro:
-      return PartitionRange(d, job_.num_nodes, 0).size();  // partition 0 is the largest
+      return PartitionRange(d, num_nodes, 0).size();  // partition 0 is the largest
     case SparsifierKind::kHard:
       return d;
     case SparsifierKind::kTopK:
       // The largest budget of the schedule.
-      return std::min(Budget(std::max(options_.density, options_.warmup_density), d), d);
+      return std::min(Budget(std::max(o.density, o.warmup_density), d), d);
     case SparsifierKind::kDense:
       break;
   }
   return 0;
+}
+
+}  // namespace
+
+uint64_t BucketState::CandidateCapacity() const {
+  return CandidateCapacityOf(spec_.size, job_.num_nodes, options_);
+}
+
+uint64_t BucketState::MemoryBytes(uint64_t d, int num_nodes, const SparsifyOptions& o) {
+  if (o.sparsifier == SparsifierKind::kDense) return 0;
+  uint64_t floats = 2 * d;                         // the two residuals
+  if (o.momentum > 0) floats += 2 * d;             // the two velocities
+  if (o.clip_norm > 0) floats += d;                // the clipped gradient
+  const uint64_t candidates = CandidateCapacityOf(d, num_nodes, o);
+  return floats * sizeof(float) + candidates * (sizeof(uint32_t) + sizeof(float));
 }
 
 Range BucketState::SenderRange(int r) const {

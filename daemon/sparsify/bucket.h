@@ -68,6 +68,10 @@ class BucketState {
  public:
   // Validates everything and allocates the state (residual zero). `ops` must
   // outlive the bucket.
+  // The memory Create allocates for a bucket of `d` elements among
+  // `num_nodes` nodes (residuals, velocities, clipped copy, candidates; the
+  // step's small per-step buffers aside).
+  static uint64_t MemoryBytes(uint64_t d, int num_nodes, const SparsifyOptions& options);
   static absl::StatusOr<std::unique_ptr<BucketState>> Create(const BucketSpec& spec,
                                                              const JobShape& job,
                                                              const SparsifyOptions& options,

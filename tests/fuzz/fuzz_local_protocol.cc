@@ -1,17 +1,23 @@
 // Fuzz target: the daemon's local protocol (daemon/local/local_server.cc)
 // as a training process could speak it. One LocalServer for the whole run,
 // on a socket of its own, in front of a handler that accepts what a healthy
-// engine would. Each input is a connection: a sequence of messages, each
-//   [1 byte: descriptors to attach (0-4) and their kinds][2 bytes: length][bytes]
-// sent in order with SCM_RIGHTS (a sealed memfd, an unsealed one, a pipe,
-// /dev/null), then the connection closes and the run waits (bounded) until
+// engine would (and saves or loads a state file for real, through the
+// directory descriptor a STATE message carries). Each input is a
+// connection: a sequence of messages, each
+//   [1 byte: descriptors to attach (spec % 5) and their kinds][2 bytes: length][bytes]
+// sent in order with SCM_RIGHTS, descriptor i of kind (spec >> (2 + i)) & 7:
+// a sealed memfd, an unsealed one, a pipe, /dev/null, a scratch directory,
+// a sealed hugetlbfs memfd, an empty sealed memfd, a FIFO in the scratch
+// directory. Then the connection closes and the run waits (bounded) until
 // the server has let it go. Nothing may crash, leak a descriptor or hang.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -21,8 +27,10 @@
 #include <thread>
 #include <vector>
 
+#include "daemon/common/atomic_file.h"
 #include "daemon/local/cuda_ipc.h"
 #include "daemon/local/local_server.h"
+#include "microd/wire.h"
 #include "tests/fuzz/input.h"
 
 namespace {
@@ -54,16 +62,40 @@ class AcceptingHandler final : public LocalHandler {
     return absl::OkStatus();
   }
   void OnDisconnect(uint64_t, bool, const std::string&) override {}
+  // A save writes the file and a load reads it back, as the engine does,
+  // relative to the descriptor the process passed.
+  absl::Status OnState(uint64_t client, bool save, microd::local::StateDirectory dir,
+                       uint64_t ticket) override {
+    const std::string name = "microd-state-node0.bin";
+    absl::Status s = save ? microd::WriteFileAtomicallyAt(dir.fd.get(), name, {"state"}, name)
+                          : microd::ReadRegularFileAt(dir.fd.get(), name, 1 << 20, name).status();
+    server->Complete(client, ticket, MICROD_WIRE_NO_BUFFER, s);
+    return absl::OkStatus();
+  }
   LocalServer* server = nullptr;
 };
 
+// The scratch directory STATE messages may carry (made once per run).
+const std::string& ScratchDir() {
+  static const std::string dir = [] {
+    char d[] = "/tmp/microd-fuzz-state-XXXXXX";
+    if (mkdtemp(d) == nullptr) std::abort();
+    mkfifo((std::string(d) + "/fifo").c_str(), 0600);
+    return std::string(d);
+  }();
+  return dir;
+}
+
+int SealedMemfd(unsigned flags, off_t bytes) {
+  const int fd = memfd_create("fuzz", MFD_CLOEXEC | MFD_ALLOW_SEALING | flags);
+  if (fd >= 0 && ftruncate(fd, bytes) == 0) fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK);
+  return fd;
+}
+
 int Descriptor(int kind) {
-  switch (kind & 3) {
-    case 0: {
-      const int fd = memfd_create("fuzz", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-      if (fd >= 0 && ftruncate(fd, 4096) == 0) fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK);
-      return fd;
-    }
+  switch (kind & 7) {
+    case 0:
+      return SealedMemfd(0, 4096);
     case 1: {
       const int fd = memfd_create("fuzz", MFD_CLOEXEC);
       if (fd >= 0) (void)!ftruncate(fd, 64);
@@ -75,8 +107,18 @@ int Descriptor(int kind) {
       close(p[1]);
       return p[0];
     }
-    default:
+    case 3:
       return open("/dev/null", O_RDONLY | O_CLOEXEC);
+    case 4:
+      return open(ScratchDir().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    case 5: {
+      const int fd = SealedMemfd(MFD_HUGETLB, 2 << 20);  // refused at registration
+      return fd >= 0 ? fd : SealedMemfd(0, 4096);
+    }
+    case 6:
+      return SealedMemfd(0, 0);
+    default:
+      return open((ScratchDir() + "/fifo").c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   }
 }
 
@@ -129,6 +171,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const int nfds = spec % 5;
     std::vector<int> fds;
     for (int i = 0; i < nfds; ++i) fds.push_back(Descriptor(spec >> (2 + i)));
+    fds.erase(std::remove(fds.begin(), fds.end(), -1), fds.end());
     char empty = 0;
     iovec iov{len > 0 ? const_cast<uint8_t*>(body) : reinterpret_cast<uint8_t*>(&empty),
               len > 0 ? len : 1};

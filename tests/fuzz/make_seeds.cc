@@ -78,14 +78,17 @@ void LocalProtocol(const std::string& dir) {
   microd_wire_header_init(&state.h, MICROD_MSG_STATE, sizeof state);
   state.op = MICROD_STATE_SAVE;
   state.ticket = 3;
-  std::strcpy(state.dir, "/nonexistent/microd-fuzz-state");
+  std::strcpy(state.dir, "/tmp/microd-fuzz-state");
+  // spec 16: one descriptor of kind 4, the scratch directory.
+  constexpr uint8_t kDirectory = 16;
   Bytes with_state;
   Frame(with_state, 0, hello);
   Frame(with_state, 1, reg);
-  Frame(with_state, 0, state);
+  Frame(with_state, kDirectory, state);
   state.op = MICROD_STATE_LOAD;
   state.ticket = 4;
-  Frame(with_state, 0, state);
+  Frame(with_state, kDirectory, state);
+  Frame(with_state, 0, state);  // no descriptor: a protocol error
   Frame(with_state, 0, bye);
   Write(dir, "hello_register_state_save_load", with_state);
 }

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <filesystem>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -303,6 +304,108 @@ TEST(Hardening, AHugetlbfsMemfdIsRefused) {
   close(fd);
   EXPECT_EQ(answer.status, MICROD_ERR_INVALID_ARGUMENT) << answer.message;
   EXPECT_TRUE(absl::StrContains(answer.message, "not hugetlbfs")) << answer.message;
+}
+
+// Admin defaults to a Unix socket that only the daemon's uid may connect
+// to. Before: 127.0.0.1:7471, which every local user reaches (status with
+// pids and bucket names, the timeline, captures holding threads for hours).
+TEST(Hardening, AdminIsAUnixSocketOnlyTheDaemonsUidReaches) {
+  const std::string help = ReadFile(
+      [] {
+        const std::string dir = MakeTempDir("admin-help");
+        WaitAll({Spawn({HelperPath(MICROD_DAEMON), "--help"}, dir + "/help")},
+                std::chrono::seconds(20));
+        return dir + "/help";
+      }());
+  EXPECT_TRUE(absl::StrContains(help, "default: \"unix:/run/microd/admin.sock\"")) << help;
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to connect as another uid";
+  const std::string dir = MakeTempDir("admin-unix");
+  const std::string admin = dir + "/s/admin.sock";
+  const pid_t daemon =
+      Spawn({HelperPath(MICROD_DAEMON), "--socket=" + dir + "/s/microd.sock", "--nodes=1",
+             "--coordinator_listen=127.0.0.1:0", "--admin=unix:" + admin},
+            dir + "/daemon.log");
+  struct stat st {};
+  for (int i = 0; i < 200 && stat(admin.c_str(), &st) != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_EQ(stat(admin.c_str(), &st), 0) << ReadFile(dir + "/daemon.log");
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  chmod((dir + "/s").c_str(), 0755);
+  chmod(dir.c_str(), 0755);  // so that only the socket's own mode decides
+  auto connect_as = [&](uid_t uid) {
+    const pid_t child = fork();
+    if (child == 0) {
+      if (uid != 0 && (setgid(uid) != 0 || setuid(uid) != 0)) _exit(2);
+      const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+      sockaddr_un addr{};
+      addr.sun_family = AF_UNIX;
+      std::strcpy(addr.sun_path, admin.c_str());
+      _exit(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 ? 0
+                                                                               : (errno == EACCES ? 13 : 1));
+    }
+    int status = 0;
+    waitpid(child, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  EXPECT_EQ(connect_as(0), 0);
+  EXPECT_EQ(connect_as(65534), 13);  // EACCES
+  kill(daemon, SIGTERM);
+  EXPECT_EQ(WaitAll({daemon}, std::chrono::seconds(20))[0], 0);
+  EXPECT_FALSE(std::filesystem::exists(admin));  // removed at exit
+}
+
+// One timeline capture at a time: each holds a server thread for its
+// window (before: thousands of hour-long captures held thousands of threads
+// and the health checks stopped answering).
+TEST(Hardening, OneTimelineCaptureAtATime) {
+  DaemonCluster cluster(1, 1);
+  auto capture = [&](int seconds) {
+    auto stub = microd::v1::Admin::NewStub(
+        grpc::CreateChannel(cluster.admin_target(0), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds + 10));
+    microd::v1::GetTimelineRequest req;
+    req.set_seconds(seconds);
+    microd::v1::GetTimelineResponse resp;
+    return stub->GetTimeline(&ctx, req, &resp);
+  };
+  grpc::Status first;
+  std::thread long_one([&] { first = capture(3); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const grpc::Status second = capture(1);
+  long_one.join();
+  EXPECT_TRUE(first.ok()) << first.error_message();
+  EXPECT_EQ(second.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << second.error_message();
+  EXPECT_TRUE(absl::StrContains(second.error_message(), "one at a time")) << second.error_message();
+  EXPECT_TRUE(capture(1).ok());  // and the next one, once it ended
+}
+
+// The daemon's state for a bucket counts against its memory budget at
+// registration: a buffer that would take it past is refused with the
+// numbers, the daemon unharmed (before: the per-process check counted 4
+// bytes an element against 1 TiB, and one process could exhaust the
+// sidecar's memory limit).
+TEST(Hardening, ABucketOverTheStateBudgetIsRefusedAtRegistration) {
+  DaemonCluster cluster(1, 1, {"--max_state_bytes=400000", "--max_bytes_per_process=100000000"});
+  {
+    Trainer big(cluster.socket(0), 0, 1, 1000000);  // 8 MB of residuals alone
+    EXPECT_TRUE(absl::StrContains(big.Step(1), "over its budget of 400000 bytes")) << big.Step(1);
+  }
+  // Below the dense floor: 240 KB of the fused dense buffer; exact averages.
+  Trainer small(cluster.socket(0), 0, 1, 60000);
+  EXPECT_EQ(small.Step(1), "");
+}
+
+// Connections that never said hello do not count as processes: with
+// --max_processes=1, one such connection used to refuse the real process.
+TEST(Hardening, ConnectionsWithoutHelloTakeNoProcessesPlace) {
+  DaemonCluster cluster(1, 1, {"--max_processes=1"});
+  const int idle = RawConnect(cluster.socket(0));
+  ASSERT_GE(idle, 0);
+  Trainer t(cluster.socket(0), 0, 1, 10);
+  EXPECT_EQ(t.Step(1), "");
+  close(idle);
 }
 
 // Issue J: a connection that never sends HELLO held its slot forever.
