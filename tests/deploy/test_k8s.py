@@ -223,7 +223,11 @@ def test_network_policy_admits_only_the_jobs_pods(rendered):
     assert peer["podSelector"]["matchLabels"].items() <= labels.items()
     assert job_rule["ports"] == [{"protocol": "TCP"}]
     assert all(p.get("protocol", "TCP") == "TCP" for p in sidecar.get("ports", []))
-    # Anyone in the cluster (Prometheus) reaches the metrics port, and only it.
+    # The monitoring namespace (Prometheus) reaches the metrics port, and
+    # only it (before: every namespace, an empty selector).
+    (peer,) = metrics_rule["from"]
+    assert peer == {"namespaceSelector": {
+        "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}, peer
     (port,) = metrics_rule["ports"]
     names = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
     assert port["port"] == "metrics" and "metrics" in names
