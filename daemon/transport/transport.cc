@@ -2,6 +2,7 @@
 #include "daemon/transport/transport.h"
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/status_macros.h"
 
 namespace microd::transport {
 
@@ -45,6 +46,29 @@ absl::Status CheckAllgatherV(int rank, int size, const void* in,
   for (size_t b : recv_bytes) total += b;
   if ((recv_bytes[rank] > 0 && in == nullptr) || (total > 0 && out == nullptr)) {
     return absl::InvalidArgumentError("AllgatherV: null buffer");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Transport::ExchangeRound(std::string_view mine, std::vector<std::string>* from,
+                                      const CollectiveOptions& options) {
+  if (from == nullptr) return absl::InvalidArgumentError("ExchangeRound: no output");
+  const int n = size();
+  std::vector<uint64_t> sizes(n);
+  const uint64_t my_size = mine.size();
+  CollectiveOptions o = options;
+  RETURN_IF_ERROR(Allgather(&my_size, sizeof my_size, sizes.data(), o));
+  std::vector<size_t> bytes(sizes.begin(), sizes.end());
+  size_t total = 0;
+  for (size_t b : bytes) total += b;
+  std::string all(total, '\0');
+  o.shape_agreed = true;  // the sizes every rank just received
+  RETURN_IF_ERROR(AllgatherV(mine.data(), bytes, all.data(), o));
+  from->assign(n, std::string());
+  size_t at = 0;
+  for (int p = 0; p < n; ++p) {
+    (*from)[p] = all.substr(at, bytes[p]);
+    at += bytes[p];
   }
   return absl::OkStatus();
 }

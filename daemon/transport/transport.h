@@ -25,11 +25,15 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "daemon/transport/link_model.h"
 
 namespace microd::transport {
 
@@ -46,6 +50,12 @@ enum class TagKind : uint32_t {
   kValues = 3,     // allreduce of the values at the selected indices
   kHistogram = 4,  // threshold controller histograms
   kDense = 5,      // dense allreduce of a whole bucket
+  // The rounds of a batched step (sparsify/batch_step.h): the slot is then
+  // the batch's sequence number, not a bucket's.
+  kRound1 = 8,     // headers, and indices or coarse histograms
+  kRound2 = 9,     // candidates near the threshold (hist)
+  kRound3 = 10,    // values
+  kRescan = 11,    // coarse histograms again after a rescan (hist, rare)
 };
 // Bucket slots are below this (tags stay unique in 32 bits in every backend).
 constexpr uint32_t kMaxTagSlots = 1u << 20;
@@ -110,9 +120,42 @@ class Transport {
 
   virtual absl::Status Barrier(const CollectiveOptions& options) = 0;
 
+  // One direct round: this rank's message `mine` goes to every peer and
+  // every peer's message arrives in from[p] (from[rank()] is `mine`),
+  // whatever their sizes: one transfer per pair and direction (two for a
+  // message past the backend's inline size), all at once. Every rank calls
+  // it with the same tag. The default is two allgathers (the sizes, then
+  // the bytes); messages are host memory in every backend.
+  virtual absl::Status ExchangeRound(std::string_view mine, std::vector<std::string>* from,
+                                     const CollectiveOptions& options);
+  // ExchangeRound with `tag` comes next on every rank, after the calls made
+  // before it: a backend may post its receives now, so that the round then
+  // costs one trip instead of two. Each Expect must be followed by its
+  // ExchangeRound (or the transport's end).
+  virtual void Expect(uint32_t tag) {}
+  // Communication rounds so far: transfers that each wait for the ones
+  // before them (a direct exchange is 1, a ring allgather n - 1, a ring
+  // allreduce 2 (n - 1)). What a step's latency is made of.
+  uint64_t rounds() const { return rounds_; }
+  // Whether one direct round carrying `bytes` from every rank to every
+  // peer, summed on each rank, costs less than the backend's
+  // bandwidth-optimal allreduce of `bytes` (from what the backend knows of
+  // its links' latency and bandwidth). A host backend's results are the same
+  // bits either way.
+  virtual bool DirectCheaper(size_t bytes) const { return true; }
+  // What the backend measured of its links (null: nothing).
+  virtual const LinkModel* link_model() const { return nullptr; }
+
+
   // Makes pending and later calls on every rank of the group fail with
   // `reason` where the backend can reach them (at least on this rank).
   virtual void Abort(const absl::Status& reason) = 0;
+
+ protected:
+  void CountRounds(uint64_t n) { rounds_ += n; }
+
+ private:
+  uint64_t rounds_ = 0;
 };
 
 }  // namespace microd::transport

@@ -124,6 +124,40 @@ TEST(GlooTransportTest, RanksDisagreeingOnAnAllgatherSizeFailByTheDeadline) {
   for (int r = 0; r < 3; ++r) EXPECT_FALSE(status[r].ok()) << "rank " << r;
 }
 
+// The rounds a collective waits through: a direct round is one (two when
+// a message passes the inline part), whatever the number of ranks; the
+// links were measured at creation, alike on every rank.
+TEST(GlooTransportTest, DirectRoundsCountOneAndTheLinkModelIsShared) {
+  for (int n : {2, 4}) {
+    std::vector<std::unique_ptr<Transport>> group = CreateGlooGroup(n);
+    ASSERT_EQ(group.size(), size_t(n));
+    const LinkModel* m0 = group[0]->link_model();
+    ASSERT_NE(m0, nullptr);
+    EXPECT_GT(m0->round_seconds, 0);
+    EXPECT_GT(m0->bytes_per_second, 0);
+    EXPECT_EQ(m0->ranks, n);
+    std::vector<uint64_t> small(n), spilled(n);
+    RunRanks(group, [&](int r, Transport& t) {
+      const LinkModel* m = t.link_model();
+      EXPECT_EQ(m->round_seconds, m0->round_seconds);
+      EXPECT_EQ(m->bytes_per_second, m0->bytes_per_second);
+      CollectiveOptions o;
+      o.deadline = absl::Now() + absl::Seconds(30);
+      o.tag = 77;
+      std::vector<std::string> from;
+      uint64_t before = t.rounds();
+      t.Expect(77);
+      ASSERT_TRUE(t.ExchangeRound(std::string(1000, 'a'), &from, o).ok());
+      small[r] = t.rounds() - before;
+      before = t.rounds();
+      ASSERT_TRUE(t.ExchangeRound(std::string(m->InlineBytes() + 1, 'b'), &from, o).ok());
+      spilled[r] = t.rounds() - before;
+    });
+    EXPECT_EQ(small, std::vector<uint64_t>(n, 1));
+    EXPECT_EQ(spilled, std::vector<uint64_t>(n, 2));
+  }
+}
+
 TEST(GlooTransportTest, IoNiceOutOfRangeIsRefused) {
   control::InMemoryKeyValueStore store;
   for (int bad : {-1, 20}) {

@@ -26,9 +26,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <map>
 #include <future>
 #include <memory>
 #include <stdexcept>
@@ -39,7 +41,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/transport/gloo/store_adapter.h"
+#include "daemon/transport/link_model.h"
 #include "daemon/transport/half_sum.h"
 
 namespace microd::transport {
@@ -69,6 +73,14 @@ constexpr size_t kDirectAllgatherBytes = 256 << 10;
 constexpr uint8_t kDirectAllgatherSlotPrefix = 0x40;
 constexpr uint8_t kReduceScatterSlotPrefix = 0x41;
 constexpr uint8_t kAllgatherSlotPrefix = 0x42;
+// A direct round's first transfer (its size in the slot's low 24 bits) and,
+// for a message past the inline size, its second.
+constexpr uint8_t kRoundSlotPrefix = 0x43;
+constexpr uint8_t kRoundRestSlotPrefix = 0x44;
+// A round message says its length first.
+constexpr size_t kRoundLengthBytes = sizeof(uint64_t);
+// No message of a round is longer (a peer's length past it is a bad peer).
+constexpr uint64_t kMaxRoundBytes = uint64_t{1} << 32;
 // Segments of the large allreduce: about this many bytes of a chunk each,
 // at most kMaxSegments (slot deltas are 8 bits).
 constexpr size_t kSegmentBytes = 8 << 20;
@@ -105,6 +117,69 @@ class GlooTransport final : public Transport {
       GatherFixed(const_cast<void*>(in), bytes, out, GlooTag(o.tag, GlooKind::kAllgather), timeout);
     });
   }
+
+  absl::Status ExchangeRound(std::string_view mine, std::vector<std::string>* from,
+                             const CollectiveOptions& o) override {
+    if (from == nullptr) return absl::InvalidArgumentError("ExchangeRound: no output");
+    return Run("ExchangeRound", o, [&](std::chrono::milliseconds timeout) {
+      Exchange(mine, from, o.tag, timeout);
+    });
+  }
+
+  void Expect(uint32_t tag) override {
+    if (size() == 1 || posted_.count(tag) != 0) return;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!broken_.ok()) return;
+    }
+    try {
+      posted_[tag] = PostRound(tag);
+    } catch (const std::exception& e) {
+      Break(FromException(e, "Expect", tag));
+    }
+  }
+
+  bool DirectCheaper(size_t bytes) const override { return model_.DirectCheaper(bytes); }
+
+  // The link model every rank uses: each rank times direct rounds of a few
+  // bytes (the latency) and of 60 KiB to every peer (the bandwidth), then
+  // all take the slowest of each (LinkModel::Combine).
+  absl::Status MeasureLinks(absl::Time deadline) {
+    model_.ranks = size();
+    if (size() == 1) return absl::OkStatus();
+    CollectiveOptions o;
+    o.deadline = deadline;
+    o.tag = MakeTag(0, TagKind::kControl);
+    std::vector<std::string> from;
+    auto timed = [&](size_t bytes) -> absl::StatusOr<double> {
+      const std::string mine(bytes, 'x');
+      const absl::Time t0 = absl::Now();
+      RETURN_IF_ERROR(ExchangeRound(mine, &from, o));
+      return absl::ToDoubleSeconds(absl::Now() - t0);
+    };
+    std::vector<double> small, large;
+    for (int i = 0; i < 5; ++i) {
+      ASSIGN_OR_RETURN(const double t, timed(8));
+      small.push_back(t);
+    }
+    constexpr size_t kProbeBytes = 60 << 10;  // inside the first transfer
+    for (int i = 0; i < 2; ++i) {
+      ASSIGN_OR_RETURN(const double t, timed(kProbeBytes));
+      large.push_back(t);
+    }
+    std::sort(small.begin(), small.end());
+    LinkModel mine;
+    mine.ranks = size();
+    mine.round_seconds = small[small.size() / 2];
+    const double extra = *std::min_element(large.begin(), large.end()) - mine.round_seconds;
+    mine.bytes_per_second =
+        static_cast<double>(size() - 1) * kProbeBytes / std::max(extra, 1e-6);
+    std::vector<LinkModel> all(size());
+    RETURN_IF_ERROR(Allgather(&mine, sizeof mine, all.data(), o));
+    model_ = LinkModel::Combine(all);
+    return absl::OkStatus();
+  }
+  const LinkModel* link_model() const override { return &model_; }
 
   absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv_bytes, void* out,
                           const CollectiveOptions& o) override {
@@ -250,6 +325,7 @@ class GlooTransport final : public Transport {
       GatherDirect(in, bytes, out, tag, timeout);
       return;
     }
+    CountRounds(size() - 1);  // Gloo's ring
     gloo::AllgatherOptions opts(context_);
     ActiveScope scope{this};
     opts.setInput<char>(Track(in, bytes));
@@ -280,6 +356,7 @@ class GlooTransport final : public Transport {
     char* const dst = static_cast<char*>(out);
     if (bytes[r] > 0) std::memmove(dst + at[r], in, bytes[r]);
     if (n == 1 || total == 0) return;
+    CountRounds(1);
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     // The buffers outlive the scope: Abort may touch them until it untracks.
     std::unique_ptr<gloo::transport::UnboundBuffer> send, recv;
@@ -310,6 +387,115 @@ class GlooTransport final : public Transport {
     }
   }
 
+  // A direct round's receives, posted (by Expect, or by Exchange itself):
+  // one buffer of the inline size per peer.
+  struct PostedRound {
+    size_t inline_bytes = 0;
+    std::vector<std::unique_ptr<char[]>> inbox;
+    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> recv;
+  };
+
+  uint64_t InlineSlot(uint32_t tag, size_t inline_bytes) const {
+    static_assert((4 << 20) < (1 << 24), "the inline size fits the slot's low bits");
+    return gloo::Slot::build(kRoundSlotPrefix, tag) + inline_bytes;
+  }
+
+  std::unique_ptr<PostedRound> PostRound(uint32_t tag) {
+    auto round = std::make_unique<PostedRound>();
+    round->inline_bytes = model_.InlineBytes();
+    const int n = size();
+    round->inbox.resize(n);
+    round->recv.resize(n);
+    for (int p = 0; p < n; ++p) {
+      if (p == rank()) continue;
+      round->inbox[p].reset(new char[round->inline_bytes]);
+      round->recv[p] = context_->createUnboundBuffer(round->inbox[p].get(), round->inline_bytes);
+      round->recv[p]->recv(p, InlineSlot(tag, round->inline_bytes), 0, round->inline_bytes);
+    }
+    return round;
+  }
+
+  // One direct round. Every message is its length (8 bytes) and its bytes;
+  // the first inline_bytes of it go in one transfer, the rest (if any) in a
+  // second, which the receiver posts once it read the length. Receives
+  // posted ahead (Expect) make the first transfer leave at once: Gloo sends
+  // only once the receiver has posted.
+  void Exchange(std::string_view mine, std::vector<std::string>* from, uint32_t tag,
+                std::chrono::milliseconds timeout) {
+    const int n = size();
+    const int r = rank();
+    from->assign(n, std::string());
+    (*from)[r] = std::string(mine);
+    if (n == 1) return;
+    const auto started = std::chrono::steady_clock::now();
+    const auto deadline = started + timeout;
+    std::unique_ptr<PostedRound> round;
+    if (auto it = posted_.find(tag); it != posted_.end()) {
+      round = std::move(it->second);
+      posted_.erase(it);
+    } else {
+      round = PostRound(tag);
+    }
+    const size_t inline_bytes = round->inline_bytes;
+    std::string out(kRoundLengthBytes + mine.size(), '\0');
+    const uint64_t length = mine.size();
+    std::memcpy(out.data(), &length, sizeof length);
+    if (!mine.empty()) std::memcpy(out.data() + kRoundLengthBytes, mine.data(), mine.size());
+    const size_t first = std::min(out.size(), inline_bytes);
+    const size_t rest = out.size() - first;
+    const uint64_t rest_slot = gloo::Slot::build(kRoundRestSlotPrefix, tag);
+    ActiveScope scope{this};
+    std::unique_ptr<gloo::transport::UnboundBuffer> send = Track(out.data(), out.size());
+    {
+      absl::MutexLock lock(&active_mu_);
+      for (int p = 0; p < n; ++p) {
+        if (p != r) active_.push_back(round->recv[p].get());
+      }
+    }
+    int sends = 0;
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      send->send(p, InlineSlot(tag, inline_bytes), 0, first);
+      ++sends;
+      if (rest > 0) {
+        send->send(p, rest_slot, first, rest);
+        ++sends;
+      }
+    }
+    bool spilled = rest > 0;
+    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> rest_recv(n);
+    int rest_recvs = 0;
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      if (!round->recv[p]->waitRecv(deadline)) throw std::runtime_error("transport aborted");
+      uint64_t len = 0;
+      std::memcpy(&len, round->inbox[p].get(), sizeof len);
+      if (len > kMaxRoundBytes) {
+        throw std::runtime_error(absl::StrCat("rank ", p, " sent a round message of ", len,
+                                              " bytes; a bad peer"));
+      }
+      std::string& msg = (*from)[p];
+      msg.resize(len);
+      const size_t here = std::min<size_t>(len, inline_bytes - kRoundLengthBytes);
+      if (here > 0) std::memcpy(msg.data(), round->inbox[p].get() + kRoundLengthBytes, here);
+      if (len > here) {
+        spilled = true;
+        rest_recv[p] = Track(msg.data() + here, len - here);
+        rest_recv[p]->recv(p, rest_slot, 0, len - here);
+        ++rest_recvs;
+      }
+    }
+    for (int p = 0; p < n; ++p) {
+      if (rest_recv[p] != nullptr && !rest_recv[p]->waitRecv(deadline)) {
+        throw std::runtime_error("transport aborted");
+      }
+    }
+    for (int i = 0; i < sends; ++i) {
+      if (!send->waitSend(deadline)) throw std::runtime_error("transport aborted");
+    }
+    CountRounds(spilled ? 2 : 1);
+  }
+
   absl::Status Break(absl::Status status) {
     absl::MutexLock lock(&mu_);
     if (broken_.ok()) broken_ = status;
@@ -329,6 +515,7 @@ class GlooTransport final : public Transport {
       GatherDirectV(in, bytes, out, tag, timeout);
       return;
     }
+    CountRounds(size() - 1);  // Gloo's ring
     gloo::AllgathervOptions opts(context_);
     ActiveScope scope{this};
     char dummy = 0;
@@ -384,6 +571,7 @@ class GlooTransport final : public Transport {
     std::vector<size_t> chunk, offset;
     Chunks(count, n, &chunk, &offset);
     const size_t len = chunk[r];
+    CountRounds(2);
     T* c = static_cast<T*>(Scratch(len * n * sizeof(T) + sizeof(T)));
     T* const out = data + offset[r];
     if (len > 0) std::memcpy(c + r * len, out, len * sizeof(T));
@@ -504,6 +692,7 @@ class GlooTransport final : public Transport {
     for (int k = 0; k < segments; ++k) {
       for (int s = 1; s < n; ++s) rounds.push_back({k + 1 < segments ? k + 1 : -1, k, s});
     }
+    CountRounds(rounds.size());
     // Sums segment k of my chunk into place, in rank order (and divides it,
     // for an average): every contribution is in.
     auto sum = [&](int k) {
@@ -580,6 +769,9 @@ class GlooTransport final : public Transport {
 
   std::shared_ptr<gloo::Context> context_;
   const absl::Duration default_timeout_;
+  LinkModel model_;  // the same on every rank (MeasureLinks)
+  // Rounds whose receives Expect posted, by tag (engine thread only).
+  std::map<uint32_t, std::unique_ptr<PostedRound>> posted_;
   std::unique_ptr<char[]> scratch_;
   size_t scratch_bytes_ = 0;
   absl::Mutex mu_;
@@ -669,7 +861,12 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGlooTransport(const GlooOptions
       GlooStoreAdapter store(o.store, o.prefix, o.timeout);
       context->connectFullMesh(store, device);
     }
-    return std::unique_ptr<Transport>(new GlooTransport(context, o.timeout));
+    auto transport = std::make_unique<GlooTransport>(context, o.timeout);
+    if (absl::Status s = transport->MeasureLinks(absl::Now() + o.timeout); !s.ok()) {
+      return absl::UnavailableError(absl::StrCat("gloo: rank ", o.rank, " of ", o.size,
+                                                 " could not measure its links: ", s.message()));
+    }
+    return std::unique_ptr<Transport>(std::move(transport));
   } catch (const std::exception& e) {
     return absl::UnavailableError(
         absl::StrCat("gloo: rank ", o.rank, " of ", o.size, " could not connect: ", e.what()));

@@ -18,7 +18,7 @@
 namespace microd::transport {
 namespace {
 
-enum class OpKind : int { kAllgather, kAllgatherV, kAllreduce, kBarrier };
+enum class OpKind : int { kAllgather, kAllgatherV, kAllreduce, kBarrier, kExchange };
 
 const char* OpName(OpKind k) {
   switch (k) {
@@ -30,6 +30,8 @@ const char* OpName(OpKind k) {
       return "AllreduceSum";
     case OpKind::kBarrier:
       return "Barrier";
+    case OpKind::kExchange:
+      return "ExchangeRound";
   }
   return "?";
 }
@@ -192,6 +194,22 @@ class InprocTransport final : public Transport {
     return absl::OkStatus();
   }
 
+  absl::Status ExchangeRound(std::string_view mine, std::vector<std::string>* from,
+                             const CollectiveOptions& o) override {
+    if (from == nullptr) return absl::InvalidArgumentError("ExchangeRound: no output");
+    Post p{OpKind::kExchange, o.tag, mine.data(), mine.size()};
+    std::vector<std::string> got(size());
+    RETURN_IF_ERROR(Run(p, o, [&]() -> absl::Status {
+      for (int r = 0; r < size(); ++r) {
+        const Post& q = hub_->post(r);
+        got[r].assign(static_cast<const char*>(q.in), q.bytes);
+      }
+      return absl::OkStatus();
+    }));
+    *from = std::move(got);
+    return absl::OkStatus();
+  }
+
   absl::Status Barrier(const CollectiveOptions& o) override {
     Post p{OpKind::kBarrier, o.tag};
     return Run(p, o, [] { return absl::OkStatus(); });
@@ -205,6 +223,7 @@ class InprocTransport final : public Transport {
  private:
   template <typename Body>
   absl::Status Run(const Post& p, const CollectiveOptions& o, Body body) {
+    CountRounds(1);  // every collective here is one rendezvous of all ranks
     absl::Status s = hub_->Sync(rank_, &p, o.deadline, "post");
     if (!s.ok()) return s;
     // Every rank must be in the same collective.

@@ -1,0 +1,36 @@
+// What a backend knows of its links, measured on them: the time of one
+// direct round (every rank sends a few bytes to every peer at once) and the
+// bytes per second one rank sends (to all its peers together). From these
+// follow the cost of a direct round of any size and of the allreduce
+// schedules, and so which one a collective of a given size takes. Every rank
+// of a group must hold the same model (Combine), so that they all decide
+// alike.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+namespace microd::transport {
+
+struct LinkModel {
+  double round_seconds = 50e-6;         // a direct round of a few bytes
+  double bytes_per_second = 1e9;        // one rank's sending rate, to every peer together
+  int ranks = 1;
+
+  // One direct round: `bytes` from every rank to each of its peers.
+  double DirectSeconds(size_t bytes) const;
+  // An allreduce of `bytes` as a reduce-scatter and an allgather, every
+  // transfer of a phase at once (two rounds, 2 (n - 1) / n of the bytes).
+  double TwoPhaseSeconds(size_t bytes) const;
+  // A direct round of the bytes, summed on every rank, costs no more than
+  // the two-phase allreduce.
+  bool DirectCheaper(size_t bytes) const;
+  // The part of a direct round's message that travels in its first
+  // transfer (the rest follows in a second): about what the link carries
+  // in one round's time, between 64 KiB and 4 MiB, a multiple of 4 KiB.
+  size_t InlineBytes() const;
+  // The slowest of each: the model every rank then uses.
+  static LinkModel Combine(const std::vector<LinkModel>& models);
+};
+
+}  // namespace microd::transport
