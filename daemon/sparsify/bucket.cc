@@ -231,6 +231,7 @@ absl::StatusOr<StepStats> BucketState::Step(const float* grad, float* update,
         " but the job says node ", job_.node_rank, " of ", job_.num_nodes));
   }
   const uint64_t waits_before = ops_->host_waits() + transport.host_waits();
+  const uint64_t rounds_before = transport.rounds();
   absl::StatusOr<StepStats> stats = absl::InternalError("unknown sparsifier");
   if (step_ < options_.warmup_steps) {
     stats = StepDense(grad, update, transport, deadline);
@@ -248,7 +249,10 @@ absl::StatusOr<StepStats> BucketState::Step(const float* grad, float* update,
         break;
     }
   }
-  if (stats.ok()) stats->host_waits = ops_->host_waits() + transport.host_waits() - waits_before;
+  if (stats.ok()) {
+    stats->host_waits = ops_->host_waits() + transport.host_waits() - waits_before;
+    stats->rounds = transport.rounds() - rounds_before;
+  }
   return stats;
 }
 
@@ -267,6 +271,12 @@ absl::StatusOr<std::vector<BucketState::Header>> BucketState::ExchangeHeaders(
   stats.bytes_sent += sizeof(Header);
   stats.bytes_received += (job_.num_nodes - 1) * sizeof(Header);
   RETURN_IF_ERROR(transport.Allgather(&mine, sizeof(Header), headers.data(), options));
+  RETURN_IF_ERROR(CheckHeaders(headers));
+  return headers;
+}
+
+absl::Status BucketState::CheckHeaders(const std::vector<Header>& headers) const {
+  const Header mine = MakeHeader(0, 0);
   std::vector<std::string> apart;
   for (int r = 0; r < job_.num_nodes; ++r) {
     if (headers[r].step != mine.step || headers[r].threshold_bits != mine.threshold_bits) {
@@ -288,11 +298,13 @@ absl::StatusOr<std::vector<BucketState::Header>> BucketState::ExchangeHeaders(
     }
   }
   if (!bad.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("bucket '", spec_.name, "' step ", step_, ": NaN or Inf in the gradient on ",
-                     absl::StrJoin(bad, ", "), "; step skipped, residual unchanged"));
+    return WithClientStatus(
+        absl::InvalidArgumentError(absl::StrCat(
+            "bucket '", spec_.name, "' step ", step_, ": NaN or Inf in the gradient on ",
+            absl::StrJoin(bad, ", "), "; step skipped, residual unchanged")),
+        ClientStatus::kNonFinite);
   }
-  return headers;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<uint64_t> BucketState::GatherIndices(const std::vector<Header>& headers,

@@ -42,6 +42,9 @@ struct StepStats {
   uint64_t bytes_sent = 0;      // payload bytes this node handed to collectives
   uint64_t bytes_received = 0;  // payload bytes the collectives delivered from other nodes
   int rescans = 0;              // `hist` controller: extra passes over the partition
+  // Communication rounds the step waited through (Transport::rounds); a
+  // batched step's are shared by every bucket of the batch.
+  uint64_t rounds = 0;
   // Times the host waited for the device during the step: the kernel
   // backend's waits (SparseOps::host_waits) and the transport's.
   uint64_t host_waits = 0;
@@ -66,12 +69,12 @@ struct BucketCheckpoint {
 
 class BucketState {
  public:
-  // Validates everything and allocates the state (residual zero). `ops` must
-  // outlive the bucket.
   // The memory Create allocates for a bucket of `d` elements among
   // `num_nodes` nodes (residuals, velocities, clipped copy, candidates; the
   // step's small per-step buffers aside).
   static uint64_t MemoryBytes(uint64_t d, int num_nodes, const SparsifyOptions& options);
+  // Validates everything and allocates the state (residual zero). `ops` must
+  // outlive the bucket.
   static absl::StatusOr<std::unique_ptr<BucketState>> Create(const BucketSpec& spec,
                                                              const JobShape& job,
                                                              const SparsifyOptions& options,
@@ -103,6 +106,7 @@ class BucketState {
   double pass_threshold() const { return controller_ ? controller_->PassThreshold() : 0.0; }
 
  private:
+  friend class BatchStep;  // the batched step (batch_step.h) runs the same phases
   class Candidates;
   struct Header {
     uint64_t count;
@@ -124,6 +128,10 @@ class BucketState {
   // steps or thresholds (FailedPrecondition: states restored from checkpoints
   // of different steps), or if any node saw a non-finite value. The step's
   // later collectives follow from these headers (CollectiveOptions::shape_agreed).
+  // The headers of every node: FailedPrecondition when the nodes are at
+  // different steps or thresholds, a non-finite error (ClientStatus
+  // kNonFinite) naming the nodes that saw a NaN/Inf.
+  absl::Status CheckHeaders(const std::vector<Header>& headers) const;
   absl::StatusOr<std::vector<Header>> ExchangeHeaders(uint64_t count, uint64_t nonfinite,
                                                       transport::Transport& transport,
                                                       const transport::CollectiveOptions& options,

@@ -27,7 +27,121 @@ float FromBits(uint32_t b) {
   return x;
 }
 
+using HC = HistogramController;
+
+// The coarse bin (of the window starting at `first`, kCoarseBins bins and
+// the count above them in window[kCoarseBins]) that holds the k-th largest
+// magnitude, and how many lie above it.
+int KthCoarseBin(const std::vector<int64_t>& window, uint64_t k, uint64_t* above) {
+  *above = static_cast<uint64_t>(window[HC::kCoarseBins]);
+  for (int b = HC::kCoarseBins - 1; b >= 0; --b) {
+    if (*above + static_cast<uint64_t>(window[b]) >= k) return b;
+    *above += static_cast<uint64_t>(window[b]);
+  }
+  return 0;
+}
+
+// The next step's lower bound: the coarse edge with about
+// kCandidateMargin * k values above it in this step's window.
+float NextLowerBound(const std::vector<int64_t>& window, uint32_t first, float lower,
+                     uint64_t k) {
+  uint64_t cum = static_cast<uint64_t>(window[HC::kCoarseBins]);
+  float next = std::max(lower * 0.5f, kSmallestPositive);
+  for (int b = HC::kCoarseBins - 1; b >= 0; --b) {
+    cum += static_cast<uint64_t>(window[b]);
+    if (cum >= HC::kCandidateMargin * k) {
+      next = FromBits((first + b) << HC::kCoarseShift);
+      break;
+    }
+  }
+  return std::max(next, kSmallestPositive);
+}
+
+// The lower bound of the next pass when too few candidates survived: 256x
+// lower, then every non-zero value.
+float RescanBound(float lower, int rescans) {
+  return rescans == 0 ? std::max(lower * 0x1p-8f, kSmallestPositive) : kSmallestPositive;
+}
+
 }  // namespace
+
+uint32_t HistogramController::CoarseBinOf(float magnitude) {
+  return Bits(std::fabs(magnitude)) >> kCoarseShift;
+}
+
+uint32_t HistogramController::FineBinOf(float magnitude) {
+  return Bits(std::fabs(magnitude)) >> kFineShift;
+}
+
+HistogramController::FineChoice HistogramController::ChooseFine(const std::vector<int64_t>& fine,
+                                                                 uint64_t above, uint64_t k,
+                                                                 uint32_t fine_first,
+                                                                 float lower) {
+  FineChoice c;
+  c.threshold = lower;
+  c.sub_bin = 0;
+  uint64_t cum = above;
+  for (int j = kFineBins - 1; j >= 0; --j) {
+    const uint64_t with_bin = cum + static_cast<uint64_t>(fine[j]);
+    if (with_bin >= k) {
+      // Edge below sub-bin j selects with_bin (>= k); the edge above selects cum (< k).
+      const bool take_lower = with_bin - k <= k - cum;
+      c.sub_bin = static_cast<uint32_t>(j) + (take_lower ? 0 : 1);
+      c.threshold = FromBits((fine_first + c.sub_bin) << kFineShift);
+      break;
+    }
+    cum = with_bin;
+  }
+  // Never below the pass's bound: only candidates can be selected.
+  c.threshold = std::max(c.threshold, lower);
+  return c;
+}
+
+HistogramController::CoarsePlan HistogramController::PlanCoarse(
+    const std::vector<uint64_t>& global, float lower, int rescans, uint64_t k) {
+  CoarsePlan plan;
+  const uint32_t first0 = Bits(lower) >> kCoarseShift;
+  auto count_at = [&](uint64_t bin) -> uint64_t {
+    return bin >= first0 && bin - first0 < global.size() ? global[bin - first0] : 0;
+  };
+  uint64_t total = 0;
+  for (uint64_t c : global) total += c;
+  if (total < k) {
+    if (lower <= kSmallestPositive) {
+      // Fewer than k non-zero values in the whole bucket: take them all.
+      pending_lower_bound_ = kSmallestPositive;
+      plan.kind = CoarsePlan::kTakeAll;
+      return plan;
+    }
+    plan.kind = CoarsePlan::kRescan;
+    plan.rescan_lower = RescanBound(lower, rescans);
+    return plan;
+  }
+  // The window of Resolve, moved up while the k-th value lies above it.
+  uint32_t first = first0;
+  auto overflow = [&](uint32_t from) {
+    uint64_t o = 0;
+    for (uint64_t b = from; b < first0 + global.size(); ++b) o += count_at(b);
+    return o;
+  };
+  while (overflow(first + kCoarseBins) >= k) {
+    if (first + kCoarseBins >= kFiniteCoarseBins) {
+      plan.kind = CoarsePlan::kBadOverflow;
+      return plan;
+    }
+    first += kCoarseBins;
+  }
+  std::vector<int64_t> window(kCoarseBins + 1);
+  for (uint32_t b = 0; b < kCoarseBins; ++b) window[b] = static_cast<int64_t>(count_at(first + b));
+  window[kCoarseBins] = static_cast<int64_t>(overflow(first + kCoarseBins));
+  uint64_t above = 0;
+  const int kth = KthCoarseBin(window, k, &above);
+  pending_lower_bound_ = NextLowerBound(window, first, lower, k);
+  plan.kind = CoarsePlan::kRefine;
+  plan.kth_coarse = first + static_cast<uint32_t>(kth);
+  plan.above = above;
+  return plan;
+}
 
 PaperController::PaperController(uint64_t k)
     : tau_(1.0 / (2.0 * std::sqrt(static_cast<double>(k)))) {}
@@ -196,7 +310,7 @@ absl::StatusOr<float> HistogramController::Resolve(CandidateSet& candidates,
         return kSmallestPositive;
       }
       // Too few candidates: lower the bound 256x, then to every non-zero value.
-      lower = rescans == 0 ? std::max(lower * 0x1p-8f, kSmallestPositive) : kSmallestPositive;
+      lower = RescanBound(lower, rescans);
       ++rescans;
       RETURN_IF_ERROR(candidates.Rescan(lower));
       first = Bits(lower) >> kCoarseShift;
@@ -217,50 +331,14 @@ absl::StatusOr<float> HistogramController::Resolve(CandidateSet& candidates,
   }
   if (ctx.rescans != nullptr) *ctx.rescans = rescans;
 
-  // Coarse bin holding the k-th largest magnitude, and the count above it.
-  uint64_t above = static_cast<uint64_t>(coarse[kCoarseBins]);
-  int kth_bin = 0;
-  for (int b = kCoarseBins - 1; b >= 0; --b) {
-    if (above + static_cast<uint64_t>(coarse[b]) >= k) {
-      kth_bin = b;
-      break;
-    }
-    above += static_cast<uint64_t>(coarse[b]);
-  }
-
-  // Next step's lower bound: the coarse edge with about kCandidateMargin * k
-  // values above it in this step.
-  {
-    uint64_t cum = static_cast<uint64_t>(coarse[kCoarseBins]);
-    float next = std::max(lower * 0.5f, kSmallestPositive);
-    for (int b = kCoarseBins - 1; b >= 0; --b) {
-      cum += static_cast<uint64_t>(coarse[b]);
-      if (cum >= kCandidateMargin * k) {
-        next = FromBits((first + b) << kCoarseShift);
-        break;
-      }
-    }
-    pending_lower_bound_ = std::max(next, kSmallestPositive);
-  }
+  uint64_t above = 0;
+  const int kth_bin = KthCoarseBin(coarse, k, &above);
+  pending_lower_bound_ = NextLowerBound(coarse, first, lower, k);
 
   // Refine the k-th bin.
   const uint32_t fine_first = (first + kth_bin) << (kCoarseShift - kFineShift);
   RETURN_IF_ERROR(global_histogram(kFineShift, fine_first, kFineBins, fine));
-  uint64_t cum = above;
-  float threshold = lower;
-  for (int j = kFineBins - 1; j >= 0; --j) {
-    const uint64_t with_bin = cum + static_cast<uint64_t>(fine[j]);
-    if (with_bin >= k) {
-      // Edge below sub-bin j selects with_bin (>= k); the edge above selects cum (< k).
-      const bool take_lower = with_bin - k <= k - cum;
-      const uint32_t edge = (fine_first + j + (take_lower ? 0 : 1)) << kFineShift;
-      threshold = FromBits(edge);
-      break;
-    }
-    cum = with_bin;
-  }
-  // Never below the pass's bound: only candidates can be selected.
-  return std::max(threshold, lower);
+  return ChooseFine(fine, above, k, fine_first, lower).threshold;
 }
 
 std::unique_ptr<ThresholdController> CreateController(ControllerKind kind, uint64_t k) {

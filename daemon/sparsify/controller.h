@@ -129,6 +129,41 @@ class HistogramController final : public ThresholdController {
   std::string Save() const override;
   absl::Status Load(const std::string& bytes) override;
 
+  // The batched step (batch_step.h) makes Resolve's decisions from global
+  // histograms its rounds delivered, with the same functions.
+  //
+  // What the global coarse histogram of a step's candidates says:
+  // `global[b - first]` counts the candidates in coarse bin b, for every
+  // finite bin b from first = bits(lower) >> kCoarseShift. Sets the next
+  // step's lower bound (as Resolve does) unless a rescan is needed.
+  struct CoarsePlan {
+    enum Kind {
+      kRefine,       // the k-th value lies in bin kth_coarse; `above` lie above it
+      kTakeAll,      // fewer than k non-zero values in all: every candidate
+      kRescan,       // too few candidates: rescan with rescan_lower, plan again
+      kBadOverflow,  // the k-th value lies above every finite magnitude
+    } kind = kRefine;
+    uint32_t kth_coarse = 0;
+    uint64_t above = 0;
+    float rescan_lower = 0;
+  };
+  CoarsePlan PlanCoarse(const std::vector<uint64_t>& global, float lower, int rescans,
+                        uint64_t k);
+  // The threshold from the fine histogram of the k-th coarse bin (fine[j]:
+  // sub-bin j of the bin whose first fine bin is fine_first, over every
+  // node), `above` candidates lying above the bin: the sub-bin edge whose
+  // count is closest to k; candidates in the bin are selected from sub-bin
+  // `sub_bin` up (kFineBins: none of them). `threshold` is never below
+  // `lower`.
+  struct FineChoice {
+    float threshold = 0;
+    uint32_t sub_bin = 0;
+  };
+  static FineChoice ChooseFine(const std::vector<int64_t>& fine, uint64_t above, uint64_t k,
+                               uint32_t fine_first, float lower);
+  static uint32_t CoarseBinOf(float magnitude);
+  static uint32_t FineBinOf(float magnitude);
+
  private:
   // The sum says k or more candidates lie above every finite magnitude:
   // DataLoss naming the nodes that claim them (one allgather of `local`).

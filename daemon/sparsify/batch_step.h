@@ -1,0 +1,97 @@
+// The step of several buckets of a node at once (ARCHITECTURE section 1,
+// as bucket.h runs it for one), with each of its collective phases one
+// direct round (Transport::ExchangeRound) that carries every bucket of the
+// batch: a step of many buckets costs the rounds of one.
+//
+//   round 1: per bucket, the header (count, NaN/Inf count, step, threshold
+//            bits) and, for the `paper` controller, top-k and hard, the
+//            selected indices; for the `hist` controller, the coarse
+//            histogram of the candidates (every finite bin from the pass's
+//            lower bound, sparse).
+//            Every node then knows the global histogram, so the window
+//            Resolve would move is found locally; a rescan (too few
+//            candidates, rare) costs a round of its own.
+//   round 2 (hist): each node's candidates at or above the coarse bin of
+//            the k-th value, each with its fine sub-bin there: every node
+//            sums the fine histogram, picks the threshold as Resolve does,
+//            and keeps each node's candidates above it.
+//   round 3: the values at every selected index, summed in rank order (a
+//            direct round where the link model says it is cheaper,
+//            Transport::DirectCheaper, else the backend's allreduce).
+// So `paper`, top-k and hard take 2 rounds, `hist` 3, whatever the number
+// of buckets. The results are the bits bucket.h computes for each bucket
+// alone (same thresholds, same sets, sums in rank order).
+//
+// A bucket with a NaN/Inf on some node, or missing on some node (its
+// process left), fails alone; the others go on. A transport failure or a
+// bad peer (a message that does not parse, counts or indices out of range)
+// fails the batch.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "daemon/sparsify/bucket.h"
+#include "daemon/transport/transport.h"
+
+namespace microd::sparsify {
+
+class BatchStep {
+ public:
+  // Whether `bucket`'s next step can run in a batch: a sparse step (past the
+  // warm-up) of micro (a `hist` controller already primed), top-k or hard,
+  // with fp32 values on the wire.
+  static bool Batchable(const BucketState& bucket);
+
+  // `batch_slot` names the batch's rounds (the same on every node, and no
+  // other batch in flight uses it).
+  BatchStep(transport::Transport& transport, uint32_t batch_slot, absl::Time deadline);
+  ~BatchStep();
+  BatchStep(const BatchStep&) = delete;
+  BatchStep& operator=(const BatchStep&) = delete;
+
+  // Phase 1, local: the bucket's pass over `grad` (this node's gradient,
+  // read completely before this returns; null: this node has none, e.g. its
+  // process left, and every node fails the bucket naming this node). Every
+  // node adds the same buckets in the same order. A kernel failure is
+  // returned (the batch cannot run).
+  absl::Status Add(BucketState* bucket, const float* grad);
+  // The rounds. An error is the batch's: no bucket's state changed.
+  absl::Status Run();
+  // Then, per bucket (index in Add order): its averaged update written to
+  // `update` and its state advanced (residual, threshold, step), or why it
+  // failed alone (its state unchanged).
+  absl::StatusOr<StepStats> Finish(size_t i, float* update);
+  size_t size() const;
+  // Rounds the batch took (transport rounds during Run).
+  uint64_t rounds() const { return rounds_; }
+
+ private:
+  struct Item;
+  // The round's messages, one section per live bucket in order.
+  std::string RoundOne();
+  absl::Status ReadRoundOne(const std::vector<std::string>& from);
+  absl::Status Rescans();
+  std::string RoundTwo();
+  absl::Status ReadRoundTwo(const std::vector<std::string>& from);
+  absl::Status ReduceValues();
+  // This node's candidate (or selected) indices and values on the host.
+  absl::Status CopyCandidates(Item& it);
+  // The local coarse histogram of the candidates, sparse.
+  absl::Status LocalCoarse(Item& it);
+  transport::CollectiveOptions Options(transport::TagKind kind) const;
+
+  transport::Transport& transport_;
+  const uint32_t slot_;
+  const absl::Time deadline_;
+  std::vector<Item> items_;
+  uint64_t rounds_ = 0;
+  bool ran_ = false;
+  bool direct_values_ = false;  // round 3 is a direct round (else an allreduce)
+};
+
+}  // namespace microd::sparsify
