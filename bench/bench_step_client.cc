@@ -1,9 +1,11 @@
 // microd-bench-step-client: one training process of the network benchmark
-// (bench/network/run.py), written against the C API. Times every step of one
-// large bucket through its node's daemon: before each step the processes of
-// all nodes line up with a small-bucket round trip, then the large bucket is
-// submitted and waited for (submit to completion). Every step's time goes to
-// --out as JSON, the first one apart (its set-up is part of it).
+// (bench/network/run.py), written against the C API. Times every step of
+// --size elements in --buckets buckets through its node's daemon: before
+// each step the processes of all nodes line up with a small-bucket round
+// trip, then every bucket is submitted at once and each waited for (what
+// DistributedOptimizer and the DDP hook do; submit to the last completion).
+// Every step's time goes to --out as JSON, the first one apart (its set-up
+// is part of it).
 //
 // --floor instead times the least a step can cost on this node without any
 // network: `e += g` over the bucket plus one dense write of it (the update),
@@ -26,7 +28,8 @@
 #include "microd/microd.h"
 
 ABSL_FLAG(std::string, socket, "", "the node's microd socket");
-ABSL_FLAG(uint64_t, size, 25557032, "bucket size (fp32 elements)");
+ABSL_FLAG(uint64_t, size, 25557032, "elements per step (fp32), over every bucket");
+ABSL_FLAG(int, buckets, 1, "buckets the elements are split into (the first ones one larger)");
 ABSL_FLAG(int, steps, 8, "steps to time (the first is reported apart)");
 ABSL_FLAG(int, node, 0, "this node's rank (seeds its synthetic gradients)");
 ABSL_FLAG(int, timeout_ms, 600000, "wait of one step");
@@ -108,13 +111,35 @@ int Floor() {
 
 int Steps() {
   const uint64_t d = absl::GetFlag(FLAGS_size);
+  const int nb = absl::GetFlag(FLAGS_buckets);
+  if (nb < 1 || static_cast<uint64_t>(nb) > d) {
+    std::fprintf(stderr, "step-client: --buckets must be in [1, --size]\n");
+    return 2;
+  }
   microd::bench::BenchClient bc;
-  if (!microd::bench::ConnectWithBuckets(absl::GetFlag(FLAGS_socket), "step-client", 16, d, &bc)) {
+  if (!microd::bench::ConnectWithBuckets(absl::GetFlag(FLAGS_socket), "step-client", 16,
+                                         d / nb + (d % nb != 0 ? 1 : 0), &bc)) {
     return 2;
   }
   microd_client* const c = bc.client;
-  float* const big = bc.big;
-  const int32_t small_id = bc.small_id, big_id = bc.big_id;
+  // Bucket 0 is the client's "bucket"; the others are registered here.
+  std::vector<float*> data = {bc.big};
+  std::vector<int32_t> ids = {bc.big_id};
+  std::vector<uint64_t> counts = {d / nb + (d % nb != 0 ? 1 : 0)};
+  for (int b = 1; b < nb; ++b) {
+    const uint64_t count = d / nb + (static_cast<uint64_t>(b) < d % nb ? 1 : 0);
+    float* p = nullptr;
+    int32_t id = -1;
+    if (microd_register_host_buffer(c, absl::StrCat("bucket", b).c_str(), count, &p, &id) !=
+        MICROD_OK) {
+      std::fprintf(stderr, "step-client: %s\n", microd_last_error(c));
+      return 2;
+    }
+    data.push_back(p);
+    ids.push_back(id);
+    counts.push_back(count);
+  }
+  const int32_t small_id = bc.small_id;
   microd::sim::SyntheticOptions so;
   so.size = d;
   microd::sim::SyntheticGradients stream(so, absl::GetFlag(FLAGS_node));
@@ -123,17 +148,30 @@ int Steps() {
   stream.Next(g1.data());
   const int timeout = absl::GetFlag(FLAGS_timeout_ms);
   std::vector<double> ms;
+  std::vector<uint64_t> tickets(nb);
   for (int s = 0; s < absl::GetFlag(FLAGS_steps); ++s) {
     const std::vector<float>& g = s % 2 ? g1 : g0;
-    std::copy(g.begin(), g.end(), big);
+    uint64_t at = 0;
+    for (int b = 0; b < nb; ++b) {
+      std::copy(g.begin() + at, g.begin() + at + counts[b], data[b]);
+      at += counts[b];
+    }
     if (microd_allreduce(c, small_id, timeout) != MICROD_OK) {
       std::fprintf(stderr, "step-client: line-up: %s\n", microd_last_error(c));
       return 3;
     }
     const auto t0 = Clock::now();
-    if (microd_allreduce(c, big_id, timeout) != MICROD_OK) {
-      std::fprintf(stderr, "step-client: step %d: %s\n", s, microd_last_error(c));
-      return 3;
+    for (int b = 0; b < nb; ++b) {
+      if (microd_allreduce_async(c, ids[b], &tickets[b]) != MICROD_OK) {
+        std::fprintf(stderr, "step-client: step %d: %s\n", s, microd_last_error(c));
+        return 3;
+      }
+    }
+    for (int b = 0; b < nb; ++b) {
+      if (microd_wait(c, tickets[b], timeout) != MICROD_OK) {
+        std::fprintf(stderr, "step-client: step %d: %s\n", s, microd_last_error(c));
+        return 3;
+      }
     }
     ms.push_back(Ms(t0, Clock::now()));
   }

@@ -99,16 +99,17 @@ void PrintStalls(const microd::v1::GetStatusResponse& r) {
 }
 
 void PrintBuckets(const microd::v1::GetStatusResponse& r) {
-  std::printf("%-24s %11s %6s %7s %10s %10s %8s %9s %11s %11s %11s %29s\n", "bucket", "elements",
-              "mode", "steps", "K", "k", "CRE", "mean CRE", "threshold", "sent", "received",
-              "wait/sum/select/xchg/write s");
+  std::printf("%-24s %11s %6s %7s %10s %10s %8s %9s %11s %6s %11s %11s %29s\n", "bucket",
+              "elements", "mode", "steps", "K", "k", "CRE", "mean CRE", "threshold", "rounds",
+              "sent", "received", "wait/sum/select/xchg/write s");
   for (const auto& b : r.buckets()) {
-    std::printf("%-24s %11llu %6s %7llu %10llu %10llu %7.2f%% %8.2f%% %11.4g %11s %11s %29s\n",
+    std::printf("%-24s %11llu %6s %7llu %10llu %10llu %7.2f%% %8.2f%% %11.4g %6llu %11s %11s %29s\n",
                 b.name().c_str(), static_cast<unsigned long long>(b.count()),
                 b.dense() ? "dense" : "sparse", static_cast<unsigned long long>(b.steps()),
                 static_cast<unsigned long long>(b.last_selected()),
                 static_cast<unsigned long long>(b.budget()), 100 * b.last_cre(), 100 * b.mean_cre(),
-                b.last_threshold(), Bytes(static_cast<double>(b.bytes_sent())).c_str(),
+                b.last_threshold(), static_cast<unsigned long long>(b.last_rounds()),
+                Bytes(static_cast<double>(b.bytes_sent())).c_str(),
                 Bytes(static_cast<double>(b.bytes_received())).c_str(),
                 absl::StrFormat("%.2f/%.2f/%.2f/%.2f/%.2f", b.negotiate_seconds(),
                                 b.local_sum_seconds(), b.select_seconds(), b.exchange_seconds(),
@@ -131,11 +132,13 @@ bool PrintHistory(const microd::v1::GetStatusResponse& r, const std::string& onl
     found = true;
     std::printf("%s (%llu elements, last %d sparse steps)\n", b.name().c_str(),
                 static_cast<unsigned long long>(b.count()), b.history_size());
-    std::printf("%8s %10s %10s %8s %11s\n", "step", "K", "k", "CRE", "threshold");
+    std::printf("%8s %10s %10s %8s %11s %6s\n", "step", "K", "k", "CRE", "threshold", "rounds");
     for (const auto& h : b.history()) {
-      std::printf("%8llu %10llu %10llu %7.2f%% %11.4g\n", static_cast<unsigned long long>(h.step()),
+      std::printf("%8llu %10llu %10llu %7.2f%% %11.4g %6llu\n",
+                  static_cast<unsigned long long>(h.step()),
                   static_cast<unsigned long long>(h.selected()),
-                  static_cast<unsigned long long>(h.budget()), 100 * h.cre(), h.threshold());
+                  static_cast<unsigned long long>(h.budget()), 100 * h.cre(), h.threshold(),
+                  static_cast<unsigned long long>(h.rounds()));
     }
   }
   return found || only.empty();

@@ -117,7 +117,8 @@ def run_gloo(lab, args, d):
         procs.append(subprocess.Popen(
             lab.cmd(r, [PYTHON, os.path.join(HERE, "gloo_allreduce.py"), "--rank", str(r),
                         "--world", str(lab.nodes), "--master", f"{lab.addr[0]}:29500",
-                        "--size", str(args.size), "--steps", str(args.steps), "--out", outs[r]]),
+                        "--size", str(args.size), "--buckets", str(args.buckets),
+                        "--steps", str(args.steps), "--out", outs[r]]),
             env=env, stdout=log, stderr=subprocess.STDOUT))
     wait_all(procs, args.timeout, "gloo allreduce")
     return summary(read_steps(outs))
@@ -162,8 +163,8 @@ def run_microd(lab, args, d, flags):
                 time.sleep(0.1)
         outs = [os.path.join(d, f"steps{r}.json") for r in range(lab.nodes)]
         procs = [subprocess.Popen(lab.cmd(r, [client, f"--socket={d}/node{r}/sock", f"--node={r}",
-                                              f"--size={args.size}", f"--steps={args.steps}",
-                                              f"--out={outs[r]}"]),
+                                              f"--size={args.size}", f"--buckets={args.buckets}",
+                                              f"--steps={args.steps}", f"--out={outs[r]}"]),
                                   stdout=open(os.path.join(d, f"client{r}.log"), "w"),
                                   stderr=subprocess.STDOUT)
                  for r in range(lab.nodes)]
@@ -182,6 +183,7 @@ def run_microd(lab, args, d, flags):
                     for k in ("negotiate", "localSum", "select", "exchange", "writeback")}
                 result["bytes_sent_per_step"] = int(b.get("bytesSent", 0)) / n
                 result["selected"] = int(b.get("lastSelected", 0))
+                result["rounds_per_step"] = int(b.get("lastRounds", 0))
                 result["budget"] = int(b.get("budget", 0))
         return result
     finally:
@@ -226,6 +228,8 @@ def main():
                          "gives about 0.2 ms with this machine's own latency)")
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--size", type=int, default=25_557_032)
+    ap.add_argument("--buckets", type=int, default=1,
+                    help="buckets the elements are split into, all submitted at once")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per method (first apart)")
     ap.add_argument("--slow-steps", type=int, default=5,
                     help="steps of the dense methods at rates below 1 Gbit/s")
@@ -240,8 +244,8 @@ def main():
     env = dict(os.environ, NETLAB_DELAY_BIN=os.path.join(args.build, "deploy", "netlab",
                                                          "microd-netlab-delay"))
     work = args.work or tempfile.mkdtemp(prefix="microd-bench-network-")
-    results = {"config": {"nodes": args.nodes, "size": args.size, "steps": args.steps,
-                          "delay": args.delay}, "rates": {}}
+    results = {"config": {"nodes": args.nodes, "size": args.size, "buckets": args.buckets,
+                          "steps": args.steps, "delay": args.delay}, "rates": {}}
     for rate in args.rates.split(","):
         print(f"== {args.nodes} nodes, links at {rate}, {args.delay} each way", flush=True)
         lab = Lab(args.nodes, rate, args.delay, env)

@@ -276,7 +276,7 @@ void Engine::RunBatch(const control::ScheduleBatch& batch, bool cached) {
   }
   for (auto& [w, s] : refused) Complete(w, s);
   if (!dense.empty()) runner_.RunFusedDense(dense);
-  for (const Work& w : sparse) runner_.RunSparse(w);
+  if (!sparse.empty()) runner_.RunSparse(sparse);
   std::vector<const Work*> ran;
   for (const std::vector<Work>* ws : {&dense, &sparse}) {
     for (const Work& w : *ws) ran.push_back(&w);

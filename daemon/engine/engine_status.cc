@@ -30,6 +30,8 @@ void FillEngineStatus(const EngineSnapshot& snap, microd::v1::GetStatusResponse*
     s->set_exchange_seconds(b.exchange_seconds);
     s->set_writeback_seconds(b.writeback_seconds);
     s->set_negotiate_seconds(b.negotiate_seconds);
+    s->set_last_rounds(b.last_rounds);
+    s->set_rounds(b.rounds);
     for (const StepSample& h : b.history) {
       auto* p = s->add_history();
       p->set_step(h.step);
@@ -37,6 +39,7 @@ void FillEngineStatus(const EngineSnapshot& snap, microd::v1::GetStatusResponse*
       p->set_budget(h.budget);
       p->set_threshold(h.threshold);
       p->set_cre(h.cre);
+      p->set_rounds(h.rounds);
     }
   }
 }

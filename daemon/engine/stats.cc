@@ -66,6 +66,8 @@ void BucketStats::AddSparse(const sparsify::StepStats& st, double local_sum, dou
   last_selected = st.selected;
   last_threshold = st.threshold;
   last_cre = st.cre;
+  last_rounds = st.rounds;
+  rounds += st.rounds;
   if (st.step >= 2) sum_cre += st.cre;
   bytes_sent += st.bytes_sent;
   bytes_received += st.bytes_received;
@@ -80,7 +82,7 @@ void BucketStats::AddSparse(const sparsify::StepStats& st, double local_sum, dou
   if (st.step >= 2) cre_histogram.Observe(st.cre);
   if (history_limit > 0) {
     if (history.size() >= history_limit) history.pop_front();
-    history.push_back({st.step, st.selected, st.budget, st.threshold, st.cre});
+    history.push_back({st.step, st.selected, st.budget, st.threshold, st.cre, st.rounds});
   }
 }
 

@@ -40,6 +40,7 @@ struct StepSample {
   uint64_t budget = 0;
   double threshold = 0;
   double cre = 0;
+  uint64_t rounds = 0;
 };
 
 // Per-bucket statistics (cumulative since start).
@@ -55,6 +56,8 @@ struct BucketStats {
   double last_threshold = 0;
   double last_cre = 0;
   double sum_cre = 0;  // over steps >= 2
+  uint64_t last_rounds = 0;  // communication rounds of the last sparse step
+  uint64_t rounds = 0;       // over every sparse step
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;
   // From ready on this node (every local process submitted) to the start of

@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/status_map.h"
+#include "daemon/sparsify/batch_step.h"
 
 namespace microd::engine {
 
@@ -181,19 +182,10 @@ absl::Status StepRunner::EnsureState(Bucket& b) {
   return absl::OkStatus();
 }
 
-void StepRunner::RunSparse(const Work& w) {
+bool StepRunner::Gradient(const Work& w, const float** grad, double* local_sum) {
   Bucket& b = *w.bucket;
   const uint64_t d = b.count;
   const int L = options_.local_size;
-  if (w.missing_buffer()) {
-    job_->Finish(w, Gone(b.name));
-    return;
-  }
-  if (absl::Status s = EnsureState(b); !s.ok()) {
-    job_->Finish(w, s);
-    job_->Fail(s, /*report=*/true);
-    return;
-  }
   // With one local process the update is written straight over its buffer
   // (the step reads the gradient completely first); with several it goes to
   // a daemon buffer and is copied into each.
@@ -203,15 +195,15 @@ void StepRunner::RunSparse(const Work& w) {
         ClientStatus::kResource);
     job_->Finish(w, s);
     job_->Fail(s, /*report=*/true);
-    return;
+    return false;
   }
   // Step 1: the node's gradient. With one local process its buffer is g itself.
   const absl::Time t0 = absl::Now();
   if (absl::Status s = StageIn(w, t0 + options_.op_timeout); !s.ok()) {
     MemoryFailed({&w}, s);
-    return;
+    return false;
   }
-  const float* grad = memory_->Data(*w.buffers[0]);
+  *grad = memory_->Data(*w.buffers[0]);
   if (L > 1) {
     std::vector<const float*> inputs;
     for (const auto& buf : w.buffers) inputs.push_back(memory_->Data(*buf));
@@ -219,32 +211,27 @@ void StepRunner::RunSparse(const Work& w) {
             ops_->LocalSum(inputs.data(), L, d, grad_.get(), nullptr, nullptr), "local sum");
         !s.ok()) {
       MemoryFailed({&w}, absl::InternalError(absl::StrCat("bucket '", b.name, "': ", s.message())));
-      return;
+      return false;
     }
-    grad = grad_.get();
+    *grad = grad_.get();
   }
-  const absl::Time ts = absl::Now();
-  const double local_sum = absl::ToDoubleSeconds(ts - t0);
-  float* update = L > 1 ? update_.get() : memory_->Data(*w.buffers[0]);
-  auto st = b.state->Step(grad, update, *transport_, absl::Now() + options_.op_timeout);
-  if (!st.ok()) {
-    if (ToClientStatus(st.status()) == ClientStatus::kNonFinite) {
-      NonFinite(w, st.status());  // this step only; the job goes on
-      return;
-    }
-    {
-      absl::MutexLock lock(&state_->mu);
-      ++b.stats.failures;
-    }
-    StepFailed({w}, st.status());
-    return;
-  }
+  *local_sum = Seconds(t0);
+  return true;
+}
+
+float* StepRunner::UpdateBuffer(const Work& w) {
+  return options_.local_size > 1 ? update_.get() : memory_->Data(*w.buffers[0]);
+}
+
+void StepRunner::Deliver(const Work& w, const sparsify::StepStats& st, const float* update,
+                         double local_sum, absl::Time t0) {
+  Bucket& b = *w.bucket;
   const absl::Time t1 = absl::Now();
   if (state_->job_failed()) return;  // Fail() answered this work
   absl::Status written;
-  if (L > 1) {
+  if (options_.local_size > 1) {
     for (const auto& buf : w.buffers) {
-      if (written.ok()) written = CopyFloats(memory_->Data(*buf), update, d);
+      if (written.ok()) written = CopyFloats(memory_->Data(*buf), update, b.count);
     }
   }
   if (written.ok()) written = memory_->StageOut(w, absl::Now() + options_.op_timeout);
@@ -255,25 +242,133 @@ void StepRunner::RunSparse(const Work& w) {
   const absl::Time t2 = absl::Now();
   {
     absl::MutexLock lock(&state_->mu);
-    b.stats.AddSparse(*st, local_sum, absl::ToDoubleSeconds(t2 - t1), options_.stats_history);
+    b.stats.AddSparse(st, local_sum, absl::ToDoubleSeconds(t2 - t1), options_.stats_history);
   }
   if (tracing()) {
     TraceStep t;
-    t.step = st->step;
-    t.selected = st->selected;
-    t.budget = st->budget;
-    t.cre = st->cre;
-    t.threshold = st->threshold;
+    t.step = st.step;
+    t.selected = st.selected;
+    t.budget = st.budget;
+    t.cre = st.cre;
+    t.threshold = st.threshold;
     t.ready = w.ready_at;
     // Inside the step: the selection, the exchange, then the update applied
     // (its end, then the copies into the buffers: the write-back).
+    const absl::Time ts = t0 + absl::Seconds(local_sum);
     t.Span(Phase::kLocalSum, t0, ts);
-    t.Span(Phase::kSelection, ts, st->select_seconds);
-    t.Span(Phase::kExchange, t.end[static_cast<int>(Phase::kSelection)], st->exchange_seconds);
-    t.Span(Phase::kWriteBack, t1 - absl::Seconds(st->apply_seconds), t2);
+    t.Span(Phase::kSelection, ts, st.select_seconds);
+    t.Span(Phase::kExchange, t.end[static_cast<int>(Phase::kSelection)], st.exchange_seconds);
+    t.Span(Phase::kWriteBack, t1 - absl::Seconds(st.apply_seconds), t2);
     timeline_->Record(b.name, t);
   }
   job_->Finish(w, absl::OkStatus());
+}
+
+bool StepRunner::StepError(const Work& w, const absl::Status& s) {
+  if (ToClientStatus(s) == ClientStatus::kNonFinite) {
+    NonFinite(w, s);  // this step only; the job goes on
+    return true;
+  }
+  {
+    absl::MutexLock lock(&state_->mu);
+    ++w.bucket->stats.failures;
+  }
+  return false;
+}
+
+void StepRunner::RunSparse(const Work& w) {
+  Bucket& b = *w.bucket;
+  if (w.missing_buffer()) {
+    job_->Finish(w, Gone(b.name));
+    return;
+  }
+  if (absl::Status s = EnsureState(b); !s.ok()) {
+    job_->Finish(w, s);
+    job_->Fail(s, /*report=*/true);
+    return;
+  }
+  const absl::Time t0 = absl::Now();
+  const float* grad = nullptr;
+  double local_sum = 0;
+  if (!Gradient(w, &grad, &local_sum)) return;
+  float* update = UpdateBuffer(w);
+  auto st = b.state->Step(grad, update, *transport_, absl::Now() + options_.op_timeout);
+  if (!st.ok()) {
+    if (!StepError(w, st.status())) StepFailed({w}, st.status());
+    return;
+  }
+  Deliver(w, *st, update, local_sum, t0);
+}
+
+void StepRunner::RunSparse(const std::vector<Work>& works) {
+  if (options_.device_resident) {
+    // On the GPU every round trip is a kernel's wait: one bucket at a time.
+    for (const Work& w : works) {
+      if (state_->job_failed()) return;
+      RunSparse(w);
+    }
+    return;
+  }
+  // Buckets whose next step cannot be batched (the hist controller's first
+  // step primes it, the dense warm-up, a bf16/fp16 wire) run alone first,
+  // in the batch's order: every node decides alike.
+  std::vector<const Work*> batched;
+  for (const Work& w : works) {
+    if (state_->job_failed()) return;
+    Bucket& b = *w.bucket;
+    if (absl::Status s = EnsureState(b); !s.ok()) {
+      job_->Finish(w, s);
+      job_->Fail(s, /*report=*/true);
+      return;
+    }
+    if (sparsify::BatchStep::Batchable(*b.state)) {
+      batched.push_back(&w);
+    } else {
+      RunSparse(w);
+    }
+  }
+  if (batched.empty() || state_->job_failed()) return;
+  const uint32_t slot = 1 + static_cast<uint32_t>(batch_seq_++ % (transport::kMaxTagSlots - 1));
+  sparsify::BatchStep step(*transport_, slot, absl::Now() + options_.op_timeout);
+  std::vector<double> local_sum(batched.size(), 0.0);
+  std::vector<absl::Time> started(batched.size());
+  std::vector<Work> all;
+  for (const Work* w : batched) all.push_back(*w);
+  for (size_t i = 0; i < batched.size(); ++i) {
+    const Work& w = *batched[i];
+    started[i] = absl::Now();
+    const float* grad = nullptr;
+    // A bucket a local process has left: every node fails it, naming this one.
+    if (!w.missing_buffer() && !Gradient(w, &grad, &local_sum[i])) return;
+    if (absl::Status s = step.Add(w.bucket->state.get(), grad); !s.ok()) {
+      StepFailed(all, s);
+      return;
+    }
+  }
+  if (absl::Status s = step.Run(); !s.ok()) {
+    {
+      absl::MutexLock lock(&state_->mu);
+      for (const Work* w : batched) ++w->bucket->stats.failures;
+    }
+    StepFailed(all, s);
+    return;
+  }
+  for (size_t i = 0; i < batched.size(); ++i) {
+    const Work& w = *batched[i];
+    if (state_->job_failed()) return;
+    if (w.missing_buffer()) {
+      (void)step.Finish(i, nullptr);
+      job_->Finish(w, Gone(w.bucket->name));
+      continue;
+    }
+    float* update = UpdateBuffer(w);
+    auto st = step.Finish(i, update);
+    if (!st.ok()) {
+      if (!StepError(w, st.status())) job_->Finish(w, JobFailed(st.status()));
+      continue;
+    }
+    Deliver(w, *st, update, local_sum[i], started[i]);
+  }
 }
 
 absl::Status StepRunner::LocalSums(const std::vector<Work>& works, absl::Time deadline,

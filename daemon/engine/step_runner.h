@@ -43,7 +43,10 @@ class StepRunner {
   absl::Status EnsureState(Bucket& bucket);
   // The dense buckets of a batch, fused into one allreduce.
   void RunFusedDense(const std::vector<Work>& works);
-  void RunSparse(const Work& work);
+  // The large buckets of a batch: those whose next step can be batched in
+  // one BatchStep (a few rounds for all of them), the others one at a time
+  // (first, in order); one at a time on the GPU.
+  void RunSparse(const std::vector<Work>& works);
   // Buckets a cycle reduced itself: node r's local sum of works[k] is at
   // in_cycle.area[r * floats + at[k]]; the sum in node order, then the average.
   void FinishInCycle(const std::vector<Work>& works, const InCycle& in_cycle);
@@ -52,6 +55,22 @@ class StepRunner {
 
  private:
   bool tracing() const { return timeline_ != nullptr && timeline_->recording(); }
+  // One bucket's step on its own.
+  void RunSparse(const Work& work);
+  // The node's gradient of the work: staged in and summed over the local
+  // processes (the process's buffer itself when there is one). False when
+  // the memory failed (the work is answered and the job ends).
+  bool Gradient(const Work& w, const float** grad, double* local_sum);
+  // Where the step writes the work's update (the process's buffer itself
+  // when there is one).
+  float* UpdateBuffer(const Work& w);
+  // A step that succeeded: the update into every process's buffer, the
+  // statistics, the timeline, the answer.
+  void Deliver(const Work& w, const sparsify::StepStats& st, const float* update,
+               double local_sum, absl::Time t0);
+  // A step's error: true when it is the work's alone (a NaN/Inf, answered
+  // here); false when it fails the job (counted; the caller answers).
+  bool StepError(const Work& w, const absl::Status& s);
   // A step hit a NaN/Inf: answers the work per --nonfinite (fail or skip).
   void NonFinite(const Work& w, const absl::Status& status);
   // A memory failure fails the job (the other nodes are in the step).
@@ -80,6 +99,7 @@ class StepRunner {
   JobControl* const job_;
   Timeline* timeline_ = nullptr;
   uint32_t next_slot_ = 1;  // transport tag slots; 0 is the fused dense buffer
+  uint64_t batch_seq_ = 0;  // batched steps run: their rounds' slots
   // Scratch buffers (device memory of ops_).
   sparsify::DeviceBuffer<float> grad_, update_, fusion_;
   sparsify::DeviceBuffer<kernels::StepScalars> scalars_;
