@@ -840,6 +840,14 @@ absl::Status Daemon::StartDataPlane(const microd::engine::EngineOptions& eo) {
     if (!created.ok()) return Bad("transport", created.status());
     transport_ = std::move(created).value();
     ops_ = microd::kernels::CreateCpuSparseOps();
+    if (const microd::transport::LinkModel* m = transport_->link_model();
+        m != nullptr && m->ranks > 1) {
+      std::fprintf(stderr,
+                   "microd: data plane links (slowest of every node's): a direct round takes "
+                   "%.3f ms (%.3f ms posted ahead), a node sends %.1f MB/s\n",
+                   m->round_seconds * 1e3, m->posted_round_seconds * 1e3,
+                   m->bytes_per_second / 1e6);
+    }
     return absl::OkStatus();
   }
 #if MICROD_HAVE_NCCL

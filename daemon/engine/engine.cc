@@ -127,6 +127,7 @@ absl::Status Engine::OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t tick
   auto ready = state_.table.Submit(client, buffer_id, ticket);
   if (!ready.ok()) return ready.status();
   if (*ready == ProcessTable::Ready::kCached) state_.changed = true;  // the next cycle's
+  state_.last_submit = absl::Now();
   return absl::OkStatus();
 }
 

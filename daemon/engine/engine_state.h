@@ -44,6 +44,9 @@ struct EngineState {
   uint64_t log_run ABSL_GUARDED_BY(mu) = 0;  // schedule batches taken from `schedule`
   // Something changed since the last cycle (a submission, a schedule batch).
   bool changed ABSL_GUARDED_BY(mu) = false;
+  // When a local process last submitted (the cycle waits for a burst of
+  // submissions to end before it starts).
+  absl::Time last_submit ABSL_GUARDED_BY(mu) = absl::InfinitePast();
   // The running batch's work not yet answered (Fail() answers it).
   std::vector<Work> in_flight ABSL_GUARDED_BY(mu);
   StateRequest state_request ABSL_GUARDED_BY(mu);

@@ -1,6 +1,7 @@
 #include "daemon/engine/negotiator.h"
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -92,6 +93,13 @@ class CycleNegotiator final : public Negotiator {
   absl::StatusOr<std::vector<CycleMessage>> Exchange(const CycleMessage& mine);
   // One cycle: what every node agrees to run.
   Plan Cycle();
+  // How long a cycle waits for the submissions of a burst: a twentieth of a
+  // round on the data plane, between 50 us and 2 ms.
+  absl::Duration QuietTime() const {
+    const transport::LinkModel* m = transport_->link_model();
+    const double round = m != nullptr ? m->round_seconds : 1e-3;
+    return absl::Seconds(std::clamp(round / 20, 50e-6, 2e-3));
+  }
   void ReportLoop();
 
   static constexpr uint64_t kNoSlot = ~uint64_t{0};
@@ -131,6 +139,19 @@ std::optional<Plan> CycleNegotiator::Next() {
       return Plan{};
     }
     if (!pending()) return Plan{};
+    // A burst of submissions (a step's buckets, submitted one after another)
+    // goes into one cycle: a cycle costs a round, and one that agrees on the
+    // first bucket alone leaves the rest to another cycle and another
+    // batch. So the cycle starts once no submission came for a sliver of a
+    // round (bounded: a steady trickle does not hold it back).
+    const absl::Duration quiet = QuietTime();
+    const absl::Time give_up = absl::Now() + 10 * quiet;
+    for (absl::Time now = absl::Now(); now < give_up && now - state_->last_submit < quiet;
+         now = absl::Now()) {
+      state_->mu.AwaitWithTimeout(absl::Condition(&state_->stop),
+                                  quiet - (now - state_->last_submit));
+      if (state_->stop) return std::nullopt;
+    }
     state_->changed = false;
   }
   Plan plan = Cycle();
@@ -195,14 +216,22 @@ absl::StatusOr<std::vector<CycleMessage>> CycleNegotiator::Exchange(const CycleM
   const int n = membership_.node_count;
   const std::vector<uint64_t> encoded = mine.Encode();
   const size_t words = encoded.size();
-  std::vector<uint64_t> all(words * n);
   transport::CollectiveOptions o;
-  o.tag = transport::MakeTag(0, transport::TagKind::kControl);
+  o.tag = transport::MakeTag(0, transport::TagKind::kCycle);
   // A failed peer ends the wait through Fail(), a stall past
   // --stall_abort_s through the coordinator; a cycle that waits past
   // peer_wait fails the job.
   o.deadline = absl::Now() + options_.peer_wait;
-  absl::Status s = transport_->Allgather(encoded.data(), words * sizeof(uint64_t), all.data(), o);
+  // A direct round whose receives the cycle before posted: one trip.
+  std::vector<std::string> from;
+  absl::Status s = transport_->ExchangeRound(
+      std::string_view(reinterpret_cast<const char*>(encoded.data()), words * sizeof(uint64_t)),
+      &from, o);
+  if (s.ok()) {
+    size_t longest = 0;
+    for (const std::string& m : from) longest = std::max(longest, m.size());
+    transport_->Expect(o.tag, 2 * longest);  // the next cycle's
+  }
   if (absl::IsDeadlineExceeded(s)) {
     return absl::DeadlineExceededError(absl::StrCat(
         "node ", membership_.node_rank, " waited ", absl::FormatDuration(options_.peer_wait),
@@ -211,8 +240,15 @@ absl::StatusOr<std::vector<CycleMessage>> CycleNegotiator::Exchange(const CycleM
   if (!s.ok()) return s;
   std::vector<CycleMessage> theirs;
   for (int r = 0; r < n; ++r) {
-    auto m = CycleMessage::Decode(absl::MakeConstSpan(all).subspan(r * words, words),
-                                  mine.ids, mine.area.size());
+    if (from[r].size() != words * sizeof(uint64_t)) {
+      return absl::DataLossError(absl::StrCat("node ", r, "'s cycle message has ",
+                                              from[r].size(), " bytes, not ",
+                                              words * sizeof(uint64_t), " (node ",
+                                              membership_.node_rank, ")"));
+    }
+    std::vector<uint64_t> words_of(words);
+    if (words > 0) std::memcpy(words_of.data(), from[r].data(), words * sizeof(uint64_t));
+    auto m = CycleMessage::Decode(absl::MakeConstSpan(words_of), mine.ids, mine.area.size());
     if (!m.ok()) {
       return absl::Status(m.status().code(), absl::StrCat("node ", r, ": ", m.status().message(),
                                                           " (node ", membership_.node_rank, ")"));

@@ -328,8 +328,7 @@ void StepRunner::RunSparse(const std::vector<Work>& works) {
     }
   }
   if (batched.empty() || state_->job_failed()) return;
-  const uint32_t slot = 1 + static_cast<uint32_t>(batch_seq_++ % (transport::kMaxTagSlots - 1));
-  sparsify::BatchStep step(*transport_, slot, absl::Now() + options_.op_timeout);
+  sparsify::BatchStep step(*transport_, absl::Now() + options_.op_timeout);
   std::vector<double> local_sum(batched.size(), 0.0);
   std::vector<absl::Time> started(batched.size());
   std::vector<Work> all;

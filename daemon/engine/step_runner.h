@@ -99,7 +99,6 @@ class StepRunner {
   JobControl* const job_;
   Timeline* timeline_ = nullptr;
   uint32_t next_slot_ = 1;  // transport tag slots; 0 is the fused dense buffer
-  uint64_t batch_seq_ = 0;  // batched steps run: their rounds' slots
   // Scratch buffers (device memory of ops_).
   sparsify::DeviceBuffer<float> grad_, update_, fusion_;
   sparsify::DeviceBuffer<kernels::StepScalars> scalars_;

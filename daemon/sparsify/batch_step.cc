@@ -73,8 +73,8 @@ bool BatchStep::Batchable(const BucketState& b) {
   return false;
 }
 
-BatchStep::BatchStep(transport::Transport& transport, uint32_t batch_slot, absl::Time deadline)
-    : transport_(transport), slot_(batch_slot), deadline_(deadline) {}
+BatchStep::BatchStep(transport::Transport& transport, absl::Time deadline)
+    : transport_(transport), deadline_(deadline) {}
 
 BatchStep::~BatchStep() = default;
 
@@ -83,8 +83,23 @@ size_t BatchStep::size() const { return items_.size(); }
 CollectiveOptions BatchStep::Options(TagKind kind) const {
   CollectiveOptions o;
   o.deadline = deadline_;
-  o.tag = transport::MakeTag(slot_, kind);
+  // One tag per kind of round for every batch: batches run one after
+  // another, in the same order on every node.
+  o.tag = transport::MakeTag(0, kind);
   return o;
+}
+
+absl::Status BatchStep::Exchange(TagKind kind, std::string_view mine,
+                                 std::vector<std::string>* from) {
+  const CollectiveOptions o = Options(kind);
+  RETURN_IF_ERROR(transport_.ExchangeRound(mine, from, o));
+  // The next batch's round of this kind, posted now (so that even its first
+  // round costs one trip), with room for twice the longest message of this
+  // one: every node saw the same messages, so every node posts alike.
+  size_t longest = 0;
+  for (const std::string& m : *from) longest = std::max(longest, m.size());
+  transport_.Expect(o.tag, 2 * longest);
+  return absl::OkStatus();
 }
 
 absl::Status BatchStep::CopyCandidates(Item& it) {
@@ -534,7 +549,7 @@ absl::Status BatchStep::ReduceValues() {
     std::vector<std::string> from;
     const std::string_view bytes(reinterpret_cast<const char*>(mine.data()),
                                  mine.size() * sizeof(float));
-    RETURN_IF_ERROR(transport_.ExchangeRound(bytes, &from, Options(TagKind::kRound3)));
+    RETURN_IF_ERROR(Exchange(TagKind::kRound3, bytes, &from));
     for (int r = 0; r < n; ++r) {
       if (from[r].size() != total * sizeof(float)) {
         return BadMessage(r, "round 3", "(its values)");
@@ -575,17 +590,27 @@ absl::Status BatchStep::Run() {
     expected_values += it.stats.budget * (kind == SparsifierKind::kMicro ? 2 : transport_.size());
   }
   direct_values_ = transport_.DirectCheaper(expected_values * sizeof(float));
-  // Every round's receives posted now: rounds 2 and 3 then cost one trip.
-  transport_.Expect(Options(TagKind::kRound1).tag);
-  if (any_hist) transport_.Expect(Options(TagKind::kRound2).tag);
-  if (direct_values_) transport_.Expect(Options(TagKind::kRound3).tag);
+  // What each round's messages may take, from the budgets (the same on
+  // every node): the receives of the rounds not posted yet are posted now
+  // with room for them, so that rounds 2 and 3 cost one trip.
+  size_t round1 = 0, round2 = 0;
+  for (const Item& it : items_) {
+    round1 += sizeof(BucketState::Header) + 4 +
+              (it.hist ? 2048 : 2 * it.stats.budget * sizeof(uint32_t));
+    if (it.hist) round2 += 8 + 2 * it.stats.budget * (sizeof(uint32_t) + 1);
+  }
+  transport_.Expect(Options(TagKind::kRound1).tag, round1);
+  if (any_hist) transport_.Expect(Options(TagKind::kRound2).tag, round2);
+  if (direct_values_) {
+    transport_.Expect(Options(TagKind::kRound3).tag, expected_values * sizeof(float));
+  }
 
   std::vector<std::string> from;
-  RETURN_IF_ERROR(transport_.ExchangeRound(RoundOne(), &from, Options(TagKind::kRound1)));
+  RETURN_IF_ERROR(Exchange(TagKind::kRound1, RoundOne(), &from));
   RETURN_IF_ERROR(ReadRoundOne(from));
   if (any_hist) {
     RETURN_IF_ERROR(Rescans());
-    RETURN_IF_ERROR(transport_.ExchangeRound(RoundTwo(), &from, Options(TagKind::kRound2)));
+    RETURN_IF_ERROR(Exchange(TagKind::kRound2, RoundTwo(), &from));
     RETURN_IF_ERROR(ReadRoundTwo(from));
   }
   const absl::Time selected = absl::Now();

@@ -47,9 +47,10 @@ class BatchStep {
   // with fp32 values on the wire.
   static bool Batchable(const BucketState& bucket);
 
-  // `batch_slot` names the batch's rounds (the same on every node, and no
-  // other batch in flight uses it).
-  BatchStep(transport::Transport& transport, uint32_t batch_slot, absl::Time deadline);
+  // Batches of one transport run one after another, in the same order on
+  // every node: their rounds of a kind share a tag, and each round posts the
+  // next batch's receives (Transport::Expect).
+  BatchStep(transport::Transport& transport, absl::Time deadline);
   ~BatchStep();
   BatchStep(const BatchStep&) = delete;
   BatchStep& operator=(const BatchStep&) = delete;
@@ -84,9 +85,11 @@ class BatchStep {
   // The local coarse histogram of the candidates, sparse.
   absl::Status LocalCoarse(Item& it);
   transport::CollectiveOptions Options(transport::TagKind kind) const;
+  // One round of `kind`, then the next batch's round of that kind posted.
+  absl::Status Exchange(transport::TagKind kind, std::string_view mine,
+                        std::vector<std::string>* from);
 
   transport::Transport& transport_;
-  const uint32_t slot_;
   const absl::Time deadline_;
   std::vector<Item> items_;
   uint64_t rounds_ = 0;

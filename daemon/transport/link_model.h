@@ -13,17 +13,22 @@
 namespace microd::transport {
 
 struct LinkModel {
-  double round_seconds = 50e-6;         // a direct round of a few bytes
-  double bytes_per_second = 1e9;        // one rank's sending rate, to every peer together
+  // A direct round of a few bytes whose receives were not posted ahead (a
+  // sender waits for the receiver's notice: about a round trip), and one
+  // whose receives were (Transport::Expect: about a one-way trip).
+  double round_seconds = 50e-6;
+  double posted_round_seconds = 25e-6;
+  double bytes_per_second = 1e9;  // one rank's sending rate, to every peer together
   int ranks = 1;
 
-  // One direct round: `bytes` from every rank to each of its peers.
+  // One direct round, posted ahead: `bytes` from every rank to each peer.
   double DirectSeconds(size_t bytes) const;
   // An allreduce of `bytes` as a reduce-scatter and an allgather, every
-  // transfer of a phase at once (two rounds, 2 (n - 1) / n of the bytes).
+  // transfer of a phase at once (two rounds not posted ahead, 2 (n - 1) / n
+  // of the bytes).
   double TwoPhaseSeconds(size_t bytes) const;
-  // A direct round of the bytes, summed on every rank, costs no more than
-  // the two-phase allreduce.
+  // A direct round of the bytes (posted ahead), summed on every rank, costs
+  // no more than the two-phase allreduce.
   bool DirectCheaper(size_t bytes) const;
   // The part of a direct round's message that travels in its first
   // transfer (the rest follows in a second): about what the link carries

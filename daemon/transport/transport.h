@@ -56,6 +56,7 @@ enum class TagKind : uint32_t {
   kRound2 = 9,     // candidates near the threshold (hist)
   kRound3 = 10,    // values
   kRescan = 11,    // coarse histograms again after a rescan (hist, rare)
+  kCycle = 12,     // the response cache's cycle (slot 0): what every node has ready
 };
 // Bucket slots are below this (tags stay unique in 32 bits in every backend).
 constexpr uint32_t kMaxTagSlots = 1u << 20;
@@ -128,11 +129,15 @@ class Transport {
   // the bytes); messages are host memory in every backend.
   virtual absl::Status ExchangeRound(std::string_view mine, std::vector<std::string>* from,
                                      const CollectiveOptions& options);
-  // ExchangeRound with `tag` comes next on every rank, after the calls made
-  // before it: a backend may post its receives now, so that the round then
-  // costs one trip instead of two. Each Expect must be followed by its
-  // ExchangeRound (or the transport's end).
-  virtual void Expect(uint32_t tag) {}
+  // An ExchangeRound with `tag` comes later on every rank (the next one
+  // with that tag; rounds of one tag run in the same order everywhere): a
+  // backend may post its receives now, so that the round then costs one
+  // trip instead of two, and the messages up to `inline_bytes` (0: the
+  // backend's choice) go in one transfer. Every rank passes the same
+  // `inline_bytes`. Posting again before the round ran does nothing; the
+  // receives of a round that never comes stay posted until the transport's
+  // end.
+  virtual void Expect(uint32_t tag, size_t inline_bytes = 0) {}
   // Communication rounds so far: transfers that each wait for the ones
   // before them (a direct exchange is 1, a ring allgather n - 1, a ring
   // allreduce 2 (n - 1)). What a step's latency is made of.

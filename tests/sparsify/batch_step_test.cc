@@ -156,7 +156,7 @@ Outcomes RunSteps(int n, const SparsifyOptions& options, bool batched, std::arra
           record(b, st, update);
         }
         if (in_batch.empty()) continue;
-        BatchStep batch(t, static_cast<uint32_t>(step + 1), absl::Now() + absl::Seconds(60));
+        BatchStep batch(t, absl::Now() + absl::Seconds(60));
         for (size_t b : in_batch) {
           const bool absent = absent_at[0] == r && skip_absent && absent_at[2] == int(b);
           ASSERT_TRUE(batch.Add(state[b].get(), absent ? nullptr : grad[b].data()).ok());

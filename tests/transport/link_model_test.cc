@@ -11,16 +11,18 @@ namespace {
 TEST(LinkModel, DirectWinsWhileItsExtraBytesCostLessThanARound) {
   LinkModel m;
   m.ranks = 4;
-  m.round_seconds = 0.050;      // a 50 ms round
-  m.bytes_per_second = 125e6;   // 1 Gbit/s
-  // Direct: L + 3 B / BW; two-phase: 2 L + 1.5 B / BW; equal at B = L BW / 1.5.
-  const double crossover = 0.050 * 125e6 / 1.5;
+  m.round_seconds = 0.050;         // a 50 ms round trip
+  m.posted_round_seconds = 0.025;  // a one-way trip, the receives posted ahead
+  m.bytes_per_second = 125e6;      // 1 Gbit/s
+  // Direct: L/2 + 3 B / BW; two-phase: 2 L + 1.5 B / BW; equal at B = 1.5 L BW / 1.5.
+  const double crossover = 0.075 * 125e6 / 1.5;
   EXPECT_TRUE(m.DirectCheaper(static_cast<size_t>(crossover * 0.99)));
   EXPECT_FALSE(m.DirectCheaper(static_cast<size_t>(crossover * 1.01)));
-  EXPECT_NEAR(m.DirectSeconds(1 << 20), 0.050 + 3.0 * (1 << 20) / 125e6, 1e-12);
+  EXPECT_NEAR(m.DirectSeconds(1 << 20), 0.025 + 3.0 * (1 << 20) / 125e6, 1e-12);
   EXPECT_NEAR(m.TwoPhaseSeconds(1 << 20), 0.100 + 1.5 * (1 << 20) / 125e6, 1e-12);
-  // On a fast, near link the crossover is a few KiB.
+  // On a fast, near link the crossover is a few tens of KiB.
   m.round_seconds = 50e-6;
+  m.posted_round_seconds = 25e-6;
   m.bytes_per_second = 2e9;
   EXPECT_TRUE(m.DirectCheaper(16 << 10));
   EXPECT_FALSE(m.DirectCheaper(256 << 10));
@@ -31,25 +33,28 @@ TEST(LinkModel, DirectWinsWhileItsExtraBytesCostLessThanARound) {
 
 TEST(LinkModel, InlineBytesFollowWhatARoundCarries) {
   LinkModel m;
-  m.round_seconds = 0.050;
+  m.posted_round_seconds = 0.050;
   m.bytes_per_second = 125e6;
   EXPECT_EQ(m.InlineBytes(), size_t{4} << 20);  // 6.25 MB, capped
-  m.round_seconds = 0.002;
+  m.posted_round_seconds = 0.002;
   EXPECT_EQ(m.InlineBytes(), 250000u / 4096 * 4096);
-  m.round_seconds = 50e-6;
+  m.posted_round_seconds = 50e-6;
   EXPECT_EQ(m.InlineBytes(), size_t{64} << 10);  // floor
 }
 
 TEST(LinkModel, CombineTakesTheSlowestOfEach) {
   LinkModel a, b;
   a.round_seconds = 0.010;
+  a.posted_round_seconds = 0.001;
   a.bytes_per_second = 1e9;
   a.ranks = 3;
   b.round_seconds = 0.002;
+  b.posted_round_seconds = 0.002;
   b.bytes_per_second = 1e8;
   b.ranks = 3;
   const LinkModel c = LinkModel::Combine({a, b});
   EXPECT_EQ(c.round_seconds, 0.010);
+  EXPECT_EQ(c.posted_round_seconds, 0.002);
   EXPECT_EQ(c.bytes_per_second, 1e8);
   EXPECT_EQ(c.ranks, 3);
 }

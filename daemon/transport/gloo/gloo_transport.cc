@@ -77,6 +77,9 @@ constexpr uint8_t kAllgatherSlotPrefix = 0x42;
 // for a message past the inline size, its second.
 constexpr uint8_t kRoundSlotPrefix = 0x43;
 constexpr uint8_t kRoundRestSlotPrefix = 0x44;
+// The most of a round message that travels in its first transfer (what a
+// pre-posted receive holds per peer).
+constexpr size_t kMaxInlineBytes = size_t{64} << 20;
 // A round message says its length first.
 constexpr size_t kRoundLengthBytes = sizeof(uint64_t);
 // No message of a round is longer (a peer's length past it is a bad peer).
@@ -126,14 +129,14 @@ class GlooTransport final : public Transport {
     });
   }
 
-  void Expect(uint32_t tag) override {
+  void Expect(uint32_t tag, size_t inline_bytes) override {
     if (size() == 1 || posted_.count(tag) != 0) return;
     {
       absl::MutexLock lock(&mu_);
       if (!broken_.ok()) return;
     }
     try {
-      posted_[tag] = PostRound(tag);
+      posted_[tag] = PostRound(tag, inline_bytes);
     } catch (const std::exception& e) {
       Break(FromException(e, "Expect", tag));
     }
@@ -142,7 +145,9 @@ class GlooTransport final : public Transport {
   bool DirectCheaper(size_t bytes) const override { return model_.DirectCheaper(bytes); }
 
   // The link model every rank uses: each rank times direct rounds of a few
-  // bytes (the latency) and of 60 KiB to every peer (the bandwidth), then
+  // bytes, without and with their receives posted ahead (the latencies),
+  // and posted ones of 60 and 240 KiB to every peer (the bandwidth, from
+  // the difference: what a round's first flight costs cancels out); then
   // all take the slowest of each (LinkModel::Combine).
   absl::Status MeasureLinks(absl::Time deadline) {
     model_.ranks = size();
@@ -151,29 +156,49 @@ class GlooTransport final : public Transport {
     o.deadline = deadline;
     o.tag = MakeTag(0, TagKind::kControl);
     std::vector<std::string> from;
-    auto timed = [&](size_t bytes) -> absl::StatusOr<double> {
+    auto timed = [&](size_t bytes, bool posted) -> absl::StatusOr<double> {
       const std::string mine(bytes, 'x');
+      if (posted) {
+        Expect(o.tag, bytes + 4096);
+        // The others post theirs too before anyone sends: a round apart.
+        RETURN_IF_ERROR(ExchangeRound("", &from, [&] {
+          CollectiveOptions b = o;
+          b.tag = MakeTag(1, TagKind::kControl);
+          return b;
+        }()));
+      }
       const absl::Time t0 = absl::Now();
       RETURN_IF_ERROR(ExchangeRound(mine, &from, o));
       return absl::ToDoubleSeconds(absl::Now() - t0);
     };
-    std::vector<double> small, large;
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    std::vector<double> cold, posted, small, large;
     for (int i = 0; i < 5; ++i) {
-      ASSIGN_OR_RETURN(const double t, timed(8));
-      small.push_back(t);
+      ASSIGN_OR_RETURN(const double t, timed(8, false));
+      cold.push_back(t);
     }
-    constexpr size_t kProbeBytes = 60 << 10;  // inside the first transfer
+    for (int i = 0; i < 5; ++i) {
+      ASSIGN_OR_RETURN(const double t, timed(8, true));
+      posted.push_back(t);
+    }
+    constexpr size_t kSmall = 60 << 10, kLarge = 240 << 10;
     for (int i = 0; i < 2; ++i) {
-      ASSIGN_OR_RETURN(const double t, timed(kProbeBytes));
-      large.push_back(t);
+      ASSIGN_OR_RETURN(const double a, timed(kSmall, true));
+      small.push_back(a);
+      ASSIGN_OR_RETURN(const double b, timed(kLarge, true));
+      large.push_back(b);
     }
-    std::sort(small.begin(), small.end());
     LinkModel mine;
     mine.ranks = size();
-    mine.round_seconds = small[small.size() / 2];
-    const double extra = *std::min_element(large.begin(), large.end()) - mine.round_seconds;
-    mine.bytes_per_second =
-        static_cast<double>(size() - 1) * kProbeBytes / std::max(extra, 1e-6);
+    mine.round_seconds = median(cold);
+    mine.posted_round_seconds = std::min(median(posted), mine.round_seconds);
+    const double extra = *std::min_element(large.begin(), large.end()) -
+                         *std::min_element(small.begin(), small.end());
+    mine.bytes_per_second = static_cast<double>(size() - 1) * (kLarge - kSmall) /
+                            std::max(extra, 1e-6);
     std::vector<LinkModel> all(size());
     RETURN_IF_ERROR(Allgather(&mine, sizeof mine, all.data(), o));
     model_ = LinkModel::Combine(all);
@@ -395,14 +420,21 @@ class GlooTransport final : public Transport {
     std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> recv;
   };
 
+  // The inline size (a multiple of 4 KiB, at most kMaxInlineBytes) in the
+  // slot's low 24 bits, in 4 KiB units: ranks that disagree on it never
+  // match each other's transfers (Gloo aborts the process on a message
+  // longer than the receive posted for it).
   uint64_t InlineSlot(uint32_t tag, size_t inline_bytes) const {
-    static_assert((4 << 20) < (1 << 24), "the inline size fits the slot's low bits");
-    return gloo::Slot::build(kRoundSlotPrefix, tag) + inline_bytes;
+    static_assert((kMaxInlineBytes >> 12) < (1 << 24), "the inline size fits the slot's low bits");
+    return gloo::Slot::build(kRoundSlotPrefix, tag) + (inline_bytes >> 12);
   }
 
-  std::unique_ptr<PostedRound> PostRound(uint32_t tag) {
+  std::unique_ptr<PostedRound> PostRound(uint32_t tag, size_t inline_bytes = 0) {
     auto round = std::make_unique<PostedRound>();
-    round->inline_bytes = model_.InlineBytes();
+    // At least the model's, rounded up to 4 KiB, at most kMaxInlineBytes.
+    inline_bytes = std::max(inline_bytes, model_.InlineBytes());
+    inline_bytes = std::min<size_t>((inline_bytes + 4095) / 4096 * 4096, kMaxInlineBytes);
+    round->inline_bytes = inline_bytes;
     const int n = size();
     round->inbox.resize(n);
     round->recv.resize(n);
