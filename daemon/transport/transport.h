@@ -129,14 +129,14 @@ class Transport {
   // the bytes); messages are host memory in every backend.
   virtual absl::Status ExchangeRound(std::string_view mine, std::vector<std::string>* from,
                                      const CollectiveOptions& options);
-  // An ExchangeRound with `tag` comes later on every rank (the next one
-  // with that tag; rounds of one tag run in the same order everywhere): a
-  // backend may post its receives now, so that the round then costs one
-  // trip instead of two, and the messages up to `inline_bytes` (0: the
-  // backend's choice) go in one transfer. Every rank passes the same
-  // `inline_bytes`. Posting again before the round ran does nothing; the
-  // receives of a round that never comes stay posted until the transport's
-  // end.
+  // ExchangeRounds with `tag` come later on every rank (rounds of one tag
+  // run in the same order everywhere): a backend may post their receives
+  // now, so that a round then costs one trip instead of two, and messages
+  // up to `inline_bytes` (0: the backend's choice) go in one transfer.
+  // Every rank makes the same calls. Gloo keeps the next two rounds of a
+  // tag posted (a receive's notice needs a one-way trip to reach the
+  // sender); receives of rounds that never come stay posted until the
+  // transport's end.
   virtual void Expect(uint32_t tag, size_t inline_bytes = 0) {}
   // Communication rounds so far: transfers that each wait for the ones
   // before them (a direct exchange is 1, a ring allgather n - 1, a ring

@@ -28,6 +28,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <functional>
 #include <map>
@@ -80,6 +81,8 @@ constexpr uint8_t kRoundRestSlotPrefix = 0x44;
 // The most of a round message that travels in its first transfer (what a
 // pre-posted receive holds per peer).
 constexpr size_t kMaxInlineBytes = size_t{64} << 20;
+// Rounds of a tag whose receives Expect keeps posted.
+constexpr size_t kRoundsPosted = 2;
 // A round message says its length first.
 constexpr size_t kRoundLengthBytes = sizeof(uint64_t);
 // No message of a round is longer (a peer's length past it is a bad peer).
@@ -130,13 +133,17 @@ class GlooTransport final : public Transport {
   }
 
   void Expect(uint32_t tag, size_t inline_bytes) override {
-    if (size() == 1 || posted_.count(tag) != 0) return;
+    if (size() == 1) return;
+    std::deque<std::unique_ptr<PostedRound>>& queue = posted_[tag];
     {
       absl::MutexLock lock(&mu_);
       if (!broken_.ok()) return;
     }
     try {
-      posted_[tag] = PostRound(tag, inline_bytes);
+      // Two rounds ahead: a receive's notice takes a one-way trip to reach
+      // the sender, so the round right after this one (a cycle after a
+      // cycle) finds the next one's notice there already.
+      while (queue.size() < kRoundsPosted) queue.push_back(PostRound(tag, inline_bytes));
     } catch (const std::exception& e) {
       Break(FromException(e, "Expect", tag));
     }
@@ -156,19 +163,19 @@ class GlooTransport final : public Transport {
     o.deadline = deadline;
     o.tag = MakeTag(0, TagKind::kControl);
     std::vector<std::string> from;
+    // Each kind of probe round its own tag (slots 1-4 of the control tags).
     auto timed = [&](size_t bytes, bool posted) -> absl::StatusOr<double> {
       const std::string mine(bytes, 'x');
+      CollectiveOptions r = o;
+      r.tag = MakeTag(!posted ? 1 : bytes <= 8 ? 2 : bytes <= (64 << 10) ? 3 : 4,
+                      TagKind::kControl);
       if (posted) {
-        Expect(o.tag, bytes + 4096);
+        Expect(r.tag, bytes + 4096);
         // The others post theirs too before anyone sends: a round apart.
-        RETURN_IF_ERROR(ExchangeRound("", &from, [&] {
-          CollectiveOptions b = o;
-          b.tag = MakeTag(1, TagKind::kControl);
-          return b;
-        }()));
+        RETURN_IF_ERROR(ExchangeRound("", &from, o));
       }
       const absl::Time t0 = absl::Now();
-      RETURN_IF_ERROR(ExchangeRound(mine, &from, o));
+      RETURN_IF_ERROR(ExchangeRound(mine, &from, r));
       return absl::ToDoubleSeconds(absl::Now() - t0);
     };
     auto median = [](std::vector<double> v) {
@@ -462,9 +469,9 @@ class GlooTransport final : public Transport {
     const auto started = std::chrono::steady_clock::now();
     const auto deadline = started + timeout;
     std::unique_ptr<PostedRound> round;
-    if (auto it = posted_.find(tag); it != posted_.end()) {
-      round = std::move(it->second);
-      posted_.erase(it);
+    if (auto it = posted_.find(tag); it != posted_.end() && !it->second.empty()) {
+      round = std::move(it->second.front());
+      it->second.pop_front();
     } else {
       round = PostRound(tag);
     }
@@ -803,7 +810,7 @@ class GlooTransport final : public Transport {
   const absl::Duration default_timeout_;
   LinkModel model_;  // the same on every rank (MeasureLinks)
   // Rounds whose receives Expect posted, by tag (engine thread only).
-  std::map<uint32_t, std::unique_ptr<PostedRound>> posted_;
+  std::map<uint32_t, std::deque<std::unique_ptr<PostedRound>>> posted_;
   std::unique_ptr<char[]> scratch_;
   size_t scratch_bytes_ = 0;
   absl::Mutex mu_;
