@@ -93,6 +93,9 @@ ABSL_FLAG(int, gloo_io_nice, 0,
           "sharing a few cores (tests, one-machine runs), where that thread's busy-waiting "
           "otherwise costs a scheduler time slice per small collective; leave 0 where training "
           "keeps every core busy");
+ABSL_FLAG(int, data_connections, 0,
+          "Gloo connections per pair of nodes; large allreduces go in parts over all of them "
+          "(0: 4 where a round on the data plane takes 2 ms or more, measured at start, else 1)");
 ABSL_FLAG(std::string, sparsifier, "micro", "micro, topk, hard or dense");
 ABSL_FLAG(std::string, controller, "hist", "micro threshold controller: hist or paper");
 ABSL_FLAG(double, density, 0.01, "target density in (0, 1]");
@@ -361,6 +364,10 @@ absl::Status CheckRanges() {
   }
   if (absl::GetFlag(FLAGS_cycle_floats) > (uint64_t{1} << 20)) {
     return Bad("--cycle_floats", absl::InvalidArgumentError("must be at most 1048576"));
+  }
+  if (const int c = absl::GetFlag(FLAGS_data_connections); c < 0 || c > 16) {
+    return Bad("--data_connections",
+               absl::InvalidArgumentError(absl::StrCat("must be in [0, 16], not ", c)));
   }
   if (const int nice = absl::GetFlag(FLAGS_gloo_io_nice); nice < 0 || nice > 19) {
     return Bad("--gloo_io_nice",
@@ -836,6 +843,7 @@ absl::Status Daemon::StartDataPlane(const microd::engine::EngineOptions& eo) {
     go.hostname = *data_address;
     go.timeout = config_.op_timeout;
     go.io_nice = absl::GetFlag(FLAGS_gloo_io_nice);
+    go.connections = absl::GetFlag(FLAGS_data_connections);
     auto created = microd::transport::CreateGlooTransport(go);
     if (!created.ok()) return Bad("transport", created.status());
     transport_ = std::move(created).value();
@@ -844,9 +852,10 @@ absl::Status Daemon::StartDataPlane(const microd::engine::EngineOptions& eo) {
         m != nullptr && m->ranks > 1) {
       std::fprintf(stderr,
                    "microd: data plane links (slowest of every node's): a direct round takes "
-                   "%.3f ms (%.3f ms posted ahead), a node sends %.1f MB/s\n",
+                   "%.3f ms (%.3f ms posted ahead), a node sends %.1f MB/s; %d connection(s) "
+                   "per pair\n",
                    m->round_seconds * 1e3, m->posted_round_seconds * 1e3,
-                   m->bytes_per_second / 1e6);
+                   m->bytes_per_second / 1e6, m->connections);
     }
     return absl::OkStatus();
   }

@@ -20,6 +20,7 @@ struct LinkModel {
   double posted_round_seconds = 25e-6;
   double bytes_per_second = 1e9;  // one rank's sending rate, to every peer together
   int ranks = 1;
+  int connections = 1;  // per pair of ranks (large allreduces use them all)
 
   // One direct round, posted ahead: `bytes` from every rank to each peer.
   double DirectSeconds(size_t bytes) const;

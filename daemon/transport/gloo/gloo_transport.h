@@ -31,6 +31,11 @@ struct GlooOptions {
   // waited-for thread run first. Leave it at 0 where training processes keep
   // every core busy: the network thread would then get little CPU.
   int io_nice = 0;
+  // Connections per pair of ranks, each a full mesh of its own: large
+  // allreduces are cut into one part per connection, all at once (on long
+  // links one connection cannot fill the link). 0: 4 where a round takes
+  // 2 ms or more (measured at creation), else 1.
+  int connections = 0;
 };
 
 // Connects the full mesh (blocking until every rank arrived or the timeout).
