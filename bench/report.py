@@ -231,6 +231,57 @@ def times(v, spec):
     return "-" if v is None else format(v, spec) + "x"
 
 
+def latency_rows(latency):
+    """Per link (rate and round trip) and workload: Gloo, microd and the
+    floor, each microd figure beside Gloo's and the floor from the same run,
+    with microd's rounds per step."""
+    rows = []
+    for config, cr in latency.get("latency", {}).items():
+        for workload, methods in cr.get("workloads", {}).items():
+            gloo = methods.get("gloo", {}).get("ms")
+            floor = methods.get("floor", {}).get("ms")
+            row = {"config": config, "rate": cr["rate"],
+                   "rtt_ms": cr.get("link", {}).get("rtt_ms_median"), "workload": workload,
+                   "methods": {}}
+            for name, r in methods.items():
+                m = dict(r)
+                if "ms" in r and gloo and name.startswith("microd"):
+                    m["vs_gloo"] = gloo / r["ms"]
+                if "ms" in r and floor and name.startswith("microd"):
+                    m["vs_floor"] = r["ms"] / floor
+                row["methods"][name] = m
+            rows.append(row)
+    return rows
+
+
+def render_latency(report):
+    rows = report.get("latency")
+    if not rows:
+        return []
+    L = ["", "### Latency: round trips and many buckets", "",
+         "Per link (rate, measured round trip) and workload (buckets x floats, every bucket "
+         "submitted at once and then waited for): Gloo = torch.distributed's Gloo, one async "
+         "`all_reduce` per bucket; microd's rounds per step beside its time "
+         "(`bench/network/run.py --latency`).", "",
+         "| link | workload | Gloo dense | micro 1 % | micro 0.1 % | floor |",
+         "|---|---|---:|---:|---:|---:|"]
+    for row in rows:
+        cells = [f"{row['rate']}, RTT {fmt(row['rtt_ms'], '.1f')} ms", row["workload"]]
+        for name in ("gloo", "microd-micro-1%", "microd-micro-0.1%", "floor"):
+            r = row["methods"].get(name)
+            if not r:
+                cells.append("-")
+            elif "error" in r:
+                cells.append("FAILED")
+            elif name in ("gloo", "floor"):
+                cells.append(f"{r['ms']:,.0f} ms")
+            else:
+                cells.append(f"{r['ms']:,.0f} ms ({r.get('vs_gloo', 0):.1f}x faster, "
+                             f"{r.get('rounds_per_step', 0)} rounds)")
+        L.append("| " + " | ".join(cells) + " |")
+    return L
+
+
 def render_network(report):
     L = []
     net = report.get("network")
@@ -288,6 +339,7 @@ def render_network(report):
                          f"{row['best_possible_vs_gloo']:.1f}x here: the nodes' passes over the "
                          f"bucket share this machine's cores")
             L.append(line)
+    L += render_latency(report)
     for rate, tr in report.get("network_training", {}).items():
         cfg = tr["config"]
         L += ["", f"### Training on the emulated network at {rate}", "",
@@ -487,6 +539,9 @@ def build_report(dir_):
     network = load(os.path.join(dir_, "network.json"))
     if network:
         report["network"] = {"config": network["config"], "rows": network_rows(network)}
+    latency = load(os.path.join(dir_, "latency.json"))
+    if latency:
+        report["latency"] = latency_rows(latency)
     report["network_training"] = {}
     for rate in TRAINING_RATES:
         t = load(os.path.join(dir_, f"training-{rate}.json"))

@@ -218,6 +218,57 @@ def targets(rate_results, rate):
     return out
 
 
+def run_latency(args, env, work):
+    """The latency dimension: per link (rate and one-way delay per link
+    ingress, so a round trip crosses two), per workload (buckets x floats,
+    every bucket submitted at once), Gloo's dense allreduce (one async
+    all_reduce per bucket) beside microd, with the rounds of microd's
+    step. Returns {config: {"link": ..., "workloads": {w: {method: r}}}}."""
+    out = {}
+    methods = [m for m in METHODS if m[0] in args.methods.split(",")]
+    for config in args.configs.split(","):
+        rate, delay = config.split("@")
+        print(f"== {args.nodes} nodes, links at {rate}, {delay} each way", flush=True)
+        lab = Lab(args.nodes, rate, delay, env)
+        cr = {"rate": rate, "delay": delay, "workloads": {}}
+        try:
+            cr["link"] = run_probe(lab, {"probe_bytes": 50_000_000 if rate.endswith("gbit")
+                                         else 5_000_000}, 60)
+            print(f"   link: {cr['link']['mb_per_s']:.1f} MB/s, round trip "
+                  f"{cr['link']['rtt_ms_median']:.3f} ms (median)", flush=True)
+            for workload in args.workloads.split(","):
+                nb, size = (int(x) for x in workload.split("x"))
+                wr = cr["workloads"][workload] = {}
+                for name, flags in methods:
+                    d = os.path.join(work, config, workload, name)
+                    shutil.rmtree(d, ignore_errors=True)
+                    os.makedirs(d)
+                    sub = argparse.Namespace(**vars(args))
+                    sub.size, sub.buckets = nb * size, nb
+                    sub.steps = args.slow_steps if name in ("gloo", "microd-dense") else args.steps
+                    try:
+                        if name == "gloo":
+                            r = run_gloo(lab, sub, d)
+                        elif name == "floor":
+                            r = run_floor(lab, sub, d)
+                        else:
+                            r = run_microd(lab, sub, d, flags)
+                    except RuntimeError as e:
+                        r = {"error": str(e), "logs": d}
+                    wr[name] = r
+                    if "error" in r:
+                        print(f"   {workload:>12} {name:<20} FAILED: {r['error']}", flush=True)
+                    else:
+                        rounds = (f", {r['rounds_per_step']} rounds"
+                                  if "rounds_per_step" in r else "")
+                        print(f"   {workload:>12} {name:<20} {r['ms']:9.1f} ms/step{rounds}",
+                              flush=True)
+        finally:
+            lab.down()
+        out[config] = cr
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
@@ -236,6 +287,13 @@ def main():
     ap.add_argument("--methods", default=",".join(m[0] for m in METHODS))
     ap.add_argument("--timeout", type=float, default=600, help="seconds per method")
     ap.add_argument("--work", default="", help="per-run files (default: a temporary folder)")
+    ap.add_argument("--latency", action="store_true",
+                    help="the latency dimension instead: --configs x --workloads")
+    ap.add_argument("--configs", default="1gbit@0.05ms,1gbit@5ms,1gbit@25ms,100mbit@25ms",
+                    help="--latency: RATE@DELAY, the delay one way per link ingress (a round "
+                         "trip crosses two)")
+    ap.add_argument("--workloads", default="1x25557032,16x1597315",
+                    help="--latency: BUCKETSxFLOATS each")
     args = ap.parse_args()
     args.build = os.path.abspath(args.build)
     if os.geteuid() != 0:
@@ -244,6 +302,17 @@ def main():
     env = dict(os.environ, NETLAB_DELAY_BIN=os.path.join(args.build, "deploy", "netlab",
                                                          "microd-netlab-delay"))
     work = args.work or tempfile.mkdtemp(prefix="microd-bench-network-")
+    if args.latency:
+        results = {"config": {"nodes": args.nodes, "steps": args.steps,
+                              "slow_steps": args.slow_steps},
+                   "latency": run_latency(args, env, work)}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"   written {args.out}")
+        ok = all("error" not in m for c in results["latency"].values()
+                 for w in c["workloads"].values() for m in w.values())
+        return 0 if ok else 1
     results = {"config": {"nodes": args.nodes, "size": args.size, "buckets": args.buckets,
                           "steps": args.steps, "delay": args.delay}, "rates": {}}
     for rate in args.rates.split(","):

@@ -171,6 +171,25 @@ def test_network_section_ratios_and_the_floor_bound():
     assert "allows at most 18.6x here" in md
 
 
+def test_latency_section_ratios_and_rounds():
+    latency = {"latency": {"1gbit@25ms": {"rate": "1gbit", "delay": "25ms",
+                                          "link": {"rtt_ms_median": 50.9},
+                                          "workloads": {"16x1597315": {
+                                              "gloo": {"ms": 2983.5},
+                                              "microd-micro-0.1%": {"ms": 240.0,
+                                                                    "rounds_per_step": 3},
+                                              "floor": {"ms": 98.6}}}}}}
+    rows = report.latency_rows(latency)
+    assert len(rows) == 1
+    m = rows[0]["methods"]["microd-micro-0.1%"]
+    assert m["vs_gloo"] == pytest.approx(2983.5 / 240.0)
+    assert m["vs_floor"] == pytest.approx(240.0 / 98.6)
+    md = report.render_markdown({"network": {"config": network_fixture()["config"],
+                                             "rows": report.network_rows(network_fixture())},
+                                 "latency": rows})
+    assert "| 1gbit, RTT 50.9 ms | 16x1597315 | 2,984 ms | - | 240 ms (12.4x faster, 3 rounds) |" in md
+
+
 def test_time_to_accuracy_target():
     tta = {"config": {"netlab_rate": "100mbit", "budget": 100, "eval_every": 10},
            "methods": [{"name": "ddp", "curve": [[0, 0, 0.1], [50, 4, 0.5], [100, 8, 0.6]]},
@@ -228,6 +247,12 @@ def test_smoke_run_of_make_bench(tmp_path):
         assert "error" not in m, (name, m)
         assert len(m["step_ms"]) == 3 and m["ms"] > 0, name
     assert net["rates"]["1gbit"]["link"]["mb_per_s"] > 0
+    lat = json.loads((tmp_path / "latency.json").read_text())
+    for workload, methods in lat["latency"]["1gbit@5ms"]["workloads"].items():
+        for name, m in methods.items():
+            assert "error" not in m, (workload, name, m)
+        assert methods["microd-micro-0.1%"]["rounds_per_step"] >= 2, workload
+    assert "### Latency: round trips and many buckets" in md
     for rate in ("1gbit", "100mbit"):
         t = json.loads((tmp_path / f"training-{rate}.json").read_text())
         assert t["config"]["netlab_rate"] == rate
