@@ -102,6 +102,8 @@ def run_method(name, method, extra, daemon_args, args, env, lab=None):
               "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
               "--width", str(args.width), "--lr", str(args.lr), "--port", str(free_port()),
               "--out-dir", out_dir, "--microctl", os.path.join(args.build, "daemon", "microctl")]
+    if args.budget > 0 and args.target_accuracy > 0:
+        worker += ["--target-accuracy", str(args.target_accuracy)]
     if args.budget > 0:
         worker += ["--budget", str(args.budget), "--eval-every", str(args.eval_every),
                    "--eval-size", str(args.eval_size)]
@@ -171,6 +173,8 @@ def summarize(ranks, warmup):
     }
     if "curve" in r0:
         out["curve"] = r0["curve"]
+    if "reached" in r0:
+        out["reached"] = r0["reached"]
     buckets = r0.get("daemon_buckets")
     if buckets is not None:
         steps = max(1, out["steps"])
@@ -216,6 +220,9 @@ def main():
                     help="time to accuracy: seconds of training per method instead of --steps")
     ap.add_argument("--eval-every", type=float, default=15,
                     help="with --budget: seconds of training between test-accuracy evaluations")
+    ap.add_argument("--target-accuracy", type=float, default=0,
+                    help="with --budget: each method trains until its test accuracy reaches "
+                         "this (time to accuracy; the budget bounds it)")
     ap.add_argument("--eval-size", type=int, default=1000,
                     help="with --budget: test images per evaluation (the same ones every time)")
     args = ap.parse_args()
@@ -249,8 +256,10 @@ def main():
                 print(f"FAILED: {r['error']}")
             elif "curve" in r:
                 last = r["curve"][-1] if r["curve"] else [0, 0, 0]
+                reached = (f"; {100 * args.target_accuracy:.0f} % after {r['reached'][1]} steps, "
+                           f"{r['reached'][0]:.0f} s" if "reached" in r else "")
                 print(f"{r['step_ms']:9.1f} ms/step  {last[1]} steps in {last[0]:.0f} s: test "
-                      f"accuracy {100 * last[2]:.1f} %  ({r['wall_seconds']:.0f} s)")
+                      f"accuracy {100 * last[2]:.1f} %{reached}  ({r['wall_seconds']:.0f} s)")
             else:
                 print(f"{r['step_ms']:9.1f} ms/step {r['bytes_per_process_per_step'] / 1e6:10.3f} "
                       f"MB/step  test loss {r['test_loss']:.4f}  ({r['wall_seconds']:.0f} s)")
@@ -259,7 +268,8 @@ def main():
             lab.close()
     config = {k: getattr(args, k) for k in ("nodes", "steps", "warmup", "batch", "width", "lr",
                                             "momentum", "smoke", "netlab_rate", "netlab_delay",
-                                            "budget", "eval_every", "eval_size")}
+                                            "budget", "eval_every", "eval_size",
+                                            "target_accuracy")}
     if args.update and os.path.exists(args.out):
         with open(args.out) as f:
             old = json.load(f)

@@ -93,6 +93,9 @@ def main():
                     help="time-to-accuracy: train for this many seconds (not --steps), "
                          "evaluating the test accuracy every --eval-every seconds")
     ap.add_argument("--eval-every", type=float, default=20)
+    ap.add_argument("--target-accuracy", type=float, default=0,
+                    help="with --budget: stop as soon as an evaluation reaches this test "
+                         "accuracy (the budget then bounds the run)")
     ap.add_argument("--eval-size", type=int, default=2000)
     ap.add_argument("--microctl", default=os.environ.get("MICROCTL", ""))
     ap.add_argument("--out-dir", required=True)
@@ -162,6 +165,9 @@ def main():
                 record["curve"].append([trained, step, acc])
                 record["eval_seconds"] = record.get("eval_seconds", 0) + time.perf_counter() - e0
                 next_eval += args.eval_every
+                if 0 < args.target_accuracy <= acc and "reached" not in record:
+                    record["reached"] = [trained, step]  # training seconds, steps
+                    done = True
             stop[0] = 1.0 if done else 0.0
             dist.broadcast(stop, 0)
             if stop[0] > 0:

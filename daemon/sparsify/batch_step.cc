@@ -197,6 +197,14 @@ absl::Status BatchStep::Add(BucketState* bucket, const float* grad) {
   return absl::OkStatus();
 }
 
+void BatchStep::KeepOnly(const std::vector<size_t>& indices) {
+  std::vector<Item> kept;
+  for (size_t i : indices) {
+    if (i < items_.size()) kept.push_back(std::move(items_[i]));
+  }
+  items_ = std::move(kept);
+}
+
 std::string BatchStep::RoundOne() {
   RoundWriter w;
   for (Item& it : items_) {

@@ -61,6 +61,10 @@ class BatchStep {
   // node adds the same buckets in the same order. A kernel failure is
   // returned (the batch cannot run).
   absl::Status Add(BucketState* bucket, const float* grad);
+  // Keeps only the buckets added at these indices (ascending), in that
+  // order: the others' passes are dropped, their state unchanged (a pass
+  // writes only the idle residual and scratch). Before Run.
+  void KeepOnly(const std::vector<size_t>& indices);
   // The rounds. An error is the batch's: no bucket's state changed.
   absl::Status Run();
   // Then, per bucket (index in Add order): its averaged update written to
