@@ -44,8 +44,12 @@ Engine::Engine(EngineOptions options, control::Membership membership,
 Engine::~Engine() { Stop(absl::CancelledError("the daemon is shutting down")); }
 
 void Engine::Start() {
-  negotiator_ =
-      MakeNegotiator(options_, membership_, client_, transport_, ops_, &state_, this);
+  Speculator speculate;
+  if (!options_.device_resident) {
+    speculate = [this](const std::vector<size_t>& ids) { return runner_.Speculate(ids); };
+  }
+  negotiator_ = MakeNegotiator(options_, membership_, client_, transport_, ops_, &state_, this,
+                               std::move(speculate));
   thread_ = std::thread([this] { Loop(); });
   poll_thread_ = std::thread([this] { PollLoop(); });
 }
@@ -228,7 +232,7 @@ void Engine::Run(Plan& plan) {
   if (!plan.in_cycle.ids.empty()) {
     RunInCycle(plan.in_cycle, /*count_batch=*/plan.cached.scheduled.empty());
   }
-  if (!plan.cached.scheduled.empty()) RunBatch(plan.cached, /*cached=*/true);
+  if (!plan.cached.scheduled.empty()) RunBatch(plan.cached, /*cached=*/true, plan.speculation);
 }
 
 void Engine::RunInCycle(const InCycle& in_cycle, bool count_batch) {
@@ -248,7 +252,8 @@ void Engine::RunInCycle(const InCycle& in_cycle, bool count_batch) {
   runner_.FinishInCycle(works, in_cycle);
 }
 
-void Engine::RunBatch(const control::ScheduleBatch& batch, bool cached) {
+void Engine::RunBatch(const control::ScheduleBatch& batch, bool cached,
+                      std::shared_ptr<Speculation> speculation) {
   std::vector<Work> dense, sparse;
   std::vector<std::pair<Work, absl::Status>> refused;
   {
@@ -277,7 +282,7 @@ void Engine::RunBatch(const control::ScheduleBatch& batch, bool cached) {
   }
   for (auto& [w, s] : refused) Complete(w, s);
   if (!dense.empty()) runner_.RunFusedDense(dense);
-  if (!sparse.empty()) runner_.RunSparse(sparse);
+  if (!sparse.empty()) runner_.RunSparse(sparse, std::move(speculation));
   std::vector<const Work*> ran;
   for (const std::vector<Work>* ws : {&dense, &sparse}) {
     for (const Work& w : *ws) ran.push_back(&w);

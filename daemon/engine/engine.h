@@ -94,7 +94,9 @@ class Engine final : public local::LocalHandler, private JobControl {
   void Loop();
   void Run(Plan& plan);
   // `cached`: a batch of cached buckets agreed in a cycle, not from the log.
-  void RunBatch(const control::ScheduleBatch& batch, bool cached);
+  // `speculation`: the passes of its buckets begun during the cycle.
+  void RunBatch(const control::ScheduleBatch& batch, bool cached,
+                std::shared_ptr<Speculation> speculation = nullptr);
   void RunInCycle(const InCycle& in_cycle, bool count_batch);
   // Reads the coordinator's schedule log into EngineState::schedule.
   void PollLoop();

@@ -57,8 +57,10 @@ class CycleNegotiator final : public Negotiator {
  public:
   CycleNegotiator(const EngineOptions& options, const control::Membership& membership,
                   control::CoordinatorClient* client, transport::Transport* transport,
-                  kernels::SparseOps* ops, EngineState* state, JobControl* job)
-      : options_(options),
+                  kernels::SparseOps* ops, EngineState* state, JobControl* job,
+                  Speculator speculate)
+      : speculate_(std::move(speculate)),
+        options_(options),
         membership_(membership),
         client_(client),
         transport_(transport),
@@ -83,8 +85,10 @@ class CycleNegotiator final : public Negotiator {
   };
 
   // This node's message (without the local sums yet), the buckets whose
-  // local sums go in it, and where (slot, by cache id; kNoSlot: none).
-  CycleMessage Prepare(std::vector<uint64_t>* slot, std::vector<ToSend>* to_send);
+  // local sums go in it, and where (slot, by cache id; kNoSlot: none); the
+  // sparse cached buckets ready here (`sparse`, ascending).
+  CycleMessage Prepare(std::vector<uint64_t>* slot, std::vector<ToSend>* to_send,
+                       std::vector<size_t>* sparse);
   // The local sums into `mine` (host memory; none with a NaN/Inf: those go
   // the usual way, which reports it).
   void SumForCycle(const std::vector<ToSend>& to_send, const std::vector<uint64_t>& slot,
@@ -103,6 +107,8 @@ class CycleNegotiator final : public Negotiator {
   void ReportLoop();
 
   static constexpr uint64_t kNoSlot = ~uint64_t{0};
+
+  const Speculator speculate_;
 
   const EngineOptions& options_;
   const control::Membership& membership_;
@@ -159,7 +165,8 @@ std::optional<Plan> CycleNegotiator::Next() {
   return plan;
 }
 
-CycleMessage CycleNegotiator::Prepare(std::vector<uint64_t>* slot, std::vector<ToSend>* to_send) {
+CycleMessage CycleNegotiator::Prepare(std::vector<uint64_t>* slot, std::vector<ToSend>* to_send,
+                                      std::vector<size_t>* sparse) {
   // The room, in floats: --cycle_floats, but the whole allgather kept under
   // 256 KiB, where the transport sends it to every peer in one round.
   const uint64_t per_node = (uint64_t{64} << 10) / membership_.node_count;
@@ -180,7 +187,9 @@ CycleMessage CycleNegotiator::Prepare(std::vector<uint64_t>* slot, std::vector<T
   CycleMessage mine = CycleMessage::Empty(ids, floats);
   mine.batches_received = state_->log_run + state_->schedule.size();
   for (size_t i = 0; i < ids; ++i) {
-    if (table.cached_ready(i)) mine.SetReady(i);
+    if (!table.cached_ready(i)) continue;
+    mine.SetReady(i);
+    if (!table.cached(i).dense) sparse->push_back(i);
   }
   return mine;
 }
@@ -261,12 +270,21 @@ absl::StatusOr<std::vector<CycleMessage>> CycleNegotiator::Exchange(const CycleM
 Plan CycleNegotiator::Cycle() {
   std::vector<uint64_t> slot;
   std::vector<ToSend> to_send;
-  CycleMessage mine = Prepare(&slot, &to_send);
+  std::vector<size_t> sparse;
+  CycleMessage mine = Prepare(&slot, &to_send, &sparse);
   const absl::Time start = absl::Now();
   SumForCycle(to_send, slot, &mine);
   const double local_sum = absl::ToDoubleSeconds(absl::Now() - start);
   const absl::Time t0 = absl::Now();
+  // The ready sparse buckets' local passes run beside the exchange (they
+  // touch no transport and no state a step would see).
+  std::shared_ptr<Speculation> speculation;
+  std::thread passes;
+  if (speculate_ && !sparse.empty()) {
+    passes = std::thread([&] { speculation = speculate_(sparse); });
+  }
   auto theirs = Exchange(mine);
+  if (passes.joinable()) passes.join();
   if (!theirs.ok()) {
     if (!state_->job_failed()) job_->Fail(job_->WithRootCause(theirs.status()), /*report=*/true);
     return Plan{};  // or Fail() ended the cycle
@@ -294,6 +312,7 @@ Plan CycleNegotiator::Cycle() {
       plan.cached.scheduled.push_back(ProcessTable::InfoOf(state_->table.cached(i)));
     }
   }
+  if (!plan.cached.scheduled.empty()) plan.speculation = std::move(speculation);
   if (!plan.in_cycle.ids.empty()) {
     for (const CycleMessage& m : *theirs) {
       plan.in_cycle.area.insert(plan.in_cycle.area.end(), m.area.begin(), m.area.end());
@@ -335,10 +354,10 @@ std::unique_ptr<Negotiator> MakeNegotiator(const EngineOptions& options,
                                            control::CoordinatorClient* client,
                                            transport::Transport* transport,
                                            kernels::SparseOps* ops, EngineState* state,
-                                           JobControl* job) {
+                                           JobControl* job, Speculator speculate) {
   if (options.response_cache) {
     return std::make_unique<CycleNegotiator>(options, membership, client, transport, ops, state,
-                                             job);
+                                             job, std::move(speculate));
   }
   return std::make_unique<CoordinatorNegotiator>(client, state, job);
 }

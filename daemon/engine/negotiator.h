@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -27,6 +28,7 @@
 #include "daemon/control/coordinator_client.h"
 #include "daemon/engine/engine_state.h"
 #include "daemon/engine/options.h"
+#include "daemon/sparsify/batch_step.h"
 #include "daemon/sparsify/bucket.h"
 #include "daemon/transport/transport.h"
 #include "kernels/sparse_ops.h"
@@ -46,11 +48,27 @@ struct InCycle {
   double exchange_seconds = 0;
 };
 
+// A batched step begun while its cycle was on the wire: the local passes
+// of the cached sparse buckets ready on this node, run beside the cycle's
+// exchange (StepRunner::Speculate). The plan's step keeps those every node
+// has ready (BatchStep::KeepOnly); a cycle then costs no time of its own
+// where the passes take longer than its round.
+struct Speculation {
+  std::unique_ptr<sparsify::BatchStep> step;
+  std::vector<size_t> ids;         // cache ids, in the step's order
+  std::vector<double> local_sum;   // seconds, by position in `ids`
+  std::vector<absl::Time> started;
+  absl::Status status;             // the passes failed: the plan runs without them
+};
+// Begins the batched step of these cached buckets (ids ascending).
+using Speculator = std::function<std::shared_ptr<Speculation>(const std::vector<size_t>& ids)>;
+
 // What to run, in this order.
 struct Plan {
   std::vector<control::ScheduleBatch> batches;  // from the schedule log, in log order
   InCycle in_cycle;
   control::ScheduleBatch cached;  // cached buckets ready everywhere, not reduced yet
+  std::shared_ptr<Speculation> speculation;  // the passes of `cached`'s buckets, if begun
   bool empty() const {
     return batches.empty() && in_cycle.ids.empty() && cached.scheduled.empty();
   }
@@ -68,11 +86,12 @@ class Negotiator {
 };
 
 // `client`, `transport`, `ops`, `state` and `job` must outlive it.
+// `speculate` (optional): begins a cycle's batched step beside its exchange.
 std::unique_ptr<Negotiator> MakeNegotiator(const EngineOptions& options,
                                            const control::Membership& membership,
                                            control::CoordinatorClient* client,
                                            transport::Transport* transport,
                                            kernels::SparseOps* ops, EngineState* state,
-                                           JobControl* job);
+                                           JobControl* job, Speculator speculate = nullptr);
 
 }  // namespace microd::engine

@@ -182,7 +182,7 @@ absl::Status StepRunner::EnsureState(Bucket& b) {
   return absl::OkStatus();
 }
 
-bool StepRunner::Gradient(const Work& w, const float** grad, double* local_sum) {
+absl::Status StepRunner::GradientOf(const Work& w, const float** grad, double* local_sum) {
   Bucket& b = *w.bucket;
   const uint64_t d = b.count;
   const int L = options_.local_size;
@@ -190,19 +190,13 @@ bool StepRunner::Gradient(const Work& w, const float** grad, double* local_sum) 
   // (the step reads the gradient completely first); with several it goes to
   // a daemon buffer and is copied into each.
   if (L > 1 && (!grad_.Reserve(ops_, d) || !update_.Reserve(ops_, d))) {
-    const absl::Status s = WithClientStatus(
+    return WithClientStatus(
         absl::ResourceExhaustedError(absl::StrCat("bucket '", b.name, "': out of memory")),
         ClientStatus::kResource);
-    job_->Finish(w, s);
-    job_->Fail(s, /*report=*/true);
-    return false;
   }
   // Step 1: the node's gradient. With one local process its buffer is g itself.
   const absl::Time t0 = absl::Now();
-  if (absl::Status s = StageIn(w, t0 + options_.op_timeout); !s.ok()) {
-    MemoryFailed({&w}, s);
-    return false;
-  }
+  RETURN_IF_ERROR(StageIn(w, t0 + options_.op_timeout));
   *grad = memory_->Data(*w.buffers[0]);
   if (L > 1) {
     std::vector<const float*> inputs;
@@ -210,13 +204,63 @@ bool StepRunner::Gradient(const Work& w, const float** grad, double* local_sum) 
     if (absl::Status s = KernelCall(
             ops_->LocalSum(inputs.data(), L, d, grad_.get(), nullptr, nullptr), "local sum");
         !s.ok()) {
-      MemoryFailed({&w}, absl::InternalError(absl::StrCat("bucket '", b.name, "': ", s.message())));
-      return false;
+      return absl::InternalError(absl::StrCat("bucket '", b.name, "': ", s.message()));
     }
     *grad = grad_.get();
   }
   *local_sum = Seconds(t0);
-  return true;
+  return absl::OkStatus();
+}
+
+bool StepRunner::Gradient(const Work& w, const float** grad, double* local_sum) {
+  const absl::Status s = GradientOf(w, grad, local_sum);
+  if (s.ok()) return true;
+  if (ToClientStatus(s) == ClientStatus::kResource) {
+    job_->Finish(w, s);
+    job_->Fail(s, /*report=*/true);
+  } else {
+    MemoryFailed({&w}, s);
+  }
+  return false;
+}
+
+std::shared_ptr<Speculation> StepRunner::Speculate(const std::vector<size_t>& ids) {
+  auto spec = std::make_shared<Speculation>();
+  spec->step = std::make_unique<sparsify::BatchStep>(*transport_, absl::Now() + options_.op_timeout);
+  for (size_t id : ids) {
+    // A view of the bucket's submissions: not taken from the table, so not
+    // answered here (the plan takes them once every node has them ready).
+    Work w;
+    {
+      absl::MutexLock lock(&state_->mu);
+      if (id >= state_->table.cached_count() || !state_->table.cached_ready(id)) continue;
+      w.bucket = &state_->table.cached(id);
+      w.buffers = w.bucket->buffers;
+    }
+    Bucket& b = *w.bucket;
+    if (absl::Status s = EnsureState(b); !s.ok()) {
+      spec->status = s;
+      return spec;
+    }
+    if (!sparsify::BatchStep::Batchable(*b.state)) continue;
+    const absl::Time started = absl::Now();
+    const float* grad = nullptr;
+    double local_sum = 0;
+    if (!w.missing_buffer()) {
+      if (absl::Status s = GradientOf(w, &grad, &local_sum); !s.ok()) {
+        spec->status = s;
+        return spec;
+      }
+    }
+    if (absl::Status s = spec->step->Add(b.state.get(), grad); !s.ok()) {
+      spec->status = s;
+      return spec;
+    }
+    spec->ids.push_back(id);
+    spec->local_sum.push_back(local_sum);
+    spec->started.push_back(started);
+  }
+  return spec;
 }
 
 float* StepRunner::UpdateBuffer(const Work& w) {
@@ -276,6 +320,30 @@ bool StepRunner::StepError(const Work& w, const absl::Status& s) {
   return false;
 }
 
+std::unique_ptr<sparsify::BatchStep> StepRunner::Begun(
+    const std::vector<const Work*>& batched, Speculation* speculation,
+    std::vector<double>* local_sum, std::vector<absl::Time>* started) {
+  if (speculation == nullptr || !speculation->status.ok() || speculation->step == nullptr) {
+    return nullptr;
+  }
+  std::vector<size_t> keep;
+  size_t at = 0;
+  for (const Work* w : batched) {
+    const int64_t id = w->bucket->cache_id;
+    while (at < speculation->ids.size() && static_cast<int64_t>(speculation->ids[at]) < id) ++at;
+    if (at == speculation->ids.size() || static_cast<int64_t>(speculation->ids[at]) != id) {
+      return nullptr;  // a bucket the passes did not cover: do them all again
+    }
+    keep.push_back(at);
+    (*local_sum)[keep.size() - 1] = speculation->local_sum[at];
+    (*started)[keep.size() - 1] = speculation->started[at];
+    ++at;
+  }
+  std::unique_ptr<sparsify::BatchStep> step = std::move(speculation->step);
+  step->KeepOnly(keep);
+  return step;
+}
+
 void StepRunner::RunSparse(const Work& w) {
   Bucket& b = *w.bucket;
   if (w.missing_buffer()) {
@@ -300,7 +368,8 @@ void StepRunner::RunSparse(const Work& w) {
   Deliver(w, *st, update, local_sum, t0);
 }
 
-void StepRunner::RunSparse(const std::vector<Work>& works) {
+void StepRunner::RunSparse(const std::vector<Work>& works,
+                           std::shared_ptr<Speculation> speculation) {
   if (options_.device_resident) {
     // On the GPU every round trip is a kernel's wait: one bucket at a time.
     for (const Work& w : works) {
@@ -328,22 +397,30 @@ void StepRunner::RunSparse(const std::vector<Work>& works) {
     }
   }
   if (batched.empty() || state_->job_failed()) return;
-  sparsify::BatchStep step(*transport_, absl::Now() + options_.op_timeout);
   std::vector<double> local_sum(batched.size(), 0.0);
   std::vector<absl::Time> started(batched.size());
   std::vector<Work> all;
   for (const Work* w : batched) all.push_back(*w);
-  for (size_t i = 0; i < batched.size(); ++i) {
-    const Work& w = *batched[i];
-    started[i] = absl::Now();
-    const float* grad = nullptr;
-    // A bucket a local process has left: every node fails it, naming this one.
-    if (!w.missing_buffer() && !Gradient(w, &grad, &local_sum[i])) return;
-    if (absl::Status s = step.Add(w.bucket->state.get(), grad); !s.ok()) {
-      StepFailed(all, s);
-      return;
+  // The passes begun during the cycle, when they cover every bucket here:
+  // those every node has ready are kept (in id order, as the works are).
+  std::unique_ptr<sparsify::BatchStep> begun = Begun(batched, speculation.get(), &local_sum,
+                                                      &started);
+  std::unique_ptr<sparsify::BatchStep> fresh;
+  if (begun == nullptr) {
+    fresh = std::make_unique<sparsify::BatchStep>(*transport_, absl::Now() + options_.op_timeout);
+    for (size_t i = 0; i < batched.size(); ++i) {
+      const Work& w = *batched[i];
+      started[i] = absl::Now();
+      const float* grad = nullptr;
+      // A bucket a local process has left: every node fails it, naming this one.
+      if (!w.missing_buffer() && !Gradient(w, &grad, &local_sum[i])) return;
+      if (absl::Status s = fresh->Add(w.bucket->state.get(), grad); !s.ok()) {
+        StepFailed(all, s);
+        return;
+      }
     }
   }
+  sparsify::BatchStep& step = begun != nullptr ? *begun : *fresh;
   if (absl::Status s = step.Run(); !s.ok()) {
     {
       absl::MutexLock lock(&state_->mu);

@@ -46,7 +46,13 @@ class StepRunner {
   // The large buckets of a batch: those whose next step can be batched in
   // one BatchStep (a few rounds for all of them), the others one at a time
   // (first, in order); one at a time on the GPU.
-  void RunSparse(const std::vector<Work>& works);
+  // `speculation`: the passes begun during the cycle (negotiator.h).
+  void RunSparse(const std::vector<Work>& works, std::shared_ptr<Speculation> speculation = nullptr);
+  // The local passes of these cached buckets (ids ascending) that can be
+  // batched, begun before the plan that runs them (on the negotiator's
+  // thread, while the engine's waits in the cycle's exchange: nothing else
+  // touches the runner's scratch or these buckets' state then).
+  std::shared_ptr<Speculation> Speculate(const std::vector<size_t>& ids);
   // Buckets a cycle reduced itself: node r's local sum of works[k] is at
   // in_cycle.area[r * floats + at[k]]; the sum in node order, then the average.
   void FinishInCycle(const std::vector<Work>& works, const InCycle& in_cycle);
@@ -61,6 +67,13 @@ class StepRunner {
   // processes (the process's buffer itself when there is one). False when
   // the memory failed (the work is answered and the job ends).
   bool Gradient(const Work& w, const float** grad, double* local_sum);
+  absl::Status GradientOf(const Work& w, const float** grad, double* local_sum);
+  // The speculation's step with only the batch's buckets, when it covers
+  // them all (their times into local_sum and started); else null.
+  std::unique_ptr<sparsify::BatchStep> Begun(const std::vector<const Work*>& batched,
+                                             Speculation* speculation,
+                                             std::vector<double>* local_sum,
+                                             std::vector<absl::Time>* started);
   // Where the step writes the work's update (the process's buffer itself
   // when there is one).
   float* UpdateBuffer(const Work& w);
