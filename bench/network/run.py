@@ -196,6 +196,18 @@ def run_microd(lab, args, d, flags):
                 p.kill()
 
 
+def run_one(lab, name, flags, args, d):
+    """One method on the lab; its failure as {"error", "logs"}."""
+    try:
+        if name == "gloo":
+            return run_gloo(lab, args, d)
+        if name == "floor":
+            return run_floor(lab, args, d)
+        return run_microd(lab, args, d, flags)
+    except RuntimeError as e:
+        return {"error": str(e), "logs": d}
+
+
 def targets(rate_results, rate):
     """The issue's targets, each beside its figure."""
     m = rate_results["methods"]
@@ -246,15 +258,7 @@ def run_latency(args, env, work):
                     sub = argparse.Namespace(**vars(args))
                     sub.size, sub.buckets = nb * size, nb
                     sub.steps = args.slow_steps if name in ("gloo", "microd-dense") else args.steps
-                    try:
-                        if name == "gloo":
-                            r = run_gloo(lab, sub, d)
-                        elif name == "floor":
-                            r = run_floor(lab, sub, d)
-                        else:
-                            r = run_microd(lab, sub, d, flags)
-                    except RuntimeError as e:
-                        r = {"error": str(e), "logs": d}
+                    r = run_one(lab, name, flags, sub, d)
                     wr[name] = r
                     if "error" in r:
                         print(f"   {workload:>12} {name:<20} FAILED: {r['error']}", flush=True)
@@ -334,15 +338,7 @@ def main():
                     steps = min(steps, args.slow_steps)
                 sub = argparse.Namespace(**vars(args))
                 sub.steps = steps
-                try:
-                    if name == "gloo":
-                        r = run_gloo(lab, sub, d)
-                    elif name == "floor":
-                        r = run_floor(lab, sub, d)
-                    else:
-                        r = run_microd(lab, sub, d, flags)
-                except RuntimeError as e:
-                    r = {"error": str(e), "logs": d}
+                r = run_one(lab, name, flags, sub, d)
                 rr["methods"][name] = r
                 if "error" in r:
                     print(f"   {name:<20} FAILED: {r['error']}", flush=True)

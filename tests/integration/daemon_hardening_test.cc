@@ -221,6 +221,17 @@ std::pair<int, std::string> ReadError(int fd) {
   return {e.status, e.message};
 }
 
+// A raw connection's hello as local rank 0, and the daemon's answer.
+microd_wire_hello_ack SayHello(int fd) {
+  microd_wire_hello hello{};
+  microd_wire_header_init(&hello.h, MICROD_MSG_HELLO, sizeof hello);
+  hello.local_rank = 0;
+  microd_wire_hello_ack ack{};
+  EXPECT_EQ(send(fd, &hello, sizeof hello, 0), static_cast<ssize_t>(sizeof hello));
+  EXPECT_EQ(recv(fd, &ack, sizeof ack, 0), static_cast<ssize_t>(sizeof ack));
+  return ack;
+}
+
 // Issue J: a SUBMIT with ticket 0 ("none" inside the engine) was accepted;
 // sent twice it was counted twice. Now a protocol error, and the daemon
 // serves the others as before.
@@ -228,13 +239,7 @@ TEST(Hardening, TicketZeroIsAProtocolError) {
   DaemonCluster cluster(1, 2);
   const int fd = RawConnect(cluster.socket(0));
   ASSERT_GE(fd, 0);
-  microd_wire_hello hello{};
-  microd_wire_header_init(&hello.h, MICROD_MSG_HELLO, sizeof hello);
-  hello.local_rank = 0;
-  ASSERT_EQ(send(fd, &hello, sizeof hello, 0), static_cast<ssize_t>(sizeof hello));
-  microd_wire_hello_ack ack{};
-  ASSERT_EQ(recv(fd, &ack, sizeof ack, 0), static_cast<ssize_t>(sizeof ack));
-  ASSERT_EQ(ack.status, 0);
+  ASSERT_EQ(SayHello(fd).status, 0);
   microd_wire_submit sub{};
   microd_wire_header_init(&sub.h, MICROD_MSG_SUBMIT, sizeof sub);
   sub.buffer_id = 0;
@@ -284,12 +289,7 @@ TEST(Hardening, AHugetlbfsMemfdIsRefused) {
   DaemonCluster cluster(1, 1);
   const int fd = RawConnect(cluster.socket(0));
   ASSERT_GE(fd, 0);
-  microd_wire_hello hello{};
-  microd_wire_header_init(&hello.h, MICROD_MSG_HELLO, sizeof hello);
-  hello.local_rank = 0;
-  ASSERT_EQ(send(fd, &hello, sizeof hello, 0), static_cast<ssize_t>(sizeof hello));
-  microd_wire_hello_ack ack{};
-  ASSERT_EQ(recv(fd, &ack, sizeof ack, 0), static_cast<ssize_t>(sizeof ack));
+  SayHello(fd);
   microd_wire_register reg{};
   microd_wire_header_init(&reg.h, MICROD_MSG_REGISTER, sizeof reg);
   reg.buffer_id = 0;
