@@ -1,6 +1,6 @@
 """Builds the benchmark report of `make bench` from the JSON the benchmark
 programs wrote: results/bench/{network,training-<rate>,tta,kernels,transport,
-daemon,training}.json -> report.md, report.json and PNG charts in the same
+daemon,training,tta_latency}.json -> report.md, report.json and PNG charts in the same
 folder, and a short summary on stdout. The emulated network's figures come
 first (the headline); the loopback ones follow.
 
@@ -222,6 +222,44 @@ def time_to_accuracy(tta):
     return out
 
 
+def time_to_target(tta):
+    """A run with --target-accuracy (time to a fixed accuracy, e.g. at a
+    50 ms round trip): per method the training seconds and steps to reach
+    it; the target: every microd method within 1/4 of DDP's time."""
+    cfg = tta.get("config", {})
+    goal = cfg.get("target_accuracy", 0)
+    rows = []
+    for m in tta.get("methods", []):
+        row = {"name": m["name"], "error": m.get("error"), "step_ms": m.get("step_ms"),
+               "reached": m.get("reached"), "curve": m.get("curve", [])}
+        rows.append(row)
+    ddp = next((r for r in rows if r["name"] == BASELINE), None)
+    out = {"config": cfg, "goal": goal, "rows": rows, "targets": []}
+    ddp_s = ddp["reached"][0] if ddp and ddp.get("reached") else None
+    for r in rows:
+        if r["reached"] and ddp_s:
+            r["vs_ddp"] = ddp_s / r["reached"][0]
+        if not r["name"].startswith("microd"):
+            continue
+        if ddp_s is None:
+            value = (f"DDP did not reach {100 * goal:.0f} % within the budget: no baseline"
+                     if ddp and not ddp.get("error") else "DDP's run failed: no baseline")
+            met = False
+        elif not r["reached"]:
+            last = r["curve"][-1][2] if r["curve"] else 0
+            value = (f"not reached within the budget (ended at {100 * last:.1f} %)"
+                     if not r["error"] else f"FAILED: {r['error']}")
+            met = False
+        else:
+            met = r["reached"][0] <= ddp_s / 4
+            value = (f"{r['reached'][0]:.0f} s ({r['reached'][1]} steps) vs DDP's {ddp_s:.0f} s "
+                     f"({ddp['reached'][1]} steps): {ddp_s / r['reached'][0]:.2f}x sooner")
+        out["targets"].append({"target": f"{r['name']} reaches {100 * goal:.0f} % test accuracy "
+                                         "in <= 1/4 of DDP's training time",
+                               "met": met, "value": value, "reason": ""})
+    return out
+
+
 def fmt(v, spec, none="-"):
     return none if v is None else format(v, spec)
 
@@ -279,6 +317,33 @@ def render_latency(report):
                 cells.append(f"{r['ms']:,.0f} ms ({r.get('vs_gloo', 0):.1f}x faster, "
                              f"{r.get('rounds_per_step', 0)} rounds)")
         L.append("| " + " | ".join(cells) + " |")
+    return L
+
+
+def render_tta_latency(tt):
+    """The time-to-a-fixed-accuracy section (bench.sh --tta-latency)."""
+    L = []
+    if tt:
+        cfg = tt["config"]
+        L += ["", f"### Time to {100 * tt['goal']:.0f} % test accuracy, links at "
+              f"{cfg.get('netlab_rate')}, {cfg.get('netlab_delay')} each way", "",
+              f"Each method trains until {100 * tt['goal']:.0f} % test accuracy on the same "
+              f"{cfg.get('eval_size', 2000):,} test images (evaluated every "
+              f"{cfg.get('eval_every', 0):.0f} s of training; at most {cfg.get('budget', 0):.0f} s; "
+              "`tta_latency.png`).", "",
+              "| method | ms / step | reached after | steps | sooner than DDP |",
+              "|---|---:|---:|---:|---:|"]
+        for r in tt["rows"]:
+            if r["error"]:
+                L.append(f"| {r['name']} | FAILED: {r['error']} | | | |")
+                continue
+            got = r["reached"]
+            L.append(f"| {r['name']} | {fmt(r['step_ms'], ',.0f')} | "
+                     f"{f'{got[0]:.0f} s' if got else 'not reached'} | {got[1] if got else '-'} | "
+                     f"{times(r.get('vs_ddp'), '.2f')} |")
+        L.append("")
+        for t in tt["targets"]:
+            L.append(f"- {'met' if t['met'] else '**MISSED**'}: {t['target']}: {t['value']}")
     return L
 
 
@@ -377,6 +442,7 @@ def render_network(report):
         L.append("")
         for t in tta["targets"]:
             L.append(f"- {'met' if t['met'] else '**MISSED**'}: {t['target']}: {t['value']}")
+    L += render_tta_latency(report.get("tta_latency"))
     return L
 
 
@@ -499,6 +565,20 @@ def plot(report, out_dir):
         ax.set_ylabel("test accuracy (%)")
         ax.set_title(f"Time to accuracy, links at {tta['config'].get('netlab_rate') or 'loopback'}")
         written.append(save(fig, ax, "tta.png"))
+    tt = report.get("tta_latency")
+    if tt and any(r["curve"] for r in tt["rows"]):
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        for r in tt["rows"]:
+            if r["curve"]:
+                ax.plot([c[0] for c in r["curve"]], [100 * c[2] for c in r["curve"]], marker="o",
+                        ms=3, label=r["name"], color="tab:gray" if r["name"] == BASELINE else None)
+        ax.axhline(100 * tt["goal"], ls=":", color="tab:gray")
+        ax.set_xlabel("training seconds")
+        ax.set_ylabel("test accuracy (%)")
+        cfg = tt["config"]
+        ax.set_title(f"Time to {100 * tt['goal']:.0f} %, links at {cfg.get('netlab_rate')}, "
+                     f"{cfg.get('netlab_delay')} each way")
+        written.append(save(fig, ax, "tta_latency.png"))
     tr = report.get("training")
     if not tr:
         return written
@@ -554,6 +634,9 @@ def build_report(dir_):
     tta = load(os.path.join(dir_, "tta.json"))
     if tta:
         report["tta"] = time_to_accuracy(tta)
+    tta = load(os.path.join(dir_, "tta_latency.json"))
+    if tta:
+        report["tta_latency"] = time_to_target(tta)
     for name in ("kernels", "transport", "daemon"):
         report[name] = load(os.path.join(dir_, f"{name}.json"))
     training = load(os.path.join(dir_, "training.json"))
@@ -576,8 +659,8 @@ def summary(report):
     for rate, tr in report.get("network_training", {}).items():
         for t in tr["targets"]:
             lines.append(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']}")
-    if report.get("tta"):
-        for t in report["tta"]["targets"]:
+    for key in ("tta", "tta_latency"):
+        for t in (report.get(key) or {}).get("targets", []):
             lines.append(f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']}")
     tr = report.get("training")
     if tr:

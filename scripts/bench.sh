@@ -9,14 +9,16 @@
 # comparison against PyTorch DDP (Gloo allreduce, fp16 and PowerSGD hooks);
 # then one report (report.md, report.json, PNG charts) in the output folder.
 #   scripts/bench.sh BUILD [--out DIR] [--smoke] [--skip-training]
-#                    [--skip-network | --network-only]
+#                    [--skip-network | --network-only] [--tta-latency]
+# --tta-latency adds the time to 80 % test accuracy at a 50 ms round trip
+# (DDP, microd 1 % and 0.1 %; about 45 minutes more).
 # --smoke runs everything at tiny sizes for a few steps: it checks that the
 # pipeline works (make test runs it), its figures mean nothing.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 BUILD=$(cd "${1:-$ROOT/build}" && pwd)
 shift || true
-OUT=$ROOT/results/bench SMOKE=0 TRAINING=1 NETWORK=1 LOOPBACK=1
+OUT=$ROOT/results/bench SMOKE=0 TRAINING=1 NETWORK=1 LOOPBACK=1 TTA_LATENCY=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --out) OUT=$2; shift 2 ;;
@@ -24,6 +26,7 @@ while [[ $# -gt 0 ]]; do
     --skip-training) TRAINING=0; shift ;;
     --skip-network) NETWORK=0; shift ;;
     --network-only) LOOPBACK=0; shift ;;
+    --tta-latency) TTA_LATENCY=1; shift ;;
     *) echo "bench.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -53,10 +56,14 @@ if [[ $NETWORK == 1 ]]; then
     LAT=(--configs 1gbit@5ms --workloads 1x100000,2x70000 --steps 3 --slow-steps 2)
     NET_TRAIN_1G=(--smoke) NET_TRAIN_100M=(--smoke)
     TTA=(--smoke --budget 4 --eval-every 2)
+    TTA_50MS=(--smoke --budget 4 --eval-every 2 --target-accuracy 0.2 --netlab-delay 5ms)
+    TTA_LATENCY=1
   else
     NET=() NET_TRAIN_1G=(--steps 14 --warmup 3) NET_TRAIN_100M=(--steps 8 --warmup 2)
     LAT=(--steps 6 --slow-steps 3)
     TTA=(--budget 150 --eval-every 20 --eval-size 250)
+    TTA_50MS=(--budget 1500 --eval-every 15 --eval-size 500 --target-accuracy 0.8 --netlab-delay 25ms
+              --timeout 2400)
   fi
   echo "== emulated network: the raw step per link rate ($(date +%T))"
   "$PY" "$ROOT/bench/network/run.py" "${NET[@]}" --build "$BUILD" --out "$OUT/network.json"
@@ -72,6 +79,11 @@ if [[ $NETWORK == 1 ]]; then
   echo "== emulated network: time to accuracy at 100 Mbit/s ($(date +%T))"
   "$PY" "$ROOT/bench/training/run.py" "${TTA[@]}" --build "$BUILD" --netlab-rate 100mbit \
     --methods ddp,microd-micro-1% --out "$OUT/tta.json"
+  if [[ $TTA_LATENCY == 1 ]]; then
+    echo "== emulated network: time to 80 % accuracy at a 50 ms round trip ($(date +%T))"
+    "$PY" "$ROOT/bench/training/run.py" "${TTA_50MS[@]}" --build "$BUILD" --netlab-rate 1gbit \
+      --methods ddp,microd-micro-1%,microd-micro-0.1% --out "$OUT/tta_latency.json"
+  fi
 fi
 if [[ $LOOPBACK == 0 ]]; then
   echo "== report"

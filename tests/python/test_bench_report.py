@@ -208,6 +208,27 @@ def test_time_to_accuracy_target():
     assert not t["targets"][0]["met"] and "not reached" in t["targets"][0]["value"]
 
 
+def test_time_to_a_fixed_accuracy_target():
+    tta = {"config": {"netlab_rate": "1gbit", "netlab_delay": "25ms", "target_accuracy": 0.8,
+                      "budget": 1000, "eval_every": 10},
+           "methods": [{"name": "ddp", "step_ms": 4000, "reached": [800.0, 200],
+                        "curve": [[0, 0, 0.1], [800, 200, 0.81]]},
+                       {"name": "microd-micro-1%", "step_ms": 1000, "reached": [190.0, 190],
+                        "curve": [[0, 0, 0.1], [190, 190, 0.8]]},
+                       {"name": "microd-micro-0.1%", "step_ms": 900, "reached": [270.0, 300],
+                        "curve": [[0, 0, 0.1], [270, 300, 0.8]]}]}
+    t = report.time_to_target(tta)
+    assert [x["met"] for x in t["targets"]] == [True, False]
+    assert "4.21x sooner" in t["targets"][0]["value"] and "300 steps" in t["targets"][1]["value"]
+    md = "\n".join(report.render_tta_latency(t))
+    assert "| microd-micro-1% | 1,000 | 190 s | 190 | 4.21x |" in md, md
+    # A method that never gets there, and a DDP that never does: both missed.
+    tta["methods"][2].pop("reached")
+    assert "not reached" in report.time_to_target(tta)["targets"][1]["value"]
+    tta["methods"][0].pop("reached")
+    assert not any(x["met"] for x in report.time_to_target(tta)["targets"])
+
+
 def test_smoke_run_of_make_bench(tmp_path):
     """`make bench` end to end at tiny sizes (scripts/bench.sh --smoke): the
     benchmark programs, every method of the training comparison (2 processes,
@@ -264,3 +285,9 @@ def test_smoke_run_of_make_bench(tmp_path):
         assert len(m["curve"]) >= 2, m  # the start and the end of the budget at least
     assert "## On an emulated network" in md and "### Time to accuracy at 100mbit" in md
     assert (tmp_path / "tta.png").exists()
+    tl = json.loads((tmp_path / "tta_latency.json").read_text())
+    assert [m["name"] for m in tl["methods"]] == ["ddp", "microd-micro-1%", "microd-micro-0.1%"]
+    assert tl["config"]["netlab_delay"] == "5ms" and tl["config"]["target_accuracy"] == 0.2
+    for m in tl["methods"]:
+        assert "error" not in m and m["curve"], m
+    assert "### Time to 20 % test accuracy" in md
