@@ -134,7 +134,7 @@ bool RunOnce(char* self, const std::string& dir, const std::vector<std::string>&
   std::vector<pid_t> clients;
   const std::vector<pid_t> daemons = [&] {
     std::vector<std::string> flags = {
-        "--density=0.001", "--timeout_ms=120000",
+        "--density=0.001", "--remedies=off", "--timeout_ms=120000",
         absl::StrCat("--gloo_io_nice=", absl::GetFlag(FLAGS_gloo_io_nice))};
     for (const std::string& f : absl::GetFlag(FLAGS_daemon_flags)) flags.push_back(f);
     for (const std::string& f : extra) flags.push_back(f);

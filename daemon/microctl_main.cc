@@ -62,10 +62,11 @@ void PrintStatus(const microd::v1::GetStatusResponse& r) {
               r.controller().c_str(), r.density(), r.transport().c_str());
   std::printf(
       "remedies    momentum correction %g, warm-up %llu dense steps, density decay "
-      "%g -> %g over %llu steps, clipping %g\n",
+      "%g -> %g over %llu steps, clipping %g, minimum k %llu\n",
       r.momentum_correction(), static_cast<unsigned long long>(r.warmup_steps()),
       r.warmup_density(), r.density(), static_cast<unsigned long long>(r.warmup_decay_steps()),
-      r.clip_norm());
+      r.clip_norm(), static_cast<unsigned long long>(r.min_k()));
+  for (const auto& line : r.remedies()) std::printf("            %s\n", line.c_str());
   std::printf("socket      %s\n", r.socket().c_str());
   std::printf("version     %s, up %.0f s, %llu schedule batches run\n", r.version().c_str(),
               r.uptime_seconds(), static_cast<unsigned long long>(r.batches()));

@@ -26,6 +26,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "daemon/control/address.h"
@@ -110,6 +111,13 @@ ABSL_FLAG(uint64_t, warmup_steps, 0, "the first N steps of every bucket are dens
 ABSL_FLAG(double, warmup_density, 0.0,
           "then decay the density exponentially from this to --density (0: no decay)");
 ABSL_FLAG(uint64_t, warmup_decay_steps, 0, "length of the density decay, in steps");
+ABSL_FLAG(uint64_t, min_k, 0,
+          "a bucket whose budget at --density is below this many values per step is "
+          "sparsified at the density that gives it this many (0: off, unless --remedies "
+          "sets it)");
+ABSL_FLAG(std::string, remedies, "auto",
+          "below a density of 0.5 %, the remedies the daemon fills in where their own flags are "
+          "unset: auto (warmup and min_k), off, or a comma-separated list of warmup, min_k");
 ABSL_FLAG(std::string, nonfinite, "fail",
           "a NaN/Inf in a gradient: fail that step on every node, or skip it (zero update)");
 ABSL_FLAG(std::string, wire_dtype, "fp32",
@@ -309,6 +317,7 @@ absl::Status Bad(const std::string& what, const absl::Status& s) {
 // The daemon's configuration, from the flags (and MICROD_* variables).
 struct Config {
   microd::sparsify::SparsifyOptions sparsify;
+  std::vector<std::string> remedies;  // what --remedies and the flags apply, one line each
   int local_size = 1;
   std::string transport;
   bool response_cache = true;
@@ -323,7 +332,8 @@ struct Config {
   std::string memory_budget_source;
 };
 
-absl::Status ParseSparsify(microd::sparsify::SparsifyOptions* sparsify) {
+absl::Status ParseSparsify(microd::sparsify::SparsifyOptions* sparsify,
+                           std::vector<std::string>* applied) {
   auto sp = microd::sparsify::ParseSparsifier(absl::GetFlag(FLAGS_sparsifier));
   if (!sp.ok()) return Bad("--sparsifier", sp.status());
   auto ct = microd::sparsify::ParseController(absl::GetFlag(FLAGS_controller));
@@ -336,10 +346,19 @@ absl::Status ParseSparsify(microd::sparsify::SparsifyOptions* sparsify) {
   sparsify->warmup_steps = absl::GetFlag(FLAGS_warmup_steps);
   sparsify->warmup_density = absl::GetFlag(FLAGS_warmup_density);
   sparsify->warmup_decay_steps = absl::GetFlag(FLAGS_warmup_decay_steps);
+  sparsify->min_k = absl::GetFlag(FLAGS_min_k);
   sparsify->momentum = sparsify->sparsifier == microd::sparsify::SparsifierKind::kDense
                            ? 0.0
                            : absl::GetFlag(FLAGS_momentum_correction);
   if (absl::Status s = sparsify->Validate(); !s.ok()) return Bad("options", s);
+  auto remedies = microd::sparsify::ParseRemedies(absl::GetFlag(FLAGS_remedies));
+  if (!remedies.ok()) return Bad("--remedies", remedies.status());
+  *applied = microd::sparsify::ApplyRemedies(*remedies, sparsify);
+  if (sparsify->momentum > 0) {
+    applied->push_back(absl::StrFormat(
+        "momentum correction %g with momentum factor masking (the velocity is zeroed where "
+        "values are sent)", sparsify->momentum));
+  }
   return absl::OkStatus();
 }
 
@@ -410,7 +429,7 @@ absl::StatusOr<std::string> ReadSecretFile(const std::string& flag, const std::s
 
 absl::StatusOr<Config> ParseFlags() {
   Config c;
-  if (absl::Status s = ParseSparsify(&c.sparsify); !s.ok()) return s;
+  if (absl::Status s = ParseSparsify(&c.sparsify, &c.remedies); !s.ok()) return s;
   if (absl::Status s = CheckRanges(); !s.ok()) return s;
   c.local_size = absl::GetFlag(FLAGS_local_size);
   c.transport = absl::GetFlag(FLAGS_transport);
@@ -636,6 +655,8 @@ void Daemon::FillStatus(const microd::v1::GetStatusRequest& req,
   r->set_warmup_density(sparsify.warmup_density);
   r->set_warmup_decay_steps(sparsify.warmup_decay_steps);
   r->set_clip_norm(sparsify.clip_norm);
+  r->set_min_k(sparsify.min_k);
+  for (const std::string& line : config_.remedies) r->add_remedies(line);
   r->set_response_cache(config_.response_cache);
   r->set_local_size(config_.local_size);
   r->set_socket(absl::GetFlag(FLAGS_socket));
@@ -912,6 +933,10 @@ absl::Status Daemon::Serve(const microd::engine::EngineOptions& eo) {
   admin_->SetServing(kHealthService, true);
   std::fprintf(stderr, "microd: serving %d local process(es) on %s\n", config_.local_size,
                lo.socket_path.c_str());
+  for (const std::string& line : config_.remedies) {
+    std::fprintf(stderr, "microd: remedy at density %g: %s\n", config_.sparsify.density,
+                 line.c_str());
+  }
   if (config_.memory_budget > 0) {
     std::fprintf(stderr, "microd: the buckets' state may take %llu bytes (%s)\n",
                  static_cast<unsigned long long>(config_.memory_budget),

@@ -31,7 +31,7 @@ METHODS = [
     ("gloo", None),
     ("microd-dense", ["--sparsifier=dense"]),
     ("microd-micro-1%", ["--sparsifier=micro", "--density=0.01"]),
-    ("microd-micro-0.1%", ["--sparsifier=micro", "--density=0.001"]),
+    ("microd-micro-0.1%", ["--sparsifier=micro", "--density=0.001", "--remedies=off"]),
     ("floor", None),
 ]
 

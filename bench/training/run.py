@@ -38,7 +38,7 @@ METHODS = [
     ("ddp-powersgd-r1", "powersgd", ["--powersgd-rank", "1"], []),
     ("ddp-powersgd-r4", "powersgd", ["--powersgd-rank", "4"], []),
     ("microd-micro-1%", "microd", [], ["--sparsifier=micro", "--density=0.01"]),
-    ("microd-micro-0.1%", "microd", [], ["--sparsifier=micro", "--density=0.001"]),
+    ("microd-micro-0.1%", "microd", [], ["--sparsifier=micro", "--density=0.001", "--remedies=off"]),
     ("microd-topk-1%", "microd", [], ["--sparsifier=topk", "--density=0.01"]),
     ("microd-hard-1%", "microd", [], ["--sparsifier=hard", "--density=0.01"]),
     ("microd-micro-1%-paper", "microd", [],

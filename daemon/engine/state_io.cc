@@ -114,6 +114,7 @@ microd::v1::NodeCheckpoint Engine::CheckpointShape() const {
   o["--warmup_steps"] = absl::StrCat(s.warmup_steps);
   o["--warmup_density"] = num(s.warmup_density);
   o["--warmup_decay_steps"] = absl::StrCat(s.warmup_decay_steps);
+  o["--min_k"] = absl::StrCat(s.min_k);
   o["--dense_floor"] = absl::StrCat(options_.dense_floor);
   return c;
 }

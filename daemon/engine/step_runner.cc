@@ -179,6 +179,17 @@ absl::Status StepRunner::EnsureState(Bucket& b) {
       ops_);
   if (!state.ok()) return state.status();
   b.state = std::move(state).value();
+  const sparsify::SparsifyOptions& o = options_.sparsify;
+  if (const double raised = o.ForBucket(b.count).density; raised != o.density) {
+    // Said once, when the bucket's state is made (its first sparse step).
+    std::fprintf(stderr,
+                 "microd: bucket '%s' (%llu values): k = %llu at density %g is below --min_k = "
+                 "%llu (too few to train on); it steps at density %.4g (k = %llu)\n",
+                 b.name.c_str(), static_cast<unsigned long long>(b.count),
+                 static_cast<unsigned long long>(sparsify::Budget(o.density, b.count)), o.density,
+                 static_cast<unsigned long long>(o.min_k), raised,
+                 static_cast<unsigned long long>(sparsify::Budget(raised, b.count)));
+  }
   return absl::OkStatus();
 }
 

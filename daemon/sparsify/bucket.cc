@@ -46,7 +46,11 @@ class BucketState::Candidates final : public CandidateSet {
 
 BucketState::BucketState(const BucketSpec& spec, const JobShape& job,
                          const SparsifyOptions& options, kernels::SparseOps* ops)
-    : spec_(spec), job_(job), options_(options), ops_(ops), k_(Budget(options.density, spec.size)) {
+    : spec_(spec),
+      job_(job),
+      options_(options.ForBucket(spec.size)),
+      ops_(ops),
+      k_(Budget(options_.density, spec.size)) {
   if (options_.sparsifier == SparsifierKind::kMicro) {
     controller_ = CreateController(options_.controller, k_);
   }
@@ -100,8 +104,9 @@ uint64_t BucketState::CandidateCapacity() const {
   return CandidateCapacityOf(spec_.size, job_.num_nodes, options_);
 }
 
-uint64_t BucketState::MemoryBytes(uint64_t d, int num_nodes, const SparsifyOptions& o) {
-  if (o.sparsifier == SparsifierKind::kDense) return 0;
+uint64_t BucketState::MemoryBytes(uint64_t d, int num_nodes, const SparsifyOptions& options) {
+  if (options.sparsifier == SparsifierKind::kDense) return 0;
+  const SparsifyOptions o = options.ForBucket(d);
   uint64_t floats = 2 * d;                         // the two residuals
   if (o.momentum > 0) floats += 2 * d;             // the two velocities
   if (o.clip_norm > 0) floats += d;                // the clipped gradient

@@ -3,6 +3,8 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 
 namespace microd::sparsify {
 
@@ -69,6 +71,63 @@ absl::Status SparsifyOptions::Validate() const {
         absl::StrCat("hard threshold must be finite and >= 0, got ", hard_threshold));
   }
   return absl::OkStatus();
+}
+
+SparsifyOptions SparsifyOptions::ForBucket(uint64_t d) const {
+  SparsifyOptions o = *this;
+  if (min_k == 0 || sparsifier == SparsifierKind::kDense || d == 0 || Budget(density, d) >= min_k) {
+    return o;
+  }
+  // The smallest density whose budget is min_k (or all of d): floor(rho d)
+  // must not fall short by rounding.
+  o.density = min_k >= d ? 1.0 : std::min(1.0, (static_cast<double>(min_k) + 0.5) / d);
+  if (o.warmup_density > 0.0 && o.warmup_density < o.density) o.warmup_density = o.density;
+  return o;
+}
+
+absl::StatusOr<RemedySet> ParseRemedies(absl::string_view text) {
+  if (text == "auto") return RemedySet{};
+  RemedySet set{false, false};
+  if (text == "off") return set;
+  for (absl::string_view item : absl::StrSplit(text, ',')) {
+    if (item == "warmup") {
+      set.warmup = true;
+    } else if (item == "min_k") {
+      set.min_k = true;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown remedy '", item, "' (expected auto, off, or a list of warmup, min_k)"));
+    }
+  }
+  return set;
+}
+
+std::vector<std::string> ApplyRemedies(const RemedySet& set, SparsifyOptions* o) {
+  std::vector<std::string> applied;
+  if (o->sparsifier == SparsifierKind::kDense || o->density >= kRemedyDensity) return applied;
+  if (set.warmup && o->warmup_steps == 0 && o->warmup_density == 0.0 &&
+      o->warmup_decay_steps == 0) {
+    // Deep Gradient Compression's schedule, in steps: a few dense steps,
+    // then from 25 % down by 4x per stage to the target.
+    o->warmup_steps = kWarmupDenseSteps;
+    o->warmup_density = kWarmupStartDensity;
+    const double stages = std::log(kWarmupStartDensity / o->density) / std::log(4.0);
+    o->warmup_decay_steps = static_cast<uint64_t>(std::ceil(stages * kWarmupStageSteps));
+    applied.push_back(absl::StrFormat(
+        "warm-up: %llu dense steps, then the density decays from %g to %g over %llu steps "
+        "(--warmup_steps, --warmup_density, --warmup_decay_steps)",
+        static_cast<unsigned long long>(o->warmup_steps), o->warmup_density, o->density,
+        static_cast<unsigned long long>(o->warmup_decay_steps)));
+  }
+  if (set.min_k && o->min_k == 0) {
+    o->min_k = kMinK;
+    applied.push_back(absl::StrFormat(
+        "minimum k: a bucket with fewer than %llu values per step at density %g is sparsified "
+        "at the density that gives it %llu (--min_k)",
+        static_cast<unsigned long long>(kMinK), o->density,
+        static_cast<unsigned long long>(kMinK)));
+  }
+  return applied;
 }
 
 double SparsifyOptions::DensityAt(uint64_t t) const {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -46,12 +47,43 @@ struct SparsifyOptions {
   uint64_t warmup_steps = 0;
   double warmup_density = 0.0;
   uint64_t warmup_decay_steps = 0;
+  // A bucket whose budget at `density` would be below min_k elements is
+  // sparsified at the density that gives it min_k (all of it if smaller):
+  // at a few dozen values per step error feedback holds back most of the
+  // gradient for too long to train. 0: off.
+  uint64_t min_k = 0;
 
   // Target density at step t of a bucket (before `warmup_steps`: 1).
   double DensityAt(uint64_t t) const;
+  // These options for a bucket of d elements: `density` (and a warm-up
+  // density below it) raised where min_k asks for it.
+  SparsifyOptions ForBucket(uint64_t d) const;
 
   absl::Status Validate() const;
 };
+
+// The remedies the daemon applies by itself for a low density (--remedies):
+// each only where its own flags are left at their defaults, so any of them
+// is tuned by its flag and switched off by leaving it out of the set.
+struct RemedySet {
+  bool warmup = true;  // dense steps, then an exponential decay of the density
+  bool min_k = true;   // a floor on each bucket's budget
+};
+// "auto" (all), "off" (none) or a comma-separated subset of warmup, min_k.
+absl::StatusOr<RemedySet> ParseRemedies(absl::string_view text);
+// The density below which the daemon's remedies apply (at and above it the
+// job runs as configured: measured in docs/benchmarks.md).
+inline constexpr double kRemedyDensity = 0.005;
+// The warm-up's schedule: dense steps, the density it starts from, and the
+// steps per 4x decrease of the density.
+inline constexpr uint64_t kWarmupDenseSteps = 50;
+inline constexpr double kWarmupStartDensity = 0.25;
+inline constexpr double kWarmupStageSteps = 100;
+// The floor on a bucket's budget.
+inline constexpr uint64_t kMinK = 2000;
+// Fills in the remedies of `set` that `o`'s density needs where `o` leaves
+// them unset; returns one line per remedy applied, for the log and status.
+std::vector<std::string> ApplyRemedies(const RemedySet& set, SparsifyOptions* o);
 
 // The shape of the job as one node sees it.
 struct JobShape {

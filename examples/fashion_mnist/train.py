@@ -50,6 +50,14 @@ class Net(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
+def mlp(width):
+    """The training benchmark's MLP: 784 -> width -> width -> width*5/16 -> 10
+    (width 4096: 25.3 M parameters)."""
+    third = max(1, width * 5 // 16)
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width),
+                         nn.ReLU(), nn.Linear(width, third), nn.ReLU(), nn.Linear(third, 10))
+
+
 def evaluate(model, x, y):
     model.eval()
     correct, loss = 0, 0.0
@@ -81,6 +89,10 @@ def bar(done, total, width=30):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--epochs", type=float, default=3)
+    ap.add_argument("--steps", type=int, default=0, help="train this many steps (overrides --epochs)")
+    ap.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
+    ap.add_argument("--width", type=int, default=4096, help="--model mlp: its width")
+    ap.add_argument("--seed", type=int, default=0, help="initial weights and data order")
     ap.add_argument("--batch", type=int, default=32, help="per process")
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--momentum", type=float, default=0.9)
@@ -90,24 +102,26 @@ def main():
     ap.add_argument("--microctl", default=os.environ.get("MICROCTL", "build/daemon/microctl"))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
 
     client = mt.default_client()
     rank, world = client.rank, client.world_size
     x, y = load("train")
     xs, ys = x[rank::world], y[rank::world]
-    model = Net()
+    model = Net() if args.model == "cnn" else mlp(args.width)
     mt.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr,
                                                   momentum=args.momentum),
                                   model.named_parameters())
     steps_per_epoch = len(xs) // args.batch
-    total = int(args.epochs * steps_per_epoch)
+    total = args.steps or int(args.epochs * steps_per_epoch)
     eval_at = set(int(total * (i + 1) / args.evals) for i in range(args.evals))
     if rank == 0:
         xt, yt = load("t10k")
-    g = torch.Generator().manual_seed(1234 + rank)
-    record = {"label": args.label, "world_size": world, "steps": total, "loss": [],
+    g = torch.Generator().manual_seed(1234 + 1000 * args.seed + rank)
+    record = {"label": args.label, "world_size": world, "steps": total, "seed": args.seed,
+              "model": args.model, "parameters": sum(p.numel() for p in model.parameters()),
+              "loss": [],
               "eval": [], "samples": [], "step_seconds": []}
     order = torch.randperm(len(xs), generator=g)
     start = time.time()

@@ -45,6 +45,7 @@ TEST(OptionsAgree, EveryNodeNamesTheFirstOptionThatDiffers) {
       {"--response_cache", [](EngineOptions& o) { o.response_cache = false; }},
       {"--nonfinite", [](EngineOptions& o) { o.skip_nonfinite = true; }},
       {"--momentum_correction", [](EngineOptions& o) { o.sparsify.momentum = 0.9; }},
+      {"--min_k", [](EngineOptions& o) { o.sparsify.min_k = 1000; }},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.flag);

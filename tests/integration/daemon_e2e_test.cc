@@ -154,7 +154,8 @@ RoundsCase Rounds(const std::string& name, sparsify::SparsifierKind kind,
   // 0.1 %: what a node sends stays well under the crossover of any link
   // this machine gives (round 3 a direct round, each message one transfer).
   c.options.density = 0.001;
-  c.flags = {"--density=0.001", absl::StrCat("--sparsifier=", sparsify::SparsifierName(kind)),
+  c.flags = {"--density=0.001", "--remedies=off",
+             absl::StrCat("--sparsifier=", sparsify::SparsifierName(kind)),
              absl::StrCat("--controller=", sparsify::ControllerName(controller)),
              absl::StrCat("--hard_threshold=", hard_threshold)};
   c.most = most;

@@ -62,6 +62,11 @@ class Cluster:
     def socket(self, r):
         return os.path.join(self.dir, f"node{r}", "microd.sock")
 
+    def daemon_log(self, r):
+        """What node r's daemon has written to its log so far."""
+        with open(os.path.join(self.dir, f"microd{r}.log"), errors="replace") as f:
+            return f.read()
+
     def env(self, node, local_rank):
         env = dict(os.environ)
         env["MICROD_SOCKET"] = self.socket(node)

@@ -9,6 +9,7 @@
 #include <memory>
 #include <random>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -464,6 +465,96 @@ TEST(StepWarmup, DensityScheduleIsFollowedOnEveryNode) {
       EXPECT_LE(stats[0].cre, 0.05) << "step " << t;
     }
   }
+}
+
+// A bucket whose budget at the job's density is below min_k steps at the
+// density that gives it min_k values, on every node, and the warm-up's
+// density follows it where it was lower.
+TEST(StepMinK, ASmallBucketGetsMinKValuesPerStep) {
+  const int n = 3;
+  const uint64_t d = 20011;
+  SparsifyOptions o;
+  o.density = 0.001;  // k = 20
+  o.min_k = 500;
+  Cluster cluster(n, n, d, o);
+  std::vector<Vec> updates;
+  std::vector<StepStats> stats;
+  for (uint64_t t = 0; t < 6; ++t) {
+    for (const auto& s : cluster.Step(MakeGrads(n, d, t, 9), updates, stats))
+      ASSERT_TRUE(s.ok()) << s;
+    for (int r = 0; r < n; ++r) ASSERT_EQ(stats[r].budget, 500u) << "node " << r;
+  }
+  EXPECT_LE(stats[0].cre, 0.1);
+
+  // Exactly min_k, never one short by rounding, for any size.
+  for (uint64_t size : {1001ull, 4099ull, 65537ull, 147146ull, 999999ull}) {
+    SparsifyOptions b = o;
+    b.min_k = 1000;
+    EXPECT_EQ(Budget(b.ForBucket(size).density, size), std::min<uint64_t>(1000, size)) << size;
+  }
+  // A bucket at or above it, and a dense job, are left as they are.
+  SparsifyOptions big = o;
+  EXPECT_EQ(big.ForBucket(1000000).density, 0.001);
+  big.min_k = 0;
+  EXPECT_EQ(big.ForBucket(100).density, 0.001);
+  SparsifyOptions warm = o;
+  warm.warmup_density = 0.01;
+  warm.warmup_decay_steps = 10;
+  EXPECT_EQ(warm.ForBucket(20011).warmup_density, warm.ForBucket(20011).density);
+}
+
+// --remedies: below kRemedyDensity the daemon fills in the warm-up and the
+// floor on k where their flags are unset; a flag that is set wins; at 1 %
+// and with `off` nothing changes.
+TEST(Remedies, FillInOnlyWhatTheFlagsLeaveUnset) {
+  auto all = ParseRemedies("auto");
+  ASSERT_TRUE(all.ok());
+  SparsifyOptions o;
+  o.density = 0.001;
+  std::vector<std::string> lines = ApplyRemedies(*all, &o);
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_TRUE(absl::StrContains(lines[0], "warm-up")) << lines[0];
+  EXPECT_TRUE(absl::StrContains(lines[1], "minimum k")) << lines[1];
+  EXPECT_EQ(o.warmup_steps, kWarmupDenseSteps);
+  EXPECT_EQ(o.warmup_density, kWarmupStartDensity);
+  // 25 % -> 0.1 %: log4(250) = 3.98 stages.
+  EXPECT_EQ(o.warmup_decay_steps, uint64_t(std::ceil(std::log(250.0) / std::log(4.0) *
+                                                     kWarmupStageSteps)));
+  EXPECT_EQ(o.min_k, kMinK);
+  EXPECT_TRUE(o.Validate().ok());
+
+  SparsifyOptions mine;
+  mine.density = 0.001;
+  mine.warmup_steps = 7;  // set by hand: the warm-up is the user's
+  mine.min_k = 10;
+  EXPECT_TRUE(ApplyRemedies(*all, &mine).empty());
+  EXPECT_EQ(mine.warmup_steps, 7u);
+  EXPECT_EQ(mine.warmup_density, 0.0);
+  EXPECT_EQ(mine.min_k, 10u);
+
+  SparsifyOptions one_percent;
+  one_percent.density = 0.01;
+  EXPECT_TRUE(ApplyRemedies(*all, &one_percent).empty());
+  EXPECT_EQ(one_percent.warmup_steps, 0u);
+  EXPECT_EQ(one_percent.min_k, 0u);
+
+  auto off = ParseRemedies("off");
+  ASSERT_TRUE(off.ok());
+  SparsifyOptions none;
+  none.density = 0.0001;
+  EXPECT_TRUE(ApplyRemedies(*off, &none).empty());
+
+  auto only = ParseRemedies("min_k");
+  ASSERT_TRUE(only.ok());
+  SparsifyOptions floor_only;
+  floor_only.density = 0.001;
+  EXPECT_EQ(ApplyRemedies(*only, &floor_only).size(), 1u);
+  EXPECT_EQ(floor_only.warmup_steps, 0u);
+  EXPECT_EQ(floor_only.min_k, kMinK);
+
+  auto bad = ParseRemedies("warmup,clipping");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "clipping")) << bad.status();
 }
 
 TEST(StepBuildUp, TopKAndHardBuildUpMicroDoesNot) {

@@ -1,0 +1,212 @@
+"""Which densities train, and with which remedies: Fashion-MNIST through a
+local cluster (deploy/local/launch.sh), the demo's CNN or the training
+benchmark's MLP, every combination of density x remedy x controller x
+sparsifier x seed against dense averaging with the same seed and steps.
+
+    /usr/bin/python3 bench/sparsity/sweep.py --build build --out results/sweep \\
+        --model cnn --densities 0.01,0.003,0.001,0.0003 --remedies defaults,off,all
+
+Per run: the final test accuracy and its difference from dense (same seed),
+the step of a divergence (NaN/Inf) and its message, and the density actually
+achieved over the run (the daemon's selected / elements, warm-up included).
+Writes OUT/sweep.json and OUT/sweep.md (the table; with several seeds the
+mean and the spread). A finished run's JSON is reused (delete it to rerun).
+
+Remedies (daemon flags beside --sparsifier, --controller and --density):
+  defaults  nothing else: what the daemon applies by itself for the density
+  off       --remedies=off: no warm-up, no clipping, no minimum k
+  mc        --remedies=off --momentum_correction=0.9
+  warmup    --remedies=off, 50 dense steps, then the density decays from 10x
+            the target (at most 25 %) over 400 steps
+  clip      --remedies=off --clip_norm=1.0
+  all       mc + warmup + clip
+A remedy NAME=FLAGS given to --remedies defines one more (flags split on
+spaces). Every remedy except `off`, `warmup` and `clip` runs with momentum
+correction 0.9 unless its flags set it (as `make demo` does): the training
+side then applies no momentum of its own."""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+PYTHON = "/usr/bin/python3"
+TRAIN = os.path.join(ROOT, "examples", "fashion_mnist", "train.py")
+
+
+def warmup_flags(density):
+    start = min(0.25, 10 * density)
+    return ["--warmup_steps=50", f"--warmup_density={start:g}", "--warmup_decay_steps=400"]
+
+
+def remedy_flags(name, density, custom):
+    """Daemon flags of remedy `name` at `density`."""
+    off = ["--remedies=off"]
+    mc = ["--momentum_correction=0.9"]
+    presets = {
+        "defaults": mc,
+        "off": off + ["--momentum_correction=0"],
+        "mc": off + mc,
+        "warmup": off + ["--momentum_correction=0"] + warmup_flags(density),
+        "clip": off + ["--momentum_correction=0", "--clip_norm=1.0"],
+        "all": off + mc + warmup_flags(density) + ["--clip_norm=1.0"],
+    }
+    if name in custom:
+        flags = custom[name].split()
+        if not any(f.startswith("--momentum_correction") for f in flags):
+            flags = mc + flags
+        return flags
+    if name not in presets:
+        raise SystemExit(f"sweep.py: unknown remedy {name!r} (known: {', '.join(presets)}; "
+                         "or NAME=FLAGS)")
+    return presets[name]
+
+
+def run(label, daemon_flags, args, seed):
+    """One training run; returns its record (from its JSON or its logs)."""
+    out = os.path.join(args.out, "runs", f"{label}.json")
+    logs = os.path.join(args.out, "runs", f"{label}.logs")
+    if os.path.exists(out):
+        with open(out) as f:
+            return json.load(f)
+    os.makedirs(logs, exist_ok=True)
+    cmd = [os.path.join(ROOT, "deploy", "local", "launch.sh"), "--nodes", str(args.nodes),
+           "--local", "1", "--microd", os.path.join(args.build, "daemon", "microd"),
+           "--logs", logs]
+    for f in daemon_flags:
+        cmd += ["--daemon-arg", f]
+    train = [PYTHON, TRAIN, "--model", args.model, "--seed", str(seed), "--label", label,
+             "--out", out, "--evals", "4"]
+    train += ["--steps", str(args.steps)] if args.steps else ["--epochs", str(args.epochs)]
+    if args.model == "mlp":
+        # the training benchmark's: batch 8 per process, SGD lr 0.02
+        train += ["--width", str(args.width), "--lr", str(args.lr or 0.02), "--batch", "8"]
+    elif args.lr:
+        train += ["--lr", str(args.lr)]
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "client", "python"),
+               MICROD_LIBRARY=os.path.join(args.build, "client", "libmicrod.so"),
+               MICROCTL=os.path.join(args.build, "daemon", "microctl"), OMP_NUM_THREADS="1")
+    print(f"  {label:<44} ", end="", flush=True)
+    try:
+        subprocess.run(cmd + ["--", *train], env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    if os.path.exists(out):
+        with open(out) as f:
+            r = json.load(f)
+        print(f"{100 * r['final_accuracy']:.2f} %")
+        return r
+    text = ""
+    for name in sorted(os.listdir(logs)):
+        with open(os.path.join(logs, name), errors="replace") as f:
+            text += f.read()
+    m = re.search(r"step (\d+): NaN or Inf[^\n]*", text)
+    r = {"label": label, "failed": True,
+         "diverged_at": int(m.group(1)) if m else None,
+         "error": m.group(0)[:200] if m else "no result: see " + logs}
+    with open(out, "w") as f:
+        json.dump(r, f)
+    print("diverged at step %s" % r["diverged_at"] if m else "failed")
+    return r
+
+
+def achieved_density(r):
+    s = [x for x in r.get("samples", []) if x.get("count")]
+    return statistics.mean(x["selected"] / x["count"] for x in s) if s else None
+
+
+def table(rows, seeds):
+    """Markdown: one row per configuration, accuracy minus dense per seed."""
+    md = ["| sparsifier | controller | density | remedy | accuracy | vs dense (points) | "
+          "achieved density | diverged |", "|---|---|---:|---|---:|---:|---:|---|"]
+    for key, runs in rows.items():
+        sp, ctl, density, remedy = key
+        ok = [r for r in runs if not r["record"].get("failed")]
+        acc = [100 * r["record"]["final_accuracy"] for r in ok]
+        diff = [100 * (r["record"]["final_accuracy"] - r["dense"]) for r in ok if r["dense"]]
+        dens = [d for d in (achieved_density(r["record"]) for r in ok) if d is not None]
+        div = [str(r["record"].get("diverged_at")) for r in runs if r["record"].get("failed")]
+
+        def fmt(v, digits=2):
+            if not v:
+                return "-"
+            if len(v) == 1:
+                return f"{v[0]:.{digits}f}"
+            return f"{statistics.mean(v):.{digits}f} ± {statistics.stdev(v):.{digits}f}"
+        md.append(f"| {sp} | {ctl} | {100 * density:g} % | {remedy} | {fmt(acc)} | "
+                  f"{fmt(diff)} | {'-' if not dens else f'{100 * statistics.mean(dens):.3f} %'} | "
+                  f"{'steps ' + ', '.join(div) if div else 'no'} |")
+    return md
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "results", "sweep"))
+    ap.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
+    ap.add_argument("--width", type=int, default=4096, help="--model mlp: its width")
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--epochs", type=float, default=2)
+    ap.add_argument("--steps", type=int, default=0, help="train this many steps (not --epochs)")
+    ap.add_argument("--lr", type=float, default=0, help="learning rate (0: the model's default)")
+    ap.add_argument("--densities", default="0.01,0.003,0.001,0.0003")
+    ap.add_argument("--remedies", default="defaults,off,all")
+    ap.add_argument("--controllers", default="hist")
+    ap.add_argument("--sparsifiers", default="micro")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    args = ap.parse_args()
+    custom = {}
+    remedies = []
+    for item in args.remedies.split(","):
+        name, _, flags = item.partition("=")
+        if flags:
+            custom[name] = flags
+        remedies.append(name)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
+    length = f"{args.steps} steps" if args.steps else f"{args.epochs:g} epochs"
+    print(f"sweep: {args.model}, {args.nodes} nodes, {length}, seeds {args.seeds}")
+    dense = {}
+    for seed in seeds:
+        r = run(f"{args.model}-dense-s{seed}", ["--sparsifier=dense"], args, seed)
+        dense[seed] = None if r.get("failed") else r["final_accuracy"]
+    rows = {}
+    for sp in args.sparsifiers.split(","):
+        for ctl in args.controllers.split(","):
+            for density in (float(d) for d in args.densities.split(",")):
+                for remedy in remedies:
+                    key = (sp, ctl, density, remedy)
+                    for seed in seeds:
+                        label = f"{args.model}-{sp}-{ctl}-{density:g}-{remedy}-s{seed}"
+                        flags = [f"--sparsifier={sp}", f"--controller={ctl}",
+                                 f"--density={density:g}",
+                                 *remedy_flags(remedy, density, custom)]
+                        rec = run(label, flags, args, seed)
+                        rows.setdefault(key, []).append(
+                            {"seed": seed, "flags": flags, "record": rec, "dense": dense[seed]})
+    dense_acc = [100 * a for a in dense.values() if a is not None]
+    head = [f"Fashion-MNIST, {args.model} ({length}, {args.nodes} nodes x 1 process), seeds "
+            f"{args.seeds}; dense: " + ", ".join(f"{a:.2f} %" for a in dense_acc), ""]
+    md = head + table(rows, seeds)
+    with open(os.path.join(args.out, "sweep.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    summary = {"model": args.model, "length": length, "nodes": args.nodes, "dense": dense,
+               "runs": [{"key": list(k), **{x: v for x, v in r.items() if x != "record"},
+                         "accuracy": r["record"].get("final_accuracy"),
+                         "diverged_at": r["record"].get("diverged_at"),
+                         "achieved_density": achieved_density(r["record"])}
+                        for k, runs in rows.items() for r in runs]}
+    with open(os.path.join(args.out, "sweep.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
