@@ -21,6 +21,17 @@ def run(cluster, out):
     return cluster.run(TRAIN, [*ARGS, "--label", "run", "--out", out], timeout=400)
 
 
+def assert_trains(cluster):
+    """Every process finishes, and the loss stays finite and falls."""
+    out = os.path.join(tempfile.mkdtemp(), "r.json")
+    results = run(cluster, out)
+    for code, text in results:
+        assert code == 0, text[-2000:]
+    losses = np.array(json.load(open(out))["loss"])
+    assert np.all(np.isfinite(losses))
+    assert losses[-20:].mean() < 0.6 * losses[:20].mean(), (losses[:20].mean(), losses[-20:].mean())
+
+
 def test_diverges_without_remedies_with_a_clear_error(make_cluster):
     cluster = make_cluster(4, 1, ["--density=0.001", "--remedies=off"])
     results = run(cluster, os.path.join(tempfile.mkdtemp(), "r.json"))
@@ -34,14 +45,7 @@ def test_trains_at_0_1_percent_with_the_defaults(make_cluster):
     # The demo's flags: only the density and its momentum correction. Without
     # the defaults this diverged at step 139 (NaN/Inf on every node).
     cluster = make_cluster(4, 1, ["--density=0.001", "--momentum_correction=0.9"])
-    out = os.path.join(tempfile.mkdtemp(), "r.json")
-    results = run(cluster, out)
-    for code, text in results:
-        assert code == 0, text[-2000:]
-    record = json.load(open(out))
-    losses = np.array(record["loss"])
-    assert np.all(np.isfinite(losses))
-    assert losses[-20:].mean() < 0.6 * losses[:20].mean(), (losses[:20].mean(), losses[-20:].mean())
+    assert_trains(cluster)
     # The CNN's one bucket (147,146 values, k = 147 at 0.1 %) gets the floor
     # on k, and the daemon says what it applied (at step 156 the warm-up's
     # density is still above the floor's).
@@ -56,11 +60,4 @@ def test_trains_with_momentum_correction_and_warmup(make_cluster):
     cluster = make_cluster(4, 1, ["--density=0.001", "--momentum_correction=0.9",
                                   "--warmup_steps=50", "--warmup_density=0.1",
                                   "--warmup_decay_steps=200"])
-    out = os.path.join(tempfile.mkdtemp(), "r.json")
-    results = run(cluster, out)
-    for code, text in results:
-        assert code == 0, text[-2000:]
-    record = json.load(open(out))
-    losses = np.array(record["loss"])
-    assert np.all(np.isfinite(losses))
-    assert losses[-20:].mean() < 0.6 * losses[:20].mean(), (losses[:20].mean(), losses[-20:].mean())
+    assert_trains(cluster)
