@@ -120,7 +120,7 @@ def achieved_density(r):
     return statistics.mean(x["selected"] / x["count"] for x in s) if s else None
 
 
-def table(rows, seeds):
+def table(rows):
     """Markdown: one row per configuration, accuracy minus dense per seed."""
     md = ["| sparsifier | controller | density | remedy | accuracy | vs dense (points) | "
           "achieved density | diverged |", "|---|---|---:|---|---:|---:|---:|---|"]
@@ -193,7 +193,7 @@ def main():
     dense_acc = [100 * a for a in dense.values() if a is not None]
     head = [f"Fashion-MNIST, {args.model} ({length}, {args.nodes} nodes x 1 process), seeds "
             f"{args.seeds}; dense: " + ", ".join(f"{a:.2f} %" for a in dense_acc), ""]
-    md = head + table(rows, seeds)
+    md = head + table(rows)
     with open(os.path.join(args.out, "sweep.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     summary = {"model": args.model, "length": length, "nodes": args.nodes, "dense": dense,

@@ -50,14 +50,6 @@ class Net(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
-def mlp(width):
-    """The training benchmark's MLP: 784 -> width -> width -> width*5/16 -> 10
-    (width 4096: 25.3 M parameters)."""
-    third = max(1, width * 5 // 16)
-    return nn.Sequential(nn.Flatten(), nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width),
-                         nn.ReLU(), nn.Linear(width, third), nn.ReLU(), nn.Linear(third, 10))
-
-
 def evaluate(model, x, y):
     model.eval()
     correct, loss = 0, 0.0
@@ -108,7 +100,13 @@ def main():
     rank, world = client.rank, client.world_size
     x, y = load("train")
     xs, ys = x[rank::world], y[rank::world]
-    model = Net() if args.model == "cnn" else mlp(args.width)
+    if args.model == "cnn":
+        model = Net()
+    else:  # the training benchmark's MLP, on the images flattened
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                        "bench", "training"))
+        from worker import mlp
+        model = nn.Sequential(nn.Flatten(), mlp(args.width))
     mt.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr,
                                                   momentum=args.momentum),
