@@ -9,8 +9,11 @@ sparsifier x seed against dense averaging with the same seed and steps.
 Per run: the final test accuracy and its difference from dense (same seed),
 the step of a divergence (NaN/Inf) and its message, and the density actually
 achieved over the run (the daemon's selected / elements, warm-up included).
-Writes OUT/sweep.json and OUT/sweep.md (the table; with several seeds the
-mean and the spread). A finished run's JSON is reused (delete it to rerun).
+Writes OUT/sweep.json, OUT/sweep.md (the table, with several seeds the mean
+and the spread, and the test accuracy at each evaluation) and OUT/sweep.png
+(accuracy against dense by density, one line per remedy; and the accuracy
+curves). A finished run's JSON is reused (delete it to rerun); --cached
+reports only what has run, running nothing.
 
 Remedies (daemon flags beside --sparsifier, --controller and --density):
   defaults  nothing else: what the daemon applies by itself for the density
@@ -67,12 +70,15 @@ def remedy_flags(name, density, custom):
 
 
 def run(label, daemon_flags, args, seed):
-    """One training run; returns its record (from its JSON or its logs)."""
+    """One training run; returns its record (from its JSON or its logs), or
+    None with --cached when it has not run."""
     out = os.path.join(args.out, "runs", f"{label}.json")
     logs = os.path.join(args.out, "runs", f"{label}.logs")
     if os.path.exists(out):
         with open(out) as f:
             return json.load(f)
+    if args.cached:
+        return None
     os.makedirs(logs, exist_ok=True)
     cmd = [os.path.join(ROOT, "deploy", "local", "launch.sh"), "--nodes", str(args.nodes),
            "--local", "1", "--microd", os.path.join(args.build, "daemon", "microd"),
@@ -144,6 +150,77 @@ def table(rows):
     return md
 
 
+def curves(rows):
+    """Markdown: test accuracy at each evaluation step, mean over the seeds."""
+    steps = sorted({e["step"] for runs in rows.values() for r in runs
+                    for e in r["record"].get("eval", [])})
+    md = ["| sparsifier | controller | density | remedy | " +
+          " | ".join(f"step {s}" for s in steps) + " |", "|---|---|---:|---|" + "---:|" * len(steps)]
+    for (sp, ctl, density, remedy), runs in rows.items():
+        by_step = {}
+        for r in runs:
+            for e in r["record"].get("eval", []):
+                by_step.setdefault(e["step"], []).append(100 * e["accuracy"])
+        cells = [f"{statistics.mean(by_step[s]):.2f}" if s in by_step else "-" for s in steps]
+        md.append(f"| {sp} | {ctl} | {100 * density:g} % | {remedy} | " + " | ".join(cells) + " |")
+    return md
+
+
+def plot(rows, dense, title, path):
+    """Accuracy minus dense against density, one line per (sparsifier,
+    controller, remedy), divergences marked at the bottom; beside it the test
+    accuracy curves of every configuration."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5))
+    lines = {}
+    for (sp, ctl, density, remedy), runs in rows.items():
+        lines.setdefault((sp, ctl, remedy), []).append((density, runs))
+    floor = -10.0
+    for (sp, ctl, remedy), points in sorted(lines.items()):
+        xs, ys, bad = [], [], []
+        for density, runs in sorted(points):
+            diff = [100 * (r["record"]["final_accuracy"] - r["dense"]) for r in runs
+                    if not r["record"].get("failed") and r["dense"]]
+            if diff:
+                xs.append(100 * density)
+                ys.append(max(floor, statistics.mean(diff)))
+            elif any(r["record"].get("failed") for r in runs):
+                bad.append(100 * density)
+        name = remedy if (sp, ctl) == ("micro", "hist") else f"{sp}/{ctl} {remedy}"
+        line, = a.plot(xs, ys, marker="o", label=name)
+        if bad:
+            a.plot(bad, [floor] * len(bad), marker="x", linestyle="", color=line.get_color(),
+                   markersize=10)
+    a.axhline(0, color="black", linewidth=0.8)
+    a.axhline(-1, color="grey", linestyle="--", linewidth=0.8, label="target: within 1 point")
+    a.set_xscale("log")
+    a.set_xlabel("density (%)")
+    a.set_ylabel("test accuracy minus dense (points); x: diverged")
+    a.set_title(title, fontsize=9)
+    a.legend(fontsize=7)
+    for (sp, ctl, density, remedy), runs in sorted(rows.items()):
+        r = runs[0]["record"]
+        if r.get("eval"):
+            b.plot([e["step"] for e in r["eval"]], [100 * e["accuracy"] for e in r["eval"]],
+                   marker=".", label=f"{100 * density:g} % {sp}/{ctl} {remedy}")
+    for seed, acc in sorted(dense.items()):
+        if acc is not None and dense_curves.get(seed):
+            e = dense_curves[seed]
+            b.plot([x["step"] for x in e], [100 * x["accuracy"] for x in e], color="black",
+                   linewidth=2, label="dense" if seed == min(dense) else None)
+            break
+    b.set_xlabel("step")
+    b.set_ylabel("test accuracy (%), first seed")
+    b.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+dense_curves = {}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
@@ -160,6 +237,8 @@ def main():
     ap.add_argument("--sparsifiers", default="micro")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    ap.add_argument("--cached", action="store_true",
+                    help="run nothing: report the runs already in OUT/runs")
     args = ap.parse_args()
     custom = {}
     remedies = []
@@ -174,8 +253,9 @@ def main():
     print(f"sweep: {args.model}, {args.nodes} nodes, {length}, seeds {args.seeds}")
     dense = {}
     for seed in seeds:
-        r = run(f"{args.model}-dense-s{seed}", ["--sparsifier=dense"], args, seed)
+        r = run(f"{args.model}-dense-s{seed}", ["--sparsifier=dense"], args, seed) or {"failed": 1}
         dense[seed] = None if r.get("failed") else r["final_accuracy"]
+        dense_curves[seed] = r.get("eval")
     rows = {}
     for sp in args.sparsifiers.split(","):
         for ctl in args.controllers.split(","):
@@ -188,12 +268,14 @@ def main():
                                  f"--density={density:g}",
                                  *remedy_flags(remedy, density, custom)]
                         rec = run(label, flags, args, seed)
+                        if rec is None:
+                            continue
                         rows.setdefault(key, []).append(
                             {"seed": seed, "flags": flags, "record": rec, "dense": dense[seed]})
     dense_acc = [100 * a for a in dense.values() if a is not None]
     head = [f"Fashion-MNIST, {args.model} ({length}, {args.nodes} nodes x 1 process), seeds "
             f"{args.seeds}; dense: " + ", ".join(f"{a:.2f} %" for a in dense_acc), ""]
-    md = head + table(rows)
+    md = head + table(rows) + ["", "Test accuracy (%) at each evaluation:", ""] + curves(rows)
     with open(os.path.join(args.out, "sweep.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     summary = {"model": args.model, "length": length, "nodes": args.nodes, "dense": dense,
@@ -204,6 +286,8 @@ def main():
                         for k, runs in rows.items() for r in runs]}
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
         json.dump(summary, f, indent=1)
+    if rows:
+        plot(rows, dense, head[0], os.path.join(args.out, "sweep.png"))
     print("\n".join(md))
     return 0
 
