@@ -166,6 +166,40 @@ def curves(rows):
     return md
 
 
+def targets(rows, at_step):
+    """Markdown lines: each target beside the figure it is judged on. With
+    the defaults (no flag beyond --density): the final accuracy within 1.0
+    point of dense (mean over the seeds), and below 1 % density, within 1.0
+    point of 1 % at the first evaluation at or past `at_step`."""
+    def mean_eval(runs, step):
+        acc = [100 * e["accuracy"] for r in runs for e in r["record"].get("eval", [])
+               if e["step"] == step]
+        return statistics.mean(acc) if acc else None
+    md = []
+    for (sp, ctl, density, remedy), runs in rows.items():
+        if remedy != "defaults":
+            continue
+        name = f"{sp}/{ctl} at {100 * density:g} % with the defaults"
+        ok = [r for r in runs if not r["record"].get("failed") and r["dense"]]
+        if len(ok) < len(runs):
+            md.append(f"- {name}: diverged or failed in {len(runs) - len(ok)} of {len(runs)} "
+                      "runs (target: none) -> MISSED")
+        if ok:
+            diff = statistics.mean(100 * (r["record"]["final_accuracy"] - r["dense"]) for r in ok)
+            md.append(f"- {name}: {diff:+.2f} points from dense at the end (target: within "
+                      f"1.0) -> {'met' if diff >= -1.0 else 'MISSED'}")
+        ref = rows.get((sp, ctl, 0.01, remedy))
+        if density < 0.01 and ref and ok:
+            steps = sorted({e["step"] for r in ok for e in r["record"].get("eval", [])})
+            step = next((x for x in steps if x >= at_step), None)
+            a, b = (mean_eval(ok, step), mean_eval(ref, step)) if step else (None, None)
+            if a is not None and b is not None:
+                md.append(f"- {name}: {a:.2f} % at step {step} against 1 %'s {b:.2f} % "
+                          f"({a - b:+.2f}; target: within 1.0 by step {at_step}) -> "
+                          f"{'met' if a - b >= -1.0 else 'MISSED'}")
+    return md
+
+
 def plot(rows, dense, title, path):
     """Accuracy minus dense against density, one line per (sparsifier,
     controller, remedy), divergences marked at the bottom; beside it the test
@@ -237,6 +271,8 @@ def main():
     ap.add_argument("--sparsifiers", default="micro")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    ap.add_argument("--equal-steps", type=int, default=150,
+                    help="compare below 1 %% with 1 %% at the first evaluation past this step")
     ap.add_argument("--cached", action="store_true",
                     help="run nothing: report the runs already in OUT/runs")
     args = ap.parse_args()
@@ -276,6 +312,9 @@ def main():
     head = [f"Fashion-MNIST, {args.model} ({length}, {args.nodes} nodes x 1 process), seeds "
             f"{args.seeds}; dense: " + ", ".join(f"{a:.2f} %" for a in dense_acc), ""]
     md = head + table(rows) + ["", "Test accuracy (%) at each evaluation:", ""] + curves(rows)
+    goals = targets(rows, args.equal_steps)
+    if goals:
+        md += ["", "Targets (the defaults: no flag beyond --density):", ""] + goals
     with open(os.path.join(args.out, "sweep.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     summary = {"model": args.model, "length": length, "nodes": args.nodes, "dense": dense,
