@@ -88,6 +88,18 @@ def plots(runs, out):
         plt.close(fig)
 
 
+def gap_line(label, accuracy, dense_accuracy, within=1.0):
+    """One line: how far a run's final test accuracy is from dense's, in
+    words that agree with the sign, beside the target."""
+    gap = 100 * (accuracy - dense_accuracy)
+    if abs(gap) < 0.005:
+        where = "the same accuracy as dense"
+    else:
+        where = f"{abs(gap):.2f} accuracy points {'below' if gap < 0 else 'above'} dense"
+    verdict = "met" if gap >= -within else "MISSED"
+    return f"{label}: {where} (target: at most {within:.1f} below) -> {verdict}"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("runs", nargs="+")
@@ -104,8 +116,8 @@ def main():
             if r["label"] != "dense":
                 gap = 100 * (by["dense"]["final_accuracy"] - r["final_accuracy"])
                 result.setdefault("accuracy_gap_points", {})[r["label"]] = gap
-                print(f"\n{r['label']}: {gap:+.2f} accuracy points below dense "
-                      f"(target: within 1.0)")
+                print("\n" + gap_line(r["label"], r["final_accuracy"],
+                                      by["dense"]["final_accuracy"]))
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(result, f, indent=2)
     plots(runs, args.out)
