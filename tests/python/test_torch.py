@@ -114,3 +114,19 @@ def test_short_training_run_learns(make_cluster):
     losses = out[0]["losses"]
     start, end = losses[:20].mean(), losses[-20:].mean()
     assert end < 0.3 * start, (start, end)
+
+
+def test_broadcast_leaves_every_process_with_the_roots_bits(make_cluster):
+    # broadcast_parameters undid the daemon's average with x * W (in fp32,
+    # (x / 3) * 3 != x for 13.7 % of Gaussian values) and sent every tensor
+    # through fp32 (fp64 lost its low bits); integer buffers were skipped.
+    cluster = make_cluster(3, 1, ["--sparsifier=micro", "--density=0.01"])
+    res = run(cluster, "broadcast")
+    root = int(res[0]["root"])
+    names = [k[len("after_"):] for k in res[0].files if k.startswith("after_")]
+    assert sorted(names) == ["empty", "mask", "steps", "w32", "w64", "wbf16"]
+    for r in range(3):
+        for k in names:
+            assert res[r][f"after_{k}"].tobytes() == res[root][f"before_{k}"].tobytes(), (r, k)
+    # the ranks did start apart, so the check above is not vacuous
+    assert res[0]["before_w64"].tobytes() != res[root]["before_w64"].tobytes()

@@ -2,7 +2,8 @@
 
     torch_worker.py MODE OUT [STEPS] [DENSITY]
 MODE: ddp-gloo (plain DDP, Gloo allreduce), ddp-microd (DDP + microd.torch.comm_hook),
-optimizer (microd.torch.DistributedOptimizer), train (a short real training run).
+optimizer (microd.torch.DistributedOptimizer), train (a short real training run),
+broadcast (microd.torch.broadcast_parameters of every dtype).
 Writes the final parameters (and, for `optimizer`, each step's local gradient
 and received update) to OUT as .npz."""
 import os
@@ -86,6 +87,24 @@ elif mode == "train":
         opt.step()
         losses.append(loss.item())
     np.savez(out, losses=np.array(losses))
+elif mode == "broadcast":
+    # Every rank holds different values of every dtype a state_dict holds;
+    # after the broadcast each must hold the root's bits (saved as raw bytes).
+    root = world - 1
+    g = torch.Generator().manual_seed(100 + rank)
+    state = {"w32": torch.randn(1000, generator=g) * 3.7,
+             "w64": torch.randn(257, generator=g, dtype=torch.float64) / 3,
+             "wbf16": torch.randn(65, generator=g).to(torch.bfloat16),
+             "steps": torch.tensor([rank * 1000003 + 7], dtype=torch.int64),
+             "mask": torch.rand(9, generator=g) > 0.5,
+             "empty": torch.zeros(0)}
+    before = {k: v.clone() for k, v in state.items()}
+    mt.broadcast_parameters(state, root_rank=root)
+
+    def raw(t):
+        return t.contiguous().reshape(-1).view(torch.uint8).numpy().copy()
+    np.savez(out, **{f"after_{k}": raw(v) for k, v in state.items()},
+             **{f"before_{k}": raw(v) for k, v in before.items()}, root=np.array(root))
 else:
     sys.exit(f"unknown mode {mode}")
 client.close()

@@ -193,32 +193,38 @@ class DistributedOptimizer:
 
 def broadcast_parameters(params, root_rank=0, client=None, timeout_ms=600000):
     """Makes every process hold root_rank's values of `params` (a state_dict
-    or an iterable of (name, tensor)), through one dense allreduce in which
-    only the root contributes. Every process ends with identical values."""
+    or an iterable of (name, tensor)): every tensor, whatever its dtype
+    (floating, integer, bool), ends with the root's exact bits everywhere.
+
+    The daemons average, so the bits travel as integers an average cannot
+    bend: the tensors' bytes as 16-bit words, each word a float in
+    [0, 65535] that only the root contributes (others add zeros). The average
+    times W is that word within 2^-7, and rounding gives it back exactly."""
     client = client or default_client()
     items = sorted(params.items()) if isinstance(params, dict) else sorted(params)
-    tensors = [t for _, t in items if torch.is_tensor(t) and t.is_floating_point()]
-    total = sum(t.numel() for t in tensors)
-    if total == 0:
+    tensors = [t for _, t in items if torch.is_tensor(t) and t.numel() > 0]
+    raw = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    nbytes = sum(r.numel() for r in raw)
+    if nbytes == 0:
         return
-    name = f"microd.broadcast.{total}"
-    buf = client.buffers.get(name) or client.register(name, total, dense=True)
+    words = (nbytes + 1) // 2
+    name = f"microd.broadcast.{words}"
+    buf = client.buffers.get(name) or client.register(name, words, dense=True)
     flat = buf.tensor
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        if client.rank == root_rank:
-            flat[offset:offset + n].copy_(t.detach().reshape(-1).float())
-        else:
-            flat[offset:offset + n].zero_()
-        offset += n
+    if client.rank == root_rank:
+        packed = torch.zeros(2 * words, dtype=torch.uint8)
+        torch.cat(raw, out=packed[:nbytes])
+        flat.copy_(packed.view(torch.int16).to(torch.int32).bitwise_and(0xFFFF))
+    else:
+        flat.zero_()
     client.allreduce(buf, timeout_ms)
-    flat.mul_(client.world_size)  # the daemon averages: undo the 1 / W
+    back = torch.round(flat * client.world_size).to(torch.int32)
+    back = torch.where(back > 32767, back - 65536, back).to(torch.int16).view(torch.uint8)
     offset = 0
     with torch.no_grad():
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[offset:offset + n].view_as(t))
+        for t, r in zip(tensors, raw):
+            n = r.numel()
+            t.copy_(back[offset:offset + n].clone().view(t.dtype).view_as(t))
             offset += n
 
 
