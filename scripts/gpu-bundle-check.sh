@@ -49,6 +49,13 @@ cleanup() {
     kill "$daemon_pid" 2>/dev/null
     wait "$daemon_pid" 2>/dev/null || true
   fi
+  # The daemon must not outlive the check (it once did: the pid killed was a
+  # subshell's, and every CI run left a microd behind).
+  if pgrep -f -- "--socket=$scratch/microd.sock" >/dev/null; then
+    pkill -f -- "--socket=$scratch/microd.sock" || true
+    echo "gpu-bundle-check: FAILED: the bundle's microd outlived the check" >&2
+    [[ $rc -ne 0 ]] || rc=1
+  fi
   rm -rf "$scratch"
   exit "$rc"
 }
@@ -73,7 +80,9 @@ else
   grep -q "libnccl.so.2" "$scratch/bench.log" ||
     { cat "$scratch/bench.log"; fail "microd-bench-transport failed from the bundle"; }
 fi
-clean "$B/daemon/microd" --socket="$scratch/microd.sock" --nodes=1 \
+# Not through clean(): backgrounded, a function runs in a subshell whose pid
+# $! would be; env execs microd, so $! is the daemon's own.
+env -i PATH=/usr/bin:/bin HOME="$scratch" "$B/daemon/microd" --socket="$scratch/microd.sock" --nodes=1 \
   --coordinator_listen=127.0.0.1:0 --admin=127.0.0.1:0 --admin_port_file="$scratch/admin" \
   --transport=gloo >"$scratch/microd.log" 2>&1 &
 daemon_pid=$!
