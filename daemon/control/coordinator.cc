@@ -493,11 +493,6 @@ absl::StatusOr<HeartbeatAnswer> Coordinator::Heartbeat(uint64_t session, int ran
   return HeartbeatAnswer{state_, failure_, stalls_};
 }
 
-std::vector<std::string> Coordinator::Stalls() const {
-  absl::MutexLock lock(&mu_);
-  return stalls_;
-}
-
 void Coordinator::InspectStalls(absl::Time now) {
   // By bucket: the longest wait any node reports, and what each node says.
   struct Seen {

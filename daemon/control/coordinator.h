@@ -136,8 +136,6 @@ class Coordinator {
   // `waiting`: the node's long-waiting buckets, replacing what it sent before.
   absl::StatusOr<HeartbeatAnswer> Heartbeat(uint64_t session, int rank,
                                             std::vector<BucketWait> waiting = {});
-  // The stall inspector's current reports (what the heartbeats answer).
-  std::vector<std::string> Stalls() const;
   absl::Status Leave(uint64_t session, int rank);
   // A node reports that the job failed; the reason is kept with its name.
   absl::Status ReportFailure(uint64_t session, int rank, const std::string& reason);

@@ -28,6 +28,10 @@ namespace microd::local {
 namespace {
 
 constexpr uint64_t kMaxElements = 0xFFFFFFFFull;
+// Messages an outbox may hold beyond one per registered buffer (the
+// completions a client can have in flight): answers to refused
+// submissions, register answers.
+constexpr size_t kOutboxSlack = 1024;
 
 size_t ExpectedSize(uint16_t type) {
   switch (type) {
@@ -216,7 +220,7 @@ bool LocalServer::Send(Client& c, const void* msg, size_t len) {
   }
   // A client has at most one submission in flight per buffer; beyond that
   // and the slack, it is not reading at all.
-  if (c.outbox.size() >= c.buffers.size() + options_.outbox_slack) {
+  if (c.outbox.size() >= c.buffers.size() + kOutboxSlack) {
     c.broken = absl::StrCat("it does not read its completions (", c.outbox.size(),
                             " messages waiting, it has ", c.buffers.size(), " buffers)");
     Wake();

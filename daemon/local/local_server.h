@@ -180,10 +180,6 @@ struct LocalServerOptions {
   absl::Duration hello_timeout = absl::Seconds(10);
   // A client whose oldest unread message waited this long is dropped.
   absl::Duration stuck_after = absl::Seconds(60);
-  // Messages an outbox may hold beyond one per registered buffer (the
-  // completions a client can have in flight): answers to refused
-  // submissions, register answers.
-  size_t outbox_slack = 1024;
   // Where CUDA buffers are opened, made at the first REGISTER_CUDA (tests
   // inject a fake; unset: CreateCudaIpcRegistry() of cuda_ipc.h).
   std::function<absl::StatusOr<std::unique_ptr<CudaIpcRegistry>>()> cuda_registry;
