@@ -4,6 +4,7 @@
 // Every flag can also come from MICROD_<FLAG> in the environment (the
 // command line wins).
 #include <errno.h>
+#include "daemon/common/log.h"
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -173,6 +174,11 @@ ABSL_FLAG(int, stall_warning_s, 60,
 ABSL_FLAG(int, stall_abort_s, 0, "a stall this long fails the job with that report (0: never)");
 ABSL_FLAG(int, hello_timeout_ms, 10000,
           "a connection that says no hello this long after connecting is closed");
+ABSL_FLAG(std::string, log_level, "info",
+          "messages at this level and above are logged: debug, info, warning or error");
+ABSL_FLAG(std::string, log_format, "text",
+          "text (a timestamp, the level, node/rank and the source on every line) or json "
+          "(one object per line, for log collectors)");
 
 namespace {
 
@@ -190,12 +196,25 @@ bool ApplyEnvironment() {
     if (value == nullptr) continue;
     std::string error;
     if (!flag->ParseFrom(value, &error)) {
-      std::fprintf(stderr, "microd: bad value '%s' in %s: %s\n", value, env.c_str(), error.c_str());
+      MICROD_LOG(Error, "bad value '%s' in %s: %s", value, env.c_str(), error.c_str());
       return false;
     }
   }
   return true;
 }
+// --log_level and --log_format (or MICROD_LOG_LEVEL, MICROD_LOG_FORMAT).
+absl::Status ConfigureLog() {
+  auto level = microd::log::ParseLevel(absl::GetFlag(FLAGS_log_level));
+  if (!level.ok()) return absl::InvalidArgumentError(absl::StrCat("--log_level: ",
+                                                                  level.status().message()));
+  auto format = microd::log::ParseFormat(absl::GetFlag(FLAGS_log_format));
+  if (!format.ok()) return absl::InvalidArgumentError(absl::StrCat("--log_format: ",
+                                                                   format.status().message()));
+  microd::log::SetLevel(*level);
+  microd::log::SetFormat(*format);
+  return absl::OkStatus();
+}
+
 int g_stop_pipe[2] = {-1, -1};
 
 void OnStopSignal(int sig) {
@@ -218,7 +237,7 @@ class StopWatcher {
       }
       absl::MutexLock lock(&mu_);
       if (!serving_) {
-        std::fprintf(stderr, "microd: %s before the job started: exiting\n",
+        MICROD_LOG(Info, "%s before the job started: exiting",
                      sig == SIGTERM ? "SIGTERM" : "SIGINT");
         std::fflush(stderr);
         std::_Exit(1);
@@ -245,7 +264,7 @@ class StopWatcher {
 };
 
 int Fatal(const std::string& what, const absl::Status& s) {
-  std::fprintf(stderr, "microd: %s: %s\n", what.c_str(), s.ToString().c_str());
+  MICROD_LOG(Error, "%s: %s", what.c_str(), s.ToString().c_str());
   return 1;
 }
 
@@ -285,7 +304,7 @@ absl::StatusOr<std::string> DataPlaneAddress(const std::string& coordinator_addr
       for (bool said = false; !local.ok() && absl::IsUnavailable(local.status()) &&
                               absl::Now() < deadline;) {
         if (!said) {
-          std::fprintf(stderr, "microd: %s; retrying\n", std::string(local.status().message()).c_str());
+          MICROD_LOG(Warning, "%s; retrying", std::string(local.status().message()).c_str());
           said = true;
         }
         absl::SleepFor(absl::Milliseconds(250));
@@ -305,7 +324,7 @@ absl::StatusOr<std::string> DataPlaneAddress(const std::string& coordinator_addr
       }
     }
   }
-  std::fprintf(stderr, "microd: data plane on %s (%s)\n", chosen.c_str(), why.c_str());
+  MICROD_LOG(Info, "data plane on %s (%s)", chosen.c_str(), why.c_str());
   return chosen;
 }
 
@@ -443,8 +462,8 @@ absl::StatusOr<Config> ParseFlags() {
   // spinning on the GPU the training shares: the coordinator negotiates.
   c.response_cache = absl::GetFlag(FLAGS_response_cache) && c.transport != "nccl";
   if (absl::GetFlag(FLAGS_response_cache) && !c.response_cache) {
-    std::fprintf(stderr, "microd: --transport=nccl: the response cache is off (every step "
-                         "through the coordinator)\n");
+    MICROD_LOG(Info, "--transport=nccl: the response cache is off (every step "
+                         "through the coordinator)");
   }
   c.op_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
   c.peer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_peer_timeout_ms));
@@ -464,6 +483,7 @@ absl::StatusOr<Config> ParseFlags() {
   }
   c.node_name = absl::GetFlag(FLAGS_node_name);
   if (c.node_name.empty()) c.node_name = HostName();
+  microd::log::SetIdentity(c.node_name, -1);
   c.tls.cert = absl::GetFlag(FLAGS_tls_cert);
   c.tls.key = absl::GetFlag(FLAGS_tls_key);
   c.tls.ca = absl::GetFlag(FLAGS_tls_ca);
@@ -488,8 +508,8 @@ absl::Status CheckExposure(const std::string& flag, const std::string& address, 
   const std::string tls_alone =
       c.tls.enabled() ? " (TLS with --tls_cert alone authenticates nobody who connects)" : "";
   if (absl::GetFlag(FLAGS_insecure)) {
-    std::fprintf(stderr, "microd: warning: %s %s is reachable from the network without client "
-                         "authentication%s (--insecure)%s\n",
+    MICROD_LOG(Warning, "%s %s is reachable from the network without client "
+                         "authentication%s (--insecure)%s",
                  flag.c_str(), address.c_str(), token_counts ? " or a job token" : "",
                  tls_alone.c_str());
     return absl::OkStatus();
@@ -627,7 +647,7 @@ absl::Status Daemon::StartCoordinator() {
       if (!self.ok()) return Bad("--coordinator_listen", self.status());
       coordinator_address_ = *self;
     }
-    std::fprintf(stderr, "microd: coordinator listening on %s for %d nodes\n",
+    MICROD_LOG(Info, "coordinator listening on %s for %d nodes",
                  coordinator_server_->address().c_str(), co.expected_nodes);
     if (const std::string f = absl::GetFlag(FLAGS_coordinator_port_file); !f.empty()) {
       std::ofstream(f) << coordinator_server_->port() << "\n";
@@ -716,10 +736,10 @@ absl::Status Daemon::StartAdmin() {
     if (absl::Status s = microd::PrepareSocketPath(path, SOCK_STREAM, &warning); !s.ok()) {
       return Bad("--admin", s);
     }
-    if (!warning.empty()) std::fprintf(stderr, "microd: warning: %s\n", warning.c_str());
+    if (!warning.empty()) MICROD_LOG(Warning, "%s", warning.c_str());
   } else if (microd::control::IsLocalOnly(address)) {
-    std::fprintf(stderr, "microd: note: --admin %s: every local user can read this daemon's "
-                         "status and timeline (unix:PATH admits only this uid)\n",
+    MICROD_LOG(Info, "--admin %s: every local user can read this daemon's "
+                         "status and timeline (unix:PATH admits only this uid)",
                  address.c_str());
   }
   // gRPC binds with the process's umask: the socket is never more open than
@@ -737,7 +757,7 @@ absl::Status Daemon::StartAdmin() {
   // only once this node joined and serves its training processes (startup
   // and readiness: a trainer started earlier would wait for the socket).
   admin_->SetServing(kHealthService, false);
-  std::fprintf(stderr, "microd: admin listening on %s\n", admin_->address().c_str());
+  MICROD_LOG(Info, "admin listening on %s", admin_->address().c_str());
   if (const std::string f = absl::GetFlag(FLAGS_admin_port_file); !f.empty()) {
     std::ofstream(f) << admin_->port() << "\n";
   }
@@ -768,7 +788,7 @@ absl::Status Daemon::StartMetrics() {
   auto server = microd::engine::MetricsServer::Start(address, std::move(collector));
   if (!server.ok()) return Bad("--metrics", server.status());
   metrics_ = std::move(server).value();
-  std::fprintf(stderr, "microd: metrics on http://%s:%d/metrics\n",
+  MICROD_LOG(Info, "metrics on http://%s:%d/metrics",
                address.substr(0, address.rfind(':')).c_str(), metrics_->port());
   if (const std::string f = absl::GetFlag(FLAGS_metrics_port_file); !f.empty()) {
     std::ofstream(f) << metrics_->port() << "\n";
@@ -783,7 +803,7 @@ absl::Status Daemon::StartTimeline() {
       &timeline_, path, absl::Seconds(absl::GetFlag(FLAGS_timeline_flush_s)));
   if (!file.ok()) return Bad("--timeline", file.status());
   timeline_file_ = std::move(file).value();
-  std::fprintf(stderr, "microd: timeline of the last %llu steps in %s\n",
+  MICROD_LOG(Info, "timeline of the last %llu steps in %s",
                static_cast<unsigned long long>(absl::GetFlag(FLAGS_timeline_steps)), path.c_str());
   return absl::OkStatus();
 }
@@ -847,7 +867,8 @@ absl::Status Daemon::Join() {
     absl::MutexLock lock(&mu_);
     membership_ = *joined;
   }
-  std::fprintf(stderr, "microd: node '%s' is rank %d of %d (world size %d)\n",
+  microd::log::SetRank(membership_.node_rank);
+  MICROD_LOG(Info, "node '%s' is rank %d of %d (world size %d)",
                config_.node_name.c_str(), membership_.node_rank, membership_.node_count,
                membership_.world_size);
   return absl::OkStatus();
@@ -871,10 +892,9 @@ absl::Status Daemon::StartDataPlane(const microd::engine::EngineOptions& eo) {
     ops_ = microd::kernels::CreateCpuSparseOps();
     if (const microd::transport::LinkModel* m = transport_->link_model();
         m != nullptr && m->ranks > 1) {
-      std::fprintf(stderr,
-                   "microd: data plane links (slowest of every node's): a direct round takes "
+      MICROD_LOG(Info, "data plane links (slowest of every node's): a direct round takes "
                    "%.3f ms (%.3f ms posted ahead), a node sends %.1f MB/s; %d connection(s) "
-                   "per pair\n",
+                   "per pair",
                    m->round_seconds * 1e3, m->posted_round_seconds * 1e3,
                    m->bytes_per_second / 1e6, m->connections);
     }
@@ -893,7 +913,7 @@ absl::Status Daemon::StartDataPlane(const microd::engine::EngineOptions& eo) {
   auto created = microd::transport::CreateNcclTransport(no);
   if (!created.ok()) return Bad("transport", created.status());
   transport_ = std::move(created).value();
-  std::fprintf(stderr, "microd: reducing on GPU %d over NCCL (CUDA buffers only)\n", eo.device);
+  MICROD_LOG(Info, "reducing on GPU %d over NCCL (CUDA buffers only)", eo.device);
   return absl::OkStatus();
 #else
   return Bad("--transport", absl::UnimplementedError("nccl needs a CUDA build"));
@@ -931,14 +951,14 @@ absl::Status Daemon::Serve(const microd::engine::EngineOptions& eo) {
       });
   engine_->Start();
   admin_->SetServing(kHealthService, true);
-  std::fprintf(stderr, "microd: serving %d local process(es) on %s\n", config_.local_size,
+  MICROD_LOG(Info, "serving %d local process(es) on %s", config_.local_size,
                lo.socket_path.c_str());
   for (const std::string& line : config_.remedies) {
-    std::fprintf(stderr, "microd: remedy at density %g: %s\n", config_.sparsify.density,
+    MICROD_LOG(Info, "remedy at density %g: %s", config_.sparsify.density,
                  line.c_str());
   }
   if (config_.memory_budget > 0) {
-    std::fprintf(stderr, "microd: the buckets' state may take %llu bytes (%s)\n",
+    MICROD_LOG(Info, "the buckets' state may take %llu bytes (%s)",
                  static_cast<unsigned long long>(config_.memory_budget),
                  config_.memory_budget_source.c_str());
   }
@@ -970,7 +990,7 @@ absl::Status Daemon::Start(StopWatcher* stop) {
 }
 
 void Daemon::Stop(int sig) {
-  std::fprintf(stderr, "microd: %s: shutting down\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  MICROD_LOG(Info, "%s: shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   admin_->SetServing(kHealthService, false);
   local_server_->Stop();  // no new work; removes the socket
   engine_->Stop(absl::CancelledError(
@@ -1006,16 +1026,20 @@ int main(int argc, char** argv) {
       "  others: microd --coordinator=node0:7470 --local_size=1");
   if (!ApplyEnvironment()) return 2;
   microd::ParseCommandLine(argc, argv);
+  if (absl::Status s = ConfigureLog(); !s.ok()) {
+    std::fprintf(stderr, "microd: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
   if (!InstallStopSignals()) return Fatal("pipe", absl::InternalError("pipe2"));
   StopWatcher stop;
   auto config = ParseFlags();
   if (!config.ok()) {
-    std::fprintf(stderr, "microd: %s\n", std::string(config.status().message()).c_str());
+    MICROD_LOG(Error, "%s", std::string(config.status().message()).c_str());
     return 1;
   }
   Daemon daemon(std::move(config).value());
   if (absl::Status s = daemon.Start(&stop); !s.ok()) {
-    std::fprintf(stderr, "microd: %s\n", std::string(s.message()).c_str());
+    MICROD_LOG(Error, "%s", std::string(s.message()).c_str());
     return 1;
   }
   daemon.Stop(stop.Wait());

@@ -1,4 +1,5 @@
 #include "daemon/control/coordinator.h"
+#include "daemon/common/log.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -109,7 +110,7 @@ void Coordinator::FailLocked(const std::string& reason, bool log) {
   failure_ = reason;
   store_.Fail(absl::AbortedError(absl::StrCat("job failed: ", reason)));
   if (!log) return;
-  std::fprintf(stderr, "microd coordinator: job '%s' failed: %s\n", options_.job_id.c_str(),
+  MICROD_LOG(Error, "coordinator: job '%s' failed: %s", options_.job_id.c_str(),
                reason.c_str());
 }
 
@@ -134,7 +135,7 @@ absl::Status Coordinator::CheckMember(uint64_t session, int rank, int* caller) {
         absl::StrCat("node rank ", rank, " out of range [0, ", nodes_.size(), ")"));
   }
   if (rank >= 0 && rank != owner) {
-    std::fprintf(stderr, "microd coordinator: refused a call of node %d ('%s') for node %d\n",
+    MICROD_LOG(Warning, "coordinator: refused a call of node %d ('%s') for node %d",
                  owner, nodes_[owner].name.c_str(), rank);
     return absl::PermissionDeniedError(absl::StrCat(
         "node ", owner, " ('", nodes_[owner].name, "') may speak only for itself, not node ",
@@ -180,7 +181,7 @@ void Coordinator::LogWrongToken(const std::string& node_name, const std::string&
   if (unlogged_token_refusals_ > 0) {
     more = absl::StrCat(" (and ", unlogged_token_refusals_, " more refusals not shown)");
   }
-  std::fprintf(stderr, "microd coordinator: refused node '%s' from %s: wrong job token%s\n",
+  MICROD_LOG(Warning, "coordinator: refused node '%s' from %s: wrong job token%s",
                node_name.c_str(), peer_host.empty() ? "(unknown)" : peer_host.c_str(),
                more.c_str());
   last_token_log_ = now;
@@ -544,7 +545,7 @@ void Coordinator::InspectStalls(absl::Time now) {
     auto it = stall_logged_.find(name);
     const bool log = it == stall_logged_.end() || now - it->second >= options_.stall_warning;
     logged[name] = log ? now : it->second;
-    if (log) std::fprintf(stderr, "microd: coordinator: stall: %s\n", text.c_str());
+    if (log) MICROD_LOG(Warning, "coordinator: stall: %s", text.c_str());
     if (options_.stall_abort > absl::ZeroDuration() &&
         s.seconds >= absl::ToDoubleSeconds(options_.stall_abort) && abort.empty()) {
       abort = text;

@@ -1,4 +1,5 @@
 #include "daemon/control/coordinator_client.h"
+#include "daemon/common/log.h"
 
 #include <cstdio>
 
@@ -105,7 +106,7 @@ void CoordinatorClient::MarkFailed(const absl::Status& status) {
     failed_ = status;
     callback = on_failure_;
   }
-  std::fprintf(stderr, "microd: node '%s': %s\n", options_.node_name.c_str(),
+  MICROD_LOG(Error, "node '%s': %s", options_.node_name.c_str(),
                std::string(status.message()).c_str());
   if (callback) callback(status);
 }

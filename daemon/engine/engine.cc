@@ -1,4 +1,5 @@
 #include "daemon/engine/engine.h"
+#include "daemon/common/log.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -77,12 +78,15 @@ void Engine::Fail(const absl::Status& reason, bool report) {
     state_.in_flight.clear();
     state_.table.DropNewlyReady();
   }
-  std::fprintf(stderr, "microd: node %d: %s: %s\n", membership_.node_rank,
-               reason.code() == absl::StatusCode::kFailedPrecondition ||
-                       reason.code() == absl::StatusCode::kCancelled
-                   ? "job ended"
-                   : "job failed",
+  const bool ended = reason.code() == absl::StatusCode::kFailedPrecondition ||
+                     reason.code() == absl::StatusCode::kCancelled;
+  if (ended) {
+    MICROD_LOG(Info, "node %d: job ended: %s", membership_.node_rank,
                std::string(reason.message()).c_str());
+  } else {
+    MICROD_LOG(Error, "node %d: job failed: %s", membership_.node_rank,
+               std::string(reason.message()).c_str());
+  }
   // Tell the coordinator first, so that peers whose steps break when this
   // node aborts its transport find the root cause there.
   if (report && client_ != nullptr) (void)client_->ReportFailure(std::string(reason.message()));

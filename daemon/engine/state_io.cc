@@ -2,6 +2,7 @@
 // local processes' requests, and saving or loading every bucket's
 // sparsifier state on the engine's thread between plans (no step runs then).
 #include "absl/strings/str_cat.h"
+#include "daemon/common/log.h"
 #include "absl/strings/str_format.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/status_map.h"
@@ -78,7 +79,7 @@ void Engine::RunStateRequest() {
                   absl::IsInvalidArgument(s))) {
     s = WithClientStatus(s, ClientStatus::kMismatch);  // the saved job is not this one
   }
-  std::fprintf(stderr, "microd: node %d: %s %s: %s%s\n", membership_.node_rank,
+  MICROD_LOG(Info, "node %d: %s %s: %s%s", membership_.node_rank,
                q.save ? "saved the state to" : "loaded the state from", q.dir.path.c_str(),
                s.ok() ? "ok" : std::string(s.message()).c_str(),
                s.ok() && options_.state_key.empty()

@@ -1,4 +1,5 @@
 #include "daemon/engine/step_memory.h"
+#include "daemon/common/log.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -120,8 +121,8 @@ class DeviceResident final : public StepMemory {
   absl::Status EndBatch(const std::vector<const Work*>& works, absl::Duration timeout) override {
     const auto k = ops_->SynchronizeFor(nullptr, absl::ToDoubleSeconds(timeout));
     if (k == kernels::KernelStatus::kOk) return absl::OkStatus();
-    std::fprintf(stderr, "microd: the GPU work of a batch did not end (%s): its buffers stay "
-                         "mapped until the daemon exits\n", kernels::KernelStatusString(k));
+    MICROD_LOG(Error, "the GPU work of a batch did not end (%s): its buffers stay "
+                         "mapped until the daemon exits", kernels::KernelStatusString(k));
     for (const Work* w : works) kept_.insert(kept_.end(), w->buffers.begin(), w->buffers.end());
     return absl::DeadlineExceededError("the GPU work of a batch did not end");
   }

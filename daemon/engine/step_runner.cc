@@ -1,4 +1,5 @@
 #include "daemon/engine/step_runner.h"
+#include "daemon/common/log.h"
 
 #include <cstdio>
 #include <string>
@@ -108,7 +109,7 @@ void StepRunner::NonFinite(const Work& w, const absl::Status& status) {
     absl::MutexLock lock(&state_->mu);
     ++w.bucket->stats.skipped;
   }
-  std::fprintf(stderr, "microd: %s (skipped: zero update)\n",
+  MICROD_LOG(Warning, "%s (skipped: zero update)",
                std::string(status.message()).c_str());
   job_->Finish(w, absl::OkStatus());
 }
@@ -182,9 +183,8 @@ absl::Status StepRunner::EnsureState(Bucket& b) {
   const sparsify::SparsifyOptions& o = options_.sparsify;
   if (const double raised = o.ForBucket(b.count).density; raised != o.density) {
     // Said once, when the bucket's state is made (its first sparse step).
-    std::fprintf(stderr,
-                 "microd: bucket '%s' (%llu values): k = %llu at density %g is below --min_k = "
-                 "%llu (too few to train on); it steps at density %.4g (k = %llu)\n",
+    MICROD_LOG(Warning, "bucket '%s' (%llu values): k = %llu at density %g is below --min_k = "
+                 "%llu (too few to train on); it steps at density %.4g (k = %llu)",
                  b.name.c_str(), static_cast<unsigned long long>(b.count),
                  static_cast<unsigned long long>(sparsify::Budget(o.density, b.count)), o.density,
                  static_cast<unsigned long long>(o.min_k), raised,

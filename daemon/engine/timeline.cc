@@ -1,4 +1,5 @@
 #include "daemon/engine/timeline.h"
+#include "daemon/common/log.h"
 
 #include <time.h>
 
@@ -205,7 +206,7 @@ absl::StatusOr<std::unique_ptr<TimelineFile>> TimelineFile::Start(Timeline* time
     while (!p->stop_.WaitForNotificationWithTimeout(p->interval_)) {
       if (p->timeline_->counts().recorded == p->written_) continue;
       if (absl::Status s = p->Write(); !s.ok() && !reported) {
-        std::fprintf(stderr, "microd: --timeline: %s (will retry)\n",
+        MICROD_LOG(Warning, "--timeline: %s (will retry)",
                      std::string(s.message()).c_str());
         reported = true;
       }
@@ -220,7 +221,7 @@ TimelineFile::~TimelineFile() {
     thread_.join();
     timeline_->Release();
     if (absl::Status s = Write(); !s.ok()) {
-      std::fprintf(stderr, "microd: --timeline: %s\n", std::string(s.message()).c_str());
+      MICROD_LOG(Warning, "--timeline: %s", std::string(s.message()).c_str());
     }
   }
 }

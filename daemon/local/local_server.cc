@@ -1,4 +1,5 @@
 #include "daemon/local/local_server.h"
+#include "daemon/common/log.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -137,7 +138,7 @@ absl::StatusOr<std::unique_ptr<LocalServer>> LocalServer::Start(const LocalServe
   if (absl::Status s = PrepareSocketPath(options.socket_path, SOCK_SEQPACKET, &warning); !s.ok()) {
     return s;
   }
-  if (!warning.empty()) std::fprintf(stderr, "microd: warning: %s\n", warning.c_str());
+  if (!warning.empty()) MICROD_LOG(Warning, "%s", warning.c_str());
   std::unique_ptr<LocalServer> server(new LocalServer(options, handler));
   server->listen_fd_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (server->listen_fd_ < 0) {
@@ -777,7 +778,7 @@ bool LocalServer::HandleRegisterCuda(uint64_t id, Client& c, const microd_wire_r
       cuda_ = std::move(registry).value();
     } else {
       cuda_unavailable_ = std::string(registry.status().message());
-      std::fprintf(stderr, "microd: CUDA buffers unavailable: %s\n", cuda_unavailable_.c_str());
+      MICROD_LOG(Warning, "CUDA buffers unavailable: %s", cuda_unavailable_.c_str());
     }
   }
   if (cuda_ == nullptr) {

@@ -10,6 +10,7 @@
 // element slot gives each warp its selected lanes, warp totals are scanned in
 // shared memory, and one atomicAdd per tile claims the block's output range.
 #include <cuda_runtime_api.h>
+#include "daemon/common/log.h"
 
 #include <algorithm>
 #include <chrono>
@@ -457,7 +458,7 @@ struct Scratch {
 // A CUDA error becomes kDeviceError, printed with the call that failed.
 KernelStatus Check(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return KernelStatus::kOk;
-  std::fprintf(stderr, "microd cuda backend: %s failed: %s\n", what, cudaGetErrorString(err));
+  MICROD_LOG(Error, "CUDA backend: %s failed: %s", what, cudaGetErrorString(err));
   return KernelStatus::kDeviceError;
 }
 

@@ -216,8 +216,9 @@ TEST(Exposure, InsecureStartsAndWarns) {
   kill(pid, SIGTERM);
   EXPECT_EQ(WaitAll({pid}, seconds(20))[0], 0);
   const std::string text = ReadFile(dir + "/log");
-  EXPECT_TRUE(absl::StrContains(text, "warning: --coordinator_listen 0.0.0.0:0 is reachable"))
-      << text;
+  // Logged as a warning (the level on its line), with the address.
+  EXPECT_TRUE(absl::StrContains(text, " WARNING ")) << text;
+  EXPECT_TRUE(absl::StrContains(text, "] --coordinator_listen 0.0.0.0:0 is reachable")) << text;
   std::error_code ignored;
   std::filesystem::remove_all(dir, ignored);
 }

@@ -10,6 +10,7 @@
 // (opened from the process's handle), its copy-done event and its pinned
 // staging memory. Whatever is destroyed last closes.
 #include "daemon/local/cuda/cuda_ipc_registry.h"
+#include "daemon/common/log.h"
 
 #include <cuda.h>  // driver types, for the entry points below (no link to libcuda)
 #include <cuda_runtime_api.h>
@@ -134,7 +135,7 @@ class Allocation {
     if (device_->Use().ok()) {
       const cudaError_t e = cudaIpcCloseMemHandle(base_);
       if (e != cudaSuccess) {
-        std::fprintf(stderr, "microd: closing the CUDA IPC mapping of process %d: %s\n",
+        MICROD_LOG(Warning, "closing the CUDA IPC mapping of process %d: %s",
                      static_cast<int>(pid_), cudaGetErrorString(e));
       }
     }
@@ -189,9 +190,8 @@ class Buffer final : public DeviceMemory {
     const bool current = dev.Use().ok();
     if (in_flight_ && !(current && cudaEventQuery(done_) == cudaSuccess)) {
       // A copy may still read or write the staging memory or the mapping.
-      std::fprintf(stderr,
-                   "microd: %s: a copy is still in flight; its staging memory, events and "
-                   "mapping stay allocated until the daemon exits\n",
+      MICROD_LOG(Warning, "%s: a copy is still in flight; its staging memory, events and "
+                   "mapping stay allocated until the daemon exits",
                    description_.c_str());
       KeepForever(allocation_);
       (void)cudaGetLastError();
