@@ -83,7 +83,10 @@ def run(label, daemon_flags, args, seed):
     cmd = [os.path.join(ROOT, "deploy", "local", "launch.sh"), "--nodes", str(args.nodes),
            "--local", "1", "--microd", os.path.join(args.build, "daemon", "microd"),
            "--logs", logs]
-    for f in daemon_flags:
+    # Rank 0 evaluates on the test set between steps while the others wait in
+    # the next one: the MLP's evaluation (25 M parameters x 10,000 images on
+    # one core) can pass the default 60 s deadline of an operation.
+    for f in ["--timeout_ms=600000", *daemon_flags]:
         cmd += ["--daemon-arg", f]
     train = [PYTHON, TRAIN, "--model", args.model, "--seed", str(seed), "--label", label,
              "--out", out, "--evals", "4"]
