@@ -30,8 +30,8 @@ inline bool ConnectWithBuckets(const std::string& socket, const char* who, uint6
     std::fprintf(stderr, "%s: %s\n", who, microd_last_error(nullptr));
     return false;
   }
-  if (microd_register_host_buffer(out->client, "small", small_count, &out->small,
-                                  &out->small_id) != MICROD_OK ||
+  if (microd_register_host_buffer(out->client, "small", small_count, &out->small, &out->small_id) !=
+          MICROD_OK ||
       microd_register_host_buffer(out->client, "bucket", big_count, &out->big, &out->big_id) !=
           MICROD_OK) {
     std::fprintf(stderr, "%s: %s\n", who, microd_last_error(out->client));

@@ -13,9 +13,9 @@
 // The program launches itself: the launcher starts the daemons and the
 // client processes (--client_rank=r), which write their timings to files.
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -50,7 +50,8 @@ ABSL_FLAG(int, gloo_io_nice, 0,
           "nice value for Gloo's network thread, in the daemons and in the transport-alone run "
           "(microd --gloo_io_nice; helps where the processes outnumber the cores)");
 ABSL_FLAG(std::string, daemon, "", "microd binary (default: next to this one)");
-ABSL_FLAG(std::string, transport_bench, "", "microd-bench-transport binary (default: next to this)");
+ABSL_FLAG(std::string, transport_bench, "",
+          "microd-bench-transport binary (default: next to this)");
 ABSL_FLAG(bool, compare_timeline, false,
           "measure the cost of --timeline: (a) and (b) with it off and on, alternating");
 ABSL_FLAG(int, rounds, 3, "with --compare_timeline: rounds of off and on");
@@ -129,8 +130,8 @@ bool RunOnce(char* self, const std::string& dir, const std::vector<std::string>&
              const std::function<std::vector<std::string>(int)>& per_node, Measured* m) {
   const int n = absl::GetFlag(FLAGS_nodes);
   const uint64_t d = absl::GetFlag(FLAGS_size);
-  const std::string daemon =
-      absl::GetFlag(FLAGS_daemon).empty() ? Sibling(self, "../daemon/microd") : absl::GetFlag(FLAGS_daemon);
+  const std::string daemon = absl::GetFlag(FLAGS_daemon).empty() ? Sibling(self, "../daemon/microd")
+                                                                 : absl::GetFlag(FLAGS_daemon);
   std::vector<pid_t> clients;
   const std::vector<pid_t> daemons = [&] {
     std::vector<std::string> flags = {
@@ -145,14 +146,13 @@ bool RunOnce(char* self, const std::string& dir, const std::vector<std::string>&
     return false;
   }
   for (int r = 0; r < n; ++r) {
-    clients.push_back(Spawn({self, absl::StrCat("--client_rank=", r),
-                             absl::StrCat("--socket=", SocketOf(dir, r)),
-                             absl::StrCat("--result=", dir, "/client", r),
-                             absl::StrCat("--size=", d),
-                             absl::StrCat("--latency_iters=", absl::GetFlag(FLAGS_latency_iters)),
-                             absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)),
-                             absl::StrCat("--reps=", absl::GetFlag(FLAGS_reps))},
-                            absl::StrCat(dir, "/client", r, ".log")));
+    clients.push_back(
+        Spawn({self, absl::StrCat("--client_rank=", r), absl::StrCat("--socket=", SocketOf(dir, r)),
+               absl::StrCat("--result=", dir, "/client", r), absl::StrCat("--size=", d),
+               absl::StrCat("--latency_iters=", absl::GetFlag(FLAGS_latency_iters)),
+               absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)),
+               absl::StrCat("--reps=", absl::GetFlag(FLAGS_reps))},
+              absl::StrCat(dir, "/client", r, ".log")));
   }
   bool ok = true;
   for (pid_t p : clients) ok = WaitFor(p, std::chrono::minutes(8)) && ok;
@@ -180,8 +180,10 @@ double NumberIn(const std::string& path, const std::string& key) {
 int CompareTimeline(char* self, const std::string& dir) {
   const int n = absl::GetFlag(FLAGS_nodes), rounds = absl::GetFlag(FLAGS_rounds);
   std::vector<double> p50[2], step[2], record_ns;
-  std::printf("microd-bench-daemon: the cost of --timeline, %d daemons x 1 process on loopback, "
-              "%d rounds off/on (logs in %s)\n", n, rounds, dir.c_str());
+  std::printf(
+      "microd-bench-daemon: the cost of --timeline, %d daemons x 1 process on loopback, "
+      "%d rounds off/on (logs in %s)\n",
+      n, rounds, dir.c_str());
   for (int round = 0; round < rounds; ++round) {
     for (int on = 0; on < 2; ++on) {
       const std::string run = absl::StrCat(dir, "/round", round, on ? "-on" : "-off");
@@ -200,15 +202,18 @@ int CompareTimeline(char* self, const std::string& dir) {
                   on ? "on" : "off", m.p50_us, m.step_ms);
     }
   }
-  const double a0 = Median(p50[0]), a1 = Median(p50[1]), b0 = Median(step[0]),
-               b1 = Median(step[1]), rec = Median(record_ns);
-  std::printf("\n(a) 1,024-element round trip, median of rounds: off %6.0f us, on %6.0f us (%+.1f %%)\n",
-              a0, a1, 100 * (a1 / a0 - 1));
+  const double a0 = Median(p50[0]), a1 = Median(p50[1]), b0 = Median(step[0]), b1 = Median(step[1]),
+               rec = Median(record_ns);
+  std::printf(
+      "\n(a) 1,024-element round trip, median of rounds: off %6.0f us, on %6.0f us (%+.1f %%)\n",
+      a0, a1, 100 * (a1 / a0 - 1));
   std::printf("(b) %llu-element step at 0.1 %%:        off %6.1f ms, on %6.1f ms (%+.1f %%)\n",
               static_cast<unsigned long long>(absl::GetFlag(FLAGS_size)), b0, b1,
               100 * (b1 / b0 - 1));
-  std::printf("recording, timed in the daemon: %.0f ns per bucket step = %.3f %% of (a)'s round "
-              "trip   target <= 1 %%\n", rec, 100 * rec / (a0 * 1000));
+  std::printf(
+      "recording, timed in the daemon: %.0f ns per bucket step = %.3f %% of (a)'s round "
+      "trip   target <= 1 %%\n",
+      rec, 100 * rec / (a0 * 1000));
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     std::ofstream(path) << absl::StrFormat(
         "{\"nodes\":%d,\"rounds\":%d,\"latency_1024_median_us_off\":%.1f,"
@@ -226,8 +231,9 @@ int Launcher(char* self) {
   std::string tmpl = "/tmp/microd-bench-daemon-XXXXXX";
   const std::string dir = mkdtemp(tmpl.data());
   if (absl::GetFlag(FLAGS_compare_timeline)) return CompareTimeline(self, dir);
-  std::printf("microd-bench-daemon: %d daemons x 1 process on loopback, gloo_io_nice %d (logs in %s)\n",
-              n, absl::GetFlag(FLAGS_gloo_io_nice), dir.c_str());
+  std::printf(
+      "microd-bench-daemon: %d daemons x 1 process on loopback, gloo_io_nice %d (logs in %s)\n", n,
+      absl::GetFlag(FLAGS_gloo_io_nice), dir.c_str());
   Measured m;
   if (!RunOnce(self, dir, {}, nullptr, &m)) return 1;
   const double p50 = m.p50_us, p99 = m.p99_us, step = m.step_ms;
@@ -237,13 +243,13 @@ int Launcher(char* self) {
                              ? Sibling(self, "microd-bench-transport")
                              : absl::GetFlag(FLAGS_transport_bench);
   const std::string tjson = dir + "/transport.json";
-  const pid_t t = Spawn({tb, absl::StrCat("--nodes=", n), absl::StrCat("--size=", d),
-                         absl::StrCat("--reps=", absl::GetFlag(FLAGS_reps)),
-                         absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)),
-                         absl::StrCat("--latency_iters=", absl::GetFlag(FLAGS_latency_iters)),
-                         absl::StrCat("--gloo_io_nice=", absl::GetFlag(FLAGS_gloo_io_nice)),
-                         "--json=" + tjson},
-                        dir + "/transport.log");
+  const pid_t t =
+      Spawn({tb, absl::StrCat("--nodes=", n), absl::StrCat("--size=", d),
+             absl::StrCat("--reps=", absl::GetFlag(FLAGS_reps)),
+             absl::StrCat("--warmup=", absl::GetFlag(FLAGS_warmup)),
+             absl::StrCat("--latency_iters=", absl::GetFlag(FLAGS_latency_iters)),
+             absl::StrCat("--gloo_io_nice=", absl::GetFlag(FLAGS_gloo_io_nice)), "--json=" + tjson},
+            dir + "/transport.log");
   double raw = 0, alone_p50 = 0, alone_p99 = 0;
   if (WaitFor(t, std::chrono::minutes(9))) {
     std::stringstream ss;
@@ -265,9 +271,10 @@ int Launcher(char* self) {
   std::printf("    through the daemons  median %8.0f us   p99 %8.0f us   target median <= 200 us\n",
               p50, p99);
   if (alone_p50 > 0) {
-    std::printf("    transport alone      median %8.0f us   p99 %8.0f us   (back-to-back allreduces "
-                "of the same 1,024 floats over microd's Gloo transport, no daemon)\n",
-                alone_p50, alone_p99);
+    std::printf(
+        "    transport alone      median %8.0f us   p99 %8.0f us   (back-to-back allreduces "
+        "of the same 1,024 floats over microd's Gloo transport, no daemon)\n",
+        alone_p50, alone_p99);
   }
   std::printf("(b) %llu elements at 0.1 %%, time per step\n", static_cast<unsigned long long>(d));
   std::printf("    through the daemons %8.1f ms\n", step);
@@ -279,10 +286,12 @@ int Launcher(char* self) {
   }
   if (const std::string path = absl::GetFlag(FLAGS_json); !path.empty()) {
     std::ofstream(path) << absl::StrFormat(
-        "{\"nodes\":%d,\"gloo_io_nice\":%d,\"latency_1024_median_us\":%.1f,\"latency_1024_p99_us\":%.1f,"
+        "{\"nodes\":%d,\"gloo_io_nice\":%d,\"latency_1024_median_us\":%.1f,\"latency_1024_p99_us\":"
+        "%.1f,"
         "\"transport_1024_median_us\":%.1f,\"transport_1024_p99_us\":%.1f,"
         "\"size\":%d,\"daemon_step_ms\":%.3f,\"raw_step_ms\":%.3f,\"overhead\":%.4f}\n",
-        n, absl::GetFlag(FLAGS_gloo_io_nice), p50, p99, alone_p50, alone_p99, d, step, raw, raw > 0 ? step / raw - 1 : 0.0);
+        n, absl::GetFlag(FLAGS_gloo_io_nice), p50, p99, alone_p50, alone_p99, d, step, raw,
+        raw > 0 ? step / raw - 1 : 0.0);
     std::printf("JSON: %s\n", path.c_str());
   }
   return 0;

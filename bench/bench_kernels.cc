@@ -144,8 +144,8 @@ int main(int argc, char** argv) {
     // new velocity; and folded into the fused pass.
     auto momentum_two_passes = [&](float thr) {
       ops->Momentum(g, vel, 0.9f, vel_out, d, nullptr);
-      microd::kernels::FusedSelectArgs a{vel_out,   e,   acc,        d,          part.begin,
-                                         part.end,  thr, idx.data(), val.data(), &scalars};
+      microd::kernels::FusedSelectArgs a{vel_out,  e,   acc,        d,          part.begin,
+                                         part.end, thr, idx.data(), val.data(), &scalars};
       ops->FusedAccumulateSelect(a, nullptr);
     };
     auto momentum_folded = [&](float thr) {
@@ -209,7 +209,8 @@ int main(int argc, char** argv) {
                     Median(t_scalar) / floor_ms, ""});
     const double two = Median(t_momentum_two), folded = Median(t_momentum_folded);
     rows.push_back({"momentum pass, then fused pass", two, "floor", two / floor_ms, ""});
-    rows.push_back({"fused pass with momentum folded in", folded, "2 passes", folded / two, "< 1x"});
+    rows.push_back(
+        {"fused pass with momentum folded in", folded, "2 passes", folded / two, "< 1x"});
     rows.push_back(
         {absl::StrFormat("exact top-k (nth_element), k=%llu", static_cast<unsigned long long>(k)),
          topk, "fused", topk / fused_k, ">= 15x"});
@@ -267,7 +268,8 @@ int main(int argc, char** argv) {
     rows.push_back({"round the update to bf16", round, "bf16 fl", round / f16, ""});
     rows.push_back({"bf16 bucket: widen + fused + round", widen + fused + round, "bf16 fl",
                     (widen + fused + round) / f16, ""});
-    std::printf("\n-- a bf16 bucket at density 1%% (k = %llu)\n", static_cast<unsigned long long>(k));
+    std::printf("\n-- a bf16 bucket at density 1%% (k = %llu)\n",
+                static_cast<unsigned long long>(k));
     std::printf("%-46s %10s %8s %10s %10s\n", "pass", "ms", "vs", "ratio", "target");
     for (const Row& row : rows) {
       std::printf("%-46s %10.2f %8s %9.2fx %10s\n", row.name.c_str(), row.ms, row.baseline.c_str(),

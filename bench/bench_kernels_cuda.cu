@@ -36,23 +36,22 @@ using microd::kernels::KernelStatus;
 using microd::kernels::SparseOps;
 using microd::kernels::StepScalars;
 
-#define BENCH_CHECK(call)                                                                 \
-  do {                                                                                    \
-    const cudaError_t e_ = (call);                                                        \
-    if (e_ != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                  \
-                   cudaGetErrorString(e_));                                               \
-      std::exit(1);                                                                       \
-    }                                                                                     \
+#define BENCH_CHECK(call)                                                                         \
+  do {                                                                                            \
+    const cudaError_t e_ = (call);                                                                \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                               \
+    }                                                                                             \
   } while (0)
-#define OPS_CHECK(call)                                                                   \
-  do {                                                                                    \
-    const KernelStatus s_ = (call);                                                       \
-    if (s_ != KernelStatus::kOk) {                                                        \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call,                  \
-                   microd::kernels::KernelStatusString(s_));                              \
-      std::exit(1);                                                                       \
-    }                                                                                     \
+#define OPS_CHECK(call)                                                  \
+  do {                                                                   \
+    const KernelStatus s_ = (call);                                      \
+    if (s_ != KernelStatus::kOk) {                                       \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, \
+                   microd::kernels::KernelStatusString(s_));             \
+      std::exit(1);                                                      \
+    }                                                                    \
   } while (0)
 
 __device__ __forceinline__ uint64_t SplitMix(uint64_t x) {
@@ -213,9 +212,8 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaStreamSynchronize(s));
     const double gb = 12.0 * double(d) / 1e9;  // bytes moved by both passes
 
-    const double floor_ms = TimeMs(s, reps, [&] {
-      AddInPlace<<<8 * prop.multiProcessorCount, 256, 0, s>>>(e, g, d);
-    });
+    const double floor_ms =
+        TimeMs(s, reps, [&] { AddInPlace<<<8 * prop.multiProcessorCount, 256, 0, s>>>(e, g, d); });
     BENCH_CHECK(cudaGetLastError());
     std::printf("\nd = %llu: floor e += g %.3f ms (%.0f GB/s)\n", (unsigned long long)d, floor_ms,
                 gb / (floor_ms / 1e3));
@@ -242,11 +240,12 @@ int main(int argc, char** argv) {
       }
       const double step_ms = Median(wall);
       const uint64_t k = std::max<uint64_t>(1, uint64_t(den.rho * double(d)));
-      std::printf("  density %-5s k = %llu: fused %.3f ms (%.2fx floor), with count to host "
-                  "%.3f ms; selected %llu in the partition (expected ~%.0f), non-finite %llu\n",
-                  den.name, (unsigned long long)k, fused_ms, fused_ms / floor_ms, step_ms,
-                  (unsigned long long)host.count, den.rho * double(end - begin),
-                  (unsigned long long)host.nonfinite);
+      std::printf(
+          "  density %-5s k = %llu: fused %.3f ms (%.2fx floor), with count to host "
+          "%.3f ms; selected %llu in the partition (expected ~%.0f), non-finite %llu\n",
+          den.name, (unsigned long long)k, fused_ms, fused_ms / floor_ms, step_ms,
+          (unsigned long long)host.count, den.rho * double(end - begin),
+          (unsigned long long)host.nonfinite);
       rows.push_back({d, den.name, "fused pass (acc = e + g, select in partition)", fused_ms,
                       "e += g (floor)", fused_ms / floor_ms, "<= 1.2x"});
       rows.push_back({d, den.name, "fused pass + count to host (wall)", step_ms, "e += g (floor)",
@@ -262,8 +261,8 @@ int main(int argc, char** argv) {
           });
           std::printf("  density %-5s exact TopK (CUB radix sort) %.3f ms (%.1fx the fused pass)\n",
                       den.name, topk_ms, topk_ms / fused_ms);
-          rows.push_back({d, den.name, "exact TopK (CUB radix sort)", topk_ms,
-                          "fused pass", topk_ms / fused_ms, "-"});
+          rows.push_back({d, den.name, "exact TopK (CUB radix sort)", topk_ms, "fused pass",
+                          topk_ms / fused_ms, "-"});
         }
         ops->Free(tidx);
         ops->Free(tval);

@@ -16,6 +16,7 @@
 //
 // The program launches itself: the launcher starts the daemons and the
 // trainer processes (--trainer_node=r), which report progress in files.
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -26,11 +27,10 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <functional>
 #include <cstdio>
 #include <cstring>
-#include <dirent.h>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -217,8 +217,8 @@ class Flooder {
           if (m.status == 0) return absl::StrCat("step ", t, ": an extra SUBMIT was accepted");
           ++errors;
         } else if (real.erase(m.ticket) != 1 || m.status != 0) {
-          return absl::StrCat("step ", t, ": completion of ticket ", m.ticket, " status ",
-                              m.status, ": ", m.message);
+          return absl::StrCat("step ", t, ": completion of ticket ", m.ticket, " status ", m.status,
+                              ": ", m.message);
         }
       }
       *refused += errors;
@@ -227,12 +227,13 @@ class Flooder {
         microd_wire_completion m;
         if (std::string e = Read(&m); !e.empty()) return e;
         if (real.erase(m.ticket) != 1 || m.status != 0) {
-          return absl::StrCat("step ", t, ": completion of ticket ", m.ticket, " status ",
-                              m.status, ": ", m.message);
+          return absl::StrCat("step ", t, ": completion of ticket ", m.ticket, " status ", m.status,
+                              ": ", m.message);
         }
       }
       if (std::string e = steps.Check(l, t, data_); !e.empty()) return e;
-      if (t % 50 == 0 || t + 1 == absl::GetFlag(FLAGS_steps)) Progress(dir_, GlobalRank(3, 0), t + 1);
+      if (t % 50 == 0 || t + 1 == absl::GetFlag(FLAGS_steps))
+        Progress(dir_, GlobalRank(3, 0), t + 1);
     }
     for (int i = 0; i < 6000 && access((dir_ + "/done").c_str(), F_OK) != 0; ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -335,7 +336,8 @@ int Trainer() {
     std::thread partner([&] {
       partner_error = ApiTrainer(dir, 3, 1, [&](long t) {
         std::unique_lock<std::mutex> lock(mu);
-        cv.wait_for(lock, std::chrono::seconds(120), [&] { return released >= t || flooder_failed; });
+        cv.wait_for(lock, std::chrono::seconds(120),
+                    [&] { return released >= t || flooder_failed; });
       });
     });
     Flooder flooder(dir);
@@ -394,13 +396,15 @@ int Launcher(char* self) {
                                  : absl::GetFlag(FLAGS_daemon);
   const long steps = absl::GetFlag(FLAGS_steps);
   std::vector<std::string> flags = {"--timeout_ms=120000", "--density=0.01"};
-  for (absl::string_view f : absl::StrSplit(absl::GetFlag(FLAGS_daemon_flags), ',', absl::SkipEmpty())) {
+  for (absl::string_view f :
+       absl::StrSplit(absl::GetFlag(FLAGS_daemon_flags), ',', absl::SkipEmpty())) {
     flags.emplace_back(f);
   }
   // Node 3 has two local processes.
-  const std::vector<pid_t> daemons = microd::bench::StartDaemons(daemon, dir, kNodes, flags, [](int r) {
-    return std::vector<std::string>{absl::StrCat("--local_size=", r == 3 ? 2 : 1)};
-  });
+  const std::vector<pid_t> daemons =
+      microd::bench::StartDaemons(daemon, dir, kNodes, flags, [](int r) {
+        return std::vector<std::string>{absl::StrCat("--local_size=", r == 3 ? 2 : 1)};
+      });
   if (daemons.empty()) {
     std::fprintf(stderr, "microd-bench-soak: node 0 did not start (see %s)\n", dir.c_str());
     return 1;
@@ -413,15 +417,17 @@ int Launcher(char* self) {
          absl::StrCat("--count=", absl::GetFlag(FLAGS_count)),
          absl::StrCat("--sparse_buckets=", absl::GetFlag(FLAGS_sparse_buckets)),
          absl::StrCat("--sparse_count=", absl::GetFlag(FLAGS_sparse_count)),
-         absl::StrCat("--steps=", steps), absl::StrCat("--slow_every=", absl::GetFlag(FLAGS_slow_every)),
+         absl::StrCat("--steps=", steps),
+         absl::StrCat("--slow_every=", absl::GetFlag(FLAGS_slow_every)),
          absl::StrCat("--slow_ms=", absl::GetFlag(FLAGS_slow_ms)),
          absl::StrCat("--flood=", absl::GetFlag(FLAGS_flood))},
         absl::StrCat(dir, "/trainer", r, ".log")));
   }
-  std::printf("microd-bench-soak: %d daemons on loopback, %d processes (node 3: two, one flooding), "
-              "%d buckets (%d sparse), %ld steps; logs in %s\n",
-              kNodes, kWorld, absl::GetFlag(FLAGS_buckets), absl::GetFlag(FLAGS_sparse_buckets),
-              steps, dir.c_str());
+  std::printf(
+      "microd-bench-soak: %d daemons on loopback, %d processes (node 3: two, one flooding), "
+      "%d buckets (%d sparse), %ld steps; logs in %s\n",
+      kNodes, kWorld, absl::GetFlag(FLAGS_buckets), absl::GetFlag(FLAGS_sparse_buckets), steps,
+      dir.c_str());
   std::fflush(stdout);
   // Samples: after the warm-up, and once every process finished its steps
   // (they keep their buffers registered until `done`).
@@ -442,7 +448,8 @@ int Launcher(char* self) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const bool finished = MinProgress(dir) >= steps;
   if (finished) {
     if (first.empty()) {
@@ -466,18 +473,21 @@ int Launcher(char* self) {
   }
   long refused = 0;
   std::ifstream(dir + "/refused") >> refused;
-  std::printf("\n%ld steps in %.0f s (%.1f ms per step); job %s\n", finished ? steps : MinProgress(dir),
-              seconds, 1000 * seconds / std::max<long>(1, finished ? steps : MinProgress(dir)),
+  std::printf("\n%ld steps in %.0f s (%.1f ms per step); job %s\n",
+              finished ? steps : MinProgress(dir), seconds,
+              1000 * seconds / std::max<long>(1, finished ? steps : MinProgress(dir)),
               ok ? "never failed" : "FAILED (see the trainer logs)");
-  std::printf("results: dense buckets exactly the average every step: %s; sparse updates identical on "
-              "all %d processes: %s\n",
-              ok ? "yes" : "no", kWorld, same ? "yes" : "no");
+  std::printf(
+      "results: dense buckets exactly the average every step: %s; sparse updates identical on "
+      "all %d processes: %s\n",
+      ok ? "yes" : "no", kWorld, same ? "yes" : "no");
   std::printf("node 3's extra SUBMITs refused: %ld (of %ld sent)\n", refused,
               static_cast<long>(absl::GetFlag(FLAGS_flood)) * steps);
   if (finished) {
-    std::printf("\n%-6s %12s %12s %8s %10s %10s   target: growth < 5 %% (first sample at %.0f s, "
-                "after %ld steps)\n",
-                "daemon", "RSS first", "RSS last", "growth", "fds first", "fds last", first_at, warmup);
+    std::printf(
+        "\n%-6s %12s %12s %8s %10s %10s   target: growth < 5 %% (first sample at %.0f s, "
+        "after %ld steps)\n",
+        "daemon", "RSS first", "RSS last", "growth", "fds first", "fds last", first_at, warmup);
     bool met = true;
     for (int r = 0; r < kNodes; ++r) {
       const double growth = 100.0 * (last[r].first - first[r].first) / std::max(1L, first[r].first);

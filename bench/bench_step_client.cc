@@ -50,11 +50,11 @@ double Ms(Clock::time_point a, Clock::time_point b) {
 
 int Write(const std::vector<double>& ms, const std::string& what) {
   const std::string path = absl::GetFlag(FLAGS_out);
-  std::string list = absl::StrJoin(ms, ",", [](std::string* o, double v) {
-    absl::StrAppend(o, v);
-  });
-  const std::string json = absl::StrCat("{\"what\":\"", what, "\",\"size\":", absl::GetFlag(FLAGS_size),
-                                        ",\"step_ms\":[", list, "]}\n");
+  std::string list =
+      absl::StrJoin(ms, ",", [](std::string* o, double v) { absl::StrAppend(o, v); });
+  const std::string json =
+      absl::StrCat("{\"what\":\"", what, "\",\"size\":", absl::GetFlag(FLAGS_size),
+                   ",\"step_ms\":[", list, "]}\n");
   if (path.empty()) {
     std::fputs(json.c_str(), stdout);
     return 0;

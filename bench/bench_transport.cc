@@ -233,12 +233,12 @@ int Worker() {
   barrier.tag = 1;
 
   for (double density : {0.01, 0.001}) {
-    for (auto sp : {microd::sparsify::SparsifierKind::kMicro, microd::sparsify::SparsifierKind::kTopK}) {
+    for (auto sp :
+         {microd::sparsify::SparsifierKind::kMicro, microd::sparsify::SparsifierKind::kTopK}) {
       microd::sparsify::SparsifyOptions opts;
       opts.sparsifier = sp;
       opts.density = density;
-      auto bucket = microd::sparsify::BucketState::Create({"bench", d, 2}, {n, rank, n}, opts,
-                                                         ops);
+      auto bucket = microd::sparsify::BucketState::Create({"bench", d, 2}, {n, rank, n}, opts, ops);
       if (!bucket.ok()) return 2;
       std::vector<double> times, bytes, selected, sel, exch, app, waits;
       const int warmup = absl::GetFlag(FLAGS_warmup), reps = absl::GetFlag(FLAGS_reps);
@@ -299,7 +299,7 @@ int Worker() {
   std::shared_ptr<gloo::rendezvous::Context> ring;
   if (!cuda) {
     store = std::make_unique<microd::transport::GlooStoreAdapter>(client->get(), "ring",
-                                                                 absl::Seconds(300));
+                                                                  absl::Seconds(300));
     gloo::transport::tcp::attr attr;
     attr.hostname = "127.0.0.1";
     ring = std::make_shared<gloo::rendezvous::Context>(rank, n);
@@ -394,16 +394,15 @@ int Launcher(char* self) {
     for (auto& v : env) envp.push_back(v.data());
     envp.push_back(nullptr);
     pid_t pid;
-    if (posix_spawn(&pid, self, nullptr, nullptr, argv.data(), cuda ? envp.data() : environ) !=
-        0) {
+    if (posix_spawn(&pid, self, nullptr, nullptr, argv.data(), cuda ? envp.data() : environ) != 0) {
       return 2;
     }
     pids.push_back(pid);
   }
-  std::printf("microd-bench-transport: %d nodes (processes) on loopback, d = %llu, %s\n", n,
-              static_cast<unsigned long long>(d),
-              cuda ? "CUDA kernels over NCCL on GPU 0 (device-resident step)"
-                   : "CPU kernels over Gloo");
+  std::printf(
+      "microd-bench-transport: %d nodes (processes) on loopback, d = %llu, %s\n", n,
+      static_cast<unsigned long long>(d),
+      cuda ? "CUDA kernels over NCCL on GPU 0 (device-resident step)" : "CPU kernels over Gloo");
   int failed = 0;
   const auto deadline = Clock::now() + std::chrono::minutes(9);
   for (pid_t pid : pids) {
@@ -428,8 +427,8 @@ int Launcher(char* self) {
     std::istringstream ls(line);
     Result r;
     std::getline(ls, r.method, '\t');
-    ls >> r.density >> r.ms >> r.bytes >> r.selected >> r.select_ms >> r.exchange_ms >> r.apply_ms >>
-        r.host_waits;
+    ls >> r.density >> r.ms >> r.bytes >> r.selected >> r.select_ms >> r.exchange_ms >>
+        r.apply_ms >> r.host_waits;
     rows.push_back(r);
   }
   std::remove(result.c_str());
@@ -445,8 +444,8 @@ int Launcher(char* self) {
               "select/exchange/apply ms", "bytes/node", "K", "host", "faster than", "fewer");
   std::printf("%-28s %7s %9s %25s %13s %10s %6s %12s %8s\n", "", "", "", "", "(payload)", "",
               "waits", "the dense", "bytes");
-  std::string json = absl::StrFormat("{\"nodes\":%d,\"size\":%d,\"device\":\"%s\",\"results\":[",
-                                     n, d, absl::GetFlag(FLAGS_device));
+  std::string json = absl::StrFormat("{\"nodes\":%d,\"size\":%d,\"device\":\"%s\",\"results\":[", n,
+                                     d, absl::GetFlag(FLAGS_device));
   for (size_t i = 0; i < rows.size(); ++i) {
     const Result& r = rows[i];
     const std::string split =
@@ -470,8 +469,8 @@ int Launcher(char* self) {
                           "\"select_ms\":%.3f,\"exchange_ms\":%.3f,\"apply_ms\":%.3f,"
                           "\"host_waits_per_step\":%.0f}",
                           i ? "," : "", r.method, r.density, r.ms, r.bytes, r.selected,
-                          dense.ms / r.ms, r.bytes > 0 ? dense.bytes / r.bytes : 0.0,
-                          r.select_ms, r.exchange_ms, r.apply_ms, r.host_waits);
+                          dense.ms / r.ms, r.bytes > 0 ? dense.bytes / r.bytes : 0.0, r.select_ms,
+                          r.exchange_ms, r.apply_ms, r.host_waits);
   }
   json += "]";
   if (absl::GetFlag(FLAGS_latency_iters) > 0) {

@@ -104,7 +104,7 @@ int main(int argc, char** argv) {
   }
 
   if (absl::Status t = microd::control::CheckTlsFiles(microd::control::TlsFilesFromFlags(),
-                                                       /*server=*/false);
+                                                      /*server=*/false);
       !t.ok()) {
     std::fprintf(stderr, "microd-health: %s\n", std::string(t.message()).c_str());
     return 2;

@@ -16,7 +16,8 @@
 #include "daemon/control/tls_flags.h"
 #include "microd/v1/admin.grpc.pb.h"
 
-ABSL_FLAG(std::string, admin, "", "daemon Admin address (default $MICROD_ADMIN or unix:/run/microd/admin.sock)");
+ABSL_FLAG(std::string, admin, "",
+          "daemon Admin address (default $MICROD_ADMIN or unix:/run/microd/admin.sock)");
 ABSL_FLAG(bool, json, false, "print JSON instead of a table");
 ABSL_FLAG(int, timeout_ms, 5000, "deadline of the call");
 ABSL_FLAG(bool, history, false, "with --json: include each bucket's per-step history");
@@ -71,10 +72,11 @@ void PrintStatus(const microd::v1::GetStatusResponse& r) {
   std::printf("version     %s, up %.0f s, %llu schedule batches run\n", r.version().c_str(),
               r.uptime_seconds(), static_cast<unsigned long long>(r.batches()));
   if (r.response_cache()) {
-    std::printf("cache       on, %llu batches agreed between the daemons, %llu bucket steps "
-                "reduced by the cycle itself\n",
-                static_cast<unsigned long long>(r.cache_batches()),
-                static_cast<unsigned long long>(r.cycle_reductions()));
+    std::printf(
+        "cache       on, %llu batches agreed between the daemons, %llu bucket steps "
+        "reduced by the cycle itself\n",
+        static_cast<unsigned long long>(r.cache_batches()),
+        static_cast<unsigned long long>(r.cycle_reductions()));
   }
   for (const auto& s : r.stalls()) std::printf("stall       %s\n", s.c_str());
   if (r.processes_size() > 0) {
@@ -104,18 +106,18 @@ void PrintBuckets(const microd::v1::GetStatusResponse& r) {
               "elements", "mode", "steps", "K", "k", "CRE", "mean CRE", "threshold", "rounds",
               "sent", "received", "wait/sum/select/xchg/write s");
   for (const auto& b : r.buckets()) {
-    std::printf("%-24s %11llu %6s %7llu %10llu %10llu %7.2f%% %8.2f%% %11.4g %6llu %11s %11s %29s\n",
-                b.name().c_str(), static_cast<unsigned long long>(b.count()),
-                b.dense() ? "dense" : "sparse", static_cast<unsigned long long>(b.steps()),
-                static_cast<unsigned long long>(b.last_selected()),
-                static_cast<unsigned long long>(b.budget()), 100 * b.last_cre(), 100 * b.mean_cre(),
-                b.last_threshold(), static_cast<unsigned long long>(b.last_rounds()),
-                Bytes(static_cast<double>(b.bytes_sent())).c_str(),
-                Bytes(static_cast<double>(b.bytes_received())).c_str(),
-                absl::StrFormat("%.2f/%.2f/%.2f/%.2f/%.2f", b.negotiate_seconds(),
-                                b.local_sum_seconds(), b.select_seconds(), b.exchange_seconds(),
-                                b.writeback_seconds())
-                    .c_str());
+    std::printf(
+        "%-24s %11llu %6s %7llu %10llu %10llu %7.2f%% %8.2f%% %11.4g %6llu %11s %11s %29s\n",
+        b.name().c_str(), static_cast<unsigned long long>(b.count()),
+        b.dense() ? "dense" : "sparse", static_cast<unsigned long long>(b.steps()),
+        static_cast<unsigned long long>(b.last_selected()),
+        static_cast<unsigned long long>(b.budget()), 100 * b.last_cre(), 100 * b.mean_cre(),
+        b.last_threshold(), static_cast<unsigned long long>(b.last_rounds()),
+        Bytes(static_cast<double>(b.bytes_sent())).c_str(),
+        Bytes(static_cast<double>(b.bytes_received())).c_str(),
+        absl::StrFormat("%.2f/%.2f/%.2f/%.2f/%.2f", b.negotiate_seconds(), b.local_sum_seconds(),
+                        b.select_seconds(), b.exchange_seconds(), b.writeback_seconds())
+            .c_str());
     if (b.failures() > 0 || b.skipped_steps() > 0) {
       std::printf("%-24s failed steps: %llu, skipped (NaN/Inf): %llu\n", "",
                   static_cast<unsigned long long>(b.failures()),
@@ -202,7 +204,7 @@ int main(int argc, char** argv) {
     address = env != nullptr && env[0] != '\0' ? env : "unix:/run/microd/admin.sock";
   }
   if (absl::Status t = microd::control::CheckTlsFiles(microd::control::TlsFilesFromFlags(),
-                                                       /*server=*/false);
+                                                      /*server=*/false);
       !t.ok()) {
     std::fprintf(stderr, "microctl: %s\n", std::string(t.message()).c_str());
     return 2;

@@ -4,7 +4,6 @@
 // Every flag can also come from MICROD_<FLAG> in the environment (the
 // command line wins).
 #include <errno.h>
-#include "daemon/common/log.h"
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -30,13 +29,14 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "daemon/control/address.h"
-#include "daemon/control/coordinator.h"
-#include "daemon/control/coordinator_client.h"
 #include "daemon/common/command_line.h"
+#include "daemon/common/log.h"
 #include "daemon/common/memory_limit.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/unix_socket.h"
+#include "daemon/control/address.h"
+#include "daemon/control/coordinator.h"
+#include "daemon/control/coordinator_client.h"
 #include "daemon/control/services.h"
 #include "daemon/control/tls.h"
 #include "daemon/engine/checkpoint.h"
@@ -70,8 +70,7 @@ ABSL_FLAG(std::string, admin_port_file, "", "write the Admin port to this file o
 ABSL_FLAG(std::string, metrics, "",
           "serve Prometheus metrics at http://HOST:PORT/metrics (empty: off; port 0: any); "
           "plaintext and read-only");
-ABSL_FLAG(std::string, metrics_port_file, "",
-          "write the metrics port to this file once listening");
+ABSL_FLAG(std::string, metrics_port_file, "", "write the metrics port to this file once listening");
 ABSL_FLAG(std::string, timeline, "",
           "keep a timeline of the steps and write it to this file (Chrome trace-event JSON, "
           "for Perfetto or chrome://tracing), rewritten every --timeline_flush_s and at exit "
@@ -205,11 +204,11 @@ bool ApplyEnvironment() {
 // --log_level and --log_format (or MICROD_LOG_LEVEL, MICROD_LOG_FORMAT).
 absl::Status ConfigureLog() {
   auto level = microd::log::ParseLevel(absl::GetFlag(FLAGS_log_level));
-  if (!level.ok()) return absl::InvalidArgumentError(absl::StrCat("--log_level: ",
-                                                                  level.status().message()));
+  if (!level.ok())
+    return absl::InvalidArgumentError(absl::StrCat("--log_level: ", level.status().message()));
   auto format = microd::log::ParseFormat(absl::GetFlag(FLAGS_log_format));
-  if (!format.ok()) return absl::InvalidArgumentError(absl::StrCat("--log_format: ",
-                                                                   format.status().message()));
+  if (!format.ok())
+    return absl::InvalidArgumentError(absl::StrCat("--log_format: ", format.status().message()));
   microd::log::SetLevel(*level);
   microd::log::SetFormat(*format);
   return absl::OkStatus();
@@ -238,7 +237,7 @@ class StopWatcher {
       absl::MutexLock lock(&mu_);
       if (!serving_) {
         MICROD_LOG(Info, "%s before the job started: exiting",
-                     sig == SIGTERM ? "SIGTERM" : "SIGINT");
+                   sig == SIGTERM ? "SIGTERM" : "SIGINT");
         std::fflush(stderr);
         std::_Exit(1);
       }
@@ -301,8 +300,8 @@ absl::StatusOr<std::string> DataPlaneAddress(const std::string& coordinator_addr
       const absl::Time deadline =
           absl::Now() + absl::Milliseconds(absl::GetFlag(FLAGS_join_timeout_ms));
       auto local = microd::control::LocalAddressToward(coordinator_address);
-      for (bool said = false; !local.ok() && absl::IsUnavailable(local.status()) &&
-                              absl::Now() < deadline;) {
+      for (bool said = false;
+           !local.ok() && absl::IsUnavailable(local.status()) && absl::Now() < deadline;) {
         if (!said) {
           MICROD_LOG(Warning, "%s; retrying", std::string(local.status().message()).c_str());
           said = true;
@@ -376,7 +375,8 @@ absl::Status ParseSparsify(microd::sparsify::SparsifyOptions* sparsify,
   if (sparsify->momentum > 0) {
     applied->push_back(absl::StrFormat(
         "momentum correction %g with momentum factor masking (the velocity is zeroed where "
-        "values are sent)", sparsify->momentum));
+        "values are sent)",
+        sparsify->momentum));
   }
   return absl::OkStatus();
 }
@@ -416,16 +416,16 @@ absl::Status CheckRanges() {
     return Bad("timeouts", absl::InvalidArgumentError("timeouts must be positive"));
   }
   if (absl::GetFlag(FLAGS_stall_warning_s) < 1 || absl::GetFlag(FLAGS_stall_abort_s) < 0) {
-    return Bad("--stall_warning_s", absl::InvalidArgumentError(
-                                        "--stall_warning_s must be at least 1 and "
-                                        "--stall_abort_s at least 0"));
+    return Bad("--stall_warning_s",
+               absl::InvalidArgumentError("--stall_warning_s must be at least 1 and "
+                                          "--stall_abort_s at least 0"));
   }
   if (absl::GetFlag(FLAGS_timeline_steps) < 1 || absl::GetFlag(FLAGS_timeline_steps) > 100000000 ||
       absl::GetFlag(FLAGS_timeline_every) < 1 || !(absl::GetFlag(FLAGS_timeline_flush_s) > 0)) {
-    return Bad("--timeline_steps", absl::InvalidArgumentError(
-                                       "--timeline_steps must be in [1, 100000000], "
-                                       "--timeline_every at least 1 and --timeline_flush_s "
-                                       "positive"));
+    return Bad("--timeline_steps",
+               absl::InvalidArgumentError("--timeline_steps must be in [1, 100000000], "
+                                          "--timeline_every at least 1 and --timeline_flush_s "
+                                          "positive"));
   }
   if (absl::GetFlag(FLAGS_max_processes) < 1 || absl::GetFlag(FLAGS_max_buffers_per_process) < 1) {
     return Bad("limits", absl::InvalidArgumentError(
@@ -462,8 +462,9 @@ absl::StatusOr<Config> ParseFlags() {
   // spinning on the GPU the training shares: the coordinator negotiates.
   c.response_cache = absl::GetFlag(FLAGS_response_cache) && c.transport != "nccl";
   if (absl::GetFlag(FLAGS_response_cache) && !c.response_cache) {
-    MICROD_LOG(Info, "--transport=nccl: the response cache is off (every step "
-                         "through the coordinator)");
+    MICROD_LOG(Info,
+               "--transport=nccl: the response cache is off (every step "
+               "through the coordinator)");
   }
   c.op_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
   c.peer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_peer_timeout_ms));
@@ -508,22 +509,23 @@ absl::Status CheckExposure(const std::string& flag, const std::string& address, 
   const std::string tls_alone =
       c.tls.enabled() ? " (TLS with --tls_cert alone authenticates nobody who connects)" : "";
   if (absl::GetFlag(FLAGS_insecure)) {
-    MICROD_LOG(Warning, "%s %s is reachable from the network without client "
-                         "authentication%s (--insecure)%s",
-                 flag.c_str(), address.c_str(), token_counts ? " or a job token" : "",
-                 tls_alone.c_str());
+    MICROD_LOG(Warning,
+               "%s %s is reachable from the network without client "
+               "authentication%s (--insecure)%s",
+               flag.c_str(), address.c_str(), token_counts ? " or a job token" : "",
+               tls_alone.c_str());
     return absl::OkStatus();
   }
-  return Bad(flag, absl::FailedPreconditionError(absl::StrCat(
-                       "refusing to serve on ", address,
-                       ", which other hosts reach, without authenticating who connects",
-                       tls_alone, ": anyone who reaches it could ",
-                       token_counts ? "join the job, read its state or end it"
-                                    : "read the job's state",
-                       ". Give --tls_ca (mutual TLS: every client presents a certificate it "
-                       "signed) with --tls_cert and --tls_key",
-                       token_counts ? ", or --token_file" : "",
-                       ", listen on loopback, or pass --insecure on a trusted network")));
+  return Bad(flag,
+             absl::FailedPreconditionError(absl::StrCat(
+                 "refusing to serve on ", address,
+                 ", which other hosts reach, without authenticating who connects", tls_alone,
+                 ": anyone who reaches it could ",
+                 token_counts ? "join the job, read its state or end it" : "read the job's state",
+                 ". Give --tls_ca (mutual TLS: every client presents a certificate it "
+                 "signed) with --tls_cert and --tls_key",
+                 token_counts ? ", or --token_file" : "",
+                 ", listen on loopback, or pass --insecure on a trusted network")));
 }
 
 // The engine's options, from the configuration and the data plane chosen.
@@ -543,7 +545,8 @@ microd::engine::EngineOptions EngineOptionsOf(const Config& c) {
   eo.cycle_floats = absl::GetFlag(FLAGS_cycle_floats);
   eo.op_timeout = c.op_timeout;
   if (absl::GetFlag(FLAGS_stall_abort_s) > 0) {
-    eo.peer_wait = absl::Seconds(absl::GetFlag(FLAGS_stall_abort_s)) + c.peer_timeout + c.op_timeout;
+    eo.peer_wait =
+        absl::Seconds(absl::GetFlag(FLAGS_stall_abort_s)) + c.peer_timeout + c.op_timeout;
   }
   eo.device_resident = c.transport == "nccl";
   eo.device = absl::GetFlag(FLAGS_cuda_device);
@@ -603,8 +606,8 @@ class Daemon {
   std::unique_ptr<microd::engine::Engine> engine_;
   std::unique_ptr<microd::local::LocalServer> local_server_;
   absl::Mutex mu_;  // guards the pointers above against the Admin thread
-  microd::engine::Timeline timeline_{{absl::GetFlag(FLAGS_timeline_steps),
-                                      absl::GetFlag(FLAGS_timeline_every)}};
+  microd::engine::Timeline timeline_{
+      {absl::GetFlag(FLAGS_timeline_steps), absl::GetFlag(FLAGS_timeline_every)}};
   std::unique_ptr<microd::engine::TimelineFile> timeline_file_;
   std::atomic<bool> capturing_{false};  // a timeline capture holds its window
   microd::control::AdminService admin_service_{
@@ -636,8 +639,7 @@ absl::Status Daemon::StartCoordinator() {
     microd::control::ControlServerOptions so;
     so.credentials = microd::control::ServerCredentialsFor(config_.tls);
     so.reflection = false;  // nothing to browse on the job's own port
-    auto server =
-        microd::control::ControlServer::Start(listen, {coordinator_service_.get()}, so);
+    auto server = microd::control::ControlServer::Start(listen, {coordinator_service_.get()}, so);
     if (!server.ok()) return Bad("coordinator", server.status());
     coordinator_server_ = std::move(server).value();
     if (coordinator_address_.empty()) {
@@ -648,7 +650,7 @@ absl::Status Daemon::StartCoordinator() {
       coordinator_address_ = *self;
     }
     MICROD_LOG(Info, "coordinator listening on %s for %d nodes",
-                 coordinator_server_->address().c_str(), co.expected_nodes);
+               coordinator_server_->address().c_str(), co.expected_nodes);
     if (const std::string f = absl::GetFlag(FLAGS_coordinator_port_file); !f.empty()) {
       std::ofstream(f) << coordinator_server_->port() << "\n";
     }
@@ -660,8 +662,7 @@ absl::Status Daemon::StartCoordinator() {
   return absl::OkStatus();
 }
 
-void Daemon::FillStatus(const microd::v1::GetStatusRequest& req,
-                        microd::v1::GetStatusResponse* r,
+void Daemon::FillStatus(const microd::v1::GetStatusRequest& req, microd::v1::GetStatusResponse* r,
                         std::vector<microd::engine::BucketStats>* buckets) {
   const microd::sparsify::SparsifyOptions& sparsify = config_.sparsify;
   r->set_version(MICROD_VERSION_STRING);
@@ -738,9 +739,10 @@ absl::Status Daemon::StartAdmin() {
     }
     if (!warning.empty()) MICROD_LOG(Warning, "%s", warning.c_str());
   } else if (microd::control::IsLocalOnly(address)) {
-    MICROD_LOG(Info, "--admin %s: every local user can read this daemon's "
-                         "status and timeline (unix:PATH admits only this uid)",
-                 address.c_str());
+    MICROD_LOG(Info,
+               "--admin %s: every local user can read this daemon's "
+               "status and timeline (unix:PATH admits only this uid)",
+               address.c_str());
   }
   // gRPC binds with the process's umask: the socket is never more open than
   // RestrictSocket makes it.
@@ -767,9 +769,9 @@ absl::Status Daemon::StartAdmin() {
     std::string why;
     auto gpu_ops = microd::kernels::CreateCudaSparseOps(absl::GetFlag(FLAGS_cuda_device), &why);
     if (gpu_ops == nullptr) {
-      return Bad("--transport=nccl", absl::FailedPreconditionError(absl::StrCat(
-                                         "no usable GPU ", absl::GetFlag(FLAGS_cuda_device),
-                                         ": ", why)));
+      return Bad("--transport=nccl",
+                 absl::FailedPreconditionError(
+                     absl::StrCat("no usable GPU ", absl::GetFlag(FLAGS_cuda_device), ": ", why)));
     }
     absl::MutexLock lock(&mu_);
     ops_ = std::move(gpu_ops);
@@ -788,8 +790,8 @@ absl::Status Daemon::StartMetrics() {
   auto server = microd::engine::MetricsServer::Start(address, std::move(collector));
   if (!server.ok()) return Bad("--metrics", server.status());
   metrics_ = std::move(server).value();
-  MICROD_LOG(Info, "metrics on http://%s:%d/metrics",
-               address.substr(0, address.rfind(':')).c_str(), metrics_->port());
+  MICROD_LOG(Info, "metrics on http://%s:%d/metrics", address.substr(0, address.rfind(':')).c_str(),
+             metrics_->port());
   if (const std::string f = absl::GetFlag(FLAGS_metrics_port_file); !f.empty()) {
     std::ofstream(f) << metrics_->port() << "\n";
   }
@@ -804,7 +806,7 @@ absl::Status Daemon::StartTimeline() {
   if (!file.ok()) return Bad("--timeline", file.status());
   timeline_file_ = std::move(file).value();
   MICROD_LOG(Info, "timeline of the last %llu steps in %s",
-               static_cast<unsigned long long>(absl::GetFlag(FLAGS_timeline_steps)), path.c_str());
+             static_cast<unsigned long long>(absl::GetFlag(FLAGS_timeline_steps)), path.c_str());
   return absl::OkStatus();
 }
 
@@ -868,9 +870,8 @@ absl::Status Daemon::Join() {
     membership_ = *joined;
   }
   microd::log::SetRank(membership_.node_rank);
-  MICROD_LOG(Info, "node '%s' is rank %d of %d (world size %d)",
-               config_.node_name.c_str(), membership_.node_rank, membership_.node_count,
-               membership_.world_size);
+  MICROD_LOG(Info, "node '%s' is rank %d of %d (world size %d)", config_.node_name.c_str(),
+             membership_.node_rank, membership_.node_count, membership_.world_size);
   return absl::OkStatus();
 }
 
@@ -892,11 +893,12 @@ absl::Status Daemon::StartDataPlane(const microd::engine::EngineOptions& eo) {
     ops_ = microd::kernels::CreateCpuSparseOps();
     if (const microd::transport::LinkModel* m = transport_->link_model();
         m != nullptr && m->ranks > 1) {
-      MICROD_LOG(Info, "data plane links (slowest of every node's): a direct round takes "
-                   "%.3f ms (%.3f ms posted ahead), a node sends %.1f MB/s; %d connection(s) "
-                   "per pair",
-                   m->round_seconds * 1e3, m->posted_round_seconds * 1e3,
-                   m->bytes_per_second / 1e6, m->connections);
+      MICROD_LOG(Info,
+                 "data plane links (slowest of every node's): a direct round takes "
+                 "%.3f ms (%.3f ms posted ahead), a node sends %.1f MB/s; %d connection(s) "
+                 "per pair",
+                 m->round_seconds * 1e3, m->posted_round_seconds * 1e3, m->bytes_per_second / 1e6,
+                 m->connections);
     }
     return absl::OkStatus();
   }
@@ -952,15 +954,14 @@ absl::Status Daemon::Serve(const microd::engine::EngineOptions& eo) {
   engine_->Start();
   admin_->SetServing(kHealthService, true);
   MICROD_LOG(Info, "serving %d local process(es) on %s", config_.local_size,
-               lo.socket_path.c_str());
+             lo.socket_path.c_str());
   for (const std::string& line : config_.remedies) {
-    MICROD_LOG(Info, "remedy at density %g: %s", config_.sparsify.density,
-                 line.c_str());
+    MICROD_LOG(Info, "remedy at density %g: %s", config_.sparsify.density, line.c_str());
   }
   if (config_.memory_budget > 0) {
     MICROD_LOG(Info, "the buckets' state may take %llu bytes (%s)",
-                 static_cast<unsigned long long>(config_.memory_budget),
-                 config_.memory_budget_source.c_str());
+               static_cast<unsigned long long>(config_.memory_budget),
+               config_.memory_budget_source.c_str());
   }
   return absl::OkStatus();
 }

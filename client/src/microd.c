@@ -417,8 +417,8 @@ microd_status microd_register_host_buffer(microd_client* c, const char* name, ui
 /* Checks what every registration takes; fills *flags and *name_len. */
 static microd_status check_register_args(microd_client* c, const char* name, uint64_t count,
                                          const microd_buffer_options* options,
-                                         const int32_t* buffer_id, uint32_t* flags,
-                                         uint32_t* dtype, size_t* name_len) {
+                                         const int32_t* buffer_id, uint32_t* flags, uint32_t* dtype,
+                                         size_t* name_len) {
   *flags = 0;
   *dtype = MICROD_DTYPE_FLOAT32;
   if (options != NULL) {

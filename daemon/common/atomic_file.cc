@@ -49,8 +49,8 @@ absl::Status WriteFileAtomicallyAt(int dirfd, const std::string& name,
   UniqueFd fd;
   for (int attempt = 0; attempt < 8 && !fd.valid(); ++attempt) {
     tmp = TemporaryName(name);
-    fd.reset(openat(dirfd, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
-                    0600));
+    fd.reset(
+        openat(dirfd, tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
     if (!fd.valid() && errno != EEXIST) break;
   }
   if (!fd.valid()) {
@@ -61,8 +61,8 @@ absl::Status WriteFileAtomicallyAt(int dirfd, const std::string& name,
       geteuid() == 0 && fchown(fd.get(), owner.uid, owner.gid) != 0) {
     const std::string why = std::strerror(errno);
     unlinkat(dirfd, tmp.c_str(), 0);
-    return absl::PermissionDeniedError(absl::StrCat("cannot give ", what, " to uid ", owner.uid,
-                                                    ": ", why));
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot give ", what, " to uid ", owner.uid, ": ", why));
   }
   bool ok = true;
   for (std::string_view part : parts) ok = ok && WriteAll(fd.get(), part);
@@ -99,8 +99,7 @@ absl::StatusOr<std::string> ReadRegularFileAt(int dirfd, const std::string& name
   if (!fd.valid()) {
     if (errno == ENOENT) return absl::NotFoundError(absl::StrCat("no file ", what));
     if (errno == ELOOP) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(what, " is a symbolic link: not followed"));
+      return absl::FailedPreconditionError(absl::StrCat(what, " is a symbolic link: not followed"));
     }
     return absl::PermissionDeniedError(
         absl::StrCat("cannot read ", what, ": ", std::strerror(errno)));
@@ -114,9 +113,8 @@ absl::StatusOr<std::string> ReadRegularFileAt(int dirfd, const std::string& name
     return absl::FailedPreconditionError(absl::StrCat(what, " is not a regular file"));
   }
   if (static_cast<uint64_t>(st.st_size) > max_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(what, " has ", st.st_size,
-                                                     " bytes, more than the ", max_bytes,
-                                                     " it can hold"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        what, " has ", st.st_size, " bytes, more than the ", max_bytes, " it can hold"));
   }
   std::string bytes(static_cast<size_t>(st.st_size), '\0');
   size_t at = 0;

@@ -23,10 +23,9 @@ std::vector<char*> ParseCommandLine(int argc, char** argv) {
   config.contains_helpshort_flags = config.contains_help_flags;
   config.version_string = [] { return std::string("microd " MICROD_VERSION_STRING "\n"); };
   absl::SetFlagsUsageConfig(config);
-  std::vector<char*> rest =
-      fi::ParseCommandLineImpl(argc, argv, fi::ArgvListAction::kRemoveParsedArgs,
-                               fi::UsageFlagsAction::kIgnoreUsage,
-                               fi::OnUndefinedFlag::kAbortIfUndefined);
+  std::vector<char*> rest = fi::ParseCommandLineImpl(
+      argc, argv, fi::ArgvListAction::kRemoveParsedArgs, fi::UsageFlagsAction::kIgnoreUsage,
+      fi::OnUndefinedFlag::kAbortIfUndefined);
   // -1: no usage flag given; 0 or 1: one was, and was answered.
   if (fi::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) >= 0) {
     std::cout.flush();

@@ -15,10 +15,10 @@
 
 #include <functional>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 namespace microd::log {
@@ -54,10 +54,10 @@ std::string FormatLine(Format format, Level level, absl::Time when, absl::string
 
 }  // namespace microd::log
 
-#define MICROD_LOG(severity, ...)                                                          \
-  do {                                                                                     \
-    if (::microd::log::Enabled(::microd::log::Level::k##severity)) {                       \
-      ::microd::log::Write(::microd::log::Level::k##severity, __FILE__, __LINE__,          \
-                           ::absl::StrFormat(__VA_ARGS__));                                \
-    }                                                                                      \
+#define MICROD_LOG(severity, ...)                                                 \
+  do {                                                                            \
+    if (::microd::log::Enabled(::microd::log::Level::k##severity)) {              \
+      ::microd::log::Write(::microd::log::Level::k##severity, __FILE__, __LINE__, \
+                           ::absl::StrFormat(__VA_ARGS__));                       \
+    }                                                                             \
   } while (0)

@@ -15,7 +15,8 @@ ClientStatus ToClientStatus(const absl::Status& status) {
     const std::string s(*payload);
     if (!s.empty() && s.size() <= 2) {
       const int v = std::stoi(s);
-      if (v > 0 && v <= static_cast<int>(ClientStatus::kClosed)) return static_cast<ClientStatus>(v);
+      if (v > 0 && v <= static_cast<int>(ClientStatus::kClosed))
+        return static_cast<ClientStatus>(v);
     }
   }
   switch (status.code()) {

@@ -72,12 +72,11 @@ int SocketUmask(int allow_gid) { return allow_gid >= 0 ? 0117 : 0177; }
 
 absl::Status RestrictSocket(const std::string& path, int allow_gid) {
   if (allow_gid >= 0 && chown(path.c_str(), -1, static_cast<gid_t>(allow_gid)) != 0) {
-    return absl::PermissionDeniedError(absl::StrCat("chown ", path, " to gid ", allow_gid, ": ",
-                                                    std::strerror(errno)));
+    return absl::PermissionDeniedError(
+        absl::StrCat("chown ", path, " to gid ", allow_gid, ": ", std::strerror(errno)));
   }
   if (chmod(path.c_str(), allow_gid >= 0 ? 0660 : 0600) != 0) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("chmod ", path, ": ", std::strerror(errno)));
+    return absl::PermissionDeniedError(absl::StrCat("chmod ", path, ": ", std::strerror(errno)));
   }
   return absl::OkStatus();
 }

@@ -56,8 +56,8 @@ absl::StatusOr<HostPort> ParseHostPort(const std::string& address) {
     }
     hp.host = address.substr(0, colon);
     if (hp.host.find(':') != std::string::npos) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("bad address '", address, "' (an IPv6 address goes in brackets: [::1]:port)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "bad address '", address, "' (an IPv6 address goes in brackets: [::1]:port)"));
     }
     port = address.substr(colon + 1);
   }
@@ -127,7 +127,6 @@ absl::StatusOr<std::string> LocalAddressToward(const std::string& address) {
   return last;
 }
 
-
 bool IsLoopbackAddress(const std::string& ip) {
   return absl::StartsWith(ip, "127.") || ip == "::1";
 }
@@ -174,9 +173,13 @@ std::string HostOfGrpcPeer(const std::string& peer) {
   if (absl::StartsWith(peer, "ipv4:")) {
     rest = peer.substr(5);
   } else if (absl::StartsWith(peer, "ipv6:")) {
-    rest = absl::StrReplaceAll(peer.substr(5), {{"%5B", "["}, {"%5D", "]"}, {"%5b", "["},
-                                                 {"%5d", "]"}, {"%3A", ":"}, {"%3a", ":"},
-                                                 {"%25", "%"}});
+    rest = absl::StrReplaceAll(peer.substr(5), {{"%5B", "["},
+                                                {"%5D", "]"},
+                                                {"%5b", "["},
+                                                {"%5d", "]"},
+                                                {"%3A", ":"},
+                                                {"%3a", ":"},
+                                                {"%25", "%"}});
   } else {
     return "";
   }

@@ -1,15 +1,15 @@
 #include "daemon/control/coordinator.h"
-#include "daemon/common/log.h"
 
 #include <algorithm>
 #include <cstdio>
 #include <random>
 #include <set>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "daemon/common/log.h"
 
 namespace microd::control {
 namespace {
@@ -97,7 +97,8 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(CoordinatorOpti
 }
 
 absl::Status Coordinator::JobError() const {
-  if (state_ == JobState::kFailed) return absl::AbortedError(absl::StrCat("job failed: ", failure_));
+  if (state_ == JobState::kFailed)
+    return absl::AbortedError(absl::StrCat("job failed: ", failure_));
   if (state_ == JobState::kFinished) {
     return absl::FailedPreconditionError(absl::StrCat("job finished: ", failure_));
   }
@@ -110,8 +111,7 @@ void Coordinator::FailLocked(const std::string& reason, bool log) {
   failure_ = reason;
   store_.Fail(absl::AbortedError(absl::StrCat("job failed: ", reason)));
   if (!log) return;
-  MICROD_LOG(Error, "coordinator: job '%s' failed: %s", options_.job_id.c_str(),
-               reason.c_str());
+  MICROD_LOG(Error, "coordinator: job '%s' failed: %s", options_.job_id.c_str(), reason.c_str());
 }
 
 void Coordinator::Fail(const std::string& reason) {
@@ -135,11 +135,11 @@ absl::Status Coordinator::CheckMember(uint64_t session, int rank, int* caller) {
         absl::StrCat("node rank ", rank, " out of range [0, ", nodes_.size(), ")"));
   }
   if (rank >= 0 && rank != owner) {
-    MICROD_LOG(Warning, "coordinator: refused a call of node %d ('%s') for node %d",
-                 owner, nodes_[owner].name.c_str(), rank);
-    return absl::PermissionDeniedError(absl::StrCat(
-        "node ", owner, " ('", nodes_[owner].name, "') may speak only for itself, not node ",
-        rank));
+    MICROD_LOG(Warning, "coordinator: refused a call of node %d ('%s') for node %d", owner,
+               nodes_[owner].name.c_str(), rank);
+    return absl::PermissionDeniedError(absl::StrCat("node ", owner, " ('", nodes_[owner].name,
+                                                    "') may speak only for itself, not node ",
+                                                    rank));
   }
   if (rank >= 0) nodes_[rank].last_seen = absl::Now();
   if (caller != nullptr) *caller = owner;
@@ -158,14 +158,13 @@ absl::Status Coordinator::CheckKeyWrite(int caller, const std::string& key) {
   if (!last.empty() && absl::SimpleAtoi(last, &entry_rank) && entry_rank >= 0 &&
       entry_rank < static_cast<int>(nodes_.size())) {
     if (entry_rank == caller) return absl::OkStatus();
-    return absl::PermissionDeniedError(absl::StrCat(
-        "key '", key, "' is node ", entry_rank, "'s rendezvous entry: node ", caller,
-        " may not write it"));
+    return absl::PermissionDeniedError(absl::StrCat("key '", key, "' is node ", entry_rank,
+                                                    "'s rendezvous entry: node ", caller,
+                                                    " may not write it"));
   }
   if (caller != 0) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("key '", key, "' is job-wide and only node 0 writes those: node ", caller,
-                     " may not"));
+    return absl::PermissionDeniedError(absl::StrCat(
+        "key '", key, "' is job-wide and only node 0 writes those: node ", caller, " may not"));
   }
   return absl::OkStatus();
 }
@@ -182,8 +181,7 @@ void Coordinator::LogWrongToken(const std::string& node_name, const std::string&
     more = absl::StrCat(" (and ", unlogged_token_refusals_, " more refusals not shown)");
   }
   MICROD_LOG(Warning, "coordinator: refused node '%s' from %s: wrong job token%s",
-               node_name.c_str(), peer_host.empty() ? "(unknown)" : peer_host.c_str(),
-               more.c_str());
+             node_name.c_str(), peer_host.empty() ? "(unknown)" : peer_host.c_str(), more.c_str());
   last_token_log_ = now;
   unlogged_token_refusals_ = 0;
 }
@@ -273,9 +271,8 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
     AssignRanks();
     state_ = JobState::kRunning;
   }
-  auto formed = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return state_ != JobState::kForming;
-  };
+  auto formed = [this]()
+                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return state_ != JobState::kForming; };
   mu_.AwaitWithDeadline(absl::Condition(&formed), deadline);
   if (state_ == JobState::kForming) {
     std::vector<std::string> names;
@@ -284,10 +281,9 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
     nodes_.erase(std::remove_if(nodes_.begin(), nodes_.end(),
                                 [&](const Node& n) { return n.name == node_name; }),
                  nodes_.end());
-    return absl::DeadlineExceededError(absl::StrCat("join: ", names.size(), " of ",
-                                                    options_.expected_nodes,
-                                                    " nodes arrived before the deadline (",
-                                                    arrived, ")"));
+    return absl::DeadlineExceededError(
+        absl::StrCat("join: ", names.size(), " of ", options_.expected_nodes,
+                     " nodes arrived before the deadline (", arrived, ")"));
   }
   if (absl::Status s = JobError(); !s.ok()) return s;
   Membership m;
@@ -319,7 +315,8 @@ void Coordinator::AssignRanks() {
     n.rank = next;
     taken[next] = true;
   }
-  std::sort(nodes_.begin(), nodes_.end(), [](const Node& a, const Node& b) { return a.rank < b.rank; });
+  std::sort(nodes_.begin(), nodes_.end(),
+            [](const Node& a, const Node& b) { return a.rank < b.rank; });
   const absl::Time now = absl::Now();
   std::set<uint64_t> given;
   for (Node& n : nodes_) {
@@ -356,11 +353,11 @@ absl::StatusOr<std::vector<std::string>> Coordinator::KeyGet(uint64_t session,
 }
 
 absl::Status Coordinator::Report(uint64_t session, int rank, const std::vector<BucketInfo>& ready,
-                                uint64_t seq) {
+                                 uint64_t seq) {
   if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("node rank ", rank, " is negative"));
   if (ready.size() > kMaxBucketsPerReport) {
-    return absl::InvalidArgumentError(absl::StrCat(ready.size(), " buckets in one report (limit ",
-                                                   kMaxBucketsPerReport, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(ready.size(), " buckets in one report (limit ", kMaxBucketsPerReport, ")"));
   }
   std::set<std::string> names;
   for (const BucketInfo& b : ready) {
@@ -478,8 +475,8 @@ void Coordinator::TrimSchedule() {
 absl::StatusOr<HeartbeatAnswer> Coordinator::Heartbeat(uint64_t session, int rank,
                                                        std::vector<BucketWait> waiting) {
   if (waiting.size() > kMaxBucketsPerReport) {
-    return absl::InvalidArgumentError(absl::StrCat(waiting.size(), " waiting buckets (limit ",
-                                                   kMaxBucketsPerReport, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(waiting.size(), " waiting buckets (limit ", kMaxBucketsPerReport, ")"));
   }
   for (const BucketWait& w : waiting) {
     if (absl::Status s = ValidateName("bucket name", w.name); !s.ok()) return s;
@@ -554,8 +551,8 @@ void Coordinator::InspectStalls(absl::Time now) {
   stalls_ = std::move(stalls);
   stall_logged_ = std::move(logged);
   if (!abort.empty()) {
-    FailLocked(absl::StrCat(abort, " (--stall_abort_s ",
-                            absl::ToInt64Seconds(options_.stall_abort), ")"));
+    FailLocked(
+        absl::StrCat(abort, " (--stall_abort_s ", absl::ToInt64Seconds(options_.stall_abort), ")"));
   }
 }
 
@@ -603,8 +600,8 @@ JobSnapshot Coordinator::Snapshot() const {
 }
 
 void Coordinator::Watchdog() {
-  const absl::Duration tick =
-      std::max(absl::Milliseconds(10), std::min(absl::Milliseconds(100), options_.peer_timeout / 10));
+  const absl::Duration tick = std::max(
+      absl::Milliseconds(10), std::min(absl::Milliseconds(100), options_.peer_timeout / 10));
   while (!stop_.WaitForNotificationWithTimeout(tick)) {
     absl::MutexLock lock(&mu_);
     if (state_ != JobState::kRunning) continue;

@@ -42,7 +42,6 @@ struct BucketWait {
   std::vector<std::pair<int, int>> missing;
 };
 
-
 enum class JobState { kForming, kRunning, kFailed, kFinished };
 const char* JobStateName(JobState state);
 
@@ -152,16 +151,16 @@ class Coordinator {
     int rank = -1;
     absl::Time last_seen;
     bool left = false;
-    uint64_t polled = 0;  // the node has seen every batch below this index
-    uint64_t report_seq = 0;  // the last numbered report taken
+    uint64_t polled = 0;              // the node has seen every batch below this index
+    uint64_t report_seq = 0;          // the last numbered report taken
     std::vector<BucketWait> waiting;  // from its last heartbeat
     // What this node presents in every later call (Membership::session):
     // random, its own, given once the job formed.
     uint64_t credential = 0;
   };
   struct Pending {
-    uint64_t order = 0;                  // first report, for a stable schedule
-    std::map<int, BucketInfo> by_rank;   // what each node reported
+    uint64_t order = 0;                 // first report, for a stable schedule
+    std::map<int, BucketInfo> by_rank;  // what each node reported
   };
 
   // The call presents `session` and speaks for node `rank` (-1: a call that

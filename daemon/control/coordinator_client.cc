@@ -1,11 +1,11 @@
 #include "daemon/control/coordinator_client.h"
-#include "daemon/common/log.h"
 
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/common/grpc_status.h"
+#include "daemon/common/log.h"
 
 namespace microd::control {
 namespace {
@@ -34,8 +34,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorClient>> CoordinatorClient::Create(
   // frequent than the server allows make it close the connection.
   grpc::ChannelArguments args;
   AddTlsChannelArgs(c->options_.tls, &args);
-  c->channel_ = grpc::CreateCustomChannel(c->options_.address,
-                                          ChannelCredentialsFor(c->options_.tls), args);
+  c->channel_ =
+      grpc::CreateCustomChannel(c->options_.address, ChannelCredentialsFor(c->options_.tls), args);
   c->stub_ = microd::v1::Coordinator::NewStub(c->channel_);
   return c;
 }
@@ -72,9 +72,9 @@ absl::Status CoordinatorClient::Unreachable(const grpc::Status& s, const char* w
   const absl::Status st = FromGrpcStatus(s);
   if (!transient) return st;  // the coordinator's own answer (e.g. the job failed)
   return absl::UnavailableError(absl::StrCat(
-      "node ", membership_.node_rank, " ('", options_.node_name, "') lost the coordinator (node 0 at ",
-      options_.address, "): no answer to its ", what, " for ",
-      absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))), " (peer timeout ",
+      "node ", membership_.node_rank, " ('", options_.node_name,
+      "') lost the coordinator (node 0 at ", options_.address, "): no answer to its ", what,
+      " for ", absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))), " (peer timeout ",
       absl::FormatDuration(options_.peer_timeout), "): ", st.message()));
 }
 
@@ -107,7 +107,7 @@ void CoordinatorClient::MarkFailed(const absl::Status& status) {
     callback = on_failure_;
   }
   MICROD_LOG(Error, "node '%s': %s", options_.node_name.c_str(),
-               std::string(status.message()).c_str());
+             std::string(status.message()).c_str());
   if (callback) callback(status);
 }
 

@@ -7,13 +7,13 @@
 // peer timeout since the last call it answered, then fail naming both ends.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
 #include <functional>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -37,7 +37,7 @@ struct CoordinatorClientOptions {
   absl::Duration call_timeout = absl::Seconds(30);  // calls that do not wait
   absl::Duration peer_timeout = absl::Seconds(10);
   absl::Duration heartbeat_interval = absl::ZeroDuration();  // zero: peer_timeout / 10
-  TlsFiles tls;  // none: plaintext
+  TlsFiles tls;                                              // none: plaintext
 };
 
 class CoordinatorClient final : public KeyValueStore {

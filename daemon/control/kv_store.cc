@@ -59,9 +59,9 @@ absl::StatusOr<std::vector<std::string>> InMemoryKeyValueStore::Get(
   }
   if (!missing.empty()) {
     const std::string what = absl::StrJoin(missing, ", ");
-    return wait ? absl::DeadlineExceededError(absl::StrCat("key-value store: no value for ", what,
-                                                          " before the deadline"))
-               : absl::NotFoundError(absl::StrCat("key-value store: no value for ", what));
+    return wait ? absl::DeadlineExceededError(
+                      absl::StrCat("key-value store: no value for ", what, " before the deadline"))
+                : absl::NotFoundError(absl::StrCat("key-value store: no value for ", what));
   }
   return out;
 }

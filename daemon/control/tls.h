@@ -10,11 +10,11 @@
 // are the client's certificate for mutual TLS.
 #pragma once
 
-#include <memory>
-#include <string>
-
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
+
+#include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"

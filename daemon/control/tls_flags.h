@@ -3,10 +3,10 @@
 // defaulting to its MICROD_TLS_* variable, as the daemon's.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
 #include <memory>
 #include <string>
-
-#include <grpcpp/grpcpp.h>
 
 #include "daemon/control/tls.h"
 

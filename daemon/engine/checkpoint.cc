@@ -41,10 +41,10 @@ std::string Hmac(std::string_view key, std::initializer_list<std::string_view> p
                          OSSL_PARAM_construct_end()};
   // An empty key is a valid HMAC key; OpenSSL wants a non-null pointer for it.
   static const unsigned char kNone = 0;
-  bool ok = ctx != nullptr &&
-            EVP_MAC_init(ctx,
-                         key.empty() ? &kNone : reinterpret_cast<const unsigned char*>(key.data()),
-                         key.size(), params) == 1;
+  bool ok =
+      ctx != nullptr &&
+      EVP_MAC_init(ctx, key.empty() ? &kNone : reinterpret_cast<const unsigned char*>(key.data()),
+                   key.size(), params) == 1;
   for (std::string_view p : parts) {
     ok = ok && EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(p.data()), p.size()) == 1;
   }
@@ -115,13 +115,14 @@ absl::StatusOr<microd::v1::NodeCheckpoint> ReadCheckpoint(int dirfd, const std::
   }
   const uint32_t format = Get<uint32_t>(all, 8);
   if (format != kFormat) {
-    return absl::DataLossError(absl::StrCat(what, " has format ", format, "; this microd reads ",
-                                            kFormat));
+    return absl::DataLossError(
+        absl::StrCat(what, " has format ", format, "; this microd reads ", kFormat));
   }
   const uint64_t size = Get<uint64_t>(all, 12);
   const uint32_t keyed = Get<uint32_t>(all, 20);
   if (all.size() - kFrameBytes - kTagBytes != size) {
-    return absl::DataLossError(absl::StrCat(what, " is torn: ", all.size() - kFrameBytes - kTagBytes,
+    return absl::DataLossError(absl::StrCat(what,
+                                            " is torn: ", all.size() - kFrameBytes - kTagBytes,
                                             " bytes of state where the frame says ", size));
   }
   if (keyed != kUnkeyed && keyed != kKeyed) {
@@ -129,13 +130,15 @@ absl::StatusOr<microd::v1::NodeCheckpoint> ReadCheckpoint(int dirfd, const std::
   }
   if (keyed == kUnkeyed && !key.empty()) {
     return absl::PermissionDeniedError(absl::StrCat(
-        what, " was saved by a job without a secret (no --token_file or --state_key_file), so "
-              "nothing says who wrote it; this job authenticates its state files and refuses it"));
+        what,
+        " was saved by a job without a secret (no --token_file or --state_key_file), so "
+        "nothing says who wrote it; this job authenticates its state files and refuses it"));
   }
   if (keyed == kKeyed && key.empty()) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        what, " was saved by a job with a secret; give this job the same --token_file (or "
-              "--state_key_file) to load it"));
+    return absl::PermissionDeniedError(
+        absl::StrCat(what,
+                     " was saved by a job with a secret; give this job the same --token_file (or "
+                     "--state_key_file) to load it"));
   }
   const std::string_view body(all.data(), kFrameBytes + size);
   const std::string want = Hmac(key, {body});
@@ -145,8 +148,9 @@ absl::StatusOr<microd::v1::NodeCheckpoint> ReadCheckpoint(int dirfd, const std::
       return absl::DataLossError(absl::StrCat(what, " is corrupted: its checksum does not match"));
     }
     return absl::PermissionDeniedError(absl::StrCat(
-        what, " is not authenticated by this job's key: another job's file (another token or "
-              "--state_key_file), or altered since it was saved"));
+        what,
+        " is not authenticated by this job's key: another job's file (another token or "
+        "--state_key_file), or altered since it was saved"));
   }
   microd::v1::NodeCheckpoint c;
   if (size > static_cast<uint64_t>(INT32_MAX) ||
@@ -159,8 +163,8 @@ absl::StatusOr<microd::v1::NodeCheckpoint> ReadCheckpoint(int dirfd, const std::
 absl::Status CheckSameShape(const microd::v1::NodeCheckpoint& saved,
                             const microd::v1::NodeCheckpoint& want, const std::string& path) {
   auto differs = [&](const std::string& what, const auto& was, const auto& now) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the state in ", path, " was saved with ", what, " ", was, "; this job has ", now));
+    return absl::FailedPreconditionError(absl::StrCat("the state in ", path, " was saved with ",
+                                                      what, " ", was, "; this job has ", now));
   };
   if (saved.job_id() != want.job_id()) return differs("job id", saved.job_id(), want.job_id());
   if (saved.node_count() != want.node_count()) {

@@ -23,15 +23,16 @@ std::vector<uint64_t> CycleMessage::Encode() const {
   words[1] = ids;
   std::copy(ready.begin(), ready.end(), words.begin() + 2);
   std::copy(sent.begin(), sent.end(), words.begin() + 2 + bw);
-  if (!area.empty()) std::memcpy(words.data() + 2 + 2 * bw, area.data(), area.size() * sizeof(float));
+  if (!area.empty())
+    std::memcpy(words.data() + 2 + 2 * bw, area.data(), area.size() * sizeof(float));
   return words;
 }
 
 absl::StatusOr<CycleMessage> CycleMessage::Decode(absl::Span<const uint64_t> words, uint64_t ids,
                                                   uint64_t floats) {
   if (words.size() != Words(ids, floats)) {
-    return absl::InvalidArgumentError(absl::StrCat("cycle message of ", words.size(),
-                                                   " words, expected ", Words(ids, floats)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cycle message of ", words.size(), " words, expected ", Words(ids, floats)));
   }
   if (words[1] != ids) {
     return absl::InternalError(absl::StrCat("response cache out of step: it has ", words[1],

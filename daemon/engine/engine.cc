@@ -1,5 +1,4 @@
 #include "daemon/engine/engine.h"
-#include "daemon/common/log.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -7,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "daemon/common/log.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/status_map.h"
 
@@ -155,10 +155,10 @@ void Engine::OnDisconnect(uint64_t client, bool clean, const std::string& why) {
     reason = state_.table.Disconnect(client, clean, why, membership_.node_rank);
   }
   if (abandoned.asked > 0) {
-    AnswerStateRequest(abandoned, absl::FailedPreconditionError(absl::StrCat(
-                                      "a local process of node ", membership_.node_rank,
-                                      " left before asking to ",
-                                      abandoned.save ? "save" : "load", " the state")));
+    AnswerStateRequest(
+        abandoned, absl::FailedPreconditionError(absl::StrCat(
+                       "a local process of node ", membership_.node_rank, " left before asking to ",
+                       abandoned.save ? "save" : "load", " the state")));
   }
   if (!reason.empty()) Fail(absl::AbortedError(reason), /*report=*/true);
 }
@@ -177,10 +177,10 @@ absl::Status Engine::WithRootCause(const absl::Status& local) {
 }
 
 void Engine::Complete(const Work& w, const absl::Status& status) {
-  w.Finish(status, [this](uint64_t client, uint64_t ticket, uint32_t buffer_id,
-                          const absl::Status& s) {
-    if (server_ != nullptr) server_->Complete(client, ticket, buffer_id, s);
-  });
+  w.Finish(status,
+           [this](uint64_t client, uint64_t ticket, uint32_t buffer_id, const absl::Status& s) {
+             if (server_ != nullptr) server_->Complete(client, ticket, buffer_id, s);
+           });
 }
 
 void Engine::Finish(const Work& w, const absl::Status& status) {

@@ -29,8 +29,10 @@ MetricFamily Family(const std::string& name, const std::string& help, MetricType
 ClientMetric Value(MetricType type, double v, std::vector<ClientMetric::Label> labels = {}) {
   ClientMetric m;
   m.label = std::move(labels);
-  if (type == MetricType::Counter) m.counter.value = v;
-  else m.gauge.value = v;
+  if (type == MetricType::Counter)
+    m.counter.value = v;
+  else
+    m.gauge.value = v;
   return m;
 }
 
@@ -66,8 +68,8 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
     out.push_back(std::move(f));
   };
   {
-    MetricFamily f = Family("microd_build_info", "microd's version and step options",
-                            MetricType::Gauge);
+    MetricFamily f =
+        Family("microd_build_info", "microd's version and step options", MetricType::Gauge);
     f.metric.push_back(Value(MetricType::Gauge, 1,
                              {{"version", st.version()},
                               {"transport", st.transport()},
@@ -76,8 +78,7 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
     out.push_back(std::move(f));
   }
   {
-    MetricFamily f = Family("microd_job_state", "1 for the job's current state",
-                            MetricType::Gauge);
+    MetricFamily f = Family("microd_job_state", "1 for the job's current state", MetricType::Gauge);
     for (auto s : {microd::v1::JOB_STATE_FORMING, microd::v1::JOB_STATE_RUNNING,
                    microd::v1::JOB_STATE_FAILED, microd::v1::JOB_STATE_FINISHED}) {
       f.metric.push_back(
@@ -92,16 +93,16 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
   gauge("microd_stalls", "buckets the stall inspector reports", st.stalls_size());
   gauge("microd_uptime_seconds", "seconds since the daemon started", st.uptime_seconds());
   {
-    MetricFamily f = Family("microd_batches_total", "batches run, by how they were agreed",
-                            MetricType::Counter);
+    MetricFamily f =
+        Family("microd_batches_total", "batches run, by how they were agreed", MetricType::Counter);
     f.metric.push_back(Value(MetricType::Counter, st.batches(), {{"kind", "schedule"}}));
     f.metric.push_back(Value(MetricType::Counter, st.cache_batches(), {{"kind", "cache"}}));
     out.push_back(std::move(f));
   }
   {
-    MetricFamily f = Family("microd_cycle_reductions_total",
-                            "bucket steps reduced by the response cache's cycle itself",
-                            MetricType::Counter);
+    MetricFamily f =
+        Family("microd_cycle_reductions_total",
+               "bucket steps reduced by the response cache's cycle itself", MetricType::Counter);
     f.metric.push_back(Value(MetricType::Counter, st.cycle_reductions()));
     out.push_back(std::move(f));
   }
@@ -130,15 +131,15 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
        MetricType::Counter, [](const auto& b) { return static_cast<double>(b.rounds()); }},
       {"microd_bucket_steps_total", "steps run", MetricType::Counter,
        [](const auto& b) { return static_cast<double>(b.steps()); }},
-      {"microd_bucket_sent_bytes_total", "bytes this node sent for the bucket",
-       MetricType::Counter, [](const auto& b) { return static_cast<double>(b.bytes_sent()); }},
+      {"microd_bucket_sent_bytes_total", "bytes this node sent for the bucket", MetricType::Counter,
+       [](const auto& b) { return static_cast<double>(b.bytes_sent()); }},
       {"microd_bucket_received_bytes_total", "bytes this node received for the bucket",
-       MetricType::Counter,
-       [](const auto& b) { return static_cast<double>(b.bytes_received()); }},
+       MetricType::Counter, [](const auto& b) { return static_cast<double>(b.bytes_received()); }},
   };
   for (const PerBucket& p : per_bucket) {
     MetricFamily f = Family(p.name, p.help, p.type);
-    for (const auto& b : st.buckets()) f.metric.push_back(Value(p.type, p.value(b), {{"bucket", b.name()}}));
+    for (const auto& b : st.buckets())
+      f.metric.push_back(Value(p.type, p.value(b), {{"bucket", b.name()}}));
     out.push_back(std::move(f));
   }
   {
@@ -155,8 +156,8 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
   }
   MetricFamily cre = Family("microd_bucket_cre", "|K - k| / k per sparse step, from step 2",
                             MetricType::Histogram);
-  MetricFamily phases = Family("microd_bucket_step_seconds", "seconds per step, by phase",
-                               MetricType::Histogram);
+  MetricFamily phases =
+      Family("microd_bucket_step_seconds", "seconds per step, by phase", MetricType::Histogram);
   for (const BucketStats& b : buckets) {
     cre.metric.push_back(HistogramMetric(b.cre_histogram, {{"bucket", b.name}}));
     for (int p = 0; p < kPhases; ++p) {
@@ -179,8 +180,8 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     server->exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
         "listening_ports", address, "num_threads", "4", "request_timeout_ms", "2000"});
   } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", address, ": ",
-                                               e.what()));
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
   }
   const auto ports = server->exposer_->GetListeningPorts();
   if (ports.empty()) return absl::UnavailableError(absl::StrCat("cannot listen on ", address));

@@ -19,12 +19,12 @@
 //                                        selection, exchange, write_back)
 #pragma once
 
+#include <prometheus/collectable.h>
+
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <prometheus/collectable.h>
 
 #include "absl/status/statusor.h"
 #include "daemon/engine/stats.h"
@@ -40,8 +40,7 @@ class MetricsCollector final : public prometheus::Collectable {
  public:
   // Fills the Admin status and the engine's per-bucket statistics (their
   // histograms), from one snapshot.
-  using Source =
-      std::function<void(microd::v1::GetStatusResponse*, std::vector<BucketStats>*)>;
+  using Source = std::function<void(microd::v1::GetStatusResponse*, std::vector<BucketStats>*)>;
   explicit MetricsCollector(Source source) : source_(std::move(source)) {}
 
   std::vector<prometheus::MetricFamily> Collect() const override;

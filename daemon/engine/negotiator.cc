@@ -170,7 +170,8 @@ CycleMessage CycleNegotiator::Prepare(std::vector<uint64_t>* slot, std::vector<T
   // The room, in floats: --cycle_floats, but the whole allgather kept under
   // 256 KiB, where the transport sends it to every peer in one round.
   const uint64_t per_node = (uint64_t{64} << 10) / membership_.node_count;
-  const uint64_t room = std::min<uint64_t>(options_.cycle_floats, per_node > 512 ? per_node - 512 : 0);
+  const uint64_t room =
+      std::min<uint64_t>(options_.cycle_floats, per_node > 512 ? per_node - 512 : 0);
   absl::MutexLock lock(&state_->mu);
   ProcessTable& table = state_->table;
   const size_t ids = table.cached_count();
@@ -250,9 +251,8 @@ absl::StatusOr<std::vector<CycleMessage>> CycleNegotiator::Exchange(const CycleM
   std::vector<CycleMessage> theirs;
   for (int r = 0; r < n; ++r) {
     if (from[r].size() != words * sizeof(uint64_t)) {
-      return absl::DataLossError(absl::StrCat("node ", r, "'s cycle message has ",
-                                              from[r].size(), " bytes, not ",
-                                              words * sizeof(uint64_t), " (node ",
+      return absl::DataLossError(absl::StrCat("node ", r, "'s cycle message has ", from[r].size(),
+                                              " bytes, not ", words * sizeof(uint64_t), " (node ",
                                               membership_.node_rank, ")"));
     }
     std::vector<uint64_t> words_of(words);
@@ -352,9 +352,9 @@ void CycleNegotiator::ReportLoop() {
 std::unique_ptr<Negotiator> MakeNegotiator(const EngineOptions& options,
                                            const control::Membership& membership,
                                            control::CoordinatorClient* client,
-                                           transport::Transport* transport,
-                                           kernels::SparseOps* ops, EngineState* state,
-                                           JobControl* job, Speculator speculate) {
+                                           transport::Transport* transport, kernels::SparseOps* ops,
+                                           EngineState* state, JobControl* job,
+                                           Speculator speculate) {
   if (options.response_cache) {
     return std::make_unique<CycleNegotiator>(options, membership, client, transport, ops, state,
                                              job, std::move(speculate));

@@ -55,10 +55,10 @@ struct InCycle {
 // where the passes take longer than its round.
 struct Speculation {
   std::unique_ptr<sparsify::BatchStep> step;
-  std::vector<size_t> ids;         // cache ids, in the step's order
-  std::vector<double> local_sum;   // seconds, by position in `ids`
+  std::vector<size_t> ids;        // cache ids, in the step's order
+  std::vector<double> local_sum;  // seconds, by position in `ids`
   std::vector<absl::Time> started;
-  absl::Status status;             // the passes failed: the plan runs without them
+  absl::Status status;  // the passes failed: the plan runs without them
 };
 // Begins the batched step of these cached buckets (ids ascending).
 using Speculator = std::function<std::shared_ptr<Speculation>(const std::vector<size_t>& ids)>;
@@ -67,11 +67,9 @@ using Speculator = std::function<std::shared_ptr<Speculation>(const std::vector<
 struct Plan {
   std::vector<control::ScheduleBatch> batches;  // from the schedule log, in log order
   InCycle in_cycle;
-  control::ScheduleBatch cached;  // cached buckets ready everywhere, not reduced yet
+  control::ScheduleBatch cached;             // cached buckets ready everywhere, not reduced yet
   std::shared_ptr<Speculation> speculation;  // the passes of `cached`'s buckets, if begun
-  bool empty() const {
-    return batches.empty() && in_cycle.ids.empty() && cached.scheduled.empty();
-  }
+  bool empty() const { return batches.empty() && in_cycle.ids.empty() && cached.scheduled.empty(); }
 };
 
 class Negotiator {
@@ -90,8 +88,8 @@ class Negotiator {
 std::unique_ptr<Negotiator> MakeNegotiator(const EngineOptions& options,
                                            const control::Membership& membership,
                                            control::CoordinatorClient* client,
-                                           transport::Transport* transport,
-                                           kernels::SparseOps* ops, EngineState* state,
-                                           JobControl* job, Speculator speculate = nullptr);
+                                           transport::Transport* transport, kernels::SparseOps* ops,
+                                           EngineState* state, JobControl* job,
+                                           Speculator speculate = nullptr);
 
 }  // namespace microd::engine

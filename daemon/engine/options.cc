@@ -46,9 +46,9 @@ absl::Status CheckOptionsAgree(transport::Transport& transport, const EngineOpti
   for (size_t i = 0; i < k; ++i) {
     for (int r = 1; r < transport.size(); ++r) {
       if (all[r * k + i] != all[i]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            mine[i].first, " differs between node 0 and node ", r,
-            ": every node's microd must run with the same value"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(mine[i].first, " differs between node 0 and node ", r,
+                         ": every node's microd must run with the same value"));
       }
     }
   }

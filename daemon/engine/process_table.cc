@@ -7,10 +7,7 @@
 #include "daemon/common/status_map.h"
 
 namespace microd::engine {
-namespace {
-
-
-}  // namespace
+namespace {}  // namespace
 
 bool Work::missing_buffer() const {
   return std::find(buffers.begin(), buffers.end(), nullptr) != buffers.end();
@@ -104,8 +101,7 @@ absl::Status ProcessTable::Register(uint64_t client, uint32_t buffer_id, const s
         absl::InvalidArgumentError(absl::StrCat(
             "buffer '", name, "' has ", buffer->count(), type(buffer->dtype()),
             dense ? " elements (dense)" : " elements", " on local rank ", p.local_rank, " but ",
-            b.count, type(b.dtype), b.requested_dense ? " (dense)" : "", " on local rank ",
-            other)),
+            b.count, type(b.dtype), b.requested_dense ? " (dense)" : "", " on local rank ", other)),
         ClientStatus::kMismatch);
     if (b.submitted > 0) refused->push_back(Take(b));
     return b.poisoned;
@@ -122,7 +118,7 @@ absl::Status ProcessTable::Register(uint64_t client, uint32_t buffer_id, const s
 }
 
 absl::StatusOr<ProcessTable::Ready> ProcessTable::Submit(uint64_t client, uint32_t buffer_id,
-                                                          uint64_t ticket) {
+                                                         uint64_t ticket) {
   auto pit = processes_.find(client);
   if (pit == processes_.end()) return absl::FailedPreconditionError("unknown process");
   auto nit = pit->second.buffers.find(buffer_id);
@@ -256,7 +252,8 @@ std::vector<control::BucketWait> ProcessTable::Waiting(absl::Time now, absl::Dur
     }
     out.push_back(std::move(w));
   }
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
   if (out.size() > limit) out.resize(limit);
   return out;
 }

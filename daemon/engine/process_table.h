@@ -36,9 +36,9 @@ struct Bucket {
   bool dense = false;            // below the size floor, or asked for by the processes
   bool requested_dense = false;  // the processes registered it with MICROD_BUFFER_DENSE
   std::vector<std::shared_ptr<local::ProcessBuffer>> buffers;  // by local rank
-  std::vector<uint64_t> clients;                            // by local rank
-  std::vector<uint32_t> buffer_ids;                         // by local rank
-  std::vector<uint64_t> tickets;                            // by local rank, 0 = none
+  std::vector<uint64_t> clients;                               // by local rank
+  std::vector<uint32_t> buffer_ids;                            // by local rank
+  std::vector<uint64_t> tickets;                               // by local rank, 0 = none
   int submitted = 0;
   absl::Time ready_at;    // when the last local process submitted
   absl::Time first_at;    // when the first local process submitted

@@ -2,8 +2,8 @@
 // local processes' requests, and saving or loading every bucket's
 // sparsifier state on the engine's thread between plans (no step runs then).
 #include "absl/strings/str_cat.h"
-#include "daemon/common/log.h"
 #include "absl/strings/str_format.h"
+#include "daemon/common/log.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/status_map.h"
 #include "daemon/engine/engine.h"
@@ -31,10 +31,10 @@ absl::Status Engine::OnState(uint64_t client, bool save, local::StateDirectory d
     StateRequest& q = state_.state_request;
     const char* what = save ? "save the state to" : "load the state from";
     if (!state_.table.departed().empty()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "local process ", *state_.table.departed().begin(), " of node ", membership_.node_rank,
-          " left before asking to ", save ? "save" : "load",
-          " the state: every process of the job must ask"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("local process ", *state_.table.departed().begin(), " of node ",
+                       membership_.node_rank, " left before asking to ", save ? "save" : "load",
+                       " the state: every process of the job must ask"));
     }
     if (q.asked == 0) {
       q.save = save;
@@ -75,16 +75,16 @@ void Engine::RunStateRequest() {
     state_.state_request_ready = false;
   }
   absl::Status s = q.save ? SaveState(q) : LoadState(q);
-  if (!q.save && (absl::IsFailedPrecondition(s) || absl::IsDataLoss(s) ||
-                  absl::IsInvalidArgument(s))) {
+  if (!q.save &&
+      (absl::IsFailedPrecondition(s) || absl::IsDataLoss(s) || absl::IsInvalidArgument(s))) {
     s = WithClientStatus(s, ClientStatus::kMismatch);  // the saved job is not this one
   }
   MICROD_LOG(Info, "node %d: %s %s: %s%s", membership_.node_rank,
-               q.save ? "saved the state to" : "loaded the state from", q.dir.path.c_str(),
-               s.ok() ? "ok" : std::string(s.message()).c_str(),
-               s.ok() && options_.state_key.empty()
-                   ? " (checksummed, not authenticated: no --token_file or --state_key_file)"
-                   : "");
+             q.save ? "saved the state to" : "loaded the state from", q.dir.path.c_str(),
+             s.ok() ? "ok" : std::string(s.message()).c_str(),
+             s.ok() && options_.state_key.empty()
+                 ? " (checksummed, not authenticated: no --token_file or --state_key_file)"
+                 : "");
   AnswerStateRequest(q, s);
   // The other nodes may have loaded theirs: the nodes' states no longer
   // belong together, so the job cannot go on.

@@ -14,14 +14,14 @@ void Histogram::Observe(double x) {
 }
 
 const std::vector<double>& SecondsBounds() {
-  static const std::vector<double> b = {1e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
-                                        2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
+  static const std::vector<double> b = {1e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+                                        5e-2, 0.1,  0.25, 0.5,  1,      2.5,  5,    10};
   return b;
 }
 
 const std::vector<double>& CreBounds() {
-  static const std::vector<double> b = {1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
-                                        2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1};
+  static const std::vector<double> b = {1e-4,   5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
+                                        2.5e-2, 5e-2, 0.1,  0.25,   0.5,  1};
   return b;
 }
 

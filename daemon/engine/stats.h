@@ -55,7 +55,7 @@ struct BucketStats {
   uint64_t budget = 0;
   double last_threshold = 0;
   double last_cre = 0;
-  double sum_cre = 0;  // over steps >= 2
+  double sum_cre = 0;        // over steps >= 2
   uint64_t last_rounds = 0;  // communication rounds of the last sparse step
   uint64_t rounds = 0;       // over every sparse step
   uint64_t bytes_sent = 0;
@@ -69,7 +69,8 @@ struct BucketStats {
   double writeback_seconds = 0;
   std::deque<StepSample> history;  // the last EngineOptions::stats_history steps
   // Per step: each phase's seconds, and the CRE of sparse steps from step 2.
-  std::vector<Histogram> phase_seconds = std::vector<Histogram>(kPhases, Histogram(&SecondsBounds()));
+  std::vector<Histogram> phase_seconds =
+      std::vector<Histogram>(kPhases, Histogram(&SecondsBounds()));
   Histogram cre_histogram{&CreBounds()};
 
   // The wait from ready on this node to the start of a step.
@@ -87,8 +88,8 @@ struct BucketStats {
 struct EngineSnapshot {
   std::string failure;  // empty while healthy
   std::vector<BucketStats> buckets;
-  uint64_t batches = 0;        // schedule batches run
-  uint64_t cache_batches = 0;  // batches of cached buckets agreed over the data plane
+  uint64_t batches = 0;           // schedule batches run
+  uint64_t cache_batches = 0;     // batches of cached buckets agreed over the data plane
   uint64_t cycle_reductions = 0;  // bucket steps reduced by the cycle itself
 };
 

@@ -1,11 +1,11 @@
 #include "daemon/engine/step_memory.h"
-#include "daemon/common/log.h"
 
 #include <algorithm>
 #include <cstdio>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "daemon/common/log.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/status_map.h"
 
@@ -106,14 +106,13 @@ class DeviceResident final : public StepMemory {
   float* Data(const local::ProcessBuffer& b) const override { return b.device()->mapped(); }
   absl::Status StageIn(const Work& w, absl::Time deadline,
                        const std::function<bool()>& abandoned) override {
-    return ForEachDevice(w, deadline, [&](local::DeviceMemory& dev) {
-      return dev.WaitReady(deadline, abandoned);
-    });
+    return ForEachDevice(
+        w, deadline, [&](local::DeviceMemory& dev) { return dev.WaitReady(deadline, abandoned); });
   }
   absl::Status StageOut(const Work& w, absl::Time deadline) override {
     // The update was written in place by the step's GPU work: done when it is.
-    const kernels::KernelStatus k = ops_->SynchronizeFor(
-        nullptr, std::max(0.0, absl::ToDoubleSeconds(deadline - absl::Now())));
+    const kernels::KernelStatus k =
+        ops_->SynchronizeFor(nullptr, std::max(0.0, absl::ToDoubleSeconds(deadline - absl::Now())));
     if (k == kernels::KernelStatus::kOk) return absl::OkStatus();
     return absl::InternalError(absl::StrCat("bucket '", w.bucket->name, "': the step's GPU work (",
                                             ops_->name(), "): ", kernels::KernelStatusString(k)));
@@ -121,8 +120,10 @@ class DeviceResident final : public StepMemory {
   absl::Status EndBatch(const std::vector<const Work*>& works, absl::Duration timeout) override {
     const auto k = ops_->SynchronizeFor(nullptr, absl::ToDoubleSeconds(timeout));
     if (k == kernels::KernelStatus::kOk) return absl::OkStatus();
-    MICROD_LOG(Error, "the GPU work of a batch did not end (%s): its buffers stay "
-                         "mapped until the daemon exits", kernels::KernelStatusString(k));
+    MICROD_LOG(Error,
+               "the GPU work of a batch did not end (%s): its buffers stay "
+               "mapped until the daemon exits",
+               kernels::KernelStatusString(k));
     for (const Work* w : works) kept_.insert(kept_.end(), w->buffers.begin(), w->buffers.end());
     return absl::DeadlineExceededError("the GPU work of a batch did not end");
   }

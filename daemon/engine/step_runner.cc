@@ -1,5 +1,4 @@
 #include "daemon/engine/step_runner.h"
-#include "daemon/common/log.h"
 
 #include <cstdio>
 #include <string>
@@ -7,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "daemon/common/log.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/status_map.h"
 #include "daemon/sparsify/batch_step.h"
@@ -69,9 +69,8 @@ void StepRunner::MemoryFailed(const std::vector<Work>& works, const absl::Status
 }
 
 void StepRunner::MemoryFailed(const std::vector<const Work*>& works, const absl::Status& s) {
-  const absl::Status why = absl::Status(
-      s.code(), absl::StrCat("node ", membership_.node_rank, ": ", memory_->what(), ": ",
-                             s.message()));
+  const absl::Status why = absl::Status(s.code(), absl::StrCat("node ", membership_.node_rank, ": ",
+                                                               memory_->what(), ": ", s.message()));
   {
     absl::MutexLock lock(&state_->mu);
     for (const Work* w : works) ++w->bucket->stats.failures;
@@ -109,8 +108,7 @@ void StepRunner::NonFinite(const Work& w, const absl::Status& status) {
     absl::MutexLock lock(&state_->mu);
     ++w.bucket->stats.skipped;
   }
-  MICROD_LOG(Warning, "%s (skipped: zero update)",
-               std::string(status.message()).c_str());
+  MICROD_LOG(Warning, "%s (skipped: zero update)", std::string(status.message()).c_str());
   job_->Finish(w, absl::OkStatus());
 }
 
@@ -175,20 +173,20 @@ absl::Status StepRunner::EnsureState(Bucket& b) {
   sparsify::BucketSpec spec{b.name, b.count, next_slot_++};
   if (options_.wire_bucket_dtype) spec.wire = static_cast<kernels::ElementType>(b.dtype);
   auto state = sparsify::BucketState::Create(
-      spec,
-      {membership_.node_count, membership_.node_rank, membership_.world_size}, options_.sparsify,
-      ops_);
+      spec, {membership_.node_count, membership_.node_rank, membership_.world_size},
+      options_.sparsify, ops_);
   if (!state.ok()) return state.status();
   b.state = std::move(state).value();
   const sparsify::SparsifyOptions& o = options_.sparsify;
   if (const double raised = o.ForBucket(b.count).density; raised != o.density) {
     // Said once, when the bucket's state is made (its first sparse step).
-    MICROD_LOG(Warning, "bucket '%s' (%llu values): k = %llu at density %g is below --min_k = "
-                 "%llu (too few to train on); it steps at density %.4g (k = %llu)",
-                 b.name.c_str(), static_cast<unsigned long long>(b.count),
-                 static_cast<unsigned long long>(sparsify::Budget(o.density, b.count)), o.density,
-                 static_cast<unsigned long long>(o.min_k), raised,
-                 static_cast<unsigned long long>(sparsify::Budget(raised, b.count)));
+    MICROD_LOG(Warning,
+               "bucket '%s' (%llu values): k = %llu at density %g is below --min_k = "
+               "%llu (too few to train on); it steps at density %.4g (k = %llu)",
+               b.name.c_str(), static_cast<unsigned long long>(b.count),
+               static_cast<unsigned long long>(sparsify::Budget(o.density, b.count)), o.density,
+               static_cast<unsigned long long>(o.min_k), raised,
+               static_cast<unsigned long long>(sparsify::Budget(raised, b.count)));
   }
   return absl::OkStatus();
 }
@@ -237,7 +235,8 @@ bool StepRunner::Gradient(const Work& w, const float** grad, double* local_sum) 
 
 std::shared_ptr<Speculation> StepRunner::Speculate(const std::vector<size_t>& ids) {
   auto spec = std::make_shared<Speculation>();
-  spec->step = std::make_unique<sparsify::BatchStep>(*transport_, absl::Now() + options_.op_timeout);
+  spec->step =
+      std::make_unique<sparsify::BatchStep>(*transport_, absl::Now() + options_.op_timeout);
   for (size_t id : ids) {
     // A view of the bucket's submissions: not taken from the table, so not
     // answered here (the plan takes them once every node has them ready).
@@ -331,9 +330,10 @@ bool StepRunner::StepError(const Work& w, const absl::Status& s) {
   return false;
 }
 
-std::unique_ptr<sparsify::BatchStep> StepRunner::Begun(
-    const std::vector<const Work*>& batched, Speculation* speculation,
-    std::vector<double>* local_sum, std::vector<absl::Time>* started) {
+std::unique_ptr<sparsify::BatchStep> StepRunner::Begun(const std::vector<const Work*>& batched,
+                                                       Speculation* speculation,
+                                                       std::vector<double>* local_sum,
+                                                       std::vector<absl::Time>* started) {
   if (speculation == nullptr || !speculation->status.ok() || speculation->step == nullptr) {
     return nullptr;
   }
@@ -414,8 +414,8 @@ void StepRunner::RunSparse(const std::vector<Work>& works,
   for (const Work* w : batched) all.push_back(*w);
   // The passes begun during the cycle, when they cover every bucket here:
   // those every node has ready are kept (in id order, as the works are).
-  std::unique_ptr<sparsify::BatchStep> begun = Begun(batched, speculation.get(), &local_sum,
-                                                      &started);
+  std::unique_ptr<sparsify::BatchStep> begun =
+      Begun(batched, speculation.get(), &local_sum, &started);
   std::unique_ptr<sparsify::BatchStep> fresh;
   if (begun == nullptr) {
     fresh = std::make_unique<sparsify::BatchStep>(*transport_, absl::Now() + options_.op_timeout);
@@ -485,8 +485,8 @@ absl::Status StepRunner::ReduceFused(const std::vector<Work>& works, uint64_t to
   CollectiveOptions o;
   o.deadline = absl::Now() + options_.op_timeout;
   o.tag = MakeTag(0, TagKind::kDense);
-  RETURN_IF_ERROR(KernelCall(
-      ops_->CopyToDevice(fusion_.get() + total, &flag, sizeof flag, nullptr), "copy"));
+  RETURN_IF_ERROR(
+      KernelCall(ops_->CopyToDevice(fusion_.get() + total, &flag, sizeof flag, nullptr), "copy"));
   RETURN_IF_ERROR(
       transport_->AllreduceSum(fusion_.get(), total + 1, transport::DataType::kFloat32, o));
   float flags_sum = 0.0f;
@@ -512,8 +512,8 @@ absl::Status StepRunner::WriteBackFused(const std::vector<Work>& works, uint64_t
   if (const auto k = ops_->Divide(fusion_.get(), total, static_cast<float>(membership_.world_size),
                                   nullptr, nullptr);
       k != kernels::KernelStatus::kOk) {
-    return absl::InternalError(absl::StrCat("fused dense buffer: divide: ",
-                                            kernels::KernelStatusString(k)));
+    return absl::InternalError(
+        absl::StrCat("fused dense buffer: divide: ", kernels::KernelStatusString(k)));
   }
   uint64_t offset = 0;
   for (const Work& w : works) {
@@ -522,7 +522,8 @@ absl::Status StepRunner::WriteBackFused(const std::vector<Work>& works, uint64_t
     }
     offset += w.bucket->count;
   }
-  for (const Work& w : works) RETURN_IF_ERROR(memory_->StageOut(w, absl::Now() + options_.op_timeout));
+  for (const Work& w : works)
+    RETURN_IF_ERROR(memory_->StageOut(w, absl::Now() + options_.op_timeout));
   return absl::OkStatus();
 }
 

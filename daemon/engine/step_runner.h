@@ -47,7 +47,8 @@ class StepRunner {
   // one BatchStep (a few rounds for all of them), the others one at a time
   // (first, in order); one at a time on the GPU.
   // `speculation`: the passes begun during the cycle (negotiator.h).
-  void RunSparse(const std::vector<Work>& works, std::shared_ptr<Speculation> speculation = nullptr);
+  void RunSparse(const std::vector<Work>& works,
+                 std::shared_ptr<Speculation> speculation = nullptr);
   // The local passes of these cached buckets (ids ascending) that can be
   // batched, begun before the plan that runs them (on the negotiator's
   // thread, while the engine's waits in the cycle's exchange: nothing else
@@ -79,8 +80,8 @@ class StepRunner {
   float* UpdateBuffer(const Work& w);
   // A step that succeeded: the update into every process's buffer, the
   // statistics, the timeline, the answer.
-  void Deliver(const Work& w, const sparsify::StepStats& st, const float* update,
-               double local_sum, absl::Time t0);
+  void Deliver(const Work& w, const sparsify::StepStats& st, const float* update, double local_sum,
+               absl::Time t0);
   // A step's error: true when it is the work's alone (a NaN/Inf, answered
   // here); false when it fails the job (counted; the caller answers).
   bool StepError(const Work& w, const absl::Status& s);

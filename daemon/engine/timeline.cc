@@ -1,5 +1,4 @@
 #include "daemon/engine/timeline.h"
-#include "daemon/common/log.h"
 
 #include <time.h>
 
@@ -9,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "daemon/common/atomic_file.h"
+#include "daemon/common/log.h"
 #include "daemon/common/status_macros.h"
 #include "microd/config.h"
 
@@ -43,8 +43,9 @@ void AppendMicros(std::string* out, int64_t ns) {
 
 void AppendSpan(std::string* out, const char* name, const char* cat, int pid, uint32_t tid,
                 int64_t begin_ns, int64_t end_ns, const std::string& args) {
-  absl::StrAppendFormat(out, ",\n{\"name\":\"%s\",\"cat\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":",
-                        name, cat, pid, tid);
+  absl::StrAppendFormat(
+      out, ",\n{\"name\":\"%s\",\"cat\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":", name,
+      cat, pid, tid);
   AppendMicros(out, begin_ns);
   out->append(",\"dur\":");
   AppendMicros(out, end_ns - begin_ns);
@@ -144,10 +145,10 @@ std::string Timeline::ChromeJson(absl::Time since, uint64_t* steps) const {
     node = node_;
   }
   const Counts c = counts();
-  const int64_t since_ns =
-      since == absl::InfinitePast() ? INT64_MIN : absl::ToUnixNanos(since);
-  std::string out = "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"version\":\"" MICROD_VERSION_STRING
-                    "\",\"node\":\"";
+  const int64_t since_ns = since == absl::InfinitePast() ? INT64_MIN : absl::ToUnixNanos(since);
+  std::string out =
+      "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"version\":\"" MICROD_VERSION_STRING
+      "\",\"node\":\"";
   AppendEscaped(&out, node);
   absl::StrAppendFormat(&out,
                         "\",\"node_rank\":%d,\"every\":%d,\"ring_steps\":%d,\"steps_recorded\":%d,"
@@ -206,8 +207,7 @@ absl::StatusOr<std::unique_ptr<TimelineFile>> TimelineFile::Start(Timeline* time
     while (!p->stop_.WaitForNotificationWithTimeout(p->interval_)) {
       if (p->timeline_->counts().recorded == p->written_) continue;
       if (absl::Status s = p->Write(); !s.ok() && !reported) {
-        MICROD_LOG(Warning, "--timeline: %s (will retry)",
-                     std::string(s.message()).c_str());
+        MICROD_LOG(Warning, "--timeline: %s (will retry)", std::string(s.message()).c_str());
         reported = true;
       }
     }

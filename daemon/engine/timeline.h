@@ -88,9 +88,9 @@ class Timeline {
   std::string ChromeJson(absl::Time since = absl::InfinitePast(), uint64_t* steps = nullptr) const;
 
   struct Counts {
-    uint64_t recorded = 0;  // steps kept since start
-    uint64_t overwritten = 0;  // the oldest, dropped from the full ring
-    uint64_t kept = 0;      // in the ring now
+    uint64_t recorded = 0;          // steps kept since start
+    uint64_t overwritten = 0;       // the oldest, dropped from the full ring
+    uint64_t kept = 0;              // in the ring now
     double record_ns_per_step = 0;  // mean time spent in Record
   };
   Counts counts() const;
@@ -106,7 +106,8 @@ class Timeline {
   mutable absl::Mutex mu_;
   int rank_ ABSL_GUARDED_BY(mu_) = 0;
   std::string node_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, uint32_t> tracks_ ABSL_GUARDED_BY(mu_);  // bucket -> track (from 1)
+  absl::flat_hash_map<std::string, uint32_t> tracks_
+      ABSL_GUARDED_BY(mu_);  // bucket -> track (from 1)
   std::vector<Entry> ring_ ABSL_GUARDED_BY(mu_);
   size_t next_ ABSL_GUARDED_BY(mu_) = 0;  // where the next entry goes once full
   uint64_t recorded_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1,25 +1,24 @@
 #include "daemon/local/local_server.h"
-#include "daemon/common/log.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
-#include <linux/magic.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 
-#include <algorithm>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "daemon/common/log.h"
 #include "daemon/common/status_map.h"
 #include "daemon/common/unix_socket.h"
 #include "daemon/local/cuda_ipc.h"
@@ -106,13 +105,13 @@ absl::Status CheckStateDirectory(StateDirectory& dir, const std::vector<gid_t>& 
   dir.dev = st.st_dev;
   dir.ino = st.st_ino;
   if (save && dir.uid != geteuid() && !MayWriteDirectory(st, dir.uid, dir.gid, groups)) {
-    return WithClientStatus(
-        absl::PermissionDeniedError(absl::StrCat(
-            "process of uid ", dir.uid, " may not write the state directory ", dir.path,
-            " (owner ", st.st_uid, ", group ", st.st_gid, ", mode ",
-            absl::StrFormat("%04o", st.st_mode & 07777), "): the daemon writes only where the "
-            "process asking could")),
-        ClientStatus::kPermission);
+    return WithClientStatus(absl::PermissionDeniedError(absl::StrCat(
+                                "process of uid ", dir.uid, " may not write the state directory ",
+                                dir.path, " (owner ", st.st_uid, ", group ", st.st_gid, ", mode ",
+                                absl::StrFormat("%04o", st.st_mode & 07777),
+                                "): the daemon writes only where the "
+                                "process asking could")),
+                            ClientStatus::kPermission);
   }
   return absl::OkStatus();
 }
@@ -250,12 +249,11 @@ void LocalServer::Reap() {
       if (!c.broken.empty()) {
         drop.push_back({id, absl::StrCat("sending to it failed: ", c.broken)});
       } else if (!c.outbox.empty() && now - c.outbox_since > options_.stuck_after) {
-        drop.push_back(
-            {id, absl::StrCat("it read no message for ",
-                              absl::FormatDuration(
-                                  absl::Trunc(now - c.outbox_since, absl::Milliseconds(100))),
-                              " (", c.outbox.size(), " waiting; limit ",
-                              absl::FormatDuration(options_.stuck_after), ")")});
+        drop.push_back({id, absl::StrCat("it read no message for ",
+                                         absl::FormatDuration(absl::Trunc(now - c.outbox_since,
+                                                                          absl::Milliseconds(100))),
+                                         " (", c.outbox.size(), " waiting; limit ",
+                                         absl::FormatDuration(options_.stuck_after), ")")});
       } else if (!c.greeted && now - c.connected_at > options_.hello_timeout) {
         silent.push_back(id);
       }
@@ -610,9 +608,11 @@ bool LocalServer::HandleRegister(uint64_t id, Client& c, const ::microd_wire_reg
   // at its next touch of the buffer.
   struct statfs fs {};
   if (fstatfs(fds[0], &fs) != 0 || fs.f_type != TMPFS_MAGIC) {
-    return answer(absl::InvalidArgumentError(absl::StrCat(
-        "buffer '", name, "': the memfd must be plain shared memory (memfd_create without "
-        "MFD_HUGETLB)", fs.f_type == HUGETLBFS_MAGIC ? ", not hugetlbfs" : "")));
+    return answer(absl::InvalidArgumentError(
+        absl::StrCat("buffer '", name,
+                     "': the memfd must be plain shared memory (memfd_create without "
+                     "MFD_HUGETLB)",
+                     fs.f_type == HUGETLBFS_MAGIC ? ", not hugetlbfs" : "")));
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
   if (p == MAP_FAILED) {
@@ -627,13 +627,12 @@ bool LocalServer::HandleRegister(uint64_t id, Client& c, const ::microd_wire_reg
       munmap(p, bytes);
       return answer(WithClientStatus(
           absl::ResourceExhaustedError(absl::StrCat("buffer '", name, "': no memory for its ",
-                                                    r.count * sizeof(float),
-                                                    "-byte fp32 copy")),
+                                                    r.count * sizeof(float), "-byte fp32 copy")),
           ClientStatus::kResource));
     }
     return AcceptBuffer(id, c, r.buffer_id, name, (r.flags & 1u) != 0, bytes,
-                        std::make_shared<ProcessBuffer>(static_cast<uint16_t*>(p), r.dtype,
-                                                        staging, r.count, bytes));
+                        std::make_shared<ProcessBuffer>(static_cast<uint16_t*>(p), r.dtype, staging,
+                                                        r.count, bytes));
   }
   return AcceptBuffer(id, c, r.buffer_id, name, (r.flags & 1u) != 0, bytes,
                       std::make_shared<ProcessBuffer>(static_cast<float*>(p), r.count, bytes));
@@ -644,8 +643,8 @@ bool LocalServer::HandleSubmit(uint64_t id, Client& c, const ::microd_wire_submi
   // Ticket 0 means "none" to the engine; tickets start at 1.
   if (submit.ticket == 0 || submit.reserved != 0) {
     Refuse(id, kProtocol,
-           absl::StrCat("submit of buffer id ", submit.buffer_id, " with ticket ",
-                        submit.ticket, " and reserved field ", submit.reserved,
+           absl::StrCat("submit of buffer id ", submit.buffer_id, " with ticket ", submit.ticket,
+                        " and reserved field ", submit.reserved,
                         " (tickets start at 1, the reserved field is 0)"));
     return false;
   }
@@ -665,10 +664,11 @@ bool LocalServer::HandleState(uint64_t id, const Client& c, const ::microd_wire_
   const size_t len = strnlen(state.dir, MICROD_WIRE_PATH_BYTES);
   if (state.ticket == 0 || state.reserved != 0 || len == MICROD_WIRE_PATH_BYTES ||
       (state.op != MICROD_STATE_SAVE && state.op != MICROD_STATE_LOAD)) {
-    Refuse(id, kProtocol,
-           absl::StrCat("state request with op ", state.op, ", ticket ", state.ticket,
-                        " and reserved field ", state.reserved,
-                        " (ops: 1 save, 2 load; tickets start at 1; the directory NUL-terminated)"));
+    Refuse(
+        id, kProtocol,
+        absl::StrCat("state request with op ", state.op, ", ticket ", state.ticket,
+                     " and reserved field ", state.reserved,
+                     " (ops: 1 save, 2 load; tickets start at 1; the directory NUL-terminated)"));
     return false;
   }
   if (fds.size() != 1) {
@@ -694,8 +694,8 @@ bool LocalServer::HandleState(uint64_t id, const Client& c, const ::microd_wire_
 absl::Status LocalServer::CheckRoom(const Client& c, uint32_t buffer_id, const std::string& name,
                                     uint64_t count) const {
   if (count == 0 || count > kMaxElements) {
-    return absl::InvalidArgumentError(absl::StrCat("buffer '", name, "': element count ", count,
-                                                   " out of range [1, 2^32)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("buffer '", name, "': element count ", count, " out of range [1, 2^32)"));
   }
   const uint64_t bytes = count * sizeof(float);
   if (c.buffers.count(buffer_id) != 0) {
@@ -704,15 +704,14 @@ absl::Status LocalServer::CheckRoom(const Client& c, uint32_t buffer_id, const s
   }
   if (static_cast<int>(c.buffers.size()) >= options_.max_buffers_per_client ||
       c.bytes + bytes > options_.max_bytes_per_client) {
-    return WithClientStatus(absl::ResourceExhaustedError(absl::StrCat(
-                                "buffer '", name, "' of ", count,
-                                " elements: over the per-process limit (",
-                                options_.max_buffers_per_client, " buffers, ",
-                                options_.max_bytes_per_client,
-                                " bytes at 4 an element; this process has ", c.buffers.size(),
-                                " and ", c.bytes, "): --max_buffers_per_process, "
-                                "--max_bytes_per_process")),
-                            ClientStatus::kResource);
+    return WithClientStatus(
+        absl::ResourceExhaustedError(absl::StrCat(
+            "buffer '", name, "' of ", count, " elements: over the per-process limit (",
+            options_.max_buffers_per_client, " buffers, ", options_.max_bytes_per_client,
+            " bytes at 4 an element; this process has ", c.buffers.size(), " and ", c.bytes,
+            "): --max_buffers_per_process, "
+            "--max_bytes_per_process")),
+        ClientStatus::kResource);
   }
   return absl::OkStatus();
 }
@@ -753,11 +752,12 @@ bool LocalServer::HandleRegisterCuda(uint64_t id, Client& c, const microd_wire_r
     return false;
   }
   if (r.dtype != MICROD_WIRE_DTYPE_FLOAT32) {
-    return answer(WithClientStatus(
-        absl::UnimplementedError(absl::StrCat(
-            "buffer '", name, "': bf16/fp16 CUDA buffers are not supported yet (host buffers "
-            "are); register a float32 CUDA buffer")),
-        ClientStatus::kUnsupported));
+    return answer(
+        WithClientStatus(absl::UnimplementedError(absl::StrCat(
+                             "buffer '", name,
+                             "': bf16/fp16 CUDA buffers are not supported yet (host buffers "
+                             "are); register a float32 CUDA buffer")),
+                         ClientStatus::kUnsupported));
   }
   // The fields are checked here, before anything CUDA, so that a bad request
   // gets the same answer from every build. The daemon's staging copy counts

@@ -91,13 +91,8 @@ class ProcessBuffer {
       : data_(data), count_(count), mapped_bytes_(mapped_bytes) {}
   // A half-precision host buffer: the mapping at `half`, and `staging`
   // (count floats from malloc, owned from here on).
-  ProcessBuffer(uint16_t* half, uint32_t dtype, float* staging, uint64_t count,
-                size_t mapped_bytes)
-      : data_(staging),
-        count_(count),
-        mapped_bytes_(mapped_bytes),
-        half_(half),
-        dtype_(dtype) {}
+  ProcessBuffer(uint16_t* half, uint32_t dtype, float* staging, uint64_t count, size_t mapped_bytes)
+      : data_(staging), count_(count), mapped_bytes_(mapped_bytes), half_(half), dtype_(dtype) {}
   explicit ProcessBuffer(std::unique_ptr<DeviceMemory> device)
       : data_(device->staging()),
         count_(device->count()),
@@ -257,8 +252,8 @@ class LocalServer {
   absl::Status CheckRoom(const Client& c, uint32_t buffer_id, const std::string& name,
                          uint64_t count) const;
   // ...and then the engine takes it (and the process's account with it).
-  bool AcceptBuffer(uint64_t id, Client& c, uint32_t buffer_id, const std::string& name,
-                    bool dense, uint64_t bytes, std::shared_ptr<ProcessBuffer> buffer);
+  bool AcceptBuffer(uint64_t id, Client& c, uint32_t buffer_id, const std::string& name, bool dense,
+                    uint64_t bytes, std::shared_ptr<ProcessBuffer> buffer);
   bool AnswerRegister(Client& c, uint32_t buffer_id, const absl::Status& s);
   void Drop(uint64_t id, bool clean, const std::string& why);
   // Sends an ERROR message (best effort) and drops the client.

@@ -40,12 +40,12 @@ struct BatchStep::Item {
   StepStats stats;
   absl::Time start;
   float* acc = nullptr;
-  uint64_t count = 0;      // this node's selected indices (hist: candidates)
+  uint64_t count = 0;  // this node's selected indices (hist: candidates)
   uint64_t nonfinite = 0;
-  float lower = 0;         // hist: the bound the candidates were selected with
+  float lower = 0;  // hist: the bound the candidates were selected with
   int rescans = 0;
-  std::vector<uint32_t> my_index;  // this node's, on the host
-  std::vector<float> my_value;     // hist: their values
+  std::vector<uint32_t> my_index;            // this node's, on the host
+  std::vector<float> my_value;               // hist: their values
   std::vector<uint32_t> my_bins, my_counts;  // hist: sparse coarse histogram
   std::vector<BucketState::Header> headers;  // every node's
   // hist: every node's sparse coarse histogram (from round 1 or a rescan).
@@ -255,7 +255,7 @@ absl::Status BatchStep::ReadRoundOne(const std::vector<std::string>& from) {
     it.counts.assign(n, {});
   }
   std::vector<std::vector<std::vector<uint32_t>>> lists(items_.size(),
-                                                       std::vector<std::vector<uint32_t>>(n));
+                                                        std::vector<std::vector<uint32_t>>(n));
   std::vector<std::vector<bool>> absent(items_.size(), std::vector<bool>(n, false));
   for (int r = 0; r < n; ++r) {
     RoundReader in(from[r]);
@@ -274,10 +274,10 @@ absl::Status BatchStep::ReadRoundOne(const std::vector<std::string>& from) {
       const Range range = b.SenderRange(r);
       const uint64_t most = std::min(b.CandidateCapacity(), range.size());
       if (h.count > most) {
-        return absl::DataLossError(absl::StrCat(
-            "bucket '", b.spec_.name, "' step ", b.step_, ": node ", r, " says it selected ",
-            h.count, " values, more than the ", most,
-            " it can select from; a bad peer, step failed on every node"));
+        return absl::DataLossError(
+            absl::StrCat("bucket '", b.spec_.name, "' step ", b.step_, ": node ", r,
+                         " says it selected ", h.count, " values, more than the ", most,
+                         " it can select from; a bad peer, step failed on every node"));
       }
       if (it.hist) {
         if (!ReadCoarse(in, h.count, HC::CoarseBinOf(it.lower), &it.bins[r], &it.counts[r])) {
@@ -352,7 +352,8 @@ absl::Status BatchStep::Rescans() {
       std::vector<uint64_t> global(first < HC::kFiniteCoarseBins ? HC::kFiniteCoarseBins - first
                                                                  : 0);
       for (int r = 0; r < n; ++r) {
-        for (size_t j = 0; j < it.bins[r].size(); ++j) global[it.bins[r][j] - first] += it.counts[r][j];
+        for (size_t j = 0; j < it.bins[r].size(); ++j)
+          global[it.bins[r][j] - first] += it.counts[r][j];
       }
       auto* controller = static_cast<HC*>(it.b->controller_.get());
       it.plan = controller->PlanCoarse(global, it.lower, it.rescans, it.stats.budget);
@@ -377,11 +378,10 @@ absl::Status BatchStep::Rescans() {
       ++it->rescans;
       it->stats.rescans = it->rescans;
       const Range part = b.SenderRange(transport_.rank());
-      RETURN_IF_ERROR(b.Check(b.ops_->SelectRange(it->acc, part.begin, part.end, it->lower,
-                                                  b.candidate_index_.get(),
-                                                  b.candidate_value_.get(), b.scalars_.get(),
-                                                  b.stream_),
-                              "selection"));
+      RETURN_IF_ERROR(b.Check(
+          b.ops_->SelectRange(it->acc, part.begin, part.end, it->lower, b.candidate_index_.get(),
+                              b.candidate_value_.get(), b.scalars_.get(), b.stream_),
+          "selection"));
       ASSIGN_OR_RETURN(const kernels::StepScalars s, b.ReadScalars());
       it->count = s.count;
       RETURN_IF_ERROR(CopyCandidates(*it));
@@ -539,12 +539,11 @@ absl::Status BatchStep::ReduceValues() {
     RETURN_IF_ERROR(b.Check(b.ops_->CopyToDevice(b.global_index_.get(), it.index.data(),
                                                  K * sizeof(uint32_t), b.stream_),
                             "copy"));
-    RETURN_IF_ERROR(
-        b.Check(b.ops_->Gather(it.acc, b.global_index_.get(), K, b.values_.get(), b.stream_),
-                "gather"));
     RETURN_IF_ERROR(b.Check(
-        b.ops_->CopyToHost(mine.data() + at, b.values_.get(), K * sizeof(float), b.stream_),
-        "copy"));
+        b.ops_->Gather(it.acc, b.global_index_.get(), K, b.values_.get(), b.stream_), "gather"));
+    RETURN_IF_ERROR(
+        b.Check(b.ops_->CopyToHost(mine.data() + at, b.values_.get(), K * sizeof(float), b.stream_),
+                "copy"));
     it.stats.bytes_sent += K * sizeof(float);
     it.stats.bytes_received += K * sizeof(float);
     at += K;
@@ -603,8 +602,8 @@ absl::Status BatchStep::Run() {
   // with room for them, so that rounds 2 and 3 cost one trip.
   size_t round1 = 0, round2 = 0;
   for (const Item& it : items_) {
-    round1 += sizeof(BucketState::Header) + 4 +
-              (it.hist ? 2048 : 2 * it.stats.budget * sizeof(uint32_t));
+    round1 +=
+        sizeof(BucketState::Header) + 4 + (it.hist ? 2048 : 2 * it.stats.budget * sizeof(uint32_t));
     if (it.hist) round2 += 8 + 2 * it.stats.budget * (sizeof(uint32_t) + 1);
   }
   transport_.Expect(Options(TagKind::kRound1).tag, round1);
@@ -646,21 +645,20 @@ absl::StatusOr<StepStats> BatchStep::Finish(size_t i, float* update) {
   const absl::Time start = absl::Now();
   const uint64_t K = it.index.size();
   // The update: v / W at I, zero elsewhere; the residual zeroed at I.
-  RETURN_IF_ERROR(b.Check(
-      b.ops_->CopyToDevice(b.values_.get(), it.values.data(), K * sizeof(float), b.stream_),
-      "copy"));
-  RETURN_IF_ERROR(b.Check(
-      b.ops_->ScatterAverage(b.values_.get(), b.global_index_.get(), K,
-                             static_cast<float>(b.job_.world_size), update, b.spec_.size, b.stream_),
-      "scatter"));
+  RETURN_IF_ERROR(
+      b.Check(b.ops_->CopyToDevice(b.values_.get(), it.values.data(), K * sizeof(float), b.stream_),
+              "copy"));
+  RETURN_IF_ERROR(b.Check(b.ops_->ScatterAverage(b.values_.get(), b.global_index_.get(), K,
+                                                 static_cast<float>(b.job_.world_size), update,
+                                                 b.spec_.size, b.stream_),
+                          "scatter"));
   RETURN_IF_ERROR(b.Check(b.ops_->ZeroAt(it.acc, b.global_index_.get(), K, b.stream_), "zeroing"));
   RETURN_IF_ERROR(b.MaskVelocity(K));
   b.current_ = 1 - b.current_;
   ++b.step_;
   if (b.controller_ != nullptr) b.controller_->Commit(K, it.stats.budget);
   it.stats.selected = K;
-  it.stats.cre =
-      std::fabs(static_cast<double>(K) / static_cast<double>(it.stats.budget) - 1.0);
+  it.stats.cre = std::fabs(static_cast<double>(K) / static_cast<double>(it.stats.budget) - 1.0);
   it.stats.apply_seconds = absl::ToDoubleSeconds(absl::Now() - start);
   return it.stats;
 }

@@ -107,9 +107,9 @@ uint64_t BucketState::CandidateCapacity() const {
 uint64_t BucketState::MemoryBytes(uint64_t d, int num_nodes, const SparsifyOptions& options) {
   if (options.sparsifier == SparsifierKind::kDense) return 0;
   const SparsifyOptions o = options.ForBucket(d);
-  uint64_t floats = 2 * d;                         // the two residuals
-  if (o.momentum > 0) floats += 2 * d;             // the two velocities
-  if (o.clip_norm > 0) floats += d;                // the clipped gradient
+  uint64_t floats = 2 * d;              // the two residuals
+  if (o.momentum > 0) floats += 2 * d;  // the two velocities
+  if (o.clip_norm > 0) floats += d;     // the clipped gradient
   const uint64_t candidates = CandidateCapacityOf(d, num_nodes, o);
   return floats * sizeof(float) + candidates * (sizeof(uint32_t) + sizeof(float));
 }
@@ -171,10 +171,11 @@ absl::Status BucketState::CheckCheckpoint(const BucketCheckpoint& c) const {
                   const char* what) -> absl::Status {
     const uint64_t want = buffer.ok() ? d : 0;
     if (v.size() == want) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat(
-        "bucket '", spec_.name, "': the checkpoint's ", what, " has ", v.size(),
-        " elements, this bucket keeps ", want, " (another size, sparsifier or momentum "
-        "correction)"));
+    return absl::InvalidArgumentError(absl::StrCat("bucket '", spec_.name, "': the checkpoint's ",
+                                                   what, " has ", v.size(),
+                                                   " elements, this bucket keeps ", want,
+                                                   " (another size, sparsifier or momentum "
+                                                   "correction)"));
   };
   RETURN_IF_ERROR(fits(residual_[0], c.residual, "residual"));
   RETURN_IF_ERROR(fits(velocity_[0], c.velocity, "velocity"));
@@ -199,14 +200,14 @@ absl::Status BucketState::Load(const BucketCheckpoint& c) {
   if (controller_ != nullptr) RETURN_IF_ERROR(controller_->Load(c.controller));
   current_ = 0;
   if (!c.residual.empty()) {
-    RETURN_IF_ERROR(Check(
-        ops_->CopyToDevice(residual_[0].get(), c.residual.data(), d * sizeof(float), stream_),
-        "copy"));
+    RETURN_IF_ERROR(
+        Check(ops_->CopyToDevice(residual_[0].get(), c.residual.data(), d * sizeof(float), stream_),
+              "copy"));
   }
   if (!c.velocity.empty()) {
-    RETURN_IF_ERROR(Check(
-        ops_->CopyToDevice(velocity_[0].get(), c.velocity.data(), d * sizeof(float), stream_),
-        "copy"));
+    RETURN_IF_ERROR(
+        Check(ops_->CopyToDevice(velocity_[0].get(), c.velocity.data(), d * sizeof(float), stream_),
+              "copy"));
   }
   step_ = c.step;
   return absl::OkStatus();
@@ -285,8 +286,9 @@ absl::Status BucketState::CheckHeaders(const std::vector<Header>& headers) const
   std::vector<std::string> apart;
   for (int r = 0; r < job_.num_nodes; ++r) {
     if (headers[r].step != mine.step || headers[r].threshold_bits != mine.threshold_bits) {
-      apart.push_back(absl::StrCat("node ", r, " is at step ", headers[r].step, " (threshold bits 0x",
-                                   absl::Hex(headers[r].threshold_bits), ")"));
+      apart.push_back(absl::StrCat("node ", r, " is at step ", headers[r].step,
+                                   " (threshold bits 0x", absl::Hex(headers[r].threshold_bits),
+                                   ")"));
     }
   }
   if (!apart.empty()) {
@@ -323,10 +325,10 @@ absl::StatusOr<uint64_t> BucketState::GatherIndices(const std::vector<Header>& h
   for (int r = 0; r < job_.num_nodes; ++r) {
     const uint64_t most = std::min(capacity, SenderRange(r).size());
     if (headers[r].count > most) {
-      return absl::DataLossError(absl::StrCat(
-          "bucket '", spec_.name, "' step ", step_, ": node ", r, " says it selected ",
-          headers[r].count, " values, more than the ", most,
-          " it can select from; a bad peer, step failed on every node"));
+      return absl::DataLossError(
+          absl::StrCat("bucket '", spec_.name, "' step ", step_, ": node ", r, " says it selected ",
+                       headers[r].count, " values, more than the ", most,
+                       " it can select from; a bad peer, step failed on every node"));
     }
     stats.node_counts[r] = headers[r].count;
     bytes[r] = headers[r].count * sizeof(uint32_t);
@@ -349,10 +351,10 @@ absl::StatusOr<uint64_t> BucketState::GatherIndices(const std::vector<Header>& h
   uint64_t at = 0;
   for (int r = 0; r < n; ++r) {
     const Range range = SenderRange(r);
-    RETURN_IF_ERROR(Check(ops_->CountOutside(global_index_.get() + at, headers[r].count,
-                                             range.begin, range.end, scalars_.get() + 1 + r,
-                                             stream_),
-                          "index check"));
+    RETURN_IF_ERROR(
+        Check(ops_->CountOutside(global_index_.get() + at, headers[r].count, range.begin, range.end,
+                                 scalars_.get() + 1 + r, stream_),
+              "index check"));
     at += headers[r].count;
   }
   std::vector<kernels::StepScalars> outside(n);
@@ -388,9 +390,9 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, float* acc, float* update,
           absl::StrCat("bucket '", spec_.name, "': out of memory for ", K, " values"));
     }
     // The residual keeps what rounding the values drops (no zeroing below).
-    RETURN_IF_ERROR(Check(ops_->GatherRounded(acc, global_index_.get(), K, spec_.wire,
-                                              wire_values_.get(), stream_),
-                          "gather"));
+    RETURN_IF_ERROR(Check(
+        ops_->GatherRounded(acc, global_index_.get(), K, spec_.wire, wire_values_.get(), stream_),
+        "gather"));
     stats.bytes_sent += K * sizeof(uint16_t);
     stats.bytes_received += K * sizeof(uint16_t);
     RETURN_IF_ERROR(transport.AllreduceSum(
@@ -400,14 +402,14 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, float* acc, float* update,
     RETURN_IF_ERROR(Check(
         ops_->HalfToFloat(wire_values_.get(), spec_.wire, K, values_.get(), stream_), "widen"));
     // A sum past the type's range (fp16: 65504) is Inf on every node alike.
-    RETURN_IF_ERROR(Check(ops_->CountNonFinite(values_.get(), K, scalars_.get(), stream_),
-                          "overflow check"));
+    RETURN_IF_ERROR(
+        Check(ops_->CountNonFinite(values_.get(), K, scalars_.get(), stream_), "overflow check"));
     ASSIGN_OR_RETURN(const kernels::StepScalars overflow, ReadScalars());
     if (overflow.nonfinite != 0) {
-      return absl::OutOfRangeError(absl::StrCat(
-          "bucket '", spec_.name, "' step ", step_, ": ", overflow.nonfinite,
-          " selected values overflow ", kernels::ElementTypeName(spec_.wire),
-          " on the wire (--wire_dtype=bucket); run with --wire_dtype=fp32"));
+      return absl::OutOfRangeError(
+          absl::StrCat("bucket '", spec_.name, "' step ", step_, ": ", overflow.nonfinite,
+                       " selected values overflow ", kernels::ElementTypeName(spec_.wire),
+                       " on the wire (--wire_dtype=bucket); run with --wire_dtype=fp32"));
     }
   } else {
     RETURN_IF_ERROR(
@@ -557,11 +559,11 @@ absl::Status BucketState::PrimeController(const float* grad, Range part,
     RETURN_IF_ERROR(Check(ops_->Gather(grad, index.get(), m, values.get(), stream_), "sample"));
     RETURN_IF_ERROR(Check(ops_->CopyToHost(sample.data(), values.get(), m * sizeof(float), stream_),
                           "sample copy"));
-    RETURN_IF_ERROR(Check(ops_->Gather(residual_[current_].get(), index.get(), m, values.get(),
-                                       stream_),
-                          "sample"));
     RETURN_IF_ERROR(Check(
-        ops_->CopyToHost(residual.data(), values.get(), m * sizeof(float), stream_), "sample copy"));
+        ops_->Gather(residual_[current_].get(), index.get(), m, values.get(), stream_), "sample"));
+    RETURN_IF_ERROR(
+        Check(ops_->CopyToHost(residual.data(), values.get(), m * sizeof(float), stream_),
+              "sample copy"));
     for (uint64_t j = 0; j < m; ++j) sample[j] += residual[j];
   }
   return controller_->Prime(sample, m > 0 ? static_cast<double>(p) / static_cast<double>(m) : 0.0,
@@ -665,8 +667,7 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
   const absl::Time apply_start = absl::Now();
   stats.exchange_seconds = absl::ToDoubleSeconds(apply_start - start);
   if (!divided) {
-    RETURN_IF_ERROR(
-        Check(ops_->Divide(update, spec_.size, divisor, nullptr, stream_), "divide"));
+    RETURN_IF_ERROR(Check(ops_->Divide(update, spec_.size, divisor, nullptr, stream_), "divide"));
   }
   stats.selected = spec_.size;
   stats.sum_of_counts = spec_.size;

@@ -48,7 +48,7 @@ struct StepStats {
   // Times the host waited for the device during the step: the kernel
   // backend's waits (SparseOps::host_waits) and the transport's.
   uint64_t host_waits = 0;
-  bool clipped = false;         // local clipping scaled this node's gradient
+  bool clipped = false;  // local clipping scaled this node's gradient
   bool dense = false;
   // Where the time went: selection (fused pass, threshold control, trim),
   // exchange (index allgather, gather, value allreduce or the dense

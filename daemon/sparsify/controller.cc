@@ -43,8 +43,7 @@ int KthCoarseBin(const std::vector<int64_t>& window, uint64_t k, uint64_t* above
 
 // The next step's lower bound: the coarse edge with about
 // kCandidateMargin * k values above it in this step's window.
-float NextLowerBound(const std::vector<int64_t>& window, uint32_t first, float lower,
-                     uint64_t k) {
+float NextLowerBound(const std::vector<int64_t>& window, uint32_t first, float lower, uint64_t k) {
   uint64_t cum = static_cast<uint64_t>(window[HC::kCoarseBins]);
   float next = std::max(lower * 0.5f, kSmallestPositive);
   for (int b = HC::kCoarseBins - 1; b >= 0; --b) {
@@ -74,9 +73,8 @@ uint32_t HistogramController::FineBinOf(float magnitude) {
 }
 
 HistogramController::FineChoice HistogramController::ChooseFine(const std::vector<int64_t>& fine,
-                                                                 uint64_t above, uint64_t k,
-                                                                 uint32_t fine_first,
-                                                                 float lower) {
+                                                                uint64_t above, uint64_t k,
+                                                                uint32_t fine_first, float lower) {
   FineChoice c;
   c.threshold = lower;
   c.sub_bin = 0;
@@ -97,8 +95,9 @@ HistogramController::FineChoice HistogramController::ChooseFine(const std::vecto
   return c;
 }
 
-HistogramController::CoarsePlan HistogramController::PlanCoarse(
-    const std::vector<uint64_t>& global, float lower, int rescans, uint64_t k) {
+HistogramController::CoarsePlan HistogramController::PlanCoarse(const std::vector<uint64_t>& global,
+                                                                float lower, int rescans,
+                                                                uint64_t k) {
   CoarsePlan plan;
   const uint32_t first0 = Bits(lower) >> kCoarseShift;
   auto count_at = [&](uint64_t bin) -> uint64_t {
@@ -227,8 +226,8 @@ absl::Status HistogramController::Prime(const std::vector<float>& sample, double
   for (uint32_t b = 0; b < kBins; ++b) global[b] = std::llround(local[b] * scale);
   if (ctx.bytes_sent != nullptr) *ctx.bytes_sent += kBins * sizeof(int64_t);
   if (ctx.bytes_received != nullptr) *ctx.bytes_received += kBins * sizeof(int64_t);
-  RETURN_IF_ERROR(ctx.transport->AllreduceSum(global.data(), kBins, transport::DataType::kInt64,
-                                              ctx.options));
+  RETURN_IF_ERROR(
+      ctx.transport->AllreduceSum(global.data(), kBins, transport::DataType::kInt64, ctx.options));
   // The highest bin edge with twice the usual candidate margin above it
   // (sampling error; too few after all costs one rescan).
   const uint64_t want = 2 * kCandidateMargin * ctx.k;
@@ -257,7 +256,8 @@ absl::Status HistogramController::BadOverflow(int64_t local, int64_t global,
     if (counts[r] != 0) claims.push_back(absl::StrCat("node ", r, " (", counts[r], ")"));
   }
   return absl::DataLossError(absl::StrCat(
-      "histogram: ", global, " candidates above the largest finite magnitude, where there can "
+      "histogram: ", global,
+      " candidates above the largest finite magnitude, where there can "
       "be none: a bad peer; ",
       claims.empty() ? std::string("every node reports none of them, so a peer altered the sum")
                      : absl::StrCat("claimed by ", absl::StrJoin(claims, ", "))));

@@ -147,8 +147,7 @@ class HistogramController final : public ThresholdController {
     uint64_t above = 0;
     float rescan_lower = 0;
   };
-  CoarsePlan PlanCoarse(const std::vector<uint64_t>& global, float lower, int rescans,
-                        uint64_t k);
+  CoarsePlan PlanCoarse(const std::vector<uint64_t>& global, float lower, int rescans, uint64_t k);
   // The threshold from the fine histogram of the k-th coarse bin (fine[j]:
   // sub-bin j of the bin whose first fine bin is fine_first, over every
   // node), `above` candidates lying above the bin: the sub-bin edge whose

@@ -62,9 +62,9 @@ absl::Status SparsifyOptions::Validate() const {
   }
   if (warmup_density != 0.0 &&
       !(warmup_density >= density && warmup_density <= 1.0 && warmup_decay_steps > 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "warm-up density must be in [density, 1] with a positive decay length, got ",
-        warmup_density, " over ", warmup_decay_steps, " steps"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("warm-up density must be in [density, 1] with a positive decay length, got ",
+                     warmup_density, " over ", warmup_decay_steps, " steps"));
   }
   if (!(hard_threshold >= 0.0) || std::isinf(hard_threshold)) {
     return absl::InvalidArgumentError(

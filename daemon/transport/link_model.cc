@@ -5,13 +5,13 @@
 namespace microd::transport {
 
 double LinkModel::DirectSeconds(size_t bytes) const {
-  return posted_round_seconds + static_cast<double>(ranks - 1) * static_cast<double>(bytes) /
-                                    bytes_per_second;
+  return posted_round_seconds +
+         static_cast<double>(ranks - 1) * static_cast<double>(bytes) / bytes_per_second;
 }
 
 double LinkModel::TwoPhaseSeconds(size_t bytes) const {
-  return 2 * round_seconds + 2.0 * (ranks - 1) / ranks * static_cast<double>(bytes) /
-                                 bytes_per_second;
+  return 2 * round_seconds +
+         2.0 * (ranks - 1) / ranks * static_cast<double>(bytes) / bytes_per_second;
 }
 
 bool LinkModel::DirectCheaper(size_t bytes) const {

@@ -52,11 +52,11 @@ enum class TagKind : uint32_t {
   kDense = 5,      // dense allreduce of a whole bucket
   // The rounds of a batched step (sparsify/batch_step.h): the slot is then
   // the batch's sequence number, not a bucket's.
-  kRound1 = 8,     // headers, and indices or coarse histograms
-  kRound2 = 9,     // candidates near the threshold (hist)
-  kRound3 = 10,    // values
-  kRescan = 11,    // coarse histograms again after a rescan (hist, rare)
-  kCycle = 12,     // the response cache's cycle (slot 0): what every node has ready
+  kRound1 = 8,   // headers, and indices or coarse histograms
+  kRound2 = 9,   // candidates near the threshold (hist)
+  kRound3 = 10,  // values
+  kRescan = 11,  // coarse histograms again after a rescan (hist, rare)
+  kCycle = 12,   // the response cache's cycle (slot 0): what every node has ready
 };
 // Bucket slots are below this (tags stay unique in 32 bits in every backend).
 constexpr uint32_t kMaxTagSlots = 1u << 20;
@@ -150,7 +150,6 @@ class Transport {
   virtual bool DirectCheaper(size_t bytes) const { return true; }
   // What the backend measured of its links (null: nothing).
   virtual const LinkModel* link_model() const { return nullptr; }
-
 
   // Makes pending and later calls on every rank of the group fail with
   // `reason` where the backend can reach them (at least on this rank).

@@ -119,8 +119,10 @@ static int read_config(void) {
 }
 
 static void on_signal(int sig) {
-  if (sig == SIGHUP) reload_requested = 1;
-  else stop_requested = 1;
+  if (sig == SIGHUP)
+    reload_requested = 1;
+  else
+    stop_requested = 1;
 }
 
 static int on_packet(struct nfq_q_handle* qh, struct nfgenmsg* msg, struct nfq_data* nfa,

@@ -1,7 +1,6 @@
 // Portable fp32 <-> bf16 / fp16 conversions of whole arrays (the element
 // rules in kernels/convert.h).
 #include "kernels/convert.h"
-
 #include "kernels/cpu/cpu_kernels.h"
 
 namespace microd::kernels::cpu {

@@ -11,15 +11,14 @@
 #include <unordered_map>
 #include <vector>
 
-#include "kernels/cpu/cpu_kernels.h"
 #include "kernels/convert.h"
+#include "kernels/cpu/cpu_kernels.h"
 #include "kernels/sparse_ops.h"
 
 namespace microd::kernels {
 namespace {
 
 using cpu::PassResult;
-
 
 inline uint32_t FloatBits(float x) {
   uint32_t b;
@@ -221,7 +220,8 @@ class CpuSparseOps final : public SparseOps {
 
   KernelStatus CountOutside(const uint32_t* index, uint64_t count, uint64_t begin, uint64_t end,
                             StepScalars* scalars, void*) override {
-    if (scalars == nullptr || (count > 0 && index == nullptr)) return KernelStatus::kInvalidArgument;
+    if (scalars == nullptr || (count > 0 && index == nullptr))
+      return KernelStatus::kInvalidArgument;
     uint64_t outside = 0;
     for (uint64_t j = 0; j < count; ++j) outside += index[j] < begin || index[j] >= end;
     *scalars = {outside, 0};
@@ -286,7 +286,8 @@ class CpuSparseOps final : public SparseOps {
 
   KernelStatus GatherRounded(float* acc, const uint32_t* index, uint64_t count, ElementType type,
                              uint16_t* out, void*) override {
-    if (!IsHalfType(type) || (count > 0 && (acc == nullptr || index == nullptr || out == nullptr))) {
+    if (!IsHalfType(type) ||
+        (count > 0 && (acc == nullptr || index == nullptr || out == nullptr))) {
       return KernelStatus::kInvalidArgument;
     }
     const bool bf16 = type == ElementType::kBFloat16;

@@ -158,8 +158,8 @@ PassResult FusedAvx2(const FusedSelectArgs& a) {
 
 uint64_t SelectRangeAvx2(const float* acc, uint64_t begin, uint64_t end, float threshold,
                          uint32_t* out_index, float* out_value) {
-  return Pass<false, false, false>(nullptr, nullptr, const_cast<float*>(acc), end, begin, end, threshold,
-                            out_index, out_value)
+  return Pass<false, false, false>(nullptr, nullptr, const_cast<float*>(acc), end, begin, end,
+                                   threshold, out_index, out_value)
       .count;
 }
 

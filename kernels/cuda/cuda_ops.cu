@@ -10,7 +10,6 @@
 // element slot gives each warp its selected lanes, warp totals are scanned in
 // shared memory, and one atomicAdd per tile claims the block's output range.
 #include <cuda_runtime_api.h>
-#include "daemon/common/log.h"
 
 #include <algorithm>
 #include <chrono>
@@ -22,6 +21,7 @@
 #include <mutex>
 #include <string>
 
+#include "daemon/common/log.h"
 #include "kernels/convert.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/poll_pacer.h"
@@ -72,14 +72,14 @@ __device__ __forceinline__ float MomentumOf(float beta, float v, float g) {
 }
 
 struct FusedParams {
-  const float* grad = nullptr;      // kAccumulate only
-  const float* residual = nullptr;  // kAccumulate only
-  float* acc = nullptr;             // written with kAccumulate, read otherwise
+  const float* grad = nullptr;         // kAccumulate only
+  const float* residual = nullptr;     // kAccumulate only
+  float* acc = nullptr;                // written with kAccumulate, read otherwise
   const float* velocity_in = nullptr;  // kAccumulate with momentum correction only
   float* velocity_out = nullptr;       // nullptr: no momentum correction
   float beta = 0.0f;
-  uint64_t first = 0;               // first element loaded (a multiple of 4)
-  uint64_t end = 0;                 // one past the last element loaded
+  uint64_t first = 0;  // first element loaded (a multiple of 4)
+  uint64_t end = 0;    // one past the last element loaded
   uint64_t sel_begin = 0;
   uint64_t sel_end = 0;
   float threshold = 0.0f;
@@ -531,8 +531,8 @@ class CudaSparseOps final : public SparseOps {
     cudaEvent_t done = nullptr;
     TRY(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
     KernelStatus result = Check(cudaEventRecord(done, S(stream)), "cudaEventRecord");
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::duration<double>(std::max(0.0, seconds));
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::duration<double>(std::max(0.0, seconds));
     const PollPacer pacer;
     while (result == KernelStatus::kOk) {
       const cudaError_t e = cudaEventQuery(done);
@@ -579,8 +579,8 @@ class CudaSparseOps final : public SparseOps {
     const bool aligned =
         Aligned16(a.grad) && Aligned16(a.residual) && Aligned16(a.acc) && velocity_aligned;
     // FusedSelectArgs allows no overlap but these two identities.
-    const bool distinct = a.acc != a.residual &&
-                          (a.velocity_out == nullptr || a.velocity_out != a.velocity_in);
+    const bool distinct =
+        a.acc != a.residual && (a.velocity_out == nullptr || a.velocity_out != a.velocity_in);
     if (distinct) {
       const auto kernel = aligned ? FusedKernelDistinct<true> : FusedKernelDistinct<false>;
       kernel<<<GridFor(kernel, tiles), kThreads, 0, s>>>(p, p.grad, p.residual, p.acc,
@@ -815,7 +815,8 @@ class CudaSparseOps final : public SparseOps {
 
   KernelStatus CountOutside(const uint32_t* index, uint64_t count, uint64_t begin, uint64_t end,
                             StepScalars* scalars, void* stream) override {
-    if (scalars == nullptr || (count > 0 && index == nullptr)) return KernelStatus::kInvalidArgument;
+    if (scalars == nullptr || (count > 0 && index == nullptr))
+      return KernelStatus::kInvalidArgument;
     if (!SetDevice()) return KernelStatus::kDeviceError;
     cudaStream_t s = S(stream);
     TRY(cudaMemsetAsync(scalars, 0, sizeof(StepScalars), s), "memset scalars");

@@ -6,8 +6,8 @@
 #include <sys/wait.h>
 
 #include <chrono>
-#include <filesystem>
 #include <cstring>
+#include <filesystem>
 #include <string>
 
 #include "absl/strings/match.h"

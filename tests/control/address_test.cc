@@ -65,8 +65,7 @@ TEST(Address, LocalAddressTowardIsTheRoutesSource) {
   EXPECT_TRUE(IsLoopbackAddress(*lo));
   auto bad = LocalAddressToward("no-such-host.invalid:7000");
   ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("no-such-host.invalid"), std::string::npos)
-      << bad.status();
+  EXPECT_NE(bad.status().message().find("no-such-host.invalid"), std::string::npos) << bad.status();
   EXPECT_FALSE(LocalAddressToward("unix:/tmp/x").ok());
 }
 

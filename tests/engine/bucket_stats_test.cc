@@ -1,6 +1,6 @@
 // A bucket's statistics, written in one place for each kind of step.
-#include "gtest/gtest.h"
 #include "daemon/engine/engine.h"
+#include "gtest/gtest.h"
 
 namespace microd::engine {
 namespace {
@@ -52,9 +52,9 @@ TEST(BucketStats, SparseStepsKeepTheirHistoryWithinItsLimit) {
 
 TEST(BucketStats, HistogramsCountEveryStepByPhaseAndCreFromStepTwo) {
   Histogram h(&SecondsBounds());
-  h.Observe(0.0);       // at the lowest bound
-  h.Observe(0.003);     // above 2.5e-3, at or below 5e-3
-  h.Observe(1000.0);    // above every bound: counted in +Inf only
+  h.Observe(0.0);     // at the lowest bound
+  h.Observe(0.003);   // above 2.5e-3, at or below 5e-3
+  h.Observe(1000.0);  // above every bound: counted in +Inf only
   EXPECT_EQ(h.count, 3u);
   EXPECT_DOUBLE_EQ(h.sum, 1000.003);
   EXPECT_EQ(h.counts[0], 1u);

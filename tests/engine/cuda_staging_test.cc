@@ -42,8 +42,8 @@
 #include "gtest/gtest.h"
 #include "kernels/sparse_ops.h"
 #include "microd/microd.h"
-#include "tests/integration/process_util.h"
 #include "microd/wire.h"
+#include "tests/integration/process_util.h"
 extern "C" {
 #include "tests/integration/e2e_grad.h"
 }
@@ -186,7 +186,6 @@ class Node {
   std::unique_ptr<local::LocalServer> local_;
 };
 
-
 // A training process on the wire protocol.
 class Process {
  public:
@@ -226,8 +225,7 @@ class Process {
 
   // A host buffer (memfd) of `count` floats; returns its mapping. The
   // daemon's answer goes to `status` when given, else it must be OK.
-  float* RegisterHost(uint32_t id, const std::string& name, uint64_t count,
-                      int* status = nullptr) {
+  float* RegisterHost(uint32_t id, const std::string& name, uint64_t count, int* status = nullptr) {
     const size_t bytes = count * sizeof(float);
     const int mfd = memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
     EXPECT_GE(mfd, 0);

@@ -45,8 +45,7 @@ TEST(CycleMessage, AMessageOutOfStepIsRefused) {
   EXPECT_NE(s.status().message().find("out of step"), std::string::npos) << s.status();
   // A message of the wrong size.
   words.push_back(0);
-  EXPECT_EQ(CycleMessage::Decode(words, 70, 3).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CycleMessage::Decode(words, 70, 3).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(CycleMessage, IntersectAgreesOnWhatEveryNodeHas) {
@@ -56,8 +55,8 @@ TEST(CycleMessage, IntersectAgreesOnWhatEveryNodeHas) {
     CycleMessage m = CycleMessage::Empty(ids, 4);
     m.batches_received = 10 - r;  // node 2 has received the fewest
     for (uint64_t i = 0; i < ids; ++i) {
-      if (i % (r + 2) == 0) m.SetReady(i);                  // ready here
-      if (i % (r + 2) == 0 && i % 5 == 0) m.SetSent(i);     // sent along
+      if (i % (r + 2) == 0) m.SetReady(i);               // ready here
+      if (i % (r + 2) == 0 && i % 5 == 0) m.SetSent(i);  // sent along
     }
     nodes.push_back(m);
   }

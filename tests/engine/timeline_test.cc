@@ -144,8 +144,10 @@ TEST(Timeline, BucketsGetTheirOwnNamedTracksAndNamesAreEscaped) {
   for (const Value& v : trace.fields().at("traceEvents").list_value().values()) {
     const Struct& e = v.struct_value();
     EXPECT_EQ(Num(e, "pid"), 3);
-    if (Str(e, "name") == "thread_name") tracks.push_back(Str(e.fields().at("args").struct_value(), "name"));
-    if (Str(e, "name") == "process_name") process = Str(e.fields().at("args").struct_value(), "name");
+    if (Str(e, "name") == "thread_name")
+      tracks.push_back(Str(e.fields().at("args").struct_value(), "name"));
+    if (Str(e, "name") == "process_name")
+      process = Str(e.fields().at("args").struct_value(), "name");
   }
   EXPECT_EQ(tracks, (std::vector<std::string>{"layer\n\"1\"\\", "layer2"}));
   EXPECT_EQ(process, "microd node 3 (host \"a\")");

@@ -4,14 +4,13 @@
 // of one node per input; half of the requests carry that node's real
 // session, so that they get past the membership check. Waits are clamped
 // to milliseconds. Nothing may crash, hang or grow without bound.
+#include <google/protobuf/stubs/logging.h>
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-
-#include <google/protobuf/stubs/logging.h>
 
 #include "daemon/control/coordinator.h"
 #include "daemon/control/services.h"

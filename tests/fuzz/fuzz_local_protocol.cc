@@ -35,9 +35,9 @@
 
 namespace {
 
-using microd::local::ProcessBuffer;
 using microd::local::LocalHandler;
 using microd::local::LocalServer;
+using microd::local::ProcessBuffer;
 using microd::local::ProcessInfo;
 
 class AcceptingHandler final : public LocalHandler {

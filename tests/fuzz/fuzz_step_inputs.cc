@@ -4,10 +4,10 @@
 // allgathers with bytes of the input. Every node must finish each step, with
 // its update or with an error (never a crash, an out-of-bounds access under
 // ASan, or a hang), and all nodes must agree on which.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -38,7 +38,8 @@ class LyingTransport final : public Transport {
     if ((o.tag & 0xFF) != static_cast<uint32_t>(TagKind::kHeader)) {
       return inner_->Allgather(in, bytes, out, o);
     }
-    std::vector<uint8_t> lie(static_cast<const uint8_t*>(in), static_cast<const uint8_t*>(in) + bytes);
+    std::vector<uint8_t> lie(static_cast<const uint8_t*>(in),
+                             static_cast<const uint8_t*>(in) + bytes);
     const std::vector<uint8_t> mine = input_->Bytes(bytes);
     if (!mine.empty()) std::memcpy(lie.data(), mine.data(), mine.size());
     return inner_->Allgather(lie.data(), bytes, out, o);
@@ -100,18 +101,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   const int steps = 1 + static_cast<int>(input.Below(3));
   for (int t = 0; t < steps; ++t) {
-    std::vector<std::vector<float>> grad(n, std::vector<float>(d)), update(n, std::vector<float>(d));
+    std::vector<std::vector<float>> grad(n, std::vector<float>(d)),
+        update(n, std::vector<float>(d));
     for (int r = 0; r < n; ++r) {
-      for (uint64_t i = 0; i < d; ++i) grad[r][i] = static_cast<float>((i * 7919 + r * 31 + t) % 97) - 48;
+      for (uint64_t i = 0; i < d; ++i)
+        grad[r][i] = static_cast<float>((i * 7919 + r * 31 + t) % 97) - 48;
     }
     std::vector<absl::Status> status(n);
     std::vector<std::thread> threads;
     for (int r = 0; r < n; ++r) {
       threads.emplace_back([&, r] {
         Transport& tr = r == 1 ? static_cast<Transport&>(liar) : *group[r];
-        status[r] = buckets[r]->Step(grad[r].data(), update[r].data(), tr,
-                                     absl::Now() + absl::Seconds(10))
-                        .status();
+        status[r] =
+            buckets[r]
+                ->Step(grad[r].data(), update[r].data(), tr, absl::Now() + absl::Seconds(10))
+                .status();
       });
     }
     for (auto& th : threads) th.join();

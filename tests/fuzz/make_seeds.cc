@@ -23,7 +23,6 @@ void Write(const std::string& dir, const std::string& name, const Bytes& b) {
       .write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
 }
 
-
 // One framed message of the local-protocol target: descriptor spec, length, bytes.
 template <typename T>
 void Frame(Bytes& out, uint8_t spec, const T& msg) {

@@ -19,20 +19,22 @@ class TestCerts {
 
   // A self-signed CA `name` (dir/name.pem, dir/name.key).
   void Ca(const std::string& name) {
-    Run(absl::StrCat("openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes "
-                     "-keyout ", name, ".key -out ", name, ".pem -days 2 -subj /CN=", name));
+    Run(
+        absl::StrCat("openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes "
+                     "-keyout ",
+                     name, ".key -out ", name, ".pem -days 2 -subj /CN=", name));
   }
   // A certificate `name` signed by CA `ca`, naming the IP addresses `ips`.
   void Cert(const std::string& name, const std::string& ca, const std::vector<std::string>& ips) {
     std::vector<std::string> san;
     for (const auto& ip : ips) san.push_back("IP:" + ip);
-    Run(absl::StrCat(
-        "openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout ", name,
-        ".key -out ", name, ".csr -subj /CN=", name, " && printf 'subjectAltName=",
-        absl::StrJoin(san, ","),
-        "\\nbasicConstraints=CA:FALSE\\nextendedKeyUsage=serverAuth,clientAuth\\n' > ", name,
-        ".ext && openssl x509 -req -in ", name, ".csr -CA ", ca, ".pem -CAkey ", ca,
-        ".key -CAcreateserial -out ", name, ".pem -days 2 -extfile ", name, ".ext"));
+    Run(absl::StrCat("openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout ",
+                     name, ".key -out ", name, ".csr -subj /CN=", name,
+                     " && printf 'subjectAltName=", absl::StrJoin(san, ","),
+                     "\\nbasicConstraints=CA:FALSE\\nextendedKeyUsage=serverAuth,clientAuth\\n' > ",
+                     name, ".ext && openssl x509 -req -in ", name, ".csr -CA ", ca, ".pem -CAkey ",
+                     ca, ".key -CAcreateserial -out ", name, ".pem -days 2 -extfile ", name,
+                     ".ext"));
   }
   std::string pem(const std::string& name) const { return dir_ + "/" + name + ".pem"; }
   std::string key(const std::string& name) const { return dir_ + "/" + name + ".key"; }
@@ -58,8 +60,8 @@ class TestCerts {
 
  private:
   void Run(const std::string& script) const {
-    const pid_t pid = Spawn({"/bin/sh", "-c", "cd '" + dir_ + "' && " + script},
-                            dir_ + "/openssl.log");
+    const pid_t pid =
+        Spawn({"/bin/sh", "-c", "cd '" + dir_ + "' && " + script}, dir_ + "/openssl.log");
     ASSERT_EQ(WaitAll({pid}, std::chrono::seconds(30))[0], 0)
         << script << " failed (see " << dir_ << "/openssl.log)";
   }

@@ -99,10 +99,9 @@ class DaemonCluster {
       }
       const std::string host = lab_ != nullptr ? lab_->addr(0) : "127.0.0.1";
       if (r == 0) {
-        args.push_back(absl::StrCat("--coordinator_listen=",
-                                    o.coordinator_listen_host.empty() ? host
-                                                                      : o.coordinator_listen_host,
-                                    ":0"));
+        args.push_back(absl::StrCat(
+            "--coordinator_listen=",
+            o.coordinator_listen_host.empty() ? host : o.coordinator_listen_host, ":0"));
         args.push_back(absl::StrCat("--coordinator_port_file=", dir_, "/coordinator"));
       } else {
         args.push_back(absl::StrCat("--coordinator=", host, ":", coordinator_port_));

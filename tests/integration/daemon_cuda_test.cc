@@ -91,8 +91,10 @@ TEST(DaemonCuda, TwoDaemonsWithCudaBuffersEqualTheCpuPath) {
 // NCCL, in place on the processes' buffers (device-resident engine).
 TEST(DaemonCuda, NcclDaemonsReduceInPlaceAndEqualTheCpuPath) {
   REQUIRE_GPU();
-  RunAndCompare(2, 1, [](int, int) { return "cuda"; }, /*nccl=*/true);
-  RunAndCompare(2, 2, [](int, int l) { return l == 0 ? "cuda" : "legacy"; }, /*nccl=*/true);
+  RunAndCompare(
+      2, 1, [](int, int) { return "cuda"; }, /*nccl=*/true);
+  RunAndCompare(
+      2, 2, [](int, int l) { return l == 0 ? "cuda" : "legacy"; }, /*nccl=*/true);
 }
 
 TEST(DaemonCuda, LegacyDefaultStreamSubmissionsEqualTheCpuPath) {

@@ -21,9 +21,9 @@
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "microd/v1/admin.grpc.pb.h"
+#include "microd/wire.h"
 #include "tests/integration/daemon_cluster.h"
 #include "tests/integration/process_util.h"
-#include "microd/wire.h"
 
 namespace microd::testing {
 namespace {
@@ -164,15 +164,16 @@ RoundsCase Rounds(const std::string& name, sparsify::SparsifierKind kind,
 
 INSTANTIATE_TEST_SUITE_P(
     Sparsifiers, BatchedRounds,
-    ::testing::Values(
-        Rounds("micro_hist", sparsify::SparsifierKind::kMicro, sparsify::ControllerKind::kHistogram,
-               3),
-        Rounds("micro_paper", sparsify::SparsifierKind::kMicro, sparsify::ControllerKind::kPaper, 2),
-        Rounds("topk", sparsify::SparsifierKind::kTopK, sparsify::ControllerKind::kHistogram, 2),
-        // (a threshold that selects about as much as the others: a node's
-        // indices then fit the first transfer of a round, under the crossover)
-        Rounds("hard", sparsify::SparsifierKind::kHard, sparsify::ControllerKind::kHistogram, 2,
-               0.03)),
+    ::testing::Values(Rounds("micro_hist", sparsify::SparsifierKind::kMicro,
+                             sparsify::ControllerKind::kHistogram, 3),
+                      Rounds("micro_paper", sparsify::SparsifierKind::kMicro,
+                             sparsify::ControllerKind::kPaper, 2),
+                      Rounds("topk", sparsify::SparsifierKind::kTopK,
+                             sparsify::ControllerKind::kHistogram, 2),
+                      // (a threshold that selects about as much as the others: a node's
+                      // indices then fit the first transfer of a round, under the crossover)
+                      Rounds("hard", sparsify::SparsifierKind::kHard,
+                             sparsify::ControllerKind::kHistogram, 2, 0.03)),
     [](const ::testing::TestParamInfo<RoundsCase>& info) { return info.param.name; });
 TEST(DaemonEndToEnd, ThreeDaemonsTwoProcessesEach) { RunAndCompare(3, 2); }
 TEST(DaemonEndToEnd, FourDaemonsOneProcessEach) { RunAndCompare(4, 1); }
@@ -282,9 +283,9 @@ TEST_P(HalfPrecision, BucketsMatchTheReference) {
   const HalfCase c = GetParam();
   const std::vector<BucketSpec> buckets = {{"embed", 1000}, {"bias", 3001}, {"fc", 200003}};
   const long steps = 12;
-  DaemonCluster cluster(c.nodes, c.local,
-                        c.wire ? std::vector<std::string>{"--wire_dtype=bucket"}
-                               : std::vector<std::string>{});
+  DaemonCluster cluster(
+      c.nodes, c.local,
+      c.wire ? std::vector<std::string>{"--wire_dtype=bucket"} : std::vector<std::string>{});
   const std::string dtype = c.dtype == 2 ? "dtype=bf16" : "dtype=fp16";
   cluster.StartClients(buckets, steps, -1, -1, -1,
                        [&](int, int) { return std::vector<std::string>{dtype}; });
@@ -298,8 +299,8 @@ TEST_P(HalfPrecision, BucketsMatchTheReference) {
     if (b.name() == "fc" && c.nodes > 1) {
       // A value is 2 bytes on a half wire, 4 otherwise; an index 4 (each
       // node sends its own): sent bytes per selected value.
-      const double per_value = static_cast<double>(b.bytes_sent()) /
-                               static_cast<double>(b.last_selected() * steps);
+      const double per_value =
+          static_cast<double>(b.bytes_sent()) / static_cast<double>(b.last_selected() * steps);
       if (c.wire) {
         EXPECT_LT(per_value, 6.5) << b.bytes_sent();
       } else {
@@ -324,11 +325,10 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(DaemonFaults, DtypeMismatchBetweenNodesIsReportedEverywhere) {
   DaemonCluster cluster(2, 1);
   const std::string out0 = cluster.dir() + "/m0", out1 = cluster.dir() + "/m1";
-  std::vector<pid_t> pids = {
-      Spawn({MICROD_TEST_CLIENT, cluster.socket(0), "w:100000", "3", out0, "-1", "20000", "0",
-             "dtype=bf16"}),
-      Spawn({MICROD_TEST_CLIENT, cluster.socket(1), "w:100000", "3", out1, "-1", "20000", "0",
-             "dtype=fp16"})};
+  std::vector<pid_t> pids = {Spawn({MICROD_TEST_CLIENT, cluster.socket(0), "w:100000", "3", out0,
+                                    "-1", "20000", "0", "dtype=bf16"}),
+                             Spawn({MICROD_TEST_CLIENT, cluster.socket(1), "w:100000", "3", out1,
+                                    "-1", "20000", "0", "dtype=fp16"})};
   const auto codes = WaitAll(pids, std::chrono::seconds(60));
   for (const std::string& out : {out0, out1}) {
     std::string line;
@@ -351,8 +351,7 @@ TEST(DaemonFaults, DtypeMismatchWithinANodeIsReportedToBothProcesses) {
   for (const std::string& out : {out0, out1}) {
     std::string line;
     EXPECT_EQ(FailedStatus(out, &line), 4) << line;
-    EXPECT_TRUE(absl::StrContains(line, "bfloat16") && absl::StrContains(line, "float32"))
-        << line;
+    EXPECT_TRUE(absl::StrContains(line, "bfloat16") && absl::StrContains(line, "float32")) << line;
   }
   EXPECT_EQ(codes, (std::vector<int>{3, 3}));
 }
@@ -371,7 +370,6 @@ TEST(DaemonFaults, SizeMismatchWithinANodeIsReportedToBothProcesses) {
   EXPECT_EQ(codes, (std::vector<int>{3, 3}));
 }
 
-
 // Sends `bytes`; returns the status of the ERROR reply, or 0 when the daemon
 // just closed the connection, or -1 when it answered nothing within 5 s.
 int SendAndExpectRefusal(const std::string& path, const void* bytes, size_t len) {
@@ -387,7 +385,6 @@ int SendAndExpectRefusal(const std::string& path, const void* bytes, size_t len)
   if (n == static_cast<ssize_t>(sizeof e) && e.h.type == MICROD_MSG_ERROR) return e.status;
   return n == 0 ? 0 : -1;
 }
-
 
 TEST(DaemonFaults, MalformedMessagesLeaveTheDaemonServing) {
   DaemonCluster cluster(1, 1);
@@ -554,8 +551,8 @@ TEST(DaemonFaults, ProcessOfAnotherUidIsRefused) {
   }
   chmod(bin.c_str(), 0755);
   const std::vector<std::string> as_nobody = {"/usr/bin/setpriv", "--reuid=65534",
-                                              "--regid=65534", "--clear-groups", "/usr/bin/env",
-                                              "LD_LIBRARY_PATH=" + bin};
+                                              "--regid=65534",    "--clear-groups",
+                                              "/usr/bin/env",     "LD_LIBRARY_PATH=" + bin};
   auto with = [&](std::vector<std::string> args) {
     args.insert(args.begin(), as_nobody.begin(), as_nobody.end());
     return args;
@@ -637,12 +634,11 @@ TEST(DaemonFaults, DifferentOptionsOnOneNodeStopEveryDaemonNamingTheOption) {
 TEST(DaemonFaults, SigtermWhileWaitingForTheOtherNodesExitsAtOnce) {
   const std::string dir = MakeTempDir("e2e-join");
   // Node 0 of a 2-node job whose second node never comes: it waits to join.
-  const pid_t daemon = Spawn({MICROD_DAEMON, "--socket=" + dir + "/sock", "--nodes=2",
-                              "--node_rank=0", "--admin=127.0.0.1:0",
-                              "--coordinator_listen=127.0.0.1:0",
-                              "--coordinator_port_file=" + dir + "/coordinator",
-                              "--join_timeout_ms=120000"},
-                             dir + "/daemon.log");
+  const pid_t daemon =
+      Spawn({MICROD_DAEMON, "--socket=" + dir + "/sock", "--nodes=2", "--node_rank=0",
+             "--admin=127.0.0.1:0", "--coordinator_listen=127.0.0.1:0",
+             "--coordinator_port_file=" + dir + "/coordinator", "--join_timeout_ms=120000"},
+            dir + "/daemon.log");
   ReadPortFile(dir + "/coordinator", std::chrono::seconds(20));
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // in Join now
   const auto start = std::chrono::steady_clock::now();

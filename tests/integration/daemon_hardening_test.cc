@@ -3,27 +3,27 @@
 // without harm: ticket 0, a connection that never says hello. Daemons on
 // loopback, trainers written against the C API in this process (one thread
 // per node).
-#include <signal.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
-#include <filesystem>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "tests/integration/daemon_cluster.h"
 #include "microd/wire.h"
+#include "tests/integration/daemon_cluster.h"
 extern "C" {
 #include "microd/microd.h"
 }
@@ -205,8 +205,6 @@ TEST(Hardening, Node0PausedTwiceThePeerTimeoutFailsEveryProcessNamingIt) {
   }
 }
 
-
-
 // The next message on `fd` within 15 s: an ERROR's status and text, or
 // why there was none.
 std::pair<int, std::string> ReadError(int fd) {
@@ -310,13 +308,12 @@ TEST(Hardening, AHugetlbfsMemfdIsRefused) {
 // to. Before: 127.0.0.1:7471, which every local user reaches (status with
 // pids and bucket names, the timeline, captures holding threads for hours).
 TEST(Hardening, AdminIsAUnixSocketOnlyTheDaemonsUidReaches) {
-  const std::string help = ReadFile(
-      [] {
-        const std::string dir = MakeTempDir("admin-help");
-        WaitAll({Spawn({HelperPath(MICROD_DAEMON), "--help"}, dir + "/help")},
-                std::chrono::seconds(20));
-        return dir + "/help";
-      }());
+  const std::string help = ReadFile([] {
+    const std::string dir = MakeTempDir("admin-help");
+    WaitAll({Spawn({HelperPath(MICROD_DAEMON), "--help"}, dir + "/help")},
+            std::chrono::seconds(20));
+    return dir + "/help";
+  }());
   EXPECT_TRUE(absl::StrContains(help, "default: \"unix:/run/microd/admin.sock\"")) << help;
   if (geteuid() != 0) GTEST_SKIP() << "needs root to connect as another uid";
   const std::string dir = MakeTempDir("admin-unix");
@@ -341,8 +338,9 @@ TEST(Hardening, AdminIsAUnixSocketOnlyTheDaemonsUidReaches) {
       sockaddr_un addr{};
       addr.sun_family = AF_UNIX;
       std::strcpy(addr.sun_path, admin.c_str());
-      _exit(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 ? 0
-                                                                               : (errno == EACCES ? 13 : 1));
+      _exit(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0
+                ? 0
+                : (errno == EACCES ? 13 : 1));
     }
     int status = 0;
     waitpid(child, &status, 0);
@@ -508,8 +506,8 @@ TEST(Hardening, AMissingSubmissionIsReportedNamingTheNodeProcessAndBucket) {
   DaemonCluster cluster(2, 2, {"--stall_warning_s=1"});
   const StallRun run = RunWithOneLateProcess(cluster, /*submit_late=*/true);
   EXPECT_TRUE(absl::StrContains(run.report, "bucket 'b0'")) << run.report;
-  EXPECT_TRUE(absl::StrContains(run.report, "node 1 (node1): local process(es) 0 (pid " +
-                                                std::to_string(getpid())))
+  EXPECT_TRUE(absl::StrContains(
+      run.report, "node 1 (node1): local process(es) 0 (pid " + std::to_string(getpid())))
       << run.report;
   EXPECT_TRUE(absl::StrContains(run.report, "ready on node 0 (node0)")) << run.report;
   // Once it came, the step ran for everyone (the values are exact).

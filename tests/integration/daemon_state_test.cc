@@ -4,22 +4,21 @@
 // steps straight, bit for bit, for every sparsifier and controller. A job of
 // another shape, and a torn or corrupted file, are refused naming why.
 #include <fcntl.h>
+#include <grp.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <grp.h>
-
 #include <filesystem>
-#include <thread>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "absl/strings/str_split.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_cluster.h"
 #include "tests/integration/process_util.h"
@@ -87,17 +86,18 @@ TEST_P(StateTest, SavedAfter20StepsAndLoadedByANewClusterEquals40Straight) {
   ExpectMatchesReference(second, second.WaitClients(seconds(120)), ref, n, L, kBuckets, 20);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Sparsifiers, StateTest,
-    ::testing::Values(Case("micro_hist", sparsify::SparsifierKind::kMicro),
-                      Case("micro_paper", sparsify::SparsifierKind::kMicro,
-                           sparsify::ControllerKind::kPaper),
-                      Case("micro_momentum", sparsify::SparsifierKind::kMicro,
-                           sparsify::ControllerKind::kHistogram, 0.9),
-                      Case("topk", sparsify::SparsifierKind::kTopK),
-                      Case("hard", sparsify::SparsifierKind::kHard),
-                      Case("dense", sparsify::SparsifierKind::kDense)),
-    [](const ::testing::TestParamInfo<StateCase>& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Sparsifiers, StateTest,
+                         ::testing::Values(Case("micro_hist", sparsify::SparsifierKind::kMicro),
+                                           Case("micro_paper", sparsify::SparsifierKind::kMicro,
+                                                sparsify::ControllerKind::kPaper),
+                                           Case("micro_momentum", sparsify::SparsifierKind::kMicro,
+                                                sparsify::ControllerKind::kHistogram, 0.9),
+                                           Case("topk", sparsify::SparsifierKind::kTopK),
+                                           Case("hard", sparsify::SparsifierKind::kHard),
+                                           Case("dense", sparsify::SparsifierKind::kDense)),
+                         [](const ::testing::TestParamInfo<StateCase>& info) {
+                           return info.param.name;
+                         });
 
 // Saves 3 steps of a 2-node job into a fresh directory; its path.
 std::string SaveThreeSteps(const std::vector<BucketSpec>& buckets,
@@ -134,7 +134,8 @@ TEST(StateRefused, AnotherDensityIsNamed) {
 
 TEST(StateRefused, ABucketOfAnotherSizeIsNamed) {
   const std::string dir = SaveThreeSteps(kBuckets);
-  const std::string out = ExpectLoadRefused(dir, {{"embed", 1000}, {"conv", 70001}, {"fc", 200004}});
+  const std::string out =
+      ExpectLoadRefused(dir, {{"embed", 1000}, {"conv", 70001}, {"fc", 200004}});
   EXPECT_TRUE(absl::StrContains(out, "has bucket 'fc' of 200003 elements; here it has 200004"))
       << out;
 }

@@ -3,6 +3,8 @@
 // another CA, plaintext against TLS, a coordinator or Admin port other hosts
 // reach without TLS or a token), certificate rotation during a job, and
 // gRPC reflection off on the coordinator's port.
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/stat.h>
 
@@ -11,9 +13,6 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
-
-#include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -173,12 +172,12 @@ TEST(Exposure, ANetworkListenWithoutTlsOrATokenIsRefusedAtStart) {
   certs.Cert("server", "ca", {"127.0.0.1"});
   const std::vector<std::string> server_only = {"--tls_cert=" + certs.pem("server"),
                                                 "--tls_key=" + certs.key("server")};
-  cases.push_back({{"--coordinator_listen=0.0.0.0:0", "--admin=127.0.0.1:0", server_only[0],
-                    server_only[1]},
-                   "--coordinator_listen"});
-  cases.push_back({{"--coordinator_listen=127.0.0.1:0", "--admin=0.0.0.0:0", server_only[0],
-                    server_only[1]},
-                   "--admin"});
+  cases.push_back(
+      {{"--coordinator_listen=0.0.0.0:0", "--admin=127.0.0.1:0", server_only[0], server_only[1]},
+       "--coordinator_listen"});
+  cases.push_back(
+      {{"--coordinator_listen=127.0.0.1:0", "--admin=0.0.0.0:0", server_only[0], server_only[1]},
+       "--admin"});
   for (size_t i = 0; i < cases.size(); ++i) {
     std::vector<std::string> args = {HelperPath(MICROD_DAEMON),
                                      absl::StrCat("--socket=", dir, "/s", i, "/microd.sock"),
@@ -203,9 +202,9 @@ TEST(Exposure, InsecureStartsAndWarns) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root for a network namespace of its own";
   const std::string dir = MakeTempDir("insecure");
   const std::string sock = dir + "/s/microd.sock";
-  const std::string script = absl::StrCat(
-      "ip link set lo up && exec ", HelperPath(MICROD_DAEMON), " --socket=", sock,
-      " --nodes=1 --coordinator_listen=0.0.0.0:0 --admin=127.0.0.1:0 --insecure");
+  const std::string script =
+      absl::StrCat("ip link set lo up && exec ", HelperPath(MICROD_DAEMON), " --socket=", sock,
+                   " --nodes=1 --coordinator_listen=0.0.0.0:0 --admin=127.0.0.1:0 --insecure");
   const pid_t pid =
       Spawn({"/usr/bin/unshare", "--net", "--", "/bin/sh", "-c", script}, dir + "/log");
   struct stat st;
@@ -230,27 +229,28 @@ TEST(Exposure, InsecureStartsAndWarns) {
 TEST_F(TlsTest, AdminOnTheNetworkNeedsTlsAndMicrodCtlSpeaksIt) {
   if (geteuid() != 0) GTEST_SKIP() << "needs root for a network namespace of its own";
   certs_.Cert("admin", "ca", {"127.0.0.1", "10.99.0.1"});
-  const std::string daemon_dir = HelperPath(MICROD_DAEMON).substr(
-      0, HelperPath(MICROD_DAEMON).rfind('/'));
-  const std::string tls = absl::StrCat(" --tls_ca=", certs_.pem("ca"), " --tls_cert=",
-                                       certs_.pem("admin"), " --tls_key=", certs_.key("admin"));
+  const std::string daemon_dir =
+      HelperPath(MICROD_DAEMON).substr(0, HelperPath(MICROD_DAEMON).rfind('/'));
+  const std::string tls =
+      absl::StrCat(" --tls_ca=", certs_.pem("ca"), " --tls_cert=", certs_.pem("admin"),
+                   " --tls_key=", certs_.key("admin"));
   const std::string script = absl::StrCat(
-      "set -e; ip link set lo up; ip addr add 10.99.0.1/32 dev lo; ",
-      HelperPath(MICROD_DAEMON), " --socket=", dir_, "/s/microd.sock --nodes=1",
-      " --coordinator_listen=127.0.0.1:0 --admin=10.99.0.1:0 --admin_port_file=", dir_,
-      "/admin", tls, " > ", dir_, "/daemon.log 2>&1 & d=$!; ",
-      "for i in $(seq 100); do [ -s ", dir_, "/admin ] && [ -S ", dir_,
-      "/s/microd.sock ] && break; sleep 0.1; done; a=10.99.0.1:$(cat ", dir_, "/admin); ",
-      daemon_dir, "/microctl --admin=$a", tls, " status > ", dir_, "/with-tls 2>&1 || echo rc=$? >> ",
-      dir_, "/with-tls; ", daemon_dir, "/microctl --admin=$a --timeout_ms=2000 status > ", dir_,
-      "/without 2>&1 || echo rc=$? >> ", dir_, "/without; MICROD_TLS_CA=", certs_.pem("ca"),
-      " MICROD_TLS_CERT=", certs_.pem("admin"), " MICROD_TLS_KEY=", certs_.key("admin"), " ",
-      daemon_dir, "/microd-health --admin=$a --service=microd > ", dir_,
-      "/health 2>&1 || echo rc=$? >> ", dir_, "/health; kill $d; wait $d");
-  const pid_t pid = Spawn({"/usr/bin/unshare", "--net", "--", "/bin/sh", "-c", script},
-                          dir_ + "/script.log");
-  EXPECT_EQ(WaitAll({pid}, seconds(60))[0], 0) << ReadFile(dir_ + "/script.log")
-                                                << ReadFile(dir_ + "/daemon.log");
+      "set -e; ip link set lo up; ip addr add 10.99.0.1/32 dev lo; ", HelperPath(MICROD_DAEMON),
+      " --socket=", dir_, "/s/microd.sock --nodes=1",
+      " --coordinator_listen=127.0.0.1:0 --admin=10.99.0.1:0 --admin_port_file=", dir_, "/admin",
+      tls, " > ", dir_, "/daemon.log 2>&1 & d=$!; ", "for i in $(seq 100); do [ -s ", dir_,
+      "/admin ] && [ -S ", dir_, "/s/microd.sock ] && break; sleep 0.1; done; a=10.99.0.1:$(cat ",
+      dir_, "/admin); ", daemon_dir, "/microctl --admin=$a", tls, " status > ", dir_,
+      "/with-tls 2>&1 || echo rc=$? >> ", dir_, "/with-tls; ", daemon_dir,
+      "/microctl --admin=$a --timeout_ms=2000 status > ", dir_, "/without 2>&1 || echo rc=$? >> ",
+      dir_, "/without; MICROD_TLS_CA=", certs_.pem("ca"), " MICROD_TLS_CERT=", certs_.pem("admin"),
+      " MICROD_TLS_KEY=", certs_.key("admin"), " ", daemon_dir,
+      "/microd-health --admin=$a --service=microd > ", dir_, "/health 2>&1 || echo rc=$? >> ", dir_,
+      "/health; kill $d; wait $d");
+  const pid_t pid =
+      Spawn({"/usr/bin/unshare", "--net", "--", "/bin/sh", "-c", script}, dir_ + "/script.log");
+  EXPECT_EQ(WaitAll({pid}, seconds(60))[0], 0)
+      << ReadFile(dir_ + "/script.log") << ReadFile(dir_ + "/daemon.log");
   const std::string with_tls = ReadFile(dir_ + "/with-tls");
   EXPECT_TRUE(absl::StrContains(with_tls, "running")) << with_tls;
   EXPECT_FALSE(absl::StrContains(with_tls, "rc=")) << with_tls;

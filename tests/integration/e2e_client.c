@@ -30,7 +30,9 @@ static void free_wide(void) { free(wide); }
 
 int main(int argc, char** argv) {
   if (argc < 5) {
-    fprintf(stderr, "usage: %s socket name:count,... steps out [die_at_step] [timeout_ms] [local_rank]\n", argv[0]);
+    fprintf(stderr,
+            "usage: %s socket name:count,... steps out [die_at_step] [timeout_ms] [local_rank]\n",
+            argv[0]);
     return 2;
   }
   const char* socket_path = argv[1];

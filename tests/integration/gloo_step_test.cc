@@ -64,8 +64,8 @@ std::vector<std::vector<StepRecord>> RunInproc(int n, const Config& c) {
     threads.emplace_back([&, r] {
       auto b = sparsify::BucketState::Create({"grads", c.size, 1}, {n, r, n}, so, ops.get());
       ASSERT_TRUE(b.ok()) << b.status();
-      absl::Status s = RunAndRecord(**b, *group[r], stream, r, c.steps, absl::Seconds(60),
-                                    [](uint64_t) {}, &records[r]);
+      absl::Status s = RunAndRecord(
+          **b, *group[r], stream, r, c.steps, absl::Seconds(60), [](uint64_t) {}, &records[r]);
       EXPECT_TRUE(s.ok()) << s;
     });
   }

@@ -38,8 +38,8 @@ class NetLab {
   }
 
   // A lab of `nodes` nodes; `shape`: netlab.sh SHAPE options (--rate 1gbit ...).
-  static absl::StatusOr<std::unique_ptr<NetLab>> Create(int nodes,
-                                                        const std::vector<std::string>& shape = {}) {
+  static absl::StatusOr<std::unique_ptr<NetLab>> Create(
+      int nodes, const std::vector<std::string>& shape = {}) {
     if (std::string(MICROD_NETLAB).empty()) {
       return absl::FailedPreconditionError("this test binary was built without MICROD_NETLAB");
     }
@@ -48,7 +48,8 @@ class NetLab {
     args.insert(args.end(), shape.begin(), shape.end());
     auto out = Netlab(args);
     if (!out.ok()) return out.status();
-    return std::unique_ptr<NetLab>(new NetLab(std::string(absl::StripAsciiWhitespace(*out)), nodes));
+    return std::unique_ptr<NetLab>(
+        new NetLab(std::string(absl::StripAsciiWhitespace(*out)), nodes));
   }
   ~NetLab() { (void)Netlab({"down", name_}); }
   NetLab(const NetLab&) = delete;
@@ -93,8 +94,8 @@ class NetLab {
     const int err_fd = mkstemp(err_path);
     if (err_fd < 0) return absl::InternalError("mkstemp failed");
     close(err_fd);
-    std::string cmd = absl::StrCat("NETLAB_DELAY_BIN='", MICROD_NETLAB_DELAY, "' '", MICROD_NETLAB,
-                                   "'");
+    std::string cmd =
+        absl::StrCat("NETLAB_DELAY_BIN='", MICROD_NETLAB_DELAY, "' '", MICROD_NETLAB, "'");
     for (const auto& a : args) absl::StrAppend(&cmd, " '", a, "'");
     absl::StrAppend(&cmd, " 2>'", err_path, "'");
     std::string out;

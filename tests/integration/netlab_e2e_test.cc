@@ -8,8 +8,8 @@
 #include <sys/wait.h>
 
 #include <chrono>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <thread>
 
@@ -84,9 +84,10 @@ TEST_P(NetLabEverySparsifier, FourNodesTwoProcessesEqualTheReference) {
     // Each node's data plane is on its own address, the one the coordinator
     // saw its join come from (no --hostname given, no name looked up).
     const std::string log = ReadFile(absl::StrCat(cluster.dir(), "/daemon", r, ".log"));
-    EXPECT_TRUE(absl::StrContains(log, absl::StrCat("data plane on ", lab->addr(r),
-                                                    " (the address the coordinator at ")))
-        << "node " << r << ":\n" << log;
+    EXPECT_TRUE(absl::StrContains(
+        log, absl::StrCat("data plane on ", lab->addr(r), " (the address the coordinator at ")))
+        << "node " << r << ":\n"
+        << log;
     auto status = cluster.Status(r);
     ASSERT_TRUE(status.ok()) << "node " << r << ": " << status.status();
     EXPECT_EQ(status->job_state(), microd::v1::JOB_STATE_RUNNING) << "node " << r;
@@ -94,15 +95,16 @@ TEST_P(NetLabEverySparsifier, FourNodesTwoProcessesEqualTheReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Sparsifiers, NetLabEverySparsifier,
-    ::testing::Values(Case("micro_hist", sparsify::SparsifierKind::kMicro),
-                      Case("micro_paper", sparsify::SparsifierKind::kMicro,
-                           sparsify::ControllerKind::kPaper),
-                      Case("topk", sparsify::SparsifierKind::kTopK),
-                      Case("hard", sparsify::SparsifierKind::kHard),
-                      Case("dense", sparsify::SparsifierKind::kDense)),
-    [](const ::testing::TestParamInfo<SparsifierCase>& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Sparsifiers, NetLabEverySparsifier,
+                         ::testing::Values(Case("micro_hist", sparsify::SparsifierKind::kMicro),
+                                           Case("micro_paper", sparsify::SparsifierKind::kMicro,
+                                                sparsify::ControllerKind::kPaper),
+                                           Case("topk", sparsify::SparsifierKind::kTopK),
+                                           Case("hard", sparsify::SparsifierKind::kHard),
+                                           Case("dense", sparsify::SparsifierKind::kDense)),
+                         [](const ::testing::TestParamInfo<SparsifierCase>& info) {
+                           return info.param.name;
+                         });
 
 // Node 0 serving the coordinator on every interface (0.0.0.0): it dials
 // loopback itself, and its data plane is on its own address, not loopback.
@@ -230,7 +232,10 @@ TEST_F(NetLabTest, LossAndDelayKeepTheResultsExact) {
 TEST_F(NetLabTest, CoordinatorPartitionedFailsEveryProcess) {
   const int n = 4;
   ExpectEveryProcessFails(
-      n, [](NetLab& lab) { return lab.Partition({"0", "1,2,3"}); },
+      n,
+      [](NetLab& lab) {
+        return lab.Partition({"0", "1,2,3"});
+      },
       [n](int r) {
         if (r > 0) return std::vector<std::string>{"node 0"};
         std::vector<std::string> others;

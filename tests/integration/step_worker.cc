@@ -70,9 +70,9 @@ int main(int argc, char** argv) {
   so.controller = *ct;
   so.density = absl::GetFlag(FLAGS_density);
   auto ops = microd::kernels::CreateCpuSparseOps();
-  auto bucket = microd::sparsify::BucketState::Create(
-      {"grads", absl::GetFlag(FLAGS_size), 1}, {m->node_count, m->node_rank, m->world_size}, so,
-      ops.get());
+  auto bucket = microd::sparsify::BucketState::Create({"grads", absl::GetFlag(FLAGS_size), 1},
+                                                      {m->node_count, m->node_rank, m->world_size},
+                                                      so, ops.get());
   if (!bucket.ok()) return fail(2, bucket.status());
 
   microd::sim::SyntheticOptions stream;

@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "tests/common/kernel_inputs.h"
 #include "kernels/poll_pacer.h"
 #include "kernels/sparse_ops.h"
+#include "tests/common/kernel_inputs.h"
 
 namespace microd::kernels {
 namespace {}  // namespace
@@ -188,8 +188,16 @@ TEST_P(CpuOpsTest, FusedPassWithMomentumMatchesMomentumThenPass) {
   std::vector<float> v(100, 0.0f);
   v[3] = std::numeric_limits<float>::infinity();
   StepScalars s;
-  FusedSelectArgs a{Device(std::vector<float>(100, 1.0f)), Device(std::vector<float>(100)),
-                    Device(std::vector<float>(100)), 100, 0, 0, 0, nullptr, nullptr, &s};
+  FusedSelectArgs a{Device(std::vector<float>(100, 1.0f)),
+                    Device(std::vector<float>(100)),
+                    Device(std::vector<float>(100)),
+                    100,
+                    0,
+                    0,
+                    0,
+                    nullptr,
+                    nullptr,
+                    &s};
   a.velocity_in = Device(v);
   a.velocity_out = Device(std::vector<float>(100));
   a.beta = beta;
@@ -425,10 +433,9 @@ TEST_P(CpuOpsTest, LocalSumDivideAndNonFinite) {
       // the largest finite values and denormals not.
       std::vector<float> mixed = RandomValues(d, 9);
       uint64_t planted = 0;
-      const float kinds[] = {std::numeric_limits<float>::quiet_NaN(),
-                             -std::numeric_limits<float>::quiet_NaN(),
-                             std::numeric_limits<float>::infinity(),
-                             -std::numeric_limits<float>::infinity()};
+      const float kinds[] = {
+          std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(),
+          std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()};
       for (uint64_t i = 0; i < d; i += 13) {
         mixed[i] = kinds[(i / 13) % 4];
         ++planted;
@@ -534,11 +541,32 @@ std::vector<float> ConversionInputs() {
       v.push_back(f);
     }
   }
-  for (float f : {0.0f, -0.0f, 1.0f, -1.0f, 65504.0f, 65519.996f, 65520.0f, -65520.0f, 65536.0f,
-                  0x1p-14f, 0x1p-24f, 0x1p-25f, 0x1.8p-25f, 0x1.8p-24f, 0x1.4p-24f, 0x1p-26f,
-                  0x1.ffcp-15f, 0x1.ffep-15f, 1.0f + 0x1p-11f, 1.0f + 0x3p-11f, 1e-45f, 3e38f,
-                  std::numeric_limits<float>::max(), std::numeric_limits<float>::infinity(),
-                  -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
+  for (float f : {0.0f,
+                  -0.0f,
+                  1.0f,
+                  -1.0f,
+                  65504.0f,
+                  65519.996f,
+                  65520.0f,
+                  -65520.0f,
+                  65536.0f,
+                  0x1p-14f,
+                  0x1p-24f,
+                  0x1p-25f,
+                  0x1.8p-25f,
+                  0x1.8p-24f,
+                  0x1.4p-24f,
+                  0x1p-26f,
+                  0x1.ffcp-15f,
+                  0x1.ffep-15f,
+                  1.0f + 0x1p-11f,
+                  1.0f + 0x3p-11f,
+                  1e-45f,
+                  3e38f,
+                  std::numeric_limits<float>::max(),
+                  std::numeric_limits<float>::infinity(),
+                  -std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::quiet_NaN(),
                   -std::numeric_limits<float>::quiet_NaN(),
                   std::numeric_limits<float>::signaling_NaN()}) {
     v.push_back(f);
@@ -551,7 +579,7 @@ void ExpectSameHalf(uint16_t got, uint16_t want, bool nan, float x, bool f16) {
   if (nan) {  // a NaN stays a NaN of the same sign (payloads: the ISAs agree, below)
     ASSERT_EQ(got & 0x8000, want & 0x8000) << what << " of " << x;
     ASSERT_TRUE(f16 ? (got & 0x7c00) == 0x7c00 && (got & 0x3ff) != 0
-                               : (got & 0x7f80) == 0x7f80 && (got & 0x7f) != 0)
+                    : (got & 0x7f80) == 0x7f80 && (got & 0x7f) != 0)
         << what << " of NaN: " << got;
     return;
   }
@@ -624,7 +652,8 @@ TEST_P(CpuOpsTest, HalfConversionsMatchTheScalarPath) {
       ASSERT_EQ(a, b) << ElementTypeName(t) << " n " << n;
     }
     std::vector<float> a(codes.size()), b(codes.size());
-    ASSERT_EQ(ops_->HalfToFloat(codes.data(), t, codes.size(), a.data(), nullptr), KernelStatus::kOk);
+    ASSERT_EQ(ops_->HalfToFloat(codes.data(), t, codes.size(), a.data(), nullptr),
+              KernelStatus::kOk);
     ASSERT_EQ(scalar->HalfToFloat(codes.data(), t, codes.size(), b.data(), nullptr),
               KernelStatus::kOk);
     for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(Bits(a[i]), Bits(b[i])) << i;
@@ -655,9 +684,9 @@ TEST_P(CpuOpsTest, GatherRoundedKeepsWhatRoundingDrops) {
     for (size_t i = 0; i < acc.size(); ++i) {
       if (j < index.size() && index[j] == i) {
         ASSERT_EQ(acc[i] + wide[j], before[i]) << i;  // the remainder, exactly
-        ASSERT_LE(std::fabs(acc[i]), std::fabs(before[i]) * (t == ElementType::kBFloat16
-                                                                 ? 0x1p-8f : 0x1p-11f) +
-                                         0x1p-24f)
+        ASSERT_LE(
+            std::fabs(acc[i]),
+            std::fabs(before[i]) * (t == ElementType::kBFloat16 ? 0x1p-8f : 0x1p-11f) + 0x1p-24f)
             << i;
         ++j;
       } else {

@@ -4,6 +4,8 @@
 // within a relative 1e-12. Skipped, with CUDA's reason, where no GPU is
 // usable. Nothing here touches CUDA before a test body runs, so listing the
 // tests (gtest_discover_tests at build time) works on machines without one.
+#include "kernels/cuda/cuda_ops.h"
+
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -18,9 +20,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "tests/common/kernel_inputs.h"
-#include "kernels/cuda/cuda_ops.h"
 #include "kernels/sparse_ops.h"
+#include "tests/common/kernel_inputs.h"
 
 namespace microd::kernels {
 namespace {
@@ -123,8 +124,16 @@ TEST_F(CudaOpsTest, FusedAccumulateSelectMatchesCpu) {
           std::vector<uint32_t> idx_c(end - b + 1);
           std::vector<float> val_c(end - b + 1);
           StepScalars s_c;
-          FusedSelectArgs ac{g.data(), e_c.data(), in_place ? e_c.data() : acc_c.data(),
-                             d, b, end, thr, idx_c.data(), val_c.data(), &s_c};
+          FusedSelectArgs ac{g.data(),
+                             e_c.data(),
+                             in_place ? e_c.data() : acc_c.data(),
+                             d,
+                             b,
+                             end,
+                             thr,
+                             idx_c.data(),
+                             val_c.data(),
+                             &s_c};
           ASSERT_EQ(cpu_->FusedAccumulateSelect(ac, nullptr), KernelStatus::kOk);
           const std::vector<float>& want_acc = in_place ? e_c : acc_c;
           // GPU.
@@ -164,8 +173,8 @@ TEST_F(CudaOpsTest, FusedPassOverManyTilesWithADenseSelectionMatchesCpu) {
   std::vector<uint32_t> idx_c(d);
   std::vector<float> val_c(d);
   StepScalars s_c;
-  FusedSelectArgs ac{g.data(), e_c.data(), acc_c.data(), d, 0, d, 0.0f,
-                     idx_c.data(), val_c.data(), &s_c};
+  FusedSelectArgs ac{g.data(), e_c.data(),   acc_c.data(), d,   0, d,
+                     0.0f,     idx_c.data(), val_c.data(), &s_c};
   ASSERT_EQ(cpu_->FusedAccumulateSelect(ac, nullptr), KernelStatus::kOk);
   ASSERT_EQ(s_c.count, d);
   for (void* on : {stream(), static_cast<void*>(nullptr)}) {
@@ -204,8 +213,8 @@ TEST_F(CudaOpsTest, FusedPassWithMomentumMatchesCpu) {
       std::vector<uint32_t> idx_c(end - b + 1);
       std::vector<float> val_c(end - b + 1);
       StepScalars s_c;
-      FusedSelectArgs ac{g.data(), e.data(), acc_c.data(), d, b, end, 1e-3f,
-                         idx_c.data(), val_c.data(), &s_c};
+      FusedSelectArgs ac{g.data(), e.data(),     acc_c.data(), d,   b, end,
+                         1e-3f,    idx_c.data(), val_c.data(), &s_c};
       ac.velocity_in = v.data();
       ac.velocity_out = v_c.data();
       ac.beta = beta;
@@ -217,8 +226,15 @@ TEST_F(CudaOpsTest, FusedPassWithMomentumMatchesCpu) {
         return Up(out) + offset;
       };
       float* vin = padded(v);
-      FusedSelectArgs ag{padded(g), padded(e), Zeros<float>(d + offset) + offset, d, b, end,
-                         1e-3f, Zeros<uint32_t>(end - b + 1), Zeros<float>(end - b + 1),
+      FusedSelectArgs ag{padded(g),
+                         padded(e),
+                         Zeros<float>(d + offset) + offset,
+                         d,
+                         b,
+                         end,
+                         1e-3f,
+                         Zeros<uint32_t>(end - b + 1),
+                         Zeros<float>(end - b + 1),
                          Up(std::vector<StepScalars>{{123, 456}})};
       ag.velocity_in = vin;
       ag.velocity_out = velocity_in_place ? vin : Zeros<float>(d + offset) + offset;
@@ -247,8 +263,8 @@ TEST_F(CudaOpsTest, FusedPassCountsNonFiniteLikeCpu) {
     std::vector<uint32_t> idx_c(d);
     std::vector<float> val_c(d);
     StepScalars s_c;
-    FusedSelectArgs ac{g.data(), e.data(), acc_c.data(), d, 0, d, 0.1f,
-                       idx_c.data(), val_c.data(), &s_c};
+    FusedSelectArgs ac{g.data(), e.data(),     acc_c.data(), d,   0, d,
+                       0.1f,     idx_c.data(), val_c.data(), &s_c};
     ASSERT_EQ(cpu_->FusedAccumulateSelect(ac, nullptr), KernelStatus::kOk);
     float* accd = Zeros<float>(d);
     uint32_t* idxd = Zeros<uint32_t>(d);
@@ -303,8 +319,7 @@ TEST_F(CudaOpsTest, BadArgumentsAreRefusedLikeCpu) {
             KernelStatus::kInvalidArgument);
   EXPECT_EQ(gpu_->TopK(v, 16, 4, nullptr, out, s, stream()), KernelStatus::kInvalidArgument);
   EXPECT_EQ(gpu_->SortUnique(idx, 16, nullptr, stream()), KernelStatus::kInvalidArgument);
-  EXPECT_EQ(gpu_->LogHistogram(v, 16, 32, 0, 8, nullptr, stream()),
-            KernelStatus::kInvalidArgument);
+  EXPECT_EQ(gpu_->LogHistogram(v, 16, 32, 0, 8, nullptr, stream()), KernelStatus::kInvalidArgument);
   const float* const no_inputs[] = {nullptr};
   EXPECT_EQ(gpu_->LocalSum(no_inputs, 1, 16, out, nullptr, stream()),
             KernelStatus::kInvalidArgument);
@@ -328,14 +343,14 @@ TEST_F(CudaOpsTest, SelectRangeMatchesCpu) {
       const float* ad = Up(padded) + offset;
       for (auto [b, end] : Ranges(d)) {
         for (float thr : {0.0f, 1e-2f, 2.0f}) {
-          SCOPED_TRACE(testing::Message() << "d=" << d << " [" << b << "," << end << ") thr="
-                                          << thr << " offset=" << offset);
+          SCOPED_TRACE(testing::Message() << "d=" << d << " [" << b << "," << end << ") thr=" << thr
+                                          << " offset=" << offset);
           std::vector<uint32_t> idx_c(end - b + 1);
           std::vector<float> val_c(end - b + 1);
           StepScalars s_c;
-          ASSERT_EQ(cpu_->SelectRange(acc.data(), b, end, thr, idx_c.data(), val_c.data(), &s_c,
-                                      nullptr),
-                    KernelStatus::kOk);
+          ASSERT_EQ(
+              cpu_->SelectRange(acc.data(), b, end, thr, idx_c.data(), val_c.data(), &s_c, nullptr),
+              KernelStatus::kOk);
           uint32_t* idxd = Zeros<uint32_t>(end - b + 1);
           float* vald = Zeros<float>(end - b + 1);
           StepScalars* sd = Up(std::vector<StepScalars>{{77, 88}});
@@ -378,8 +393,8 @@ TEST_F(CudaOpsTest, LogHistogramMatchesCpu) {
   struct Case {
     uint32_t shift, first_bin, num_bins;
   };
-  const Case cases[] = {{20, Bits(1e-4f) >> 20, 128},  // coarse bins of the controller
-                        {12, Bits(0.01f) >> 12, 256},  // fine bins
+  const Case cases[] = {{20, Bits(1e-4f) >> 20, 128},    // coarse bins of the controller
+                        {12, Bits(0.01f) >> 12, 256},    // fine bins
                         {12, Bits(1e-6f) >> 12, 20000},  // more bins than shared memory holds
                         {23, 0, 0},                      // only the "above" bin
                         {0, 0, 64},                      // every bit pattern its own bin
@@ -393,9 +408,9 @@ TEST_F(CudaOpsTest, LogHistogramMatchesCpu) {
     const float* vd = Up(val);
     for (const Case& c : cases) {
       std::vector<int64_t> want(c.num_bins + 1, -1);
-      ASSERT_EQ(cpu_->LogHistogram(val.data(), n, c.shift, c.first_bin, c.num_bins, want.data(),
-                                   nullptr),
-                KernelStatus::kOk);
+      ASSERT_EQ(
+          cpu_->LogHistogram(val.data(), n, c.shift, c.first_bin, c.num_bins, want.data(), nullptr),
+          KernelStatus::kOk);
       int64_t* bd = Up(std::vector<int64_t>(c.num_bins + 1, -1));
       ASSERT_EQ(gpu_->LogHistogram(vd, n, c.shift, c.first_bin, c.num_bins, bd, stream()),
                 KernelStatus::kOk);
@@ -606,7 +621,8 @@ TEST_F(CudaOpsTest, CopyAndZeroFloatsInDeviceMemory) {
 TEST_F(CudaOpsTest, CountOutsideMatchesCpu) {
   for (uint64_t n : kSizes) {
     std::vector<uint32_t> idx(n);
-    for (uint64_t j = 0; j < n; ++j) idx[j] = static_cast<uint32_t>((j * 2654435761u) % (3 * n + 1));
+    for (uint64_t j = 0; j < n; ++j)
+      idx[j] = static_cast<uint32_t>((j * 2654435761u) % (3 * n + 1));
     const uint32_t* idxd = Up(idx);
     StepScalars want{}, got{};
     ASSERT_EQ(cpu_->CountOutside(idx.data(), n, n / 3, 2 * n, &want, nullptr), KernelStatus::kOk);

@@ -5,9 +5,9 @@
 // one bucket, or one missing on one node, failing that bucket alone.
 #include "daemon/sparsify/batch_step.h"
 
+#include <array>
 #include <cmath>
 #include <cstring>
-#include <array>
 #include <functional>
 #include <limits>
 #include <thread>
@@ -88,7 +88,7 @@ using Outcomes = std::vector<std::vector<std::vector<Outcome>>>;  // [node][step
 // no gradient at all (batched only; the one-at-a-time run skips that
 // bucket's step on every node instead).
 Outcomes RunSteps(int n, const SparsifyOptions& options, bool batched, std::array<int, 3> nan_at,
-             std::array<int, 3> absent_at, std::vector<uint64_t>* rounds = nullptr) {
+                  std::array<int, 3> absent_at, std::vector<uint64_t>* rounds = nullptr) {
   auto ops = kernels::CreateCpuSparseOps();
   auto group = transport::CreateInprocGroup(n);
   Outcomes out(n, std::vector<std::vector<Outcome>>(kSteps, std::vector<Outcome>(kBuckets.size())));
@@ -136,8 +136,8 @@ Outcomes RunSteps(int n, const SparsifyOptions& options, bool batched, std::arra
               continue;
             }
             std::vector<float> update(kBuckets[b].size);
-            auto st = state[b]->Step(grad[b].data(), update.data(), t,
-                                     absl::Now() + absl::Seconds(60));
+            auto st =
+                state[b]->Step(grad[b].data(), update.data(), t, absl::Now() + absl::Seconds(60));
             record(b, st, update);
           }
           continue;
@@ -181,7 +181,8 @@ TEST_P(BatchStepTest, EqualsOneBucketAtATimeBitForBit) {
   for (int n : {1, 2, 3, 4}) {
     std::vector<uint64_t> rounds;
     const Outcomes alone = RunSteps(n, GetParam().options, false, {-1, -1, -1}, {-1, -1, -1});
-    const Outcomes batched = RunSteps(n, GetParam().options, true, {-1, -1, -1}, {-1, -1, -1}, &rounds);
+    const Outcomes batched =
+        RunSteps(n, GetParam().options, true, {-1, -1, -1}, {-1, -1, -1}, &rounds);
     for (int r = 0; r < n; ++r) {
       for (int step = 0; step < kSteps; ++step) {
         for (size_t b = 0; b < kBuckets.size(); ++b) {
@@ -256,7 +257,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Make("micro_hist_momentum_clip", SparsifierKind::kMicro,
                            ControllerKind::kHistogram, 0.9, 1.0),
                       Make("topk", SparsifierKind::kTopK, ControllerKind::kHistogram),
-                      Make("hard_momentum", SparsifierKind::kHard, ControllerKind::kHistogram, 0.9)),
+                      Make("hard_momentum", SparsifierKind::kHard, ControllerKind::kHistogram,
+                           0.9)),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 }  // namespace

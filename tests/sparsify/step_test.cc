@@ -207,7 +207,11 @@ class Reference {
 class Cluster {
  public:
   Cluster(int n, int W, uint64_t d, const SparsifyOptions& o, int wire = 1)
-      : n_(n), W_(W), d_(d), o_(o), spec_{"grads.0", d, 3, static_cast<kernels::ElementType>(wire)} {
+      : n_(n),
+        W_(W),
+        d_(d),
+        o_(o),
+        spec_{"grads.0", d, 3, static_cast<kernels::ElementType>(wire)} {
     group_ = transport::CreateInprocGroup(n);
     for (int r = 0; r < n; ++r) {
       // A backend per node, as each daemon has its own (and its own count of waits).
@@ -287,7 +291,9 @@ struct Case {
 };
 void PrintTo(const Case& c, std::ostream* os) {
   *os << SparsifierName(c.sparsifier) << "/" << ControllerName(c.controller) << "/m" << c.momentum
-      << (c.wire == 2 ? "/wire bf16" : c.wire == 3 ? "/wire fp16" : "");
+      << (c.wire == 2   ? "/wire bf16"
+          : c.wire == 3 ? "/wire fp16"
+                        : "");
 }
 
 SparsifyOptions OptionsOf(const Case& c, double density) {
@@ -382,7 +388,9 @@ INSTANTIATE_TEST_SUITE_P(
              (info.param.warmup_steps > 0 ? "_warmup" : "") +
              (info.param.warmup_density > 0 ? "_schedule" : "") +
              (info.param.clip_norm > 0 ? "_clip" : "") +
-             (info.param.wire == 2 ? "_wirebf16" : info.param.wire == 3 ? "_wirefp16" : "");
+             (info.param.wire == 2   ? "_wirebf16"
+              : info.param.wire == 3 ? "_wirefp16"
+                                     : "");
     });
 
 // A checkpoint of every node's state after 20 steps, loaded into fresh
@@ -403,8 +411,8 @@ TEST_P(StepTest, ASavedStateContinuesBitForBit) {
         for (const auto& s : straight.Step(g, a, sa)) ASSERT_TRUE(s.ok()) << s;
         for (const auto& s : restarted.Step(g, b, sb)) ASSERT_TRUE(s.ok()) << s;
         for (int r = 0; r < n; ++r) {
-          ExpectBitEqual(b[r], a[r], "update of node " + std::to_string(r) + " at step " +
-                                         std::to_string(t));
+          ExpectBitEqual(b[r], a[r],
+                         "update of node " + std::to_string(r) + " at step " + std::to_string(t));
           ASSERT_EQ(sb[r].step, t);
           ASSERT_EQ(sb[r].threshold, sa[r].threshold) << "step " << t;
         }
@@ -518,8 +526,8 @@ TEST(Remedies, FillInOnlyWhatTheFlagsLeaveUnset) {
   EXPECT_EQ(o.warmup_steps, kWarmupDenseSteps);
   EXPECT_EQ(o.warmup_density, kWarmupStartDensity);
   // 25 % -> 0.1 %: log4(250) = 3.98 stages.
-  EXPECT_EQ(o.warmup_decay_steps, uint64_t(std::ceil(std::log(250.0) / std::log(4.0) *
-                                                     kWarmupStageSteps)));
+  EXPECT_EQ(o.warmup_decay_steps,
+            uint64_t(std::ceil(std::log(250.0) / std::log(4.0) * kWarmupStageSteps)));
   EXPECT_EQ(o.min_k, kMinK);
   EXPECT_TRUE(o.Validate().ok());
 
@@ -626,8 +634,8 @@ TEST(StepHostWaits, DoNotGrowWithTheNumberOfNodes) {
         for (int r = 0; r < n; ++r) {
           ASSERT_EQ(stats[r].rescans, 0);
           EXPECT_EQ(stats[r].host_waits, want.waits)
-              << SparsifierName(want.sparsifier) << "/" << ControllerName(want.controller)
-              << " (" << want.what << "), node " << r << " of " << n << ", step " << t;
+              << SparsifierName(want.sparsifier) << "/" << ControllerName(want.controller) << " ("
+              << want.what << "), node " << r << " of " << n << ", step " << t;
         }
       }
     }
@@ -780,8 +788,8 @@ class HostileTransport final : public transport::Transport {
   const char* name() const override { return "hostile"; }
   absl::Status Allgather(const void* in, size_t bytes, void* out,
                          const transport::CollectiveOptions& o) override {
-    if (armed_ && lie_ == Lie::kHugeCount && (o.tag & 0xFF) == uint32_t(transport::TagKind::kHeader) &&
-        bytes >= sizeof(uint64_t)) {
+    if (armed_ && lie_ == Lie::kHugeCount &&
+        (o.tag & 0xFF) == uint32_t(transport::TagKind::kHeader) && bytes >= sizeof(uint64_t)) {
       std::vector<char> lied(static_cast<const char*>(in), static_cast<const char*>(in) + bytes);
       const uint64_t huge = uint64_t{1} << 40;
       std::memcpy(lied.data(), &huge, sizeof huge);  // the header's count
@@ -808,7 +816,9 @@ class HostileTransport final : public transport::Transport {
                             const transport::CollectiveOptions& o) override {
     return inner_->AllreduceSum(data, count, type, o);
   }
-  absl::Status Barrier(const transport::CollectiveOptions& o) override { return inner_->Barrier(o); }
+  absl::Status Barrier(const transport::CollectiveOptions& o) override {
+    return inner_->Barrier(o);
+  }
   void Abort(const absl::Status& reason) override { inner_->Abort(reason); }
   void Arm() { armed_ = true; }
 
@@ -851,8 +861,8 @@ TEST_P(StepHostilePeer, FailsTheStepOnEveryNodeNamingThePeer) {
     for (int r = 0; r < n; ++r) {
       threads.emplace_back([&, r] {
         transport::Transport& tr = r == 1 ? liar : *group[r];
-        auto s = buckets[r]->Step(g[r].data(), updates[r].data(), tr,
-                                  absl::Now() + absl::Seconds(20));
+        auto s =
+            buckets[r]->Step(g[r].data(), updates[r].data(), tr, absl::Now() + absl::Seconds(20));
         status[r] = s.status();
       });
     }
@@ -871,13 +881,13 @@ TEST_P(StepHostilePeer, FailsTheStepOnEveryNodeNamingThePeer) {
 
 INSTANTIATE_TEST_SUITE_P(
     Lies, StepHostilePeer,
-    ::testing::Values(HostileCase{SparsifierKind::kMicro, HostileTransport::Lie::kHugeCount},
-                      HostileCase{SparsifierKind::kMicro, HostileTransport::Lie::kIndexOutOfBucket},
-                      HostileCase{SparsifierKind::kMicro,
-                                  HostileTransport::Lie::kIndexInAnotherPartition},
-                      HostileCase{SparsifierKind::kTopK, HostileTransport::Lie::kHugeCount},
-                      HostileCase{SparsifierKind::kTopK, HostileTransport::Lie::kIndexOutOfBucket},
-                      HostileCase{SparsifierKind::kHard, HostileTransport::Lie::kIndexOutOfBucket}));
+    ::testing::Values(
+        HostileCase{SparsifierKind::kMicro, HostileTransport::Lie::kHugeCount},
+        HostileCase{SparsifierKind::kMicro, HostileTransport::Lie::kIndexOutOfBucket},
+        HostileCase{SparsifierKind::kMicro, HostileTransport::Lie::kIndexInAnotherPartition},
+        HostileCase{SparsifierKind::kTopK, HostileTransport::Lie::kHugeCount},
+        HostileCase{SparsifierKind::kTopK, HostileTransport::Lie::kIndexOutOfBucket},
+        HostileCase{SparsifierKind::kHard, HostileTransport::Lie::kIndexOutOfBucket}));
 
 // A checkpoint of another bucket shape or configuration is refused, naming
 // what differs, and the state is left as it was.

@@ -1,5 +1,7 @@
 // The contract suite against the Gloo transport: the ranks are threads of
 // this process, connected over loopback TCP through an in-memory store.
+#include "daemon/transport/gloo/gloo_transport.h"
+
 #include <dirent.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -11,7 +13,6 @@
 #include <thread>
 
 #include "daemon/control/kv_store.h"
-#include "daemon/transport/gloo/gloo_transport.h"
 #include "gtest/gtest.h"
 #include "tests/transport/transport_contract.h"
 
@@ -96,9 +97,8 @@ TEST(GlooTransportTest, IoNiceLowersTheNetworkThreadOnly) {
   std::vector<std::thread> threads;
   std::vector<float> x = {2.5f, 4.0f};
   for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      EXPECT_TRUE(group[r]->AllreduceSum(&x[r], 1, DataType::kFloat32, {}).ok());
-    });
+    threads.emplace_back(
+        [&, r] { EXPECT_TRUE(group[r]->AllreduceSum(&x[r], 1, DataType::kFloat32, {}).ok()); });
   }
   for (auto& t : threads) t.join();
   EXPECT_EQ(x[0], 6.5f);
@@ -175,15 +175,11 @@ TEST(GlooTransportTest, IoNiceOutOfRangeIsRefused) {
 
 // Three connections per pair: large allreduces go in parts over all of
 // them, with the same bits (the contract suite's rank-order sums).
-INSTANTIATE_TEST_SUITE_P(Gloo, TransportContractTest,
-                         ::testing::Values(TransportBackend{"gloo",
-                                                            [](int size) {
-                                                              return CreateGlooGroup(size);
-                                                            }},
-                                           TransportBackend{"gloo_3_connections",
-                                                            [](int size) {
-                                                              return CreateGlooGroup(size, 0, 3);
-                                                            }}),
-                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(
+    Gloo, TransportContractTest,
+    ::testing::Values(TransportBackend{"gloo", [](int size) { return CreateGlooGroup(size); }},
+                      TransportBackend{"gloo_3_connections",
+                                       [](int size) { return CreateGlooGroup(size, 0, 3); }}),
+    [](const auto& info) { return info.param.name; });
 
 }  // namespace microd::transport::testing

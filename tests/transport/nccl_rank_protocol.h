@@ -37,8 +37,8 @@ enum class WorkerOp : uint32_t {
   kExit = 5,
 };
 
-constexpr uint32_t kNullIn = 1;   // pass nullptr as the input buffer
-constexpr uint32_t kNullOut = 2;  // pass nullptr as the output buffer
+constexpr uint32_t kNullIn = 1;       // pass nullptr as the input buffer
+constexpr uint32_t kNullOut = 2;      // pass nullptr as the output buffer
 constexpr uint32_t kShapeAgreed = 4;  // CollectiveOptions::shape_agreed
 
 struct WorkerRequest {

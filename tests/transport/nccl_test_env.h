@@ -17,8 +17,8 @@ namespace microd::testing {
 // environment already sets them.
 inline std::vector<std::string> NcclLoopbackVariables(const std::string& host_id) {
   std::vector<std::string> vars = {"NCCL_HOSTID=" + host_id};
-  for (const char* kv : {"NCCL_SOCKET_IFNAME=lo", "NCCL_IB_DISABLE=1", "NCCL_NVLS_ENABLE=0",
-                         "NCCL_DEBUG=WARN"}) {
+  for (const char* kv :
+       {"NCCL_SOCKET_IFNAME=lo", "NCCL_IB_DISABLE=1", "NCCL_NVLS_ENABLE=0", "NCCL_DEBUG=WARN"}) {
     const std::string name(kv, std::strchr(kv, '=') - kv);
     if (std::getenv(name.c_str()) == nullptr) vars.push_back(kv);
   }

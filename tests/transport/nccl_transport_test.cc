@@ -45,9 +45,10 @@ std::string NoGpuReason() {
 // Waits for `fd` to be readable until `deadline`.
 bool WaitReadable(int fd, absl::Time deadline) {
   for (;;) {
-    const int64_t ms = deadline == absl::InfiniteFuture()
-                           ? -1
-                           : std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now()));
+    const int64_t ms =
+        deadline == absl::InfiniteFuture()
+            ? -1
+            : std::max<int64_t>(0, absl::ToInt64Milliseconds(deadline - absl::Now()));
     pollfd p{fd, POLLIN, 0};
     const int r = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(ms, 1 << 30)));
     if (r > 0) return true;
@@ -165,8 +166,8 @@ class ProcessTransport final : public Transport {
       return absl::UnavailableError(absl::StrCat("rank ", rank_, ": worker gone"));
     }
     // The worker honours the deadline itself; the margin covers an abort.
-    return ReadResponse(deadline == absl::InfiniteFuture() ? deadline : deadline + absl::Seconds(30),
-                        result);
+    return ReadResponse(
+        deadline == absl::InfiniteFuture() ? deadline : deadline + absl::Seconds(30), result);
   }
 
   absl::Status ReadResponse(absl::Time deadline, std::vector<char>* payload) {
@@ -217,8 +218,12 @@ std::vector<std::unique_ptr<Transport>> CreateGroup(int size, bool device_buffer
     // Everything the child needs is built before fork: between fork and exec
     // it only calls async-signal-safe functions (CUDA's threads may hold locks).
     const std::string rank_s = std::to_string(r), size_s = std::to_string(size);
-    const char* argv[] = {worker.c_str(), rank_s.c_str(), size_s.c_str(),
-                          prefix.c_str(),          dir,            device_buffers ? "1" : "0",
+    const char* argv[] = {worker.c_str(),
+                          rank_s.c_str(),
+                          size_s.c_str(),
+                          prefix.c_str(),
+                          dir,
+                          device_buffers ? "1" : "0",
                           nullptr};
     std::vector<std::string> env = microd::testing::NcclRankEnvironment(
         absl::StrCat("microd-nccl-test-", ::getpid(), "-", id, "-", r));
@@ -290,11 +295,15 @@ INSTANTIATE_TEST_SUITE_P(
     // At most 4 ranks: each is a process with a CUDA context and a
     // communicator on the one GPU.
     ::testing::Values(TransportBackend{"nccl_host_buffers",
-                                       [](int n) { return CreateGroup(n, false); }, NoGpuReason,
-                                       /*rank_order_sums=*/false, {1, 2, 4}},
+                                       [](int n) { return CreateGroup(n, false); },
+                                       NoGpuReason,
+                                       /*rank_order_sums=*/false,
+                                       {1, 2, 4}},
                       TransportBackend{"nccl_device_buffers",
-                                       [](int n) { return CreateGroup(n, true); }, NoGpuReason,
-                                       /*rank_order_sums=*/false, {1, 2, 4}}),
+                                       [](int n) { return CreateGroup(n, true); },
+                                       NoGpuReason,
+                                       /*rank_order_sums=*/false,
+                                       {1, 2, 4}}),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace microd::transport::testing

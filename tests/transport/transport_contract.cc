@@ -161,8 +161,8 @@ TEST_P(TransportContractTest, HalfSumsAreWidenedSummedInRankOrderAndRoundedOnce)
   };
   for (const bool is_bf16 : {true, false}) {
     const DataType type = is_bf16 ? DataType::kBFloat16 : DataType::kFloat16;
-    for (const auto& [n, count] : std::vector<std::pair<int, size_t>>{
-             {2, 17}, {3, 20011}, {4, 100003}, {3, 3000017}}) {
+    for (const auto& [n, count] :
+         std::vector<std::pair<int, size_t>>{{2, 17}, {3, 20011}, {4, 100003}, {3, 3000017}}) {
       auto group = GetParam().create(n);
       auto value = [&](int q, size_t i) {
         const float v =
@@ -182,8 +182,8 @@ TEST_P(TransportContractTest, HalfSumsAreWidenedSummedInRankOrderAndRoundedOnce)
           float sum = widen(is_bf16, value(0, i));
           for (int q = 1; q < n; ++q) sum += widen(is_bf16, value(q, i));
           const uint16_t want = is_bf16 ? bf16(sum) : f16(sum);
-          ASSERT_EQ(h[i], want) << DataTypeName(type) << " rank " << r << " of " << n
-                                << " element " << i;
+          ASSERT_EQ(h[i], want) << DataTypeName(type) << " rank " << r << " of " << n << " element "
+                                << i;
         }
       });
     }

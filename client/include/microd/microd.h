@@ -144,8 +144,8 @@ MICROD_API microd_status microd_register_host_buffer(microd_client* client, cons
  * MICROD_ERR_INVALID_ARGUMENT: use microd_register_typed_buffer). Blocks. */
 MICROD_API microd_status microd_register_buffer(microd_client* client, const char* name,
                                                 uint64_t count,
-                                                const microd_buffer_options* options,
-                                                float** data, int32_t* buffer_id);
+                                                const microd_buffer_options* options, float** data,
+                                                int32_t* buffer_id);
 
 /* microd_register_buffer for any dtype: *data receives `count` elements of
  * options->dtype (fp32: float; bf16 and fp16: 2 bytes each, e.g. uint16_t

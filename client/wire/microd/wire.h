@@ -22,14 +22,14 @@
 #define MICROD_WIRE_PATH_BYTES 768    /* directory of a STATE message, NUL-terminated */
 
 enum microd_wire_type {
-  MICROD_MSG_HELLO = 1,        /* client -> daemon */
-  MICROD_MSG_HELLO_ACK = 2,    /* daemon -> client */
-  MICROD_MSG_REGISTER = 3,     /* client -> daemon, with the memfd */
-  MICROD_MSG_REGISTER_ACK = 4, /* daemon -> client */
-  MICROD_MSG_SUBMIT = 5,       /* client -> daemon */
-  MICROD_MSG_COMPLETION = 6,   /* daemon -> client */
-  MICROD_MSG_ERROR = 7,        /* daemon -> client, then the daemon disconnects */
-  MICROD_MSG_GOODBYE = 8,      /* client -> daemon */
+  MICROD_MSG_HELLO = 1,         /* client -> daemon */
+  MICROD_MSG_HELLO_ACK = 2,     /* daemon -> client */
+  MICROD_MSG_REGISTER = 3,      /* client -> daemon, with the memfd */
+  MICROD_MSG_REGISTER_ACK = 4,  /* daemon -> client */
+  MICROD_MSG_SUBMIT = 5,        /* client -> daemon */
+  MICROD_MSG_COMPLETION = 6,    /* daemon -> client */
+  MICROD_MSG_ERROR = 7,         /* daemon -> client, then the daemon disconnects */
+  MICROD_MSG_GOODBYE = 8,       /* client -> daemon */
   MICROD_MSG_REGISTER_CUDA = 9, /* client -> daemon, answered with REGISTER_ACK */
   MICROD_MSG_STATE = 10         /* client -> daemon, answered with a COMPLETION */
 };
@@ -53,7 +53,7 @@ typedef struct microd_wire_header {
   uint32_t magic;
   uint16_t version;
   uint16_t type;
-  uint32_t length; /* whole message, header included; must equal the packet size */
+  uint32_t length;   /* whole message, header included; must equal the packet size */
   uint32_t reserved; /* 0; in HELLO_ACK: MICROD_WIRE_CAP_* bits */
 } microd_wire_header;
 

@@ -10,7 +10,6 @@
 // (opened from the process's handle), its copy-done event and its pinned
 // staging memory. Whatever is destroyed last closes.
 #include "daemon/local/cuda/cuda_ipc_registry.h"
-#include "daemon/common/log.h"
 
 #include <cuda.h>  // driver types, for the entry points below (no link to libcuda)
 #include <cuda_runtime_api.h>
@@ -26,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "daemon/common/log.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/status_map.h"
 
@@ -136,7 +136,7 @@ class Allocation {
       const cudaError_t e = cudaIpcCloseMemHandle(base_);
       if (e != cudaSuccess) {
         MICROD_LOG(Warning, "closing the CUDA IPC mapping of process %d: %s",
-                     static_cast<int>(pid_), cudaGetErrorString(e));
+                   static_cast<int>(pid_), cudaGetErrorString(e));
       }
     }
     (void)cudaGetLastError();
@@ -190,9 +190,10 @@ class Buffer final : public DeviceMemory {
     const bool current = dev.Use().ok();
     if (in_flight_ && !(current && cudaEventQuery(done_) == cudaSuccess)) {
       // A copy may still read or write the staging memory or the mapping.
-      MICROD_LOG(Warning, "%s: a copy is still in flight; its staging memory, events and "
-                   "mapping stay allocated until the daemon exits",
-                   description_.c_str());
+      MICROD_LOG(Warning,
+                 "%s: a copy is still in flight; its staging memory, events and "
+                 "mapping stay allocated until the daemon exits",
+                 description_.c_str());
       KeepForever(allocation_);
       (void)cudaGetLastError();
       return;
@@ -209,9 +210,7 @@ class Buffer final : public DeviceMemory {
   uint64_t count() const override { return count_; }
   std::string Describe() const override { return description_; }
 
-  float* mapped() const override {
-    return reinterpret_cast<float*>(allocation_->base() + offset_);
-  }
+  float* mapped() const override { return reinterpret_cast<float*>(allocation_->base() + offset_); }
   int ordinal() const override { return allocation_->device()->ordinal(); }
 
   absl::Status WaitReady(absl::Time deadline, const std::function<bool()>& abandoned) override {
@@ -387,7 +386,8 @@ class Registry final : public CudaIpcRegistry {
       return CudaError(e, absl::StrCat(who, ": cudaEventCreateWithFlags"));
     }
     void* staging = nullptr;
-    if (resident_device_ < 0) e = cudaHostAlloc(&staging, std::max<size_t>(bytes, 1), cudaHostAllocPortable);
+    if (resident_device_ < 0)
+      e = cudaHostAlloc(&staging, std::max<size_t>(bytes, 1), cudaHostAllocPortable);
     if (e != cudaSuccess) {
       (void)cudaEventDestroy(done);
       (void)cudaEventDestroy(ready);

@@ -31,8 +31,8 @@
 #include <deque>
 #include <exception>
 #include <functional>
-#include <map>
 #include <future>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <thread>
@@ -45,8 +45,8 @@
 #include "absl/time/clock.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/transport/gloo/store_adapter.h"
-#include "daemon/transport/link_model.h"
 #include "daemon/transport/half_sum.h"
+#include "daemon/transport/link_model.h"
 
 namespace microd::transport {
 namespace {
@@ -106,7 +106,12 @@ constexpr size_t kBurstIncastBytes = 128 << 10;
 // ranks use one tag for buffers of different sizes. The kind of collective
 // is folded into the Gloo tag, so that ranks calling different collectives
 // (a contract violation) time out instead.
-enum class GlooKind : uint32_t { kAllgather = 1, kAllgatherV = 2, kReduceScatter = 3, kBarrier = 4 };
+enum class GlooKind : uint32_t {
+  kAllgather = 1,
+  kAllgatherV = 2,
+  kReduceScatter = 3,
+  kBarrier = 4
+};
 uint32_t GlooTag(uint32_t tag, GlooKind kind) { return tag * 8 + static_cast<uint32_t>(kind); }
 
 class GlooTransport final : public Transport {
@@ -134,9 +139,8 @@ class GlooTransport final : public Transport {
   absl::Status ExchangeRound(std::string_view mine, std::vector<std::string>* from,
                              const CollectiveOptions& o) override {
     if (from == nullptr) return absl::InvalidArgumentError("ExchangeRound: no output");
-    return Run("ExchangeRound", o, [&](std::chrono::milliseconds timeout) {
-      Exchange(mine, from, o.tag, timeout);
-    });
+    return Run("ExchangeRound", o,
+               [&](std::chrono::milliseconds timeout) { Exchange(mine, from, o.tag, timeout); });
   }
 
   void Expect(uint32_t tag, size_t inline_bytes) override {
@@ -174,7 +178,10 @@ class GlooTransport final : public Transport {
     auto timed = [&](size_t bytes, bool posted) -> absl::StatusOr<double> {
       const std::string mine(bytes, 'x');
       CollectiveOptions r = o;
-      r.tag = MakeTag(!posted ? 1 : bytes <= 8 ? 2 : bytes <= (64 << 10) ? 3 : 4,
+      r.tag = MakeTag(!posted               ? 1
+                      : bytes <= 8          ? 2
+                      : bytes <= (64 << 10) ? 3
+                                            : 4,
                       TagKind::kControl);
       if (posted) {
         Expect(r.tag, bytes + 4096);
@@ -187,7 +194,9 @@ class GlooTransport final : public Transport {
     };
     // The fastest of each: what the link does (the daemons start at once,
     // and a busy machine only ever adds to a round).
-    auto fastest = [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); };
+    auto fastest = [](const std::vector<double>& v) {
+      return *std::min_element(v.begin(), v.end());
+    };
     std::vector<double> cold, posted, small, large;
     for (int i = 0; i < 5; ++i) {
       ASSIGN_OR_RETURN(const double t, timed(8, false));
@@ -210,8 +219,8 @@ class GlooTransport final : public Transport {
     mine.posted_round_seconds = std::min(fastest(posted), mine.round_seconds);
     const double extra = *std::min_element(large.begin(), large.end()) -
                          *std::min_element(small.begin(), small.end());
-    mine.bytes_per_second = static_cast<double>(size() - 1) * (kLarge - kSmall) /
-                            std::max(extra, 1e-6);
+    mine.bytes_per_second =
+        static_cast<double>(size() - 1) * (kLarge - kSmall) / std::max(extra, 1e-6);
     std::vector<LinkModel> all(size());
     RETURN_IF_ERROR(Allgather(&mine, sizeof mine, all.data(), o));
     model_ = LinkModel::Combine(all);
@@ -543,8 +552,8 @@ class GlooTransport final : public Transport {
       uint64_t len = 0;
       std::memcpy(&len, round->inbox[p].get(), sizeof len);
       if (len > kMaxRoundBytes) {
-        throw std::runtime_error(absl::StrCat("rank ", p, " sent a round message of ", len,
-                                              " bytes; a bad peer"));
+        throw std::runtime_error(
+            absl::StrCat("rank ", p, " sent a round message of ", len, " bytes; a bad peer"));
       }
       std::string& msg = (*from)[p];
       msg.resize(len);
@@ -766,8 +775,8 @@ class GlooTransport final : public Transport {
     Chunks(count, n, &chunk, &offset);
     // The same segment count on every rank (from count alone).
     const size_t chunk_bytes = (count / n) * sizeof(T);
-    const int segments = static_cast<int>(std::clamp<size_t>(
-        (chunk_bytes + kSegmentBytes - 1) / kSegmentBytes, 1, kMaxSegments));
+    const int segments = static_cast<int>(
+        std::clamp<size_t>((chunk_bytes + kSegmentBytes - 1) / kSegmentBytes, 1, kMaxSegments));
     auto seg_begin = [&](int j, int k) { return chunk[j] * k / segments; };
     auto seg_len = [&](int j, int k) { return seg_begin(j, k + 1) - seg_begin(j, k); };
     // Scratch: per segment of my chunk, the n contributions side by side.

@@ -34,7 +34,8 @@ class GlooStoreAdapter final : public gloo::rendezvous::Store {
   void wait(const std::vector<std::string>& keys) override {
     wait(keys, std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
   }
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
     std::vector<std::string> full;
     for (const auto& k : keys) full.push_back(Key(k));
     auto v = store_->Get(full, absl::Now() + absl::FromChrono(timeout));

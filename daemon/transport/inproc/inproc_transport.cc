@@ -5,14 +5,13 @@
 // an abort or a mismatch breaks the group for every rank.
 #include "daemon/transport/inproc/inproc_transport.h"
 
-#include "daemon/common/status_macros.h"
-
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon/common/status_macros.h"
 #include "daemon/transport/half_sum.h"
 
 namespace microd::transport {

@@ -56,10 +56,10 @@ absl::Status CudaStatus(cudaError_t e, const char* what) {
 absl::Status NcclStatus(ncclResult_t r, ncclComm_t comm, const char* what) {
   if (r == ncclSuccess) return absl::OkStatus();
   const char* last = ncclGetLastError(comm);
-  const std::string msg = absl::StrCat("nccl transport: ", what, ": ", ncclGetErrorString(r),
-                                       last != nullptr && *last != '\0' ? " (" : "",
-                                       last != nullptr ? last : "",
-                                       last != nullptr && *last != '\0' ? ")" : "");
+  const std::string msg =
+      absl::StrCat("nccl transport: ", what, ": ", ncclGetErrorString(r),
+                   last != nullptr && *last != '\0' ? " (" : "", last != nullptr ? last : "",
+                   last != nullptr && *last != '\0' ? ")" : "");
   // A peer that failed or vanished shows up as a remote or system error.
   if (r == ncclRemoteError || r == ncclSystemError) return absl::UnavailableError(msg);
   return absl::InternalError(msg);
@@ -91,8 +91,12 @@ bool IsDeviceMemory(const void* p) {
 class NcclTransport final : public Transport {
  public:
   explicit NcclTransport(const NcclOptions& o)
-      : rank_(o.rank), size_(o.size), device_(o.device), timeout_(o.timeout),
-        check_(o.check_collectives), stream_(static_cast<cudaStream_t>(o.stream)) {}
+      : rank_(o.rank),
+        size_(o.size),
+        device_(o.device),
+        timeout_(o.timeout),
+        check_(o.check_collectives),
+        stream_(static_cast<cudaStream_t>(o.stream)) {}
 
   ~NcclTransport() override {
     cudaSetDevice(device_);
@@ -119,8 +123,8 @@ class NcclTransport final : public Transport {
           CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamDefault), "cudaStreamCreate"));
       owns_stream_ = true;
     }
-    RETURN_IF_ERROR(CudaStatus(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming),
-                               "cudaEventCreate"));
+    RETURN_IF_ERROR(
+        CudaStatus(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreate"));
     const size_t desc_bytes = sizeof(int64_t) * kDescWords * (size_ + 1);
     RETURN_IF_ERROR(CudaStatus(cudaMalloc(&desc_dev_, desc_bytes), "cudaMalloc"));
     RETURN_IF_ERROR(CudaStatus(cudaMallocHost(&desc_host_, desc_bytes), "cudaMallocHost"));
@@ -178,8 +182,8 @@ class NcclTransport final : public Transport {
                                       static_cast<int64_t>(HashSizes(recv_bytes)), deadline));
       if (total == 0) return absl::OkStatus();
       // No all-gather-v in NCCL: one broadcast per contributing root, grouped.
-      return Execute(in, recv_bytes[rank_], out, total, /*in_place=*/false, deadline,
-                     "AllgatherV", [&](const void* din, void* dout) {
+      return Execute(in, recv_bytes[rank_], out, total, /*in_place=*/false, deadline, "AllgatherV",
+                     [&](const void* din, void* dout) {
                        char* base = static_cast<char*>(dout);
                        for (int r = 0; r < size_; ++r) {
                          if (recv_bytes[r] == 0) continue;
@@ -209,9 +213,9 @@ class NcclTransport final : public Transport {
         dt = ncclInt64;
         break;
       default:
-        return absl::InvalidArgumentError(absl::StrCat(
-            "AllreduceSum: ", DataTypeName(type),
-            " is not summed over NCCL (bf16/fp16 sums: the host backends only)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("AllreduceSum: ", DataTypeName(type),
+                         " is not summed over NCCL (bf16/fp16 sums: the host backends only)"));
     }
     const size_t bytes = count * DataTypeSize(type);
     absl::Time deadline;
@@ -309,9 +313,9 @@ class NcclTransport final : public Transport {
       }
       if (done) return absl::OkStatus();
       if (absl::Now() >= deadline) {
-        return absl::DeadlineExceededError(
-            absl::StrCat("nccl transport: ", what, " did not complete by its deadline (rank ",
-                         rank_, " of ", size_, ")"));
+        return absl::DeadlineExceededError(absl::StrCat("nccl transport: ", what,
+                                                        " did not complete by its deadline (rank ",
+                                                        rank_, " of ", size_, ")"));
       }
       pacer.Pause();
     }
@@ -395,8 +399,8 @@ class NcclTransport final : public Transport {
   }
 
   // Runs enqueue(device in, device out) with host buffers staged.
-  absl::Status Execute(const void* in, size_t in_bytes, void* out, size_t out_bytes,
-                       bool in_place, absl::Time deadline, const char* what,
+  absl::Status Execute(const void* in, size_t in_bytes, void* out, size_t out_bytes, bool in_place,
+                       absl::Time deadline, const char* what,
                        const std::function<ncclResult_t(const void*, void*)>& enqueue) {
     const bool in_host = in_bytes > 0 && !IsDeviceMemory(in);
     const bool out_host = out_bytes > 0 && !IsDeviceMemory(out);
@@ -421,9 +425,9 @@ class NcclTransport final : public Transport {
     }
     RETURN_IF_ERROR(Group([&] { return enqueue(din, dout); }, deadline, what));
     if (out_host) {
-      RETURN_IF_ERROR(CudaStatus(cudaMemcpyAsync(hstage + out_off, dout, out_bytes,
-                                                 cudaMemcpyDeviceToHost, stream_),
-                                 "copy to host"));
+      RETURN_IF_ERROR(CudaStatus(
+          cudaMemcpyAsync(hstage + out_off, dout, out_bytes, cudaMemcpyDeviceToHost, stream_),
+          "copy to host"));
     }
     RETURN_IF_ERROR(RecordAndWait(deadline, what));
     if (out_host) std::memcpy(out, hstage + out_off, out_bytes);
@@ -460,16 +464,16 @@ class NcclTransport final : public Transport {
 absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions& o) {
   if (o.size < 1 || o.rank < 0 || o.rank >= o.size || o.store == nullptr ||
       o.timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat("nccl transport: bad options (rank ", o.rank,
-                                                   " of ", o.size, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("nccl transport: bad options (rank ", o.rank, " of ", o.size, ")"));
   }
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
     cudaGetLastError();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "nccl transport: no usable CUDA device: ",
-        err != cudaSuccess ? cudaGetErrorString(err) : "no CUDA device"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("nccl transport: no usable CUDA device: ",
+                     err != cudaSuccess ? cudaGetErrorString(err) : "no CUDA device"));
   }
   if (o.device < 0 || o.device >= count) {
     return absl::FailedPreconditionError(
@@ -486,9 +490,9 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateNcclTransport(const NcclOptions
     auto v = o.store->Get({&key, 1}, deadline);
     if (!v.ok()) return v.status();
     if ((*v)[0].size() != sizeof(id.internal)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("nccl transport: unique id under '", key, "' has ", (*v)[0].size(),
-                       " bytes, want ", sizeof(id.internal)));
+      return absl::InvalidArgumentError(absl::StrCat("nccl transport: unique id under '", key,
+                                                     "' has ", (*v)[0].size(), " bytes, want ",
+                                                     sizeof(id.internal)));
     }
     std::memcpy(id.internal, (*v)[0].data(), sizeof(id.internal));
   }
