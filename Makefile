@@ -5,6 +5,8 @@
 #   make bench  every benchmark, then one report beside PyTorch DDP
 #               (results/bench/report.md; BENCH_ARGS="--skip-training" etc.)
 #   make test-asan / make test-tsan   the suites under ASan + UBSan / TSan
+#   make format / make format-check   rewrite / check the C, C++ and CUDA files
+#               against .clang-format (the CI runs the check)
 #   make fuzz   each fuzz target under libFuzzer (FUZZ_SECONDS=120 each)
 #   make gpu-bundle        the GPU checks built here and packed for a GPU machine
 #                          (build/gpu-bundle, checked here; run.sh runs them there)
@@ -18,7 +20,7 @@ JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
 .PHONY: all deps configure build test test-asan test-tsan fuzz gpu-bundle gpu-bundle-check demo bench clean \
-	image image-test
+	image image-test format format-check
 
 all: build
 
@@ -39,6 +41,12 @@ test-asan: deps
 
 test-tsan: deps
 	bash scripts/sanitize.sh thread
+
+format: deps
+	bash scripts/check-format.sh --fix
+
+format-check: deps
+	bash scripts/check-format.sh
 
 fuzz:
 	bash scripts/fuzz.sh

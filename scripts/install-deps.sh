@@ -32,6 +32,8 @@ TEST_PACKAGES=(
   # The emulated cluster (deploy/netlab): namespaces, veth, tc, iptables, and
   # the delay helper's NFQUEUE library.
   iproute2 iptables libnetfilter-queue-dev
+  # make format-check (the CI): the C/C++ formatter .clang-format is for.
+  clang-format
 )
 # make fuzz only: clang with libFuzzer and the sanitizer runtimes.
 FUZZ_PACKAGES=(clang libclang-rt-14-dev)
