@@ -67,7 +67,9 @@ def daemon_stats(microctl):
     try:
         out = subprocess.run([microctl, "--json", "buckets"], capture_output=True, text=True,
                              timeout=10, check=True).stdout
-        buckets = json.loads(out).get("buckets", [])
+        # the model's largest bucket (not microd's own, such as the broadcast's)
+        buckets = [b for b in json.loads(out).get("buckets", [])
+                   if not b.get("name", "").startswith("microd.")]
         return max(buckets, key=lambda b: int(b.get("count", 0))) if buckets else {}
     except Exception:
         return {}

@@ -99,6 +99,7 @@ elif mode == "broadcast":
              "mask": torch.rand(9, generator=g) > 0.5,
              "empty": torch.zeros(0)}
     before = {k: v.clone() for k, v in state.items()}
+    mt.BROADCAST_CHUNK = 300  # ~6,200 bytes: 11 chunks through one 300-word buffer
     mt.broadcast_parameters(state, root_rank=root)
 
     def raw(t):

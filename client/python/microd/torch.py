@@ -191,6 +191,10 @@ class DistributedOptimizer:
         return self.optimizer.load_state_dict(state)
 
 
+# Words (two bytes each, sent as floats) per allreduce of broadcast_parameters.
+BROADCAST_CHUNK = 1 << 22
+
+
 def broadcast_parameters(params, root_rank=0, client=None, timeout_ms=600000):
     """Makes every process hold root_rank's values of `params` (a state_dict
     or an iterable of (name, tensor)): every tensor, whatever its dtype
@@ -208,18 +212,28 @@ def broadcast_parameters(params, root_rank=0, client=None, timeout_ms=600000):
     if nbytes == 0:
         return
     words = (nbytes + 1) // 2
-    name = f"microd.broadcast.{words}"
-    buf = client.buffers.get(name) or client.register(name, words, dense=True)
-    flat = buf.tensor
+    packed = torch.zeros(2 * words, dtype=torch.uint8)
     if client.rank == root_rank:
-        packed = torch.zeros(2 * words, dtype=torch.uint8)
         torch.cat(raw, out=packed[:nbytes])
-        flat.copy_(packed.view(torch.int16).to(torch.int32).bitwise_and(0xFFFF))
-    else:
-        flat.zero_()
-    client.allreduce(buf, timeout_ms)
-    back = torch.round(flat * client.world_size).to(torch.int32)
-    back = torch.where(back > 32767, back - 65536, back).to(torch.int16).view(torch.uint8)
+    # Through one buffer of at most BROADCAST_CHUNK words, reused chunk by
+    # chunk: the daemon's memory for it stays bounded whatever the model.
+    chunk = min(words, BROADCAST_CHUNK)
+    name = f"microd.broadcast.{chunk}"
+    buf = client.buffers.get(name) or client.register(name, chunk, dense=True)
+    flat = buf.tensor
+    halves = packed.view(torch.int16)
+    back = torch.empty(words, dtype=torch.int16)
+    for start in range(0, words, chunk):
+        n = min(chunk, words - start)
+        if client.rank == root_rank:
+            flat[:n].copy_(halves[start:start + n].to(torch.int32).bitwise_and(0xFFFF))
+        else:
+            flat[:n].zero_()
+        flat[n:].zero_()
+        client.allreduce(buf, timeout_ms)
+        got = torch.round(flat[:n] * client.world_size).to(torch.int32)
+        back[start:start + n] = torch.where(got > 32767, got - 65536, got).to(torch.int16)
+    back = back.view(torch.uint8)
     offset = 0
     with torch.no_grad():
         for t, r in zip(tensors, raw):
