@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "daemon/control/control_plane.h"
 #include "daemon/control/coordinator.h"
 #include "daemon/control/kv_store.h"
 #include "daemon/control/tls.h"
@@ -40,7 +41,7 @@ struct CoordinatorClientOptions {
   TlsFiles tls;                                              // none: plaintext
 };
 
-class CoordinatorClient final : public KeyValueStore {
+class CoordinatorClient final : public KeyValueStore, public ControlPlane {
  public:
   static absl::StatusOr<std::unique_ptr<CoordinatorClient>> Create(
       CoordinatorClientOptions options);
@@ -54,11 +55,11 @@ class CoordinatorClient final : public KeyValueStore {
                                                absl::Time deadline) override;
 
   // This node's newly ready buckets (returns at once).
-  absl::Status Report(const std::vector<BucketInfo>& ready);
+  absl::Status Report(const std::vector<BucketInfo>& ready) override;
   // Schedule batches from index `next` on; an empty list when `deadline`
   // passed without news (or the coordinator did not answer, for less than
   // the peer timeout since it last did).
-  absl::StatusOr<std::vector<ScheduleBatch>> Poll(uint64_t next, absl::Time deadline);
+  absl::StatusOr<std::vector<ScheduleBatch>> Poll(uint64_t next, absl::Time deadline) override;
   // Leaves cleanly and stops heartbeats.
   absl::Status Leave();
   // Ends the heartbeats (and with them the failure callback's calls) and
@@ -66,13 +67,13 @@ class CoordinatorClient final : public KeyValueStore {
   // before whatever the failure callback uses goes.
   void StopHeartbeats();
   // Tells the coordinator the job failed here (best effort, short deadline).
-  absl::Status ReportFailure(const std::string& reason);
+  absl::Status ReportFailure(const std::string& reason) override;
 
   // OK while the job runs; the failure once it failed or ended.
   absl::Status job_status() const;
   // Asks the coordinator now (one heartbeat) and returns job_status(): after a
   // local error, this finds the root cause another node reported.
-  absl::Status RefreshJobStatus();
+  absl::Status RefreshJobStatus() override;
   // Called once, from the heartbeat thread, when the job fails or ends.
   void SetFailureCallback(std::function<void(const absl::Status&)> callback);
   // What each heartbeat tells the stall inspector: this node's long-waiting

@@ -21,9 +21,8 @@ absl::Status JobFailed(const absl::Status& why) {
   return WithClientStatus(absl::AbortedError(why.message()), ClientStatus::kJobFailed);
 }
 
-Engine::Engine(EngineOptions options, control::Membership membership,
-               control::CoordinatorClient* client, transport::Transport* transport,
-               kernels::SparseOps* ops)
+Engine::Engine(EngineOptions options, control::Membership membership, control::ControlPlane* client,
+               transport::Transport* transport, kernels::SparseOps* ops)
     : options_(std::move(options)),
       membership_(std::move(membership)),
       client_(client),

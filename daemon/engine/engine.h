@@ -33,7 +33,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "daemon/control/coordinator_client.h"
+#include "daemon/control/control_plane.h"
 #include "daemon/engine/checkpoint.h"
 #include "daemon/engine/engine_state.h"
 #include "daemon/engine/negotiator.h"
@@ -50,7 +50,7 @@ namespace microd::engine {
 class Engine final : public local::LocalHandler, private JobControl {
  public:
   // `client` (negotiation), `transport` and `ops` must outlive the engine.
-  Engine(EngineOptions options, control::Membership membership, control::CoordinatorClient* client,
+  Engine(EngineOptions options, control::Membership membership, control::ControlPlane* client,
          transport::Transport* transport, kernels::SparseOps* ops);
   ~Engine() override;
 
@@ -111,7 +111,7 @@ class Engine final : public local::LocalHandler, private JobControl {
 
   const EngineOptions options_;
   const control::Membership membership_;
-  control::CoordinatorClient* const client_;
+  control::ControlPlane* const client_;
   transport::Transport* const transport_;
   kernels::SparseOps* const ops_;
   local::LocalServer* server_ = nullptr;

@@ -10,7 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
-#include "daemon/control/coordinator_client.h"
+#include "daemon/control/control_plane.h"
 #include "daemon/engine/process_table.h"
 
 namespace microd::engine {

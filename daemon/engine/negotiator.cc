@@ -13,7 +13,7 @@ namespace {
 
 class CoordinatorNegotiator final : public Negotiator {
  public:
-  CoordinatorNegotiator(control::CoordinatorClient* client, EngineState* state, JobControl* job)
+  CoordinatorNegotiator(control::ControlPlane* client, EngineState* state, JobControl* job)
       : client_(client), state_(state), job_(job) {}
 
   std::optional<Plan> Next() override {
@@ -48,7 +48,7 @@ class CoordinatorNegotiator final : public Negotiator {
   }
 
  private:
-  control::CoordinatorClient* const client_;
+  control::ControlPlane* const client_;
   EngineState* const state_;
   JobControl* const job_;
 };
@@ -56,7 +56,7 @@ class CoordinatorNegotiator final : public Negotiator {
 class CycleNegotiator final : public Negotiator {
  public:
   CycleNegotiator(const EngineOptions& options, const control::Membership& membership,
-                  control::CoordinatorClient* client, transport::Transport* transport,
+                  control::ControlPlane* client, transport::Transport* transport,
                   kernels::SparseOps* ops, EngineState* state, JobControl* job,
                   Speculator speculate)
       : speculate_(std::move(speculate)),
@@ -112,7 +112,7 @@ class CycleNegotiator final : public Negotiator {
 
   const EngineOptions& options_;
   const control::Membership& membership_;
-  control::CoordinatorClient* const client_;
+  control::ControlPlane* const client_;
   transport::Transport* const transport_;
   kernels::SparseOps* const ops_;
   EngineState* const state_;
@@ -351,7 +351,7 @@ void CycleNegotiator::ReportLoop() {
 
 std::unique_ptr<Negotiator> MakeNegotiator(const EngineOptions& options,
                                            const control::Membership& membership,
-                                           control::CoordinatorClient* client,
+                                           control::ControlPlane* client,
                                            transport::Transport* transport, kernels::SparseOps* ops,
                                            EngineState* state, JobControl* job,
                                            Speculator speculate) {

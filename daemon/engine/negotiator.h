@@ -25,7 +25,7 @@
 #include <thread>
 #include <vector>
 
-#include "daemon/control/coordinator_client.h"
+#include "daemon/control/control_plane.h"
 #include "daemon/engine/engine_state.h"
 #include "daemon/engine/options.h"
 #include "daemon/sparsify/batch_step.h"
@@ -87,7 +87,7 @@ class Negotiator {
 // `speculate` (optional): begins a cycle's batched step beside its exchange.
 std::unique_ptr<Negotiator> MakeNegotiator(const EngineOptions& options,
                                            const control::Membership& membership,
-                                           control::CoordinatorClient* client,
+                                           control::ControlPlane* client,
                                            transport::Transport* transport, kernels::SparseOps* ops,
                                            EngineState* state, JobControl* job,
                                            Speculator speculate = nullptr);

@@ -21,7 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "daemon/control/coordinator_client.h"
+#include "daemon/control/control_plane.h"
 #include "daemon/engine/answer.h"
 #include "daemon/engine/stats.h"
 #include "daemon/local/local_server.h"

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "daemon/control/coordinator_client.h"
+#include "daemon/control/control_plane.h"
 #include "daemon/engine/engine_state.h"
 #include "daemon/engine/negotiator.h"
 #include "daemon/engine/options.h"

@@ -32,9 +32,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "daemon/common/status_map.h"
+#include "daemon/control/control_plane.h"
 #include "daemon/control/coordinator.h"
-#include "daemon/control/coordinator_client.h"
-#include "daemon/control/services.h"
 #include "daemon/engine/engine.h"
 #include "daemon/local/cuda_ipc.h"
 #include "daemon/local/local_server.h"
@@ -136,14 +135,12 @@ class Node {
     control::CoordinatorOptions co;
     co.expected_nodes = 1;
     coordinator_ = std::move(control::Coordinator::Create(co)).value();
-    service_ = std::make_unique<control::CoordinatorService>(coordinator_.get());
-    server_ = std::move(control::ControlServer::Start("127.0.0.1:0", {service_.get()})).value();
-    control::CoordinatorClientOptions cco;
-    cco.address = absl::StrCat("127.0.0.1:", server_->port());
-    cco.node_name = "node0";
-    client_ = std::move(control::CoordinatorClient::Create(cco)).value();
-    const control::Membership membership =
-        std::move(client_->Join(absl::Now() + absl::Seconds(20))).value();
+    // The control plane in this process: no gRPC server, no sockets.
+    control_ = std::make_unique<control::InProcessControlPlane>(
+        std::move(control::InProcessControlPlane::Join(coordinator_.get(), "microd", "node0",
+                                                       local_size, absl::Now() + absl::Seconds(20)))
+            .value());
+    const control::Membership membership = control_->membership();
     transports_ = transport::CreateInprocGroup(1);
     ops_ = kernels::CreateCpuSparseOps();
     EngineOptions eo;
@@ -151,7 +148,7 @@ class Node {
     eo.device_resident = device_resident;
     eo.local_size = local_size;
     engine_ =
-        std::make_unique<Engine>(eo, membership, client_.get(), transports_[0].get(), ops_.get());
+        std::make_unique<Engine>(eo, membership, control_.get(), transports_[0].get(), ops_.get());
     local::LocalServerOptions lo;
     lo.socket_path = dir_ + "/microd.sock";
     lo.cuda_registry = [gpu]() -> absl::StatusOr<std::unique_ptr<local::CudaIpcRegistry>> {
@@ -159,17 +156,13 @@ class Node {
     };
     local_ = std::move(local::LocalServer::Start(lo, engine_.get())).value();
     engine_->SetServer(local_.get());
-    client_->SetFailureCallback([e = engine_.get()](const absl::Status& s) { e->Fail(s, false); });
     engine_->Start();
   }
   ~Node() {
     local_->Stop();
     engine_->Stop(absl::CancelledError("test over"));
-    // The heartbeats' failure callback calls into the engine.
-    client_->StopHeartbeats();
     engine_.reset();
     local_.reset();
-    server_->Shutdown(absl::Now() + absl::Seconds(1));
   }
   std::string socket() const { return dir_ + "/microd.sock"; }
   Engine& engine() { return *engine_; }
@@ -177,9 +170,7 @@ class Node {
  private:
   const std::string dir_;
   std::unique_ptr<control::Coordinator> coordinator_;
-  std::unique_ptr<control::CoordinatorService> service_;
-  std::unique_ptr<control::ControlServer> server_;
-  std::unique_ptr<control::CoordinatorClient> client_;
+  std::unique_ptr<control::InProcessControlPlane> control_;
   std::vector<std::unique_ptr<transport::Transport>> transports_;
   std::unique_ptr<kernels::SparseOps> ops_;
   std::unique_ptr<Engine> engine_;

@@ -1,0 +1,53 @@
+// What the control plane's parties say to one another, as plain structs:
+// a job's membership, the buckets a node reports ready and the schedule
+// batches every node runs. No gRPC here; the engine sees only these and
+// ControlPlane (control_plane.h).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace microd::control {
+
+// A bucket some local process of a node submitted that has not run yet
+// (what the node's heartbeats carry): for how long, and the local processes
+// that have not submitted it, as (local rank, pid; 0: not connected). None
+// missing: ready on that node, waiting for the other nodes.
+struct BucketWait {
+  std::string name;
+  double seconds = 0;
+  std::vector<std::pair<int, int>> missing;
+};
+
+enum class JobState { kForming, kRunning, kFailed, kFinished };
+const char* JobStateName(JobState state);
+
+struct Membership {
+  int node_rank = -1;
+  int node_count = 0;
+  std::vector<int> local_sizes;
+  std::vector<std::string> node_names;
+  int world_size = 0;
+  uint64_t session = 0;
+  // The address the coordinator saw the join come from (set by the client
+  // from the answer; "" when unknown).
+  std::string observed_host;
+};
+
+struct BucketInfo {
+  std::string name;
+  int dtype = 0;  // proto DataType value
+  int64_t count = 0;
+  bool dense = false;  // reduced without sparsification
+};
+
+// One entry of the schedule log: every node runs the same batches in order.
+struct ScheduleBatch {
+  uint64_t index = 0;
+  std::vector<BucketInfo> scheduled;  // ready on every node, in execution order
+  std::vector<std::pair<std::string, std::string>> errors;  // bucket, message
+};
+
+}  // namespace microd::control
