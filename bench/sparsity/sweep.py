@@ -203,7 +203,7 @@ def targets(rows, at_step):
     return md
 
 
-def plot(rows, dense, title, path):
+def plot(rows, dense, dense_curves, title, path):
     """Accuracy minus dense against density, one line per (sparsifier,
     controller, remedy), divergences marked at the bottom; beside it the test
     accuracy curves of every configuration."""
@@ -255,8 +255,6 @@ def plot(rows, dense, title, path):
     fig.savefig(path, dpi=110)
 
 
-dense_curves = {}
-
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -290,7 +288,7 @@ def main():
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     length = f"{args.steps} steps" if args.steps else f"{args.epochs:g} epochs"
     print(f"sweep: {args.model}, {args.nodes} nodes, {length}, seeds {args.seeds}")
-    dense = {}
+    dense, dense_curves = {}, {}
     for seed in seeds:
         r = run(f"{args.model}-dense-s{seed}", ["--sparsifier=dense"], args, seed) or {"failed": 1}
         dense[seed] = None if r.get("failed") else r["final_accuracy"]
@@ -329,7 +327,7 @@ def main():
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if rows:
-        plot(rows, dense, head[0], os.path.join(args.out, "sweep.png"))
+        plot(rows, dense, dense_curves, head[0], os.path.join(args.out, "sweep.png"))
     print("\n".join(md))
     return 0
 
