@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -643,7 +644,19 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
   stats.step = step_;
   stats.budget = spec_.size;  // dense reduces every element: no compression error
   stats.dense = true;
+  // Momentum correction during a dense warm-up: the nodes' velocities are
+  // reduced instead of their gradients, which is momentum SGD on the average
+  // gradient; nothing was left behind to mask. The new velocity goes into the
+  // other buffer, kept only once the step succeeds (as a sparse step's).
+  const bool momentum = options_.momentum > 0 && velocity_[0].ok();
   const float* inputs[1] = {grad};
+  if (momentum) {
+    RETURN_IF_ERROR(
+        Check(ops_->Momentum(grad, velocity_[current_].get(), static_cast<float>(options_.momentum),
+                             velocity_[1 - current_].get(), spec_.size, stream_),
+              "momentum"));
+    inputs[0] = velocity_[1 - current_].get();
+  }
   RETURN_IF_ERROR(
       Check(ops_->LocalSum(inputs, 1, spec_.size, update, scalars_.get(), stream_), "copy"));
   ASSIGN_OR_RETURN(const kernels::StepScalars scalars, ReadScalars());
@@ -673,6 +686,8 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
   stats.sum_of_counts = spec_.size;
   stats.local_selected = spec_.size;
   stats.apply_seconds = absl::ToDoubleSeconds(absl::Now() - apply_start);
+  // The new velocity becomes the current one; the residuals stay as they are.
+  if (momentum) std::swap(velocity_[current_], velocity_[1 - current_]);
   ++step_;
   return stats;
 }

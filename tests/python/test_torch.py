@@ -55,10 +55,13 @@ def micro_paper_reference(grads, density, momentum=0.0, warmup_steps=0):
     updates = []
     q, rem = divmod(d, n)
     for t in range(steps):
-        if t < warmup_steps:  # dense warm-up: nothing else changes
-            v = grads[0][t].copy()
+        if t < warmup_steps:  # dense warm-up: the velocities reduced, not masked
+            if momentum > 0:
+                m = [beta * m[r] + grads[r][t] for r in range(n)]
+            x = [m[r] if momentum > 0 else grads[r][t] for r in range(n)]
+            v = x[0].copy()
             for r in range(1, n):
-                v = v + grads[r][t]
+                v = v + x[r]
             updates.append(v / W)
             continue
         if momentum > 0:

@@ -94,12 +94,19 @@ class Reference {
     const std::vector<Vec>& raw = grads;  // as given (dense and warm-up steps)
     Vec u(d_, 0.0f);
     if (o_.sparsifier == SparsifierKind::kDense || t_ < o_.warmup_steps) {
-      // Dense (also during a dense warm-up: residual, velocity and threshold
-      // stay as they are).
+      // Dense (also during a dense warm-up: residual and threshold stay as
+      // they are; with momentum correction the velocities are reduced, not
+      // masked: momentum SGD on the average gradient).
       ++t_;
+      const bool momentum = o_.momentum > 0 && o_.sparsifier != SparsifierKind::kDense;
+      const float beta = static_cast<float>(o_.momentum);
+      std::vector<Vec> in = raw;
+      for (int r = 0; momentum && r < n_; ++r) {
+        for (uint64_t i = 0; i < d_; ++i) in[r][i] = m_[r][i] = beta * m_[r][i] + raw[r][i];
+      }
       for (uint64_t i = 0; i < d_; ++i) {
-        float s = raw[0][i];
-        for (int r = 1; r < n_; ++r) s += raw[r][i];
+        float s = in[0][i];
+        for (int r = 1; r < n_; ++r) s += in[r][i];
         u[i] = s / float(W_);
       }
       *K_out = d_;
@@ -374,6 +381,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.5},
                       Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9, 3},
                       Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.0, 2, 0.25},
+                      // The shape of the defaults below 0.5 %: a dense warm-up,
+                      // then a decaying density, with momentum correction.
+                      Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.9, 2, 0.25},
                       Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.0, 0, 0.25},
                       Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9, 0, 0.0, 0.3},
                       Case{SparsifierKind::kHard, ControllerKind::kHistogram, 0.0, 0, 0.0, 0.5},
