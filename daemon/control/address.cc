@@ -17,6 +17,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "absl/time/clock.h"
+#include "daemon/common/log.h"
 
 namespace microd::control {
 namespace {
@@ -210,6 +212,50 @@ bool IsLocalAddress(const std::string& ip) {
   }
   freeaddrinfo(found);
   return local;
+}
+
+absl::StatusOr<DataPlaneAddress> ChooseDataPlaneAddress(const std::string& hostname,
+                                                        const std::string& coordinator_listen,
+                                                        const std::string& coordinator_address,
+                                                        const std::string& observed_host,
+                                                        absl::Time deadline) {
+  if (!hostname.empty()) return DataPlaneAddress{hostname, "--hostname"};
+  auto listen = ParseHostPort(coordinator_listen);
+  if (!coordinator_listen.empty() && listen.ok() && IsWildcardHost(listen->host)) {
+    return DataPlaneAddress{PrimaryHostAddress(),
+                            "this host's address (the coordinator listens on every interface)"};
+  }
+  if (!observed_host.empty() && IsLocalAddress(observed_host)) {
+    // What the coordinator saw is the source address of this node's route
+    // to it: no name lookup here (a container network's DNS may answer
+    // gRPC's resolver and still fail this process's own lookups).
+    return DataPlaneAddress{observed_host,
+                            absl::StrCat("the address the coordinator at ", coordinator_address,
+                                         " saw this node join from")};
+  }
+  auto local = LocalAddressToward(coordinator_address);
+  for (bool said = false;
+       !local.ok() && absl::IsUnavailable(local.status()) && absl::Now() < deadline;) {
+    if (!said) {
+      MICROD_LOG(Warning, "%s; retrying", std::string(local.status().message()).c_str());
+      said = true;
+    }
+    absl::SleepFor(absl::Milliseconds(250));
+    local = LocalAddressToward(coordinator_address);
+  }
+  if (!local.ok()) {
+    return absl::Status(local.status().code(),
+                        absl::StrCat("cannot tell this node's address from the route to the "
+                                     "coordinator (give --hostname): ",
+                                     local.status().message()));
+  }
+  DataPlaneAddress chosen{*local,
+                          absl::StrCat("the route to the coordinator at ", coordinator_address)};
+  if (!observed_host.empty()) {
+    absl::StrAppend(&chosen.why, "; the coordinator saw this node join from ", observed_host,
+                    ", not an address of this host: a NAT in between?");
+  }
+  return chosen;
 }
 
 }  // namespace microd::control

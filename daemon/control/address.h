@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace microd::control {
 
@@ -52,5 +53,23 @@ std::string HostOfGrpcPeer(const std::string& peer);
 // True when `ip` is an address of this host (this network namespace): a
 // socket can be bound to it.
 bool IsLocalAddress(const std::string& ip);
+
+// The address this node's data plane is reached on, and why it was chosen
+// (for the log).
+struct DataPlaneAddress {
+  std::string address;
+  std::string why;
+};
+// `hostname` when given; else on a node serving the coordinator on every
+// interface (`coordinator_listen` a wildcard) this host's address; else
+// `observed_host` (where the coordinator saw this node's join come from)
+// when it is one of this host's; else the source address of the route to
+// `coordinator_address`, its name retried until `deadline` (a job's DNS may
+// catch up late).
+absl::StatusOr<DataPlaneAddress> ChooseDataPlaneAddress(const std::string& hostname,
+                                                        const std::string& coordinator_listen,
+                                                        const std::string& coordinator_address,
+                                                        const std::string& observed_host,
+                                                        absl::Time deadline);
 
 }  // namespace microd::control

@@ -3,6 +3,8 @@
 
 #include <arpa/inet.h>
 
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
 namespace microd::control {
@@ -97,4 +99,32 @@ TEST(Address, PrimaryHostAddressIsAnIpv4Address) {
 }
 
 }  // namespace
+// The data plane's address: --hostname first, then this host's address for
+// a wildcard coordinator, then where the coordinator saw the node come from,
+// then the route to the coordinator; each says why it was chosen.
+TEST(Address, TheDataPlaneAddressIsChosenInOrderSayingWhy) {
+  const absl::Time soon = absl::Now() + absl::Seconds(1);
+  auto given =
+      ChooseDataPlaneAddress("10.1.2.3", "0.0.0.0:7470", "127.0.0.1:7470", "127.0.0.1", soon);
+  ASSERT_TRUE(given.ok()) << given.status();
+  EXPECT_EQ(given->address, "10.1.2.3");
+  EXPECT_EQ(given->why, "--hostname");
+  auto wildcard = ChooseDataPlaneAddress("", "0.0.0.0:7470", "127.0.0.1:7470", "", soon);
+  ASSERT_TRUE(wildcard.ok()) << wildcard.status();
+  EXPECT_EQ(wildcard->address, PrimaryHostAddress());
+  EXPECT_TRUE(absl::StrContains(wildcard->why, "every interface")) << wildcard->why;
+  auto observed = ChooseDataPlaneAddress("", "127.0.0.1:7470", "127.0.0.1:7470", "127.0.0.1", soon);
+  ASSERT_TRUE(observed.ok()) << observed.status();
+  EXPECT_EQ(observed->address, "127.0.0.1");
+  EXPECT_TRUE(absl::StrContains(observed->why, "saw this node join from")) << observed->why;
+  // Not an address of this host (a NAT in between): the route decides, and says so.
+  auto routed = ChooseDataPlaneAddress("", "", "127.0.0.1:7470", "203.0.113.9", soon);
+  ASSERT_TRUE(routed.ok()) << routed.status();
+  EXPECT_EQ(routed->address, "127.0.0.1");
+  EXPECT_TRUE(absl::StrContains(routed->why, "a NAT in between?")) << routed->why;
+  auto bad = ChooseDataPlaneAddress("", "", "no-such-host.invalid:7470", "", absl::Now());
+  EXPECT_FALSE(bad.ok());
+  EXPECT_TRUE(absl::StrContains(bad.status().message(), "give --hostname")) << bad.status();
+}
+
 }  // namespace microd::control

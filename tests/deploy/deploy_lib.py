@@ -1,4 +1,4 @@
-"""Readers for the deployment tests: microd's flags (from microd_main.cc), the
+"""Readers for the deployment tests: microd's flags (from daemon/flags.cc), the
 Dockerfile's stages, and a small kustomize resolver (base + overlays:
 resources, strategic-merge patches, images, secretGenerator) for the
 manifests under deploy/k8s. kubectl is not a dependency; where it exists,
@@ -12,7 +12,8 @@ import shlex
 import yaml
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-MICROD_MAIN = os.path.join(ROOT, "daemon", "microd_main.cc")
+MICROD_FLAGS = os.path.join(ROOT, "daemon", "flags.cc")
+MICROD_DAEMON = os.path.join(ROOT, "daemon", "daemon.cc")
 
 
 # --- microd's flags -----------------------------------------------------------
@@ -49,8 +50,8 @@ def _c_string(expr):
     return "".join(bytes(p, "utf-8").decode("unicode_escape") for p in parts)
 
 
-def microd_flags(path=MICROD_MAIN):
-    """{name: {"type", "default", "help"}} of every ABSL_FLAG in microd_main.cc."""
+def microd_flags(path=MICROD_FLAGS):
+    """{name: {"type", "default", "help"}} of every ABSL_FLAG in daemon/flags.cc."""
     src = open(path).read()
     flags = {}
     for m in re.finditer(r"\bABSL_FLAG\(", src):
@@ -71,9 +72,9 @@ def microd_flags(path=MICROD_MAIN):
     return flags
 
 
-def health_service_name(path=MICROD_MAIN):
+def health_service_name(path=MICROD_DAEMON):
     m = re.search(r'constexpr char kHealthService\[\] = "([^"]*)";', open(path).read())
-    assert m, "kHealthService not found in microd_main.cc"
+    assert m, "kHealthService not found in daemon/daemon.cc"
     return m.group(1)
 
 

@@ -1,5 +1,5 @@
 """deploy/README.md's configuration reference lists every flag of microd
-(read from daemon/microd_main.cc) with its MICROD_* variable and its default,
+(read from daemon/flags.cc) with its MICROD_* variable and its default,
 and nothing that is not a flag; and microd really reads each variable."""
 import os
 import re

@@ -192,7 +192,7 @@ def test_readme_flags_table_names_real_flags_with_their_defaults():
     assert not unknown, f"README.md's flags table names flags microd lacks: {unknown}"
     wrong = [(n, doc, FLAGS[n]["default"]) for n, (doc, _) in rows.items()
              if not d.same_default(doc, FLAGS[n]["default"])]
-    assert not wrong, f"README.md's defaults differ from microd_main.cc: {wrong}"
+    assert not wrong, f"README.md's defaults differ from daemon/flags.cc: {wrong}"
 
 
 def test_other_programs_have_the_options_listed_for_them():

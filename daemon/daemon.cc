@@ -1,0 +1,691 @@
+#include "daemon/daemon.h"
+
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <fstream>
+#include <string>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "daemon/common/log.h"
+#include "daemon/common/memory_limit.h"
+#include "daemon/common/status_macros.h"
+#include "daemon/common/unix_socket.h"
+#include "daemon/control/address.h"
+#include "daemon/control/coordinator.h"
+#include "daemon/control/coordinator_client.h"
+#include "daemon/control/services.h"
+#include "daemon/engine/checkpoint.h"
+#include "daemon/engine/engine.h"
+#include "daemon/engine/engine_status.h"
+#include "daemon/engine/metrics.h"
+#include "daemon/engine/timeline.h"
+#include "daemon/local/local_server.h"
+#include "daemon/transport/gloo/gloo_transport.h"
+#include "microd/config.h"
+#if MICROD_HAVE_NCCL
+#include "daemon/transport/nccl/nccl_transport.h"
+#include "kernels/cuda/cuda_ops.h"
+#endif
+
+namespace microd {
+namespace {
+
+// The grpc.health.v1 service name that is SERVING once the node joined the
+// job and serves its socket (deploy/README.md, the Kubernetes probes).
+constexpr char kHealthService[] = "microd";
+
+// An error as main prints it: "<what>: <status>".
+absl::Status Bad(const std::string& what, const absl::Status& s) {
+  return absl::Status(s.code(), absl::StrCat(what, ": ", s.ToString()));
+}
+
+std::string HostName() {
+  char buf[256] = {0};
+  if (gethostname(buf, sizeof buf - 1) != 0) return "node";
+  return buf;
+}
+
+// Whether serving on `address` is allowed: only this machine reaches it, or
+// whoever connects is authenticated (mutual TLS: a CA the clients'
+// certificates must chain to; for the coordinator also a job token), or
+// --insecure says the network is trusted. TLS with a server certificate
+// alone encrypts but lets anyone in.
+absl::Status CheckExposure(const std::string& flag, const std::string& address,
+                           const DaemonConfig& c, bool token_counts) {
+  const bool clients_authenticated = !c.tls.ca.empty() || (token_counts && !c.token.empty());
+  if (control::IsLocalOnly(address) || clients_authenticated) return absl::OkStatus();
+  const std::string tls_alone =
+      c.tls.enabled() ? " (TLS with --tls_cert alone authenticates nobody who connects)" : "";
+  if (c.insecure) {
+    MICROD_LOG(Warning,
+               "%s %s is reachable from the network without client "
+               "authentication%s (--insecure)%s",
+               flag.c_str(), address.c_str(), token_counts ? " or a job token" : "",
+               tls_alone.c_str());
+    return absl::OkStatus();
+  }
+  return Bad(flag,
+             absl::FailedPreconditionError(absl::StrCat(
+                 "refusing to serve on ", address,
+                 ", which other hosts reach, without authenticating who connects", tls_alone,
+                 ": anyone who reaches it could ",
+                 token_counts ? "join the job, read its state or end it" : "read the job's state",
+                 ". Give --tls_ca (mutual TLS: every client presents a certificate it "
+                 "signed) with --tls_cert and --tls_key",
+                 token_counts ? ", or --token_file" : "",
+                 ", listen on loopback, or pass --insecure on a trusted network")));
+}
+
+// The engine's options, from the configuration and the data plane chosen.
+engine::EngineOptions EngineOptionsOf(const DaemonConfig& c, uint64_t memory_budget,
+                                      const std::string& memory_budget_source) {
+  engine::EngineOptions eo;
+  eo.job_id = c.job_id;
+  eo.state_key = engine::DeriveStateKey(c.state_secret);
+  eo.state_budget = memory_budget;
+  eo.state_budget_source = memory_budget_source;
+  eo.local_size = c.local_size;
+  eo.sparsify = c.sparsify;
+  eo.dense_floor = c.dense_floor;
+  eo.skip_nonfinite = c.skip_nonfinite;
+  eo.stats_history = c.stats_history;
+  eo.wire_bucket_dtype = c.wire_bucket_dtype;
+  eo.response_cache = c.response_cache;
+  eo.cycle_floats = c.cycle_floats;
+  eo.op_timeout = c.op_timeout;
+  if (c.stall_abort_s > 0) {
+    eo.peer_wait = absl::Seconds(c.stall_abort_s) + c.peer_timeout + c.op_timeout;
+  }
+  eo.device_resident = c.transport == "nccl";
+  eo.device = c.cuda_device;
+  return eo;
+}
+
+}  // namespace
+
+// One node's daemon: the coordinator (node 0), the Admin service, the
+// membership in the job, the data plane, the engine and the local socket.
+// Start brings them up in that order; Stop (or any early return: the members
+// are declared so) takes them down in the reverse one.
+class DaemonImpl {
+ public:
+  DaemonImpl(DaemonConfig config, std::vector<std::string> remedies, uint64_t memory_budget,
+             std::string memory_budget_source)
+      : config_(std::move(config)),
+        remedies_(std::move(remedies)),
+        memory_budget_(memory_budget),
+        memory_budget_source_(std::move(memory_budget_source)) {}
+  ~DaemonImpl() {
+    absl::MutexLock lock(&mu_);
+    // The heartbeats' failure callback calls into the engine (a Start that
+    // failed half-way has not left the job).
+    if (client_ != nullptr) client_->StopHeartbeats();
+    engine_.reset();
+    local_server_.reset();
+  }
+
+  absl::Status Start(const std::function<void()>& serving);
+  void Stop(const std::string& why);
+
+  const DaemonConfig& config() const { return config_; }
+  const std::vector<std::string>& remedies() const { return remedies_; }
+  int coordinator_port() const {
+    return coordinator_server_ != nullptr ? coordinator_server_->port() : 0;
+  }
+  int admin_port() const { return admin_ != nullptr ? admin_->port() : 0; }
+  int metrics_port() const { return metrics_ != nullptr ? metrics_->port() : 0; }
+  int node_rank() {
+    absl::MutexLock lock(&mu_);
+    return membership_.session != 0 ? membership_.node_rank : -1;
+  }
+
+ private:
+  absl::Status StartCoordinator();
+  absl::Status StartAdmin();
+  absl::Status StartMetrics();
+  absl::Status StartTimeline();
+  // microctl timeline: records for the request's window (or takes what the
+  // ring keeps), then answers with the trace.
+  grpc::Status Timeline(grpc::ServerContext* ctx, const v1::GetTimelineRequest& req,
+                        v1::GetTimelineResponse* resp);
+  absl::Status Join();
+  absl::Status StartDataPlane(const engine::EngineOptions& eo);
+  absl::Status Serve(const engine::EngineOptions& eo);
+  // `buckets` (optional): the engine's per-bucket statistics of the same
+  // snapshot (the metrics' histograms).
+  void FillStatus(const v1::GetStatusRequest& req, v1::GetStatusResponse* r,
+                  std::vector<engine::BucketStats>* buckets = nullptr);
+
+  const DaemonConfig config_;
+  const std::vector<std::string> remedies_;
+  const uint64_t memory_budget_;
+  const std::string memory_budget_source_;
+  bool stopped_ = false;
+  const absl::Time started_ = absl::Now();
+  std::string coordinator_address_ = config_.coordinator;
+  std::unique_ptr<control::Coordinator> coordinator_;
+  std::unique_ptr<control::CoordinatorService> coordinator_service_;
+  std::unique_ptr<control::ControlServer> coordinator_server_;
+  // Destroyed in this order's reverse: the local server before the engine
+  // before the transport before the coordinator client. The Admin service,
+  // declared after them, stops first.
+  control::Membership membership_;
+  std::unique_ptr<control::CoordinatorClient> client_;
+  std::unique_ptr<transport::Transport> transport_;
+  std::unique_ptr<kernels::SparseOps> ops_;
+  std::unique_ptr<engine::Engine> engine_;
+  std::unique_ptr<local::LocalServer> local_server_;
+  absl::Mutex mu_;  // guards the pointers above against the Admin thread
+  engine::Timeline timeline_{{config_.timeline_steps, config_.timeline_every}};
+  std::unique_ptr<engine::TimelineFile> timeline_file_;
+  std::atomic<bool> capturing_{false};  // a timeline capture holds its window
+  control::AdminService admin_service_{
+      [this](const v1::GetStatusRequest& req, v1::GetStatusResponse* r) { FillStatus(req, r); },
+      [this](grpc::ServerContext* ctx, const v1::GetTimelineRequest& req,
+             v1::GetTimelineResponse* resp) { return Timeline(ctx, req, resp); }};
+  std::unique_ptr<control::ControlServer> admin_;
+  std::unique_ptr<engine::MetricsServer> metrics_;  // stops before the Admin service
+};
+
+absl::Status DaemonImpl::StartCoordinator() {
+  const std::string listen = config_.coordinator_listen;
+  if (!listen.empty()) {
+    control::CoordinatorOptions co;
+    co.job_id = config_.job_id;
+    co.token = config_.token;
+    co.expected_nodes = config_.nodes;
+    co.peer_timeout = config_.peer_timeout;
+    co.stall_warning = absl::Seconds(config_.stall_warning_s);
+    co.stall_abort = absl::Seconds(config_.stall_abort_s);
+    auto c = control::Coordinator::Create(co);
+    if (!c.ok()) return Bad("coordinator", c.status());
+    coordinator_ = std::move(c).value();
+    coordinator_service_ = std::make_unique<control::CoordinatorService>(coordinator_.get());
+    RETURN_IF_ERROR(CheckExposure("--coordinator_listen", listen, config_, /*token_counts=*/true));
+    control::ControlServerOptions so;
+    so.credentials = control::ServerCredentialsFor(config_.tls);
+    so.reflection = false;  // nothing to browse on the job's own port
+    auto server = control::ControlServer::Start(listen, {coordinator_service_.get()}, so);
+    if (!server.ok()) return Bad("coordinator", server.status());
+    coordinator_server_ = std::move(server).value();
+    if (coordinator_address_.empty()) {
+      // Where this node reaches the coordinator it serves: its listen
+      // address (on a multi-homed host that may not be loopback).
+      auto self = control::SelfDialAddress(listen, coordinator_server_->port());
+      if (!self.ok()) return Bad("--coordinator_listen", self.status());
+      coordinator_address_ = *self;
+    }
+    MICROD_LOG(Info, "coordinator listening on %s for %d nodes",
+               coordinator_server_->address().c_str(), co.expected_nodes);
+    if (const std::string f = config_.coordinator_port_file; !f.empty()) {
+      std::ofstream(f) << coordinator_server_->port() << "\n";
+    }
+  }
+  if (coordinator_address_.empty()) {
+    return Bad("--coordinator",
+               absl::InvalidArgumentError("give --coordinator or --coordinator_listen"));
+  }
+  return absl::OkStatus();
+}
+
+void DaemonImpl::FillStatus(const v1::GetStatusRequest& req, v1::GetStatusResponse* r,
+                            std::vector<engine::BucketStats>* buckets) {
+  const sparsify::SparsifyOptions& sparsify = config_.sparsify;
+  r->set_version(MICROD_VERSION_STRING);
+  r->set_node_name(config_.node_name);
+  r->set_transport(config_.transport);
+  r->set_sparsifier(sparsify::SparsifierName(sparsify.sparsifier));
+  r->set_controller(sparsify::ControllerName(sparsify.controller));
+  r->set_density(sparsify.density);
+  r->set_momentum_correction(sparsify.momentum);
+  r->set_warmup_steps(sparsify.warmup_steps);
+  r->set_warmup_density(sparsify.warmup_density);
+  r->set_warmup_decay_steps(sparsify.warmup_decay_steps);
+  r->set_clip_norm(sparsify.clip_norm);
+  r->set_min_k(sparsify.min_k);
+  for (const std::string& line : remedies_) r->add_remedies(line);
+  r->set_response_cache(config_.response_cache);
+  r->set_local_size(config_.local_size);
+  r->set_socket(config_.socket);
+  r->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
+  r->set_node_rank(-1);
+  r->set_job_state(v1::JOB_STATE_FORMING);
+  if (coordinator_ != nullptr) control::FillJobStatus(coordinator_->Snapshot(), r);
+  absl::MutexLock lock(&mu_);
+  if (membership_.session != 0) {
+    r->set_node_rank(membership_.node_rank);
+    r->set_node_count(membership_.node_count);
+    r->set_world_size(membership_.world_size);
+    if (coordinator_ == nullptr) r->set_job_state(v1::JOB_STATE_RUNNING);
+  }
+  if (client_ != nullptr && !client_->job_status().ok()) {
+    r->set_job_state(client_->job_status().code() == absl::StatusCode::kFailedPrecondition
+                         ? v1::JOB_STATE_FINISHED
+                         : v1::JOB_STATE_FAILED);
+    if (r->failure().empty()) r->set_failure(std::string(client_->job_status().message()));
+  }
+  if (client_ != nullptr) {
+    for (const std::string& s : client_->stalls()) r->add_stalls(s);
+  }
+  if (local_server_ != nullptr) {
+    for (const auto& c : local_server_->Clients()) {
+      auto* p = r->add_processes();
+      p->set_local_rank(c.local_rank);
+      p->set_pid(c.pid);
+      p->set_buffers(c.buffers);
+      p->set_bytes(c.bytes);
+    }
+  }
+  if (engine_ != nullptr) {
+    engine::EngineSnapshot snapshot = engine_->Snapshot(req.include_history());
+    engine::FillEngineStatus(snapshot, r);
+    if (buckets != nullptr) *buckets = std::move(snapshot.buckets);
+  }
+}
+
+absl::Status DaemonImpl::StartAdmin() {
+  const std::string address = config_.admin;
+  RETURN_IF_ERROR(CheckExposure("--admin", address, config_, /*token_counts=*/false));
+  control::ControlServerOptions so;
+  so.reflection = true;
+  // Status calls are short; a timeline capture holds one thread for its
+  // window (one capture at a time). More callers than this are refused.
+  so.max_threads = 16;
+  // Plaintext where only this machine reaches it (probes, microctl in the
+  // pod); TLS where the network does.
+  if (!control::IsLocalOnly(address)) {
+    so.credentials = control::ServerCredentialsFor(config_.tls);
+  }
+  const bool unix_socket = absl::StartsWith(address, "unix:");
+  const std::string path = unix_socket ? address.substr(5) : "";
+  if (unix_socket) {
+    std::string warning;
+    if (absl::Status s = PrepareSocketPath(path, SOCK_STREAM, &warning); !s.ok()) {
+      return Bad("--admin", s);
+    }
+    if (!warning.empty()) MICROD_LOG(Warning, "%s", warning.c_str());
+  } else if (control::IsLocalOnly(address)) {
+    MICROD_LOG(Info,
+               "--admin %s: every local user can read this daemon's "
+               "status and timeline (unix:PATH admits only this uid)",
+               address.c_str());
+  }
+  // gRPC binds with the process's umask: the socket is never more open than
+  // RestrictSocket makes it.
+  const int allow_gid = config_.allow_gid;
+  const mode_t old_umask = unix_socket ? umask(SocketUmask(allow_gid)) : 0;
+  auto admin = control::ControlServer::Start(address, {&admin_service_}, so);
+  if (unix_socket) umask(old_umask);
+  if (!admin.ok()) return Bad("--admin", admin.status());
+  if (unix_socket) {
+    if (absl::Status s = RestrictSocket(path, allow_gid); !s.ok()) return Bad("--admin", s);
+  }
+  admin_ = std::move(admin).value();
+  // Health: "" is SERVING while the process answers (liveness); "microd"
+  // only once this node joined and serves its training processes (startup
+  // and readiness: a trainer started earlier would wait for the socket).
+  admin_->SetServing(kHealthService, false);
+  MICROD_LOG(Info, "admin listening on %s", admin_->address().c_str());
+  if (const std::string f = config_.admin_port_file; !f.empty()) {
+    std::ofstream(f) << admin_->port() << "\n";
+  }
+#if MICROD_HAVE_NCCL
+  if (config_.transport == "nccl") {
+    // Before joining: a node without a usable GPU must not hold the job up.
+    std::string why;
+    auto gpu_ops = kernels::CreateCudaSparseOps(config_.cuda_device, &why);
+    if (gpu_ops == nullptr) {
+      return Bad("--transport=nccl", absl::FailedPreconditionError(absl::StrCat(
+                                         "no usable GPU ", config_.cuda_device, ": ", why)));
+    }
+    absl::MutexLock lock(&mu_);
+    ops_ = std::move(gpu_ops);
+  }
+#endif
+  return absl::OkStatus();
+}
+
+absl::Status DaemonImpl::StartMetrics() {
+  const std::string address = config_.metrics;
+  if (address.empty()) return absl::OkStatus();
+  auto collector = std::make_shared<engine::MetricsCollector>(
+      [this](v1::GetStatusResponse* r, std::vector<engine::BucketStats>* b) {
+        FillStatus({}, r, b);
+      });
+  auto server = engine::MetricsServer::Start(address, std::move(collector));
+  if (!server.ok()) return Bad("--metrics", server.status());
+  metrics_ = std::move(server).value();
+  MICROD_LOG(Info, "metrics on http://%s:%d/metrics", address.substr(0, address.rfind(':')).c_str(),
+             metrics_->port());
+  if (const std::string f = config_.metrics_port_file; !f.empty()) {
+    std::ofstream(f) << metrics_->port() << "\n";
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DaemonImpl::StartTimeline() {
+  const std::string path = config_.timeline;
+  if (path.empty()) return absl::OkStatus();
+  auto file =
+      engine::TimelineFile::Start(&timeline_, path, absl::Seconds(config_.timeline_flush_s));
+  if (!file.ok()) return Bad("--timeline", file.status());
+  timeline_file_ = std::move(file).value();
+  MICROD_LOG(Info, "timeline of the last %llu steps in %s",
+             static_cast<unsigned long long>(config_.timeline_steps), path.c_str());
+  return absl::OkStatus();
+}
+
+grpc::Status DaemonImpl::Timeline(grpc::ServerContext* ctx, const v1::GetTimelineRequest& req,
+                                  v1::GetTimelineResponse* resp) {
+  absl::Time since = absl::InfinitePast();
+  // One capture at a time: each holds a server thread for its window.
+  bool capturing = false;
+  if (req.seconds() > 0 && !capturing_.compare_exchange_strong(capturing, true)) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        "timeline: another capture is running; one at a time");
+  }
+  struct EndCapture {
+    std::atomic<bool>* flag;
+    bool active;
+    ~EndCapture() {
+      if (active) flag->store(false);
+    }
+  } end_capture{&capturing_, req.seconds() > 0};
+  if (req.seconds() > 0) {
+    since = absl::Now();
+    const absl::Time until = since + absl::Seconds(req.seconds());
+    timeline_.Hold();
+    // Bounded by the window; a client that gives up (or a shutdown) ends it early.
+    while (absl::Now() < until && !ctx->IsCancelled()) {
+      absl::SleepFor(std::min(absl::Milliseconds(100), until - absl::Now()));
+    }
+    timeline_.Release();
+    if (ctx->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "timeline: cancelled");
+  }
+  uint64_t steps = 0;
+  resp->set_trace_json(timeline_.ChromeJson(since, &steps));
+  resp->set_steps(steps);
+  return grpc::Status::OK;
+}
+
+absl::Status DaemonImpl::Join() {
+  control::CoordinatorClientOptions cco;
+  cco.address = coordinator_address_;
+  cco.job_id = config_.job_id;
+  cco.node_name = config_.node_name;
+  cco.token = config_.token;
+  cco.local_size = config_.local_size;
+  cco.requested_rank = config_.node_rank;
+  cco.peer_timeout = config_.peer_timeout;
+  // Node 0 dials the coordinator it serves like any node; over loopback
+  // (a coordinator listening on every interface) with TLS the certificate
+  // must name 127.0.0.1 too, or --tls_server_name.
+  cco.tls = config_.tls;
+  auto created = control::CoordinatorClient::Create(cco);
+  if (!created.ok()) return Bad("coordinator client", created.status());
+  {
+    absl::MutexLock lock(&mu_);
+    client_ = std::move(created).value();
+  }
+  auto joined = client_->Join(absl::Now() + config_.join_timeout);
+  if (!joined.ok()) return Bad("join", joined.status());
+  {
+    absl::MutexLock lock(&mu_);
+    membership_ = *joined;
+  }
+  log::SetRank(membership_.node_rank);
+  MICROD_LOG(Info, "node '%s' is rank %d of %d (world size %d)", config_.node_name.c_str(),
+             membership_.node_rank, membership_.node_count, membership_.world_size);
+  return absl::OkStatus();
+}
+
+absl::Status DaemonImpl::StartDataPlane(const engine::EngineOptions& eo) {
+  if (!eo.device_resident) {
+    auto data_address = control::ChooseDataPlaneAddress(
+        config_.hostname, config_.coordinator_listen, coordinator_address_,
+        membership_.observed_host, absl::Now() + config_.join_timeout);
+    if (!data_address.ok()) return Bad("--hostname", data_address.status());
+    MICROD_LOG(Info, "data plane on %s (%s)", data_address->address.c_str(),
+               data_address->why.c_str());
+    transport::GlooOptions go;
+    go.rank = membership_.node_rank;
+    go.size = membership_.node_count;
+    go.store = client_.get();
+    go.hostname = data_address->address;
+    go.timeout = config_.op_timeout;
+    go.io_nice = config_.gloo_io_nice;
+    go.connections = config_.data_connections;
+    auto created = transport::CreateGlooTransport(go);
+    if (!created.ok()) return Bad("transport", created.status());
+    transport_ = std::move(created).value();
+    ops_ = kernels::CreateCpuSparseOps();
+    if (const transport::LinkModel* m = transport_->link_model(); m != nullptr && m->ranks > 1) {
+      MICROD_LOG(Info,
+                 "data plane links (slowest of every node's): a direct round takes "
+                 "%.3f ms (%.3f ms posted ahead), a node sends %.1f MB/s; %d connection(s) "
+                 "per pair",
+                 m->round_seconds * 1e3, m->posted_round_seconds * 1e3, m->bytes_per_second / 1e6,
+                 m->connections);
+    }
+    return absl::OkStatus();
+  }
+#if MICROD_HAVE_NCCL
+  // The GPU path: kernels and collectives on --cuda_device, in place on the
+  // processes' CUDA buffers. The kernels queue on the legacy default stream;
+  // the transport's own stream is ordered after them.
+  transport::NcclOptions no;
+  no.rank = membership_.node_rank;
+  no.size = membership_.node_count;
+  no.device = eo.device;
+  no.store = client_.get();
+  no.timeout = config_.op_timeout;
+  auto created = transport::CreateNcclTransport(no);
+  if (!created.ok()) return Bad("transport", created.status());
+  transport_ = std::move(created).value();
+  MICROD_LOG(Info, "reducing on GPU %d over NCCL (CUDA buffers only)", eo.device);
+  return absl::OkStatus();
+#else
+  return Bad("--transport", absl::UnimplementedError("nccl needs a CUDA build"));
+#endif
+}
+
+absl::Status DaemonImpl::Serve(const engine::EngineOptions& eo) {
+  local::LocalServerOptions lo;
+  lo.socket_path = config_.socket;
+  lo.allow_gid = config_.allow_gid;
+  lo.max_clients = config_.max_processes;
+  lo.max_buffers_per_client = config_.max_buffers_per_process;
+  lo.max_bytes_per_client = config_.max_bytes_per_process;
+  if (lo.max_bytes_per_client == 0) {
+    lo.max_bytes_per_client = memory_budget_ > 0 ? memory_budget_ : uint64_t{1} << 40;
+  }
+  lo.hello_timeout = config_.hello_timeout;
+  // A process that reads none of its completions for a whole operation's
+  // deadline is not coming back.
+  lo.stuck_after = config_.op_timeout;
+  lo.cuda_resident_device = eo.device_resident ? eo.device : -1;
+  auto server = local::LocalServer::Start(lo, engine_.get());
+  if (!server.ok()) return Bad("--socket", server.status());
+  {
+    absl::MutexLock lock(&mu_);
+    local_server_ = std::move(server).value();
+  }
+  engine_->SetServer(local_server_.get());
+  engine_->SetTimeline(&timeline_);
+  client_->SetFailureCallback([e = engine_.get()](const absl::Status& s) { e->Fail(s, false); });
+  // Buckets waiting for half the warning time go to the stall inspector.
+  client_->SetWaitingProvider(
+      [e = engine_.get(), at_least = absl::Seconds(config_.stall_warning_s) / 2] {
+        return e->Waiting(at_least);
+      });
+  engine_->Start();
+  admin_->SetServing(kHealthService, true);
+  MICROD_LOG(Info, "serving %d local process(es) on %s", config_.local_size,
+             lo.socket_path.c_str());
+  for (const std::string& line : remedies_) {
+    MICROD_LOG(Info, "remedy at density %g: %s", config_.sparsify.density, line.c_str());
+  }
+  if (memory_budget_ > 0) {
+    MICROD_LOG(Info, "the buckets' state may take %llu bytes (%s)",
+               static_cast<unsigned long long>(memory_budget_), memory_budget_source_.c_str());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DaemonImpl::Start(const std::function<void()>& serving) {
+  RETURN_IF_ERROR(StartCoordinator());
+  RETURN_IF_ERROR(StartAdmin());
+  RETURN_IF_ERROR(StartMetrics());
+  RETURN_IF_ERROR(StartTimeline());
+  RETURN_IF_ERROR(Join());
+  timeline_.SetNode(membership_.node_rank, config_.node_name);
+  const engine::EngineOptions eo = EngineOptionsOf(config_, memory_budget_, memory_budget_source_);
+  RETURN_IF_ERROR(StartDataPlane(eo));
+  if (absl::Status s = engine::CheckOptionsAgree(*transport_, eo, absl::Now() + config_.op_timeout);
+      !s.ok()) {
+    return Bad("options", s);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    engine_ = std::make_unique<engine::Engine>(eo, membership_, client_.get(), transport_.get(),
+                                               ops_.get());
+  }
+  // From here on a stop is the orderly shutdown (Stop).
+  if (serving) serving();
+  return Serve(eo);
+}
+
+void DaemonImpl::Stop(const std::string& why) {
+  if (stopped_) return;
+  stopped_ = true;
+  MICROD_LOG(Info, "%s: shutting down", why.c_str());
+  // Whatever Start brought up (all of it, unless it failed half-way).
+  if (admin_ != nullptr) admin_->SetServing(kHealthService, false);
+  if (local_server_ != nullptr) local_server_->Stop();  // no new work; removes the socket
+  if (engine_ != nullptr) {
+    engine_->Stop(absl::CancelledError(
+        absl::StrCat("microd on node ", membership_.node_rank, " is shutting down")));
+  }
+  timeline_file_.reset();  // its last write, with every step run
+  if (client_ != nullptr && membership_.session != 0) (void)client_->Leave();
+  if (admin_ != nullptr) admin_->Shutdown(absl::Now() + absl::Seconds(1));
+  if (const std::string& a = config_.admin; absl::StartsWith(a, "unix:") && admin_ != nullptr) {
+    unlink(a.c_str() + 5);
+  }
+  if (coordinator_server_ != nullptr) coordinator_server_->Shutdown(absl::Now() + absl::Seconds(1));
+}
+
+absl::Status DaemonConfig::Validate() const {
+  if (transport != "gloo" && !(MICROD_HAVE_NCCL && transport == "nccl")) {
+    return Bad("--transport",
+               absl::UnimplementedError(absl::StrCat(
+                   "'", transport, "' is not available in this build (",
+                   MICROD_HAVE_NCCL ? "gloo or nccl" : "gloo; nccl needs a CUDA build", ")")));
+  }
+  if (absl::Status s = sparsify.Validate(); !s.ok()) return Bad("options", s);
+  if (wire_bucket_dtype && transport == "nccl") {
+    return Bad("--wire_dtype", absl::InvalidArgumentError(
+                                   "bucket needs --transport=gloo (NCCL takes fp32 buckets)"));
+  }
+  if (local_size < 1 || local_size > control::kMaxLocalSize) {
+    return Bad("--local_size", absl::InvalidArgumentError(
+                                   absl::StrCat("must be in [1, ", control::kMaxLocalSize, "]")));
+  }
+  if (nodes < 1) return Bad("--nodes", absl::InvalidArgumentError("must be at least 1"));
+  if (cuda_device < 0) return Bad("--cuda_device", absl::InvalidArgumentError("must be >= 0"));
+  if (cycle_floats > (uint64_t{1} << 20)) {
+    return Bad("--cycle_floats", absl::InvalidArgumentError("must be at most 1048576"));
+  }
+  if (data_connections < 0 || data_connections > 16) {
+    return Bad("--data_connections", absl::InvalidArgumentError(absl::StrCat(
+                                         "must be in [0, 16], not ", data_connections)));
+  }
+  if (gloo_io_nice < 0 || gloo_io_nice > 19) {
+    return Bad("--gloo_io_nice",
+               absl::InvalidArgumentError(absl::StrCat("must be in [0, 19], not ", gloo_io_nice)));
+  }
+  if (op_timeout <= absl::ZeroDuration() || peer_timeout <= absl::ZeroDuration() ||
+      hello_timeout <= absl::ZeroDuration() || join_timeout <= absl::ZeroDuration()) {
+    return Bad("timeouts", absl::InvalidArgumentError("timeouts must be positive"));
+  }
+  if (stall_warning_s < 1 || stall_abort_s < 0) {
+    return Bad("--stall_warning_s",
+               absl::InvalidArgumentError("--stall_warning_s must be at least 1 and "
+                                          "--stall_abort_s at least 0"));
+  }
+  if (timeline_steps < 1 || timeline_steps > 100000000 || timeline_every < 1 ||
+      !(timeline_flush_s > 0)) {
+    return Bad("--timeline_steps",
+               absl::InvalidArgumentError("--timeline_steps must be in [1, 100000000], "
+                                          "--timeline_every at least 1 and --timeline_flush_s "
+                                          "positive"));
+  }
+  if (max_processes < 1 || max_buffers_per_process < 1) {
+    return Bad("limits", absl::InvalidArgumentError(
+                             "--max_processes and --max_buffers_per_process must be at least 1"));
+  }
+  if (absl::Status s = control::CheckTlsFiles(tls, /*server=*/!coordinator_listen.empty());
+      !s.ok()) {
+    return Bad("TLS", s);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig c) {
+  // A dense job has no velocity to correct.
+  if (c.sparsify.sparsifier == sparsify::SparsifierKind::kDense) c.sparsify.momentum = 0.0;
+  RETURN_IF_ERROR(c.Validate());
+  std::vector<std::string> remedies = sparsify::ApplyRemedies(c.remedies, &c.sparsify);
+  if (c.sparsify.momentum > 0) {
+    remedies.push_back(absl::StrFormat(
+        "momentum correction %g with momentum factor masking (the velocity is zeroed where "
+        "values are sent)",
+        c.sparsify.momentum));
+  }
+  // Over NCCL a cycle would wait for the other nodes inside an NCCL kernel,
+  // spinning on the GPU the training shares: the coordinator negotiates.
+  if (c.response_cache && c.transport == "nccl") {
+    c.response_cache = false;
+    MICROD_LOG(Info,
+               "--transport=nccl: the response cache is off (every step through the "
+               "coordinator)");
+  }
+  if (c.state_secret.empty()) c.state_secret = c.token;
+  if (c.node_name.empty()) c.node_name = HostName();
+  log::SetIdentity(c.node_name, -1);
+  uint64_t budget = 0;
+  std::string source;
+  if (c.max_state_bytes > 0) {
+    budget = c.max_state_bytes;
+    source = "--max_state_bytes";
+  } else if (c.transport != "nccl") {
+    const MemoryLimit limit = DetectMemoryLimit();
+    budget = limit.bytes / 10 * 8;
+    source = absl::StrCat("80% of ", limit.bytes, " bytes, ", limit.source);
+  }
+  return std::unique_ptr<Daemon>(new Daemon(
+      std::make_unique<DaemonImpl>(std::move(c), std::move(remedies), budget, std::move(source))));
+}
+
+Daemon::Daemon(std::unique_ptr<DaemonImpl> impl) : impl_(std::move(impl)) {}
+Daemon::~Daemon() = default;
+
+absl::Status Daemon::Start(const std::function<void()>& serving) { return impl_->Start(serving); }
+void Daemon::Stop(const std::string& why) { impl_->Stop(why); }
+const DaemonConfig& Daemon::config() const { return impl_->config(); }
+const std::vector<std::string>& Daemon::remedies() const { return impl_->remedies(); }
+int Daemon::coordinator_port() const { return impl_->coordinator_port(); }
+int Daemon::admin_port() const { return impl_->admin_port(); }
+int Daemon::metrics_port() const { return impl_->metrics_port(); }
+int Daemon::node_rank() const { return impl_->node_rank(); }
+
+}  // namespace microd
