@@ -1,0 +1,289 @@
+// The engine's negotiation, step runner and step memory as units: several
+// nodes' engines in this process over the in-process control plane and
+// transport (no gRPC server, no sockets but the local ones), each serving a
+// training process through the C client. What is checked: buckets
+// submitted in different orders on different nodes are agreed and reduced
+// alike everywhere; the response cache takes repeated steps off the
+// coordinator; a node that submits late is waited for.
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "daemon/control/control_plane.h"
+#include "daemon/control/coordinator.h"
+#include "daemon/engine/engine.h"
+#include "daemon/local/local_server.h"
+#include "daemon/transport/inproc/inproc_transport.h"
+#include "gtest/gtest.h"
+#include "kernels/sparse_ops.h"
+#include "microd/microd.h"
+#include "tests/integration/process_util.h"
+
+namespace microd::engine {
+namespace {
+
+// The in-process control plane, counting what the engine reports.
+class CountingControlPlane final : public control::ControlPlane {
+ public:
+  explicit CountingControlPlane(control::InProcessControlPlane inner) : inner_(std::move(inner)) {}
+  absl::Status Report(const std::vector<control::BucketInfo>& ready) override {
+    {
+      absl::MutexLock lock(&mu_);
+      reported_ += ready.size();
+    }
+    return inner_.Report(ready);
+  }
+  absl::StatusOr<std::vector<control::ScheduleBatch>> Poll(uint64_t next,
+                                                           absl::Time deadline) override {
+    return inner_.Poll(next, deadline);
+  }
+  absl::Status ReportFailure(const std::string& reason) override {
+    return inner_.ReportFailure(reason);
+  }
+  absl::Status RefreshJobStatus() override { return inner_.RefreshJobStatus(); }
+  const control::Membership& membership() const { return inner_.membership(); }
+  // Buckets reported ready to the coordinator so far.
+  uint64_t reported() {
+    absl::MutexLock lock(&mu_);
+    return reported_;
+  }
+
+ private:
+  control::InProcessControlPlane inner_;
+  absl::Mutex mu_;
+  uint64_t reported_ = 0;
+};
+
+// `n` nodes of one job, one training process each.
+class Cluster {
+ public:
+  Cluster(int n, EngineOptions eo) : dir_(testing::MakeTempDir("negotiation")) {
+    control::CoordinatorOptions co;
+    co.expected_nodes = n;
+    coordinator_ = std::move(control::Coordinator::Create(co)).value();
+    std::vector<std::unique_ptr<CountingControlPlane>> joined(n);
+    std::vector<std::thread> joins;
+    for (int r = 0; r < n; ++r) {
+      joins.emplace_back([&, r] {
+        auto c = control::InProcessControlPlane::Join(coordinator_.get(), "microd",
+                                                      absl::StrCat("node", r), 1,
+                                                      absl::Now() + absl::Seconds(20));
+        if (c.ok()) joined[r] = std::make_unique<CountingControlPlane>(*std::move(c));
+      });
+    }
+    for (auto& t : joins) t.join();
+    transports_ = transport::CreateInprocGroup(n);
+    control_.resize(n);
+    for (auto& c : joined) {
+      EXPECT_NE(c, nullptr);
+      if (c == nullptr) return;
+      const int rank = c->membership().node_rank;
+      control_[rank] = std::move(c);
+    }
+    for (int r = 0; r < n; ++r) {
+      ops_.push_back(kernels::CreateCpuSparseOps());
+      engines_.push_back(std::make_unique<Engine>(eo, control_[r]->membership(), control_[r].get(),
+                                                  transports_[r].get(), ops_[r].get()));
+      local::LocalServerOptions lo;
+      lo.socket_path = socket(r);
+      servers_.push_back(std::move(local::LocalServer::Start(lo, engines_[r].get())).value());
+      engines_[r]->SetServer(servers_[r].get());
+      engines_[r]->Start();
+    }
+  }
+  ~Cluster() {
+    for (size_t r = 0; r < engines_.size(); ++r) {
+      servers_[r]->Stop();
+      engines_[r]->Stop(absl::CancelledError("test over"));
+    }
+    engines_.clear();
+    servers_.clear();
+  }
+  int size() const { return static_cast<int>(engines_.size()); }
+  std::string socket(int r) const { return absl::StrCat(dir_, "/node", r, ".sock"); }
+  uint64_t reported(int r) { return control_[r]->reported(); }
+
+ private:
+  const std::string dir_;
+  std::unique_ptr<control::Coordinator> coordinator_;
+  std::vector<std::unique_ptr<CountingControlPlane>> control_;
+  std::vector<std::unique_ptr<transport::Transport>> transports_;
+  std::vector<std::unique_ptr<kernels::SparseOps>> ops_;
+  std::vector<std::unique_ptr<Engine>> engines_;
+  std::vector<std::unique_ptr<local::LocalServer>> servers_;
+};
+
+// A training process with buckets of the given sizes.
+class Trainer {
+ public:
+  Trainer(const std::string& socket, const std::vector<uint64_t>& sizes) {
+    microd_options o;
+    microd_options_init(&o);
+    o.socket_path = socket.c_str();
+    o.timeout_ms = 20000;
+    EXPECT_EQ(microd_connect(&o, &c_), MICROD_OK) << microd_last_error(nullptr);
+    for (size_t b = 0; b < sizes.size(); ++b) {
+      float* data = nullptr;
+      int32_t id = -1;
+      EXPECT_EQ(microd_register_host_buffer(c_, absl::StrCat("b", b).c_str(), sizes[b], &data, &id),
+                MICROD_OK)
+          << microd_last_error(c_);
+      data_.push_back(data);
+      ids_.push_back(id);
+      sizes_.push_back(sizes[b]);
+    }
+  }
+  ~Trainer() { microd_close(c_); }
+
+  // Submits every bucket in `order` (filled with `grad(b, i)`), then waits
+  // for them all; the statuses, in bucket order.
+  template <typename Grad>
+  std::vector<microd_status> Step(const std::vector<int>& order, Grad grad, int timeout_ms) {
+    std::vector<uint64_t> tickets(order.size());
+    for (int b : order) {
+      for (uint64_t i = 0; i < sizes_[b]; ++i) data_[b][i] = grad(b, i);
+    }
+    for (size_t k = 0; k < order.size(); ++k) {
+      EXPECT_EQ(microd_allreduce_async(c_, ids_[order[k]], &tickets[k]), MICROD_OK);
+    }
+    std::vector<microd_status> status(order.size());
+    for (size_t k = 0; k < order.size(); ++k) {
+      status[order[k]] = microd_wait(c_, tickets[k], timeout_ms);
+    }
+    return status;
+  }
+  const float* data(int b) const { return data_[b]; }
+  std::string error() const { return microd_last_error(c_); }
+
+ private:
+  microd_client* c_ = nullptr;
+  std::vector<float*> data_;
+  std::vector<int32_t> ids_;
+  std::vector<uint64_t> sizes_;
+};
+
+float Grad(int node, int b, uint64_t i) {
+  return std::sin(0.1f * float(i) + float(node) + 0.5f * float(b)) * (i % 53 == 0 ? 4.0f : 0.1f);
+}
+
+TEST(Negotiation, BucketsSubmittedInDifferentOrdersAreReducedAlikeEverywhere) {
+  EngineOptions eo;
+  eo.sparsify.density = 0.05;
+  // Three small dense buckets (fused) and a sparse one.
+  const std::vector<uint64_t> sizes = {1000, 3000, 70000, 500};
+  Cluster cluster(3, eo);
+  ASSERT_EQ(cluster.size(), 3);
+  std::vector<std::unique_ptr<Trainer>> trainers;
+  for (int r = 0; r < 3; ++r)
+    trainers.push_back(std::make_unique<Trainer>(cluster.socket(r), sizes));
+  for (int step = 0; step < 3; ++step) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 3; ++r) {
+      threads.emplace_back([&, r] {
+        // Node r submits in its own order: rotated by r, reversed on odd steps.
+        std::vector<int> order;
+        for (int k = 0; k < 4; ++k) order.push_back((k + r) % 4);
+        if (step % 2 == 1) std::reverse(order.begin(), order.end());
+        for (microd_status s : trainers[r]->Step(
+                 order, [&](int b, uint64_t i) { return Grad(r, b, i); }, 20000)) {
+          EXPECT_EQ(s, MICROD_OK) << "node " << r << ": " << trainers[r]->error();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int b = 0; b < 4; ++b) {
+      for (uint64_t i = 0; i < sizes[b]; ++i) {
+        const float u = trainers[0]->data(b)[i];
+        ASSERT_EQ(trainers[1]->data(b)[i], u) << "bucket " << b << " element " << i;
+        ASSERT_EQ(trainers[2]->data(b)[i], u) << "bucket " << b << " element " << i;
+        if (sizes[b] < eo.dense_floor) {
+          const float want = (Grad(0, b, i) + Grad(1, b, i) + Grad(2, b, i)) / 3.0f;
+          ASSERT_NEAR(u, want, 1e-6f) << "dense bucket " << b << " element " << i;
+        }
+      }
+    }
+  }
+}
+
+// Runs `steps` steps of the same buckets on two nodes; the buckets each node
+// reported to the coordinator after each step.
+std::vector<uint64_t> ReportsPerStep(bool response_cache, int steps) {
+  EngineOptions eo;
+  eo.response_cache = response_cache;
+  const std::vector<uint64_t> sizes = {800, 100000};
+  Cluster cluster(2, eo);
+  std::vector<std::unique_ptr<Trainer>> trainers;
+  for (int r = 0; r < 2; ++r)
+    trainers.push_back(std::make_unique<Trainer>(cluster.socket(r), sizes));
+  std::vector<uint64_t> reported;
+  for (int step = 0; step < steps; ++step) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        for (microd_status s : trainers[r]->Step(
+                 {1, 0}, [&](int b, uint64_t i) { return Grad(r, b, i) * float(step + 1); },
+                 20000)) {
+          EXPECT_EQ(s, MICROD_OK) << trainers[r]->error();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    reported.push_back(cluster.reported(0));
+  }
+  return reported;
+}
+
+TEST(Negotiation, TheResponseCacheTakesRepeatedStepsOffTheCoordinator) {
+  const std::vector<uint64_t> cached = ReportsPerStep(/*response_cache=*/true, 8);
+  // The first steps are scheduled by the coordinator; from then on the
+  // nodes agree between themselves: nothing more is reported.
+  EXPECT_GT(cached[0], 0u);
+  EXPECT_EQ(cached.back(), cached[2]) << "reports kept growing with the response cache on";
+  const std::vector<uint64_t> uncached = ReportsPerStep(/*response_cache=*/false, 8);
+  // Without it every step goes through the coordinator: both buckets, every step.
+  EXPECT_EQ(uncached.back(), 2u * 8u);
+}
+
+// A node whose trainer is busy (evaluating, saving a checkpoint) submits
+// later than the others by more than an operation's deadline: the others
+// wait for it (the stall inspector reports such waits; --stall_abort_s ends
+// them), with the response cache on and off.
+TEST(Negotiation, ABucketSubmittedLateOnOneNodeIsWaitedFor) {
+  for (const bool cache : {true, false}) {
+    SCOPED_TRACE(cache ? "response cache" : "no response cache");
+    EngineOptions eo;
+    eo.op_timeout = absl::Seconds(1);
+    eo.response_cache = cache;
+    const std::vector<uint64_t> sizes = {1000, 2000};
+    Cluster cluster(2, eo);
+    Trainer t0(cluster.socket(0), sizes), t1(cluster.socket(1), sizes);
+    for (int step = 0; step < 2; ++step) {
+      std::thread late([&] {
+        if (step == 1) absl::SleepFor(absl::Milliseconds(2500));
+        for (microd_status st : t1.Step(
+                 {0, 1}, [](int b, uint64_t i) { return Grad(1, b, i); }, 20000)) {
+          EXPECT_EQ(st, MICROD_OK) << t1.error();
+        }
+      });
+      for (microd_status st : t0.Step(
+               {0, 1}, [](int b, uint64_t i) { return Grad(0, b, i); }, 20000)) {
+        EXPECT_EQ(st, MICROD_OK) << t0.error();
+      }
+      late.join();
+      for (int b = 0; b < 2; ++b) {
+        EXPECT_EQ(t0.data(b)[7], (Grad(0, b, 7) + Grad(1, b, 7)) / 2.0f);
+        EXPECT_EQ(t1.data(b)[7], t0.data(b)[7]);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace microd::engine
