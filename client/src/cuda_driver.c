@@ -182,7 +182,7 @@ microd_status mcuda_prepare(const void* ptr, uint64_t count, mcuda_buffer* out, 
   if ((memory_type & 0xFFFFFFFFu) != MCU_MEMORYTYPE_DEVICE) {
     snprintf(err, errlen,
              "%p is not device memory (CUDA memory type %u): CUDA buffers are device memory from "
-             "cudaMalloc; host gradients go in microd_register_buffer's shared memory",
+             "cudaMalloc; host gradients go in microd_register_typed_buffer's shared memory",
              ptr, (unsigned)(memory_type & 0xFFFFFFFFu));
     return MICROD_ERR_INVALID_ARGUMENT;
   }

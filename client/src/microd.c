@@ -411,7 +411,7 @@ microd_status microd_momentum_correction(const microd_client* client, float* bet
 
 microd_status microd_register_host_buffer(microd_client* c, const char* name, uint64_t count,
                                           float** data, int32_t* buffer_id) {
-  return microd_register_buffer(c, name, count, NULL, data, buffer_id);
+  return microd_register_typed_buffer(c, name, count, NULL, (void**)data, buffer_id);
 }
 
 /* Checks what every registration takes; fills *flags and *name_len. */
@@ -540,20 +540,6 @@ static microd_status register_with_daemon(microd_client* c, void* msg, size_t le
   }
   pthread_mutex_unlock(&c->read_mu);
   return status;
-}
-
-microd_status microd_register_buffer(microd_client* c, const char* name, uint64_t count,
-                                     const microd_buffer_options* options, float** data,
-                                     int32_t* buffer_id) {
-  if (check_handle(c) && options != NULL &&
-      options->struct_size >= offsetof(microd_buffer_options, dtype) + sizeof(uint32_t) &&
-      options->dtype != 0 && options->dtype != MICROD_DTYPE_FLOAT32) {
-    return fail(c, MICROD_ERR_INVALID_ARGUMENT,
-                "buffer '%s': microd_register_buffer takes fp32 buffers; register dtype %u with "
-                "microd_register_typed_buffer",
-                name != NULL ? name : "", options->dtype);
-  }
-  return microd_register_typed_buffer(c, name, count, options, (void**)data, buffer_id);
 }
 
 microd_status microd_register_typed_buffer(microd_client* c, const char* name, uint64_t count,

@@ -134,21 +134,15 @@ MICROD_API void microd_buffer_options_init(microd_buffer_options* options);
  * daemon under `name` (every process of the job registers the same names with
  * the same counts) and returns the buffer to fill in *data and its id in
  * *buffer_id. The memory belongs to the library until microd_close. Blocks
- * until the daemon acknowledged. */
+ * until the daemon acknowledged. The short form of
+ * microd_register_typed_buffer (no options, fp32), kept for the common case. */
 MICROD_API microd_status microd_register_host_buffer(microd_client* client, const char* name,
                                                      uint64_t count, float** data,
                                                      int32_t* buffer_id);
 
-/* microd_register_host_buffer with options (NULL: defaults). Every process
- * must register a name with the same flags. fp32 only (a bf16/fp16 dtype is
- * MICROD_ERR_INVALID_ARGUMENT: use microd_register_typed_buffer). Blocks. */
-MICROD_API microd_status microd_register_buffer(microd_client* client, const char* name,
-                                                uint64_t count,
-                                                const microd_buffer_options* options, float** data,
-                                                int32_t* buffer_id);
-
-/* microd_register_buffer for any dtype: *data receives `count` elements of
- * options->dtype (fp32: float; bf16 and fp16: 2 bytes each, e.g. uint16_t
+/* microd_register_host_buffer with options (NULL: defaults, fp32): the
+ * flags (MICROD_BUFFER_DENSE) and any dtype. *data receives `count` elements
+ * of options->dtype (fp32: float; bf16 and fp16: 2 bytes each, e.g. uint16_t
  * bits, C's _Float16, a torch.bfloat16/float16 tensor over the memory).
  * Every process registers a name with the same count, flags and dtype (a
  * difference is MICROD_ERR_MISMATCH, naming the dtypes). Blocks. */

@@ -192,10 +192,6 @@ def _library():
         lib.microd_job_info_get.argtypes = [c.c_void_p, c.POINTER(_JobInfo)]
         lib.microd_momentum_correction.argtypes = [c.c_void_p, c.POINTER(c.c_float)]
         lib.microd_buffer_options_init.argtypes = [c.POINTER(_BufferOptions)]
-        lib.microd_register_buffer.argtypes = [c.c_void_p, c.c_char_p, c.c_uint64,
-                                               c.POINTER(_BufferOptions),
-                                               c.POINTER(c.POINTER(c.c_float)),
-                                               c.POINTER(c.c_int32)]
         lib.microd_register_typed_buffer.argtypes = [c.c_void_p, c.c_char_p, c.c_uint64,
                                                      c.POINTER(_BufferOptions),
                                                      c.POINTER(c.c_void_p), c.POINTER(c.c_int32)]
