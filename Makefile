@@ -8,6 +8,8 @@
 #   make format / make format-check   rewrite / check the C, C++ and CUDA files
 #               against .clang-format (the CI runs the check)
 #   make fuzz   each fuzz target under libFuzzer (FUZZ_SECONDS=120 each)
+#   make coverage   the lines of each module its unit tests run (gcov/lcov;
+#               build-cov/coverage.txt)
 #   make gpu-bundle        the GPU checks built here and packed for a GPU machine
 #                          (build/gpu-bundle, checked here; run.sh runs them there)
 #   make gpu-bundle-check  checks an existing bundle again
@@ -19,7 +21,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all deps configure build test test-asan test-tsan fuzz gpu-bundle gpu-bundle-check demo bench clean \
+.PHONY: all deps configure build test test-asan test-tsan fuzz coverage gpu-bundle gpu-bundle-check demo bench clean \
 	image image-test format format-check
 
 all: build
@@ -51,6 +53,9 @@ format-check: deps
 fuzz:
 	bash scripts/fuzz.sh
 
+coverage:
+	bash scripts/coverage.sh
+
 gpu-bundle:
 	bash scripts/gpu-bundle.sh
 
@@ -70,4 +75,4 @@ bench: build
 	bash scripts/bench.sh $(BUILD) $(BENCH_ARGS)
 
 clean:
-	rm -rf $(BUILD) build-asan build-tsan build-fuzz build-gpu
+	rm -rf $(BUILD) build-asan build-tsan build-fuzz build-gpu build-cov

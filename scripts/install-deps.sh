@@ -6,6 +6,7 @@
 #   scripts/install-deps.sh --build   only what building and installing microd
 #                                     needs (the Dockerfile's build stage)
 #   scripts/install-deps.sh --fuzz    everything and clang with libFuzzer (make fuzz)
+#   scripts/install-deps.sh --coverage   everything and lcov (make coverage)
 #   scripts/install-deps.sh --gpu-bundle   everything and patchelf (make gpu-bundle)
 #   scripts/install-deps.sh --image   podman, buildah, debootstrap and runc, with
 #                                     netavark and aardvark-dns for networks with
@@ -37,6 +38,8 @@ TEST_PACKAGES=(
 )
 # make fuzz only: clang with libFuzzer and the sanitizer runtimes.
 FUZZ_PACKAGES=(clang libclang-rt-14-dev)
+# make coverage only: lcov (gcov comes with the compiler).
+COVERAGE_PACKAGES=(lcov)
 # scripts/gpu-bundle.sh only: RUNPATHs of the bundled libraries.
 BUNDLE_PACKAGES=(patchelf)
 # make image / image-test only: containers from Debian's packages, no registry.
@@ -45,9 +48,10 @@ case "${1:-}" in
   "") PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}") ;;
   --build) PACKAGES=("${BUILD_PACKAGES[@]}") ;;
   --fuzz) PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}" "${FUZZ_PACKAGES[@]}") ;;
+  --coverage) PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}" "${COVERAGE_PACKAGES[@]}") ;;
   --gpu-bundle) PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}" "${BUNDLE_PACKAGES[@]}") ;;
   --image) PACKAGES=("${IMAGE_PACKAGES[@]}") ;;
-  *) echo "install-deps: unknown option $1 (--build, --fuzz, --gpu-bundle, --image or nothing)" >&2
+  *) echo "install-deps: unknown option $1 (--build, --fuzz, --coverage, --gpu-bundle, --image or nothing)" >&2
      exit 2 ;;
 esac
 

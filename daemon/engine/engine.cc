@@ -35,8 +35,9 @@ Engine::Engine(EngineOptions options, control::Membership membership, control::C
   state_.table.SetStateBudget(
       {options_.state_budget, options_.state_budget_source,
        [sparsify = options_.sparsify, n = membership_.node_count](uint64_t count, bool dense) {
-         // A dense bucket: its slot in the batch's fusion buffer.
-         return dense ? count * sizeof(float)
+         // A dense bucket: its slot in the batch's fusion buffer, and its
+         // velocity under momentum correction.
+         return dense ? (sparsify.momentum > 0 ? 2 : 1) * count * sizeof(float)
                       : sparsify::BucketState::MemoryBytes(count, n, sparsify);
        }});
 }

@@ -215,7 +215,7 @@ uint64_t ProcessTable::total_elements() const {
 std::vector<Bucket*> ProcessTable::WithState() {
   std::vector<Bucket*> out;
   for (auto& [name, b] : buckets_) {
-    if (b.state != nullptr) out.push_back(&b);
+    if (b.state != nullptr || b.velocity.ok()) out.push_back(&b);
   }
   return out;
 }

@@ -45,6 +45,9 @@ struct Bucket {
   int64_t cache_id = -1;  // response cache id, once scheduled by the coordinator
   absl::Status poisoned;  // local processes disagree on it: every submission fails
   std::unique_ptr<sparsify::BucketState> state;  // created at its first sparse step
+  // A dense bucket's velocity under momentum correction (the daemon applies
+  // the momentum the training side left out), at its first step.
+  sparsify::DeviceBuffer<float> velocity;
   BucketStats stats;
 };
 
@@ -115,7 +118,7 @@ class ProcessTable {
   Bucket& bucket(const std::string& name) { return buckets_[name]; }
   // The bucket, or null when no process registered it.
   Bucket* find(const std::string& name);
-  // Buckets with a sparsifier state, by name.
+  // Buckets with a sparsifier state or a dense velocity, by name.
   std::vector<Bucket*> WithState();
   // How many buckets are registered, and their elements in all.
   size_t bucket_count() const { return buckets_.size(); }

@@ -128,9 +128,18 @@ absl::Status Engine::SaveState(const StateRequest& q) {
   }
   microd::v1::NodeCheckpoint c = CheckpointShape();
   for (Bucket* b : buckets) {
-    auto saved = b->state->Save();
-    if (!saved.ok()) return saved.status();
-    *c.add_buckets() = ToProto(b->name, b->count, *saved);
+    sparsify::BucketCheckpoint saved;
+    if (b->state != nullptr) {
+      ASSIGN_OR_RETURN(saved, b->state->Save());
+    } else {
+      // A dense bucket's velocity (momentum correction): all it keeps.
+      saved.velocity.resize(b->count);
+      if (ops_->CopyToHost(saved.velocity.data(), b->velocity.get(), b->count * sizeof(float),
+                           nullptr) != kernels::KernelStatus::kOk) {
+        return absl::InternalError(absl::StrCat("bucket '", b->name, "': copy of its velocity"));
+      }
+    }
+    *c.add_buckets() = ToProto(b->name, b->count, saved);
   }
   const std::string name = CheckpointName(membership_.node_rank);
   return WriteCheckpoint(q.dir.fd.get(), name, absl::StrCat(q.dir.path, "/", name), c,
@@ -153,14 +162,16 @@ absl::Status Engine::LoadState(const StateRequest& q) {
   if (!saved.ok()) return saved.status();
   RETURN_IF_ERROR(CheckSameShape(*saved, CheckpointShape(), path));
   // Everything is checked before anything is loaded.
-  std::vector<std::pair<Bucket*, sparsify::BucketCheckpoint>> loads;
+  std::vector<std::pair<Bucket*, sparsify::BucketCheckpoint>> loads, dense_loads;
   for (const microd::v1::CheckpointBucket& p : saved->buckets()) {
     Bucket* b = nullptr;
     {
       absl::MutexLock lock(&state_.mu);
       b = state_.table.find(p.name());
     }
-    if (b == nullptr || b->count != p.count() || b->dense) {
+    // A dense bucket keeps only a velocity (momentum correction).
+    const bool dense_mismatch = b != nullptr && b->dense && !p.residual().empty();
+    if (b == nullptr || b->count != p.count() || dense_mismatch) {
       return absl::FailedPreconditionError(absl::StrCat(
           "the state in ", path, " has bucket '", p.name(), "' of ", p.count(), " elements; ",
           b == nullptr ? "no process registered it here (register every buffer first)"
@@ -169,11 +180,25 @@ absl::Status Engine::LoadState(const StateRequest& q) {
     }
     auto c = FromProto(p);
     if (!c.ok()) return absl::DataLossError(absl::StrCat(path, ": ", c.status().message()));
+    if (b->dense) {
+      dense_loads.emplace_back(b, std::move(c).value());
+      continue;
+    }
     RETURN_IF_ERROR(runner_.EnsureState(*b));
     RETURN_IF_ERROR(b->state->CheckCheckpoint(*c));
     loads.emplace_back(b, std::move(c).value());
   }
   for (auto& [b, c] : loads) RETURN_IF_ERROR(b->state->Load(c));
+  for (auto& [b, c] : dense_loads) {
+    if (c.velocity.empty()) continue;
+    if (!b->velocity.ok()) b->velocity.Reset(ops_, b->count);
+    if (!b->velocity.ok() ||
+        ops_->CopyToDevice(b->velocity.get(), c.velocity.data(), b->count * sizeof(float),
+                           nullptr) != kernels::KernelStatus::kOk) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("bucket '", b->name, "': cannot load its velocity"));
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -137,6 +137,7 @@ void StepRunner::FinishInCycle(const std::vector<Work>& works, const InCycle& in
     absl::Status s = KernelCall(
         ops_->Divide(sum.data(), d, static_cast<float>(membership_.world_size), nullptr, nullptr),
         "divide");
+    if (s.ok()) s = DenseMomentum(*w.bucket, sum.data());
     if (state_->job_failed()) return;  // Fail() answered this work
     for (const auto& buf : w.buffers) {
       if (s.ok()) s = CopyFloats(buf->data(), sum.data(), d);
@@ -508,6 +509,22 @@ absl::Status StepRunner::ReduceFused(const std::vector<Work>& works, uint64_t to
       ClientStatus::kNonFinite);
 }
 
+absl::Status StepRunner::DenseMomentum(Bucket& b, float* average) {
+  const double beta = options_.sparsify.momentum;
+  if (beta <= 0) return absl::OkStatus();
+  if (!b.velocity.ok()) {
+    b.velocity.Reset(ops_, b.count);
+    if (!b.velocity.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("bucket '", b.name, "': out of memory for its velocity"));
+    }
+  }
+  RETURN_IF_ERROR(KernelCall(ops_->Momentum(average, b.velocity.get(), static_cast<float>(beta),
+                                            b.velocity.get(), b.count, nullptr),
+                             "momentum"));
+  return CopyFloats(average, b.velocity.get(), b.count);
+}
+
 absl::Status StepRunner::WriteBackFused(const std::vector<Work>& works, uint64_t total) {
   if (const auto k = ops_->Divide(fusion_.get(), total, static_cast<float>(membership_.world_size),
                                   nullptr, nullptr);
@@ -517,6 +534,7 @@ absl::Status StepRunner::WriteBackFused(const std::vector<Work>& works, uint64_t
   }
   uint64_t offset = 0;
   for (const Work& w : works) {
+    RETURN_IF_ERROR(DenseMomentum(*w.bucket, fusion_.get() + offset));
     for (const auto& buf : w.buffers) {
       RETURN_IF_ERROR(CopyFloats(memory_->Data(*buf), fusion_.get() + offset, w.bucket->count));
     }

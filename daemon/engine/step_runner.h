@@ -103,6 +103,10 @@ class StepRunner {
   absl::Status ReduceFused(const std::vector<Work>& works, uint64_t total, uint64_t nonfinite);
   // The average back into every process's buffer.
   absl::Status WriteBackFused(const std::vector<Work>& works, uint64_t total);
+  // Momentum correction of a dense bucket: `average` (its `count` floats in
+  // ops_'s memory) becomes the new velocity beta * u + average, the update
+  // momentum SGD would make. Nothing with the correction off.
+  absl::Status DenseMomentum(Bucket& b, float* average);
 
   const EngineOptions& options_;
   const control::Membership& membership_;

@@ -160,6 +160,8 @@ class Trainer {
     return status;
   }
   const float* data(int b) const { return data_[b]; }
+  microd_status Save(const std::string& dir) { return microd_state_save(c_, dir.c_str(), 20000); }
+  microd_status Load(const std::string& dir) { return microd_state_load(c_, dir.c_str(), 20000); }
   std::string error() const { return microd_last_error(c_); }
 
  private:
@@ -282,6 +284,88 @@ TEST(Negotiation, ABucketSubmittedLateOnOneNodeIsWaitedFor) {
         EXPECT_EQ(t1.data(b)[7], t0.data(b)[7]);
       }
     }
+  }
+}
+
+// With momentum correction the training side applies no momentum: the
+// daemon must, to the dense buckets too (below --dense_floor, riding in a
+// cycle or fused): their update is momentum SGD on the average,
+// u = beta * u + average, with the response cache on and off.
+TEST(Negotiation, DenseBucketsGetTheMomentumTheTrainingSideLeftOut) {
+  for (const bool cache : {true, false}) {
+    SCOPED_TRACE(cache ? "response cache" : "no response cache");
+    EngineOptions eo;
+    eo.response_cache = cache;
+    eo.sparsify.momentum = 0.9;
+    // 800 floats ride in a cycle (with the cache); 5000 do not fit one.
+    const std::vector<uint64_t> sizes = {800, 5000};
+    Cluster cluster(2, eo);
+    Trainer t0(cluster.socket(0), sizes), t1(cluster.socket(1), sizes);
+    std::vector<std::vector<float>> velocity = {std::vector<float>(800, 0.0f),
+                                                std::vector<float>(5000, 0.0f)};
+    for (int step = 0; step < 4; ++step) {
+      auto grad = [step](int node) {
+        return [node, step](int b, uint64_t i) { return Grad(node, b, i) + 0.01f * float(step); };
+      };
+      std::thread other([&] {
+        for (microd_status st : t1.Step({1, 0}, grad(1), 20000)) EXPECT_EQ(st, MICROD_OK);
+      });
+      for (microd_status st : t0.Step({0, 1}, grad(0), 20000)) EXPECT_EQ(st, MICROD_OK);
+      other.join();
+      for (int b = 0; b < 2; ++b) {
+        for (uint64_t i = 0; i < sizes[b]; ++i) {
+          const float average = (grad(0)(b, i) + grad(1)(b, i)) / 2.0f;
+          velocity[b][i] = 0.9f * velocity[b][i] + average;
+          ASSERT_NEAR(t0.data(b)[i], velocity[b][i], 1e-6f * (1.0f + std::fabs(velocity[b][i])))
+              << "bucket " << b << " element " << i << " step " << step;
+          ASSERT_EQ(t1.data(b)[i], t0.data(b)[i]);
+        }
+      }
+    }
+  }
+}
+
+// A dense bucket's velocity is part of the saved state: a job restored from
+// it continues as if it had not stopped.
+TEST(Negotiation, ADenseBucketsVelocityIsSavedAndRestored) {
+  EngineOptions eo;
+  eo.sparsify.momentum = 0.9;
+  const std::vector<uint64_t> sizes = {5000, 100000};  // dense, sparse
+  const std::string dir = testing::MakeTempDir("negotiation-state");
+  auto run = [&](Trainer& t0, Trainer& t1, int step) {
+    auto grad = [step](int node) {
+      return [node, step](int b, uint64_t i) { return Grad(node, b, i) * float(1 + step); };
+    };
+    std::thread other([&] {
+      for (microd_status st : t1.Step({0, 1}, grad(1), 20000)) EXPECT_EQ(st, MICROD_OK);
+    });
+    for (microd_status st : t0.Step({1, 0}, grad(0), 20000)) EXPECT_EQ(st, MICROD_OK);
+    other.join();
+    return std::vector<float>(t0.data(0), t0.data(0) + sizes[0]);
+  };
+  auto both = [](Trainer& t0, Trainer& t1, microd_status (Trainer::*f)(const std::string&),
+                 const std::string& d) {
+    microd_status s1 = MICROD_OK;
+    std::thread other([&] { s1 = (t1.*f)(d); });
+    const microd_status s0 = (t0.*f)(d);
+    other.join();
+    EXPECT_EQ(s0, MICROD_OK) << t0.error();
+    EXPECT_EQ(s1, MICROD_OK) << t1.error();
+  };
+  std::vector<std::vector<float>> straight;
+  {
+    Cluster cluster(2, eo);
+    Trainer t0(cluster.socket(0), sizes), t1(cluster.socket(1), sizes);
+    for (int step = 0; step < 2; ++step) run(t0, t1, step);
+    both(t0, t1, &Trainer::Save, dir);
+    for (int step = 2; step < 4; ++step) straight.push_back(run(t0, t1, step));
+  }
+  Cluster cluster(2, eo);
+  Trainer t0(cluster.socket(0), sizes), t1(cluster.socket(1), sizes);
+  both(t0, t1, &Trainer::Load, dir);
+  for (int step = 2; step < 4; ++step) {
+    EXPECT_EQ(run(t0, t1, step), straight[step - 2])
+        << "the dense bucket's update at step " << step;
   }
 }
 

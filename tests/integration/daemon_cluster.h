@@ -215,8 +215,9 @@ class DaemonCluster {
 };
 
 // Reference: per node, the local sum of its processes' gradients, the step of
-// issue A over the in-process transport, the hash of the update every local
-// process receives. ref[node][step][bucket]. `base`: the sparsifier of the
+// issue A over the in-process transport (with momentum correction, a dense
+// bucket's average becomes the velocity beta * u + average), the hash of the
+// update every local process receives. ref[node][step][bucket]. `base`: the sparsifier of the
 // buckets at or above kDenseFloor (the daemons' flags must say the same).
 // `dtype` (2 bf16, 3 fp16): each process's gradient is that type's rounding of
 // its fp32 one, widened for the step; the update is rounded to it again and
@@ -234,6 +235,7 @@ inline ReferenceHashes Reference(int n, int L, const std::vector<BucketSpec>& bu
   for (int r = 0; r < n; ++r) {
     threads.emplace_back([&, r] {
       std::vector<std::unique_ptr<sparsify::BucketState>> state;
+      std::vector<std::vector<float>> velocity(buckets.size());
       for (size_t b = 0; b < buckets.size(); ++b) {
         sparsify::SparsifyOptions o = base;
         if (buckets[b].count < kDenseFloor) o.sparsifier = sparsify::SparsifierKind::kDense;
@@ -260,6 +262,14 @@ inline ReferenceHashes Reference(int n, int L, const std::vector<BucketSpec>& bu
           auto s = state[b]->Step(grad.data(), update.data(), *group[r],
                                   absl::Now() + absl::Seconds(60));
           ASSERT_TRUE(s.ok()) << s.status();
+          if (d < kDenseFloor && base.momentum > 0 &&
+              base.sparsifier != sparsify::SparsifierKind::kDense) {
+            // Momentum correction of a dense bucket: momentum SGD on the average.
+            std::vector<float>& u = velocity[b];
+            u.resize(d, 0.0f);
+            const float beta = static_cast<float>(base.momentum);
+            for (uint64_t i = 0; i < d; ++i) update[i] = u[i] = beta * u[i] + update[i];
+          }
           if (dtype != 1) {
             e2e_narrow(update.data(), d, dtype, half.data());
             ref[r][t][b] = e2e_hash(half.data(), d * sizeof(uint16_t));
