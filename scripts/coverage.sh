@@ -39,9 +39,10 @@ lcov --quiet --extract "$build/all.info" "$PWD/daemon/*" "$PWD/kernels/*" \
 # Lines covered per directory of daemon/ and kernels/.
 {
   echo "Lines run by the unit tests ($(date -u +%F), scripts/coverage.sh ${only}${skip:+, SKIP=$skip})"
-  lcov --list "$build/microd.info" 2>/dev/null | awk -F'|' -v root="$PWD/" '
-    /^\[/ { dir = $0; gsub(/^\[|\/\]$/, "", dir); sub(root, "", dir); next }
-    NF >= 2 && $1 !~ /Total|Filename|=/ {
+  lcov --list "$build/microd.info" 2>/dev/null | awk -F'|' '
+    NF >= 2 && $1 ~ /\.(cc|h|cu)/ {
+      file = $1; gsub(/ +$/, "", file)
+      dir = file; sub(/\/[^\/]*$/, "", dir)
       split($2, a, " "); rate = a[1]; n = a[2]; sub(/%/, "", rate)
       if (n + 0 > 0) { hit[dir] += rate * n / 100; all[dir] += n }
     }
