@@ -102,12 +102,13 @@ void PrintStalls(const microd::v1::GetStatusResponse& r) {
 }
 
 void PrintBuckets(const microd::v1::GetStatusResponse& r) {
-  std::printf("%-24s %11s %6s %7s %10s %10s %8s %9s %11s %6s %11s %11s %29s\n", "bucket",
+  std::printf("%-24s %11s %6s %7s %10s %10s %8s %9s %11s %6s %11s %11s %11s %6s %29s\n", "bucket",
               "elements", "mode", "steps", "K", "k", "CRE", "mean CRE", "threshold", "rounds",
-              "sent", "received", "wait/sum/select/xchg/write s");
+              "sent", "received", "state", "B/elem", "wait/sum/select/xchg/write s");
   for (const auto& b : r.buckets()) {
     std::printf(
-        "%-24s %11llu %6s %7llu %10llu %10llu %7.2f%% %8.2f%% %11.4g %6llu %11s %11s %29s\n",
+        "%-24s %11llu %6s %7llu %10llu %10llu %7.2f%% %8.2f%% %11.4g %6llu %11s %11s %11s %6.2f "
+        "%29s\n",
         b.name().c_str(), static_cast<unsigned long long>(b.count()),
         b.dense() ? "dense" : "sparse", static_cast<unsigned long long>(b.steps()),
         static_cast<unsigned long long>(b.last_selected()),
@@ -115,6 +116,8 @@ void PrintBuckets(const microd::v1::GetStatusResponse& r) {
         b.last_threshold(), static_cast<unsigned long long>(b.last_rounds()),
         Bytes(static_cast<double>(b.bytes_sent())).c_str(),
         Bytes(static_cast<double>(b.bytes_received())).c_str(),
+        Bytes(static_cast<double>(b.state_bytes())).c_str(),
+        b.count() > 0 ? static_cast<double>(b.state_bytes()) / static_cast<double>(b.count()) : 0.0,
         absl::StrFormat("%.2f/%.2f/%.2f/%.2f/%.2f", b.negotiate_seconds(), b.local_sum_seconds(),
                         b.select_seconds(), b.exchange_seconds(), b.writeback_seconds())
             .c_str());

@@ -92,6 +92,8 @@ if [[ $LOOPBACK == 0 ]]; then
 fi
 echo "== kernels"
 "$B/microd-bench-kernels" "${KERNELS[@]}" --json="$OUT/kernels.json"
+echo "== the daemon's memory per gradient element (against issue W's targets)"
+"$B/microd-bench-memory" | tee "$OUT/memory.txt"
 echo "== transport (raw MiCRO step over Gloo)"
 "$B/microd-bench-transport" "${TRANSPORT[@]}" --json="$OUT/transport.json"
 echo "== through the daemons"

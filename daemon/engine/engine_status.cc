@@ -32,6 +32,7 @@ void FillEngineStatus(const EngineSnapshot& snap, microd::v1::GetStatusResponse*
     s->set_negotiate_seconds(b.negotiate_seconds);
     s->set_last_rounds(b.last_rounds);
     s->set_rounds(b.rounds);
+    s->set_state_bytes(b.state_bytes);
     for (const StepSample& h : b.history) {
       auto* p = s->add_history();
       p->set_step(h.step);

@@ -135,6 +135,9 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
        [](const auto& b) { return static_cast<double>(b.bytes_sent()); }},
       {"microd_bucket_received_bytes_total", "bytes this node received for the bucket",
        MetricType::Counter, [](const auto& b) { return static_cast<double>(b.bytes_received()); }},
+      {"microd_bucket_state_bytes",
+       "the daemon's memory for the bucket (residuals, velocities, scratch) after its last step",
+       MetricType::Gauge, [](const auto& b) { return static_cast<double>(b.state_bytes()); }},
   };
   for (const PerBucket& p : per_bucket) {
     MetricFamily f = Family(p.name, p.help, p.type);

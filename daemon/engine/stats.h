@@ -60,6 +60,9 @@ struct BucketStats {
   uint64_t rounds = 0;       // over every sparse step
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;
+  // The daemon's memory for the bucket after its last step: a sparse
+  // bucket's state (BucketState::AllocatedBytes), a dense one's velocity.
+  uint64_t state_bytes = 0;
   // From ready on this node (every local process submitted) to the start of
   // its step: the other nodes, the coordinator's answer, earlier batches.
   double negotiate_seconds = 0;

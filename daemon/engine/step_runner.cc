@@ -154,6 +154,7 @@ void StepRunner::FinishInCycle(const std::vector<Work>& works, const InCycle& in
       absl::MutexLock lock(&state_->mu);
       const double share = static_cast<double>(d) / static_cast<double>(total);
       ++state_->cycle_reductions;
+      w.bucket->stats.state_bytes = w.bucket->velocity.size() * sizeof(float);
       w.bucket->stats.AddDense(in_cycle.local_sum_seconds * share,
                                in_cycle.exchange_seconds * share, absl::ToDoubleSeconds(t1 - t0));
       step = w.bucket->stats.steps - 1;
@@ -298,6 +299,7 @@ void StepRunner::Deliver(const Work& w, const sparsify::StepStats& st, const flo
   {
     absl::MutexLock lock(&state_->mu);
     b.stats.AddSparse(st, local_sum, absl::ToDoubleSeconds(t2 - t1), options_.stats_history);
+    b.stats.state_bytes = b.state->AllocatedBytes();
   }
   if (tracing()) {
     TraceStep t;
@@ -592,6 +594,7 @@ void StepRunner::RunFusedDense(const std::vector<Work>& works) {
     for (const Work& w : works) {
       const double share = static_cast<double>(w.bucket->count) / static_cast<double>(total);
       w.bucket->stats.AddDense(local_sum * share, exchange * share, writeback * share);
+      w.bucket->stats.state_bytes = w.bucket->velocity.size() * sizeof(float);
       steps.push_back(w.bucket->stats.steps - 1);
     }
   }

@@ -115,6 +115,14 @@ uint64_t BucketState::MemoryBytes(uint64_t d, int num_nodes, const SparsifyOptio
   return floats * sizeof(float) + candidates * (sizeof(uint32_t) + sizeof(float));
 }
 
+uint64_t BucketState::AllocatedBytes() const {
+  uint64_t floats = clipped_.size() + candidate_value_.size() + values_.size();
+  for (int i = 0; i < 2; ++i) floats += residual_[i].size() + velocity_[i].size();
+  return floats * sizeof(float) +
+         (candidate_index_.size() + global_index_.size()) * sizeof(uint32_t) +
+         wire_values_.size() * sizeof(uint16_t) + scalars_.size() * sizeof(kernels::StepScalars);
+}
+
 Range BucketState::SenderRange(int r) const {
   if (options_.sparsifier != SparsifierKind::kMicro) return {0, spec_.size};
   const int n = job_.num_nodes;

@@ -73,6 +73,9 @@ class BucketState {
   // `num_nodes` nodes (residuals, velocities, clipped copy, candidates; the
   // step's small per-step buffers aside).
   static uint64_t MemoryBytes(uint64_t d, int num_nodes, const SparsifyOptions& options);
+  // The memory this bucket holds now, every buffer counted (host or device,
+  // wherever its backend allocates): what `microctl buckets` reports.
+  uint64_t AllocatedBytes() const;
   // Validates everything and allocates the state (residual zero). `ops` must
   // outlive the bucket.
   static absl::StatusOr<std::unique_ptr<BucketState>> Create(const BucketSpec& spec,

@@ -109,6 +109,7 @@ class Cluster {
   int size() const { return static_cast<int>(engines_.size()); }
   std::string socket(int r) const { return absl::StrCat(dir_, "/node", r, ".sock"); }
   uint64_t reported(int r) { return control_[r]->reported(); }
+  Engine& engine(int r) { return *engines_[r]; }
 
  private:
   const std::string dir_;
@@ -366,6 +367,50 @@ TEST(Negotiation, ADenseBucketsVelocityIsSavedAndRestored) {
   for (int step = 2; step < 4; ++step) {
     EXPECT_EQ(run(t0, t1, step), straight[step - 2])
         << "the dense bucket's update at step " << step;
+  }
+}
+
+// Each bucket reports the daemon's memory for it (microctl buckets, the
+// metrics): today two residuals and candidates for the owned partition, two
+// velocities with momentum correction, a clipped copy with clipping; a dense
+// bucket's velocity. The bounds are where issue W's cuts start from.
+TEST(Negotiation, EachBucketReportsTheDaemonsMemoryForIt) {
+  struct Want {
+    double momentum, clip;
+    double sparse_min, sparse_max;  // bytes per element of the sparse bucket
+    double dense;                   // of the dense one
+  };
+  const uint64_t d = 100000, small = 5000;
+  for (const Want& w :
+       {Want{0, 0, 8, 12.5, 0}, Want{0.9, 0, 16, 20.5, 4}, Want{0, 1.0, 12, 16.5, 0}}) {
+    SCOPED_TRACE(::testing::Message() << "momentum " << w.momentum << ", clip " << w.clip);
+    EngineOptions eo;
+    eo.sparsify.momentum = w.momentum;
+    eo.sparsify.clip_norm = w.clip;
+    Cluster cluster(2, eo);
+    Trainer t0(cluster.socket(0), {d, small}), t1(cluster.socket(1), {d, small});
+    for (int step = 0; step < 2; ++step) {
+      std::thread other([&] {
+        (void)t1.Step(
+            {0, 1}, [](int b, uint64_t i) { return Grad(1, b, i); }, 20000);
+      });
+      for (microd_status st : t0.Step(
+               {0, 1}, [](int b, uint64_t i) { return Grad(0, b, i); }, 20000)) {
+        EXPECT_EQ(st, MICROD_OK) << t0.error();
+      }
+      other.join();
+    }
+    const EngineSnapshot snap = cluster.engine(0).Snapshot();
+    ASSERT_EQ(snap.buckets.size(), 2u);
+    for (const BucketStats& b : snap.buckets) {
+      const double per = static_cast<double>(b.state_bytes) / static_cast<double>(b.count);
+      if (b.dense) {
+        EXPECT_EQ(per, w.dense) << b.name;
+      } else {
+        EXPECT_GE(per, w.sparse_min) << b.name;
+        EXPECT_LE(per, w.sparse_max) << b.name;
+      }
+    }
   }
 }
 

@@ -92,6 +92,10 @@ def test_metrics_match_microctl(make_cluster):
         assert one("microd_batches_total", kind="cache") == int(status["cacheBatches"])
         by_name = {b["name"]: b for b in status["buckets"]}
         assert set(by_name) == {"big", "small"}
+        # The daemon's memory for each: a sparse bucket's two residuals and
+        # more; the small dense one (no momentum correction) keeps nothing.
+        assert int(by_name["big"]["stateBytes"]) >= 8 * 100003
+        assert int(by_name["small"].get("stateBytes", 0)) == 0
         for name, b in by_name.items():
             assert one("microd_bucket_steps_total", bucket=name) == int(b["steps"]) == STEPS
             assert one("microd_bucket_elements", bucket=name) == int(b["count"])
@@ -99,6 +103,7 @@ def test_metrics_match_microctl(make_cluster):
             assert one("microd_bucket_budget", bucket=name) == int(b["budget"])
             assert one("microd_bucket_sent_bytes_total", bucket=name) == int(b["bytesSent"])
             assert one("microd_bucket_received_bytes_total", bucket=name) == int(b["bytesReceived"])
+            assert one("microd_bucket_state_bytes", bucket=name) == int(b.get("stateBytes", 0))
             assert math.isclose(one("microd_bucket_threshold", bucket=name), b["lastThreshold"],
                                 rel_tol=1e-6)
             assert math.isclose(one("microd_bucket_last_cre", bucket=name), b["lastCre"],
