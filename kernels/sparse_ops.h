@@ -77,6 +77,10 @@ struct FusedSelectArgs {
   const float* velocity_in = nullptr;
   float* velocity_out = nullptr;
   float beta = 0.0f;
+  // Local clipping folded into the pass: the gradient is read as
+  // grad[i] * grad_scale (a rounded multiply, first: the bits of Scale()
+  // followed by the pass). 1 leaves it as it is.
+  float grad_scale = 1.0f;
 };
 
 // The argument checks every backend makes before the fused pass.

@@ -150,8 +150,8 @@ absl::Status BatchStep::Add(BucketState* bucket, const float* grad) {
   }
   const uint64_t d = b.spec_.size;
   const int n = b.job_.num_nodes;
-  ASSIGN_OR_RETURN(const float* clipped, b.Clipped(grad, it.stats));
-  kernels::FusedSelectArgs args = b.PassArgs(clipped);
+  ASSIGN_OR_RETURN(const float grad_scale, b.ClipScale(grad, it.stats));
+  kernels::FusedSelectArgs args = b.PassArgs(grad, grad_scale);
   it.acc = args.acc;
   float lambda = 0;
   switch (o.sparsifier) {

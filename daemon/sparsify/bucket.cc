@@ -110,13 +110,12 @@ uint64_t BucketState::MemoryBytes(uint64_t d, int num_nodes, const SparsifyOptio
   const SparsifyOptions o = options.ForBucket(d);
   uint64_t floats = 2 * d;              // the two residuals
   if (o.momentum > 0) floats += 2 * d;  // the two velocities
-  if (o.clip_norm > 0) floats += d;     // the clipped gradient
   const uint64_t candidates = CandidateCapacityOf(d, num_nodes, o);
   return floats * sizeof(float) + candidates * (sizeof(uint32_t) + sizeof(float));
 }
 
 uint64_t BucketState::AllocatedBytes() const {
-  uint64_t floats = clipped_.size() + candidate_value_.size() + values_.size();
+  uint64_t floats = candidate_value_.size() + values_.size();
   for (int i = 0; i < 2; ++i) floats += residual_[i].size() + velocity_[i].size();
   return floats * sizeof(float) +
          (candidate_index_.size() + global_index_.size()) * sizeof(uint32_t) +
@@ -142,10 +141,6 @@ absl::Status BucketState::Allocate() {
     candidate_value_.Reset(ops_, std::max<uint64_t>(capacity, 1));
     ok = ok && residual_[0].ok() && residual_[1].ok() && candidate_index_.ok() &&
          candidate_value_.ok();
-    if (options_.clip_norm > 0) {
-      clipped_.Reset(ops_, d);
-      ok = ok && clipped_.ok();
-    }
     if (options_.momentum > 0) {
       velocity_[0].Reset(ops_, d);
       velocity_[1].Reset(ops_, d);
@@ -441,24 +436,22 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, float* acc, float* update,
   return absl::OkStatus();
 }
 
-absl::StatusOr<const float*> BucketState::Clipped(const float* grad, StepStats& stats) {
-  if (options_.clip_norm <= 0) return grad;
+absl::StatusOr<float> BucketState::ClipScale(const float* grad, StepStats& stats) {
+  if (options_.clip_norm <= 0) return 1.0f;
   double sum = 0.0;
   RETURN_IF_ERROR(Check(ops_->SumOfSquares(grad, spec_.size, &sum, stream_), "norm"));
   const double limit = options_.clip_norm / std::sqrt(static_cast<double>(job_.num_nodes));
   const double norm = std::sqrt(sum);
   // A NaN norm is left to the step's non-finite check.
-  if (!(norm > limit)) return grad;
+  if (!(norm > limit)) return 1.0f;
   stats.clipped = true;
-  RETURN_IF_ERROR(Check(
-      ops_->Scale(grad, static_cast<float>(limit / norm), clipped_.get(), spec_.size, stream_),
-      "clipping"));
-  return clipped_.get();
+  return static_cast<float>(limit / norm);
 }
 
-kernels::FusedSelectArgs BucketState::PassArgs(const float* grad) {
+kernels::FusedSelectArgs BucketState::PassArgs(const float* grad, float grad_scale) {
   kernels::FusedSelectArgs args;
   args.grad = grad;
+  args.grad_scale = grad_scale;
   args.residual = residual_[current_].get();
   args.acc = residual_[1 - current_].get();
   args.size = spec_.size;
@@ -489,15 +482,15 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
   stats.budget = Budget(options_.DensityAt(step_), spec_.size);
   const int n = job_.num_nodes;
   const Range part = PartitionRange(spec_.size, n, OwnedPartition(job_.node_rank, step_, n));
-  ASSIGN_OR_RETURN(const float* clipped, Clipped(grad, stats));
+  ASSIGN_OR_RETURN(const float grad_scale, ClipScale(grad, stats));
   CollectiveOptions options;
   options.deadline = deadline;
   if (controller_->WantsPrime()) {
-    RETURN_IF_ERROR(PrimeController(clipped, part, transport, options, stats));
+    RETURN_IF_ERROR(PrimeController(grad, grad_scale, part, transport, options, stats));
   }
   const float pass_threshold = controller_->PassThreshold();
 
-  kernels::FusedSelectArgs args = PassArgs(clipped);
+  kernels::FusedSelectArgs args = PassArgs(grad, grad_scale);
   float* const acc = args.acc;
   args.select_begin = part.begin;
   args.select_end = part.end;
@@ -544,11 +537,13 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
   return stats;
 }
 
-absl::Status BucketState::PrimeController(const float* grad, Range part,
+absl::Status BucketState::PrimeController(const float* grad, float grad_scale, Range part,
                                           transport::Transport& transport,
                                           const CollectiveOptions& options, StepStats& stats) {
-  // This step's accumulated gradient (e + g; the velocity of momentum
-  // correction is still zero before a bucket's first sparse step) at up to
+  // This step's accumulated gradient (e + g, g clipped as the pass clips it;
+  // the velocity of momentum correction, which a dense warm-up leaves
+  // nonzero, is not sampled: the prime is only the controller's first lower
+  // bound, which a rescan lowers when too few candidates pass it) at up to
   // kPrimeSamples evenly spread positions of the owned partition.
   constexpr uint64_t kPrimeSamples = 1 << 16;
   const uint64_t p = part.end - part.begin;
@@ -573,7 +568,10 @@ absl::Status BucketState::PrimeController(const float* grad, Range part,
     RETURN_IF_ERROR(
         Check(ops_->CopyToHost(residual.data(), values.get(), m * sizeof(float), stream_),
               "sample copy"));
-    for (uint64_t j = 0; j < m; ++j) sample[j] += residual[j];
+    for (uint64_t j = 0; j < m; ++j) {
+      const float g = sample[j] * grad_scale;  // clipped as the pass clips it
+      sample[j] = g + residual[j];
+    }
   }
   return controller_->Prime(sample, m > 0 ? static_cast<double>(p) / static_cast<double>(m) : 0.0,
                             ControllerContextFor(transport, options, stats));
@@ -605,9 +603,9 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
   const float lambda = static_cast<float>(options_.hard_threshold > 0
                                               ? options_.hard_threshold
                                               : 1.0 / (2.0 * std::sqrt(static_cast<double>(k_))));
-  ASSIGN_OR_RETURN(const float* clipped, Clipped(grad, stats));
+  ASSIGN_OR_RETURN(const float grad_scale, ClipScale(grad, stats));
 
-  kernels::FusedSelectArgs args = PassArgs(clipped);
+  kernels::FusedSelectArgs args = PassArgs(grad, grad_scale);
   float* const acc = args.acc;
   args.select_begin = 0;
   args.select_end = hard ? spec_.size : 0;  // topk selects afterwards

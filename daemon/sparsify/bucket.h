@@ -70,7 +70,7 @@ struct BucketCheckpoint {
 class BucketState {
  public:
   // The memory Create allocates for a bucket of `d` elements among
-  // `num_nodes` nodes (residuals, velocities, clipped copy, candidates; the
+  // `num_nodes` nodes (residuals, velocities, candidates; the
   // step's small per-step buffers aside).
   static uint64_t MemoryBytes(uint64_t d, int num_nodes, const SparsifyOptions& options);
   // The memory this bucket holds now, every buffer counted (host or device,
@@ -163,18 +163,20 @@ class BucketState {
                                          const transport::CollectiveOptions& options,
                                          StepStats& stats) const;
   // The controller's first lower bound, from a sample of this step.
-  absl::Status PrimeController(const float* grad, Range part, transport::Transport& transport,
+  absl::Status PrimeController(const float* grad, float grad_scale, Range part,
+                               transport::Transport& transport,
                                const transport::CollectiveOptions& options, StepStats& stats);
   absl::StatusOr<StepStats> StepMicro(const float* grad, float* update, transport::Transport& t,
                                       absl::Time deadline);
   absl::StatusOr<StepStats> StepUnion(const float* grad, float* update, transport::Transport& t,
                                       absl::Time deadline);
-  // Local clipping: g, or g scaled into clipped_ when its norm is too large.
-  absl::StatusOr<const float*> Clipped(const float* grad, StepStats& stats);
+  // Local clipping: the factor the pass scales g by (1 unless its norm is too
+  // large), folded into the pass: no clipped copy.
+  absl::StatusOr<float> ClipScale(const float* grad, StepStats& stats);
   // Arguments of the fused pass over `grad` into the idle residual buffer,
   // with momentum correction folded in (the new velocity goes to the idle
   // velocity buffer); the caller sets the selection range and threshold.
-  kernels::FusedSelectArgs PassArgs(const float* grad);
+  kernels::FusedSelectArgs PassArgs(const float* grad, float grad_scale);
   // Momentum factor masking: the new velocity is zeroed at global_index_[0..K).
   absl::Status MaskVelocity(uint64_t K);
   absl::StatusOr<StepStats> StepDense(const float* grad, float* update, transport::Transport& t,
@@ -193,7 +195,6 @@ class BucketState {
   // flips only when it succeeds, so a failed step leaves e untouched.
   DeviceBuffer<float> residual_[2];
   DeviceBuffer<float> velocity_[2];  // momentum correction, flipped with the residual
-  DeviceBuffer<float> clipped_;      // the clipped gradient (clip_norm > 0)
   int current_ = 0;
   DeviceBuffer<uint32_t> candidate_index_;
   DeviceBuffer<float> candidate_value_;

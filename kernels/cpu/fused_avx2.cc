@@ -37,6 +37,7 @@ struct Velocity {
   const float* in = nullptr;
   float* out = nullptr;
   float beta = 0.0f;
+  float grad_scale = 1.0f;  // local clipping, applied to the gradient first
 };
 
 template <bool kAccumulate, bool kStream, bool kMomentum>
@@ -45,6 +46,7 @@ PassResult Pass(const float* grad, const float* residual, float* acc, uint64_t s
                 Velocity vel = {}) {
   const __m256 vthr = _mm256_set1_ps(threshold);
   const __m256 vbeta = _mm256_set1_ps(vel.beta);
+  const __m256 vscale = _mm256_set1_ps(vel.grad_scale);
   const __m256 vinf = _mm256_set1_ps(__builtin_inff());
   __m256 bad = _mm256_setzero_ps();
   alignas(32) float block[kBlock];
@@ -61,7 +63,7 @@ PassResult Pass(const float* grad, const float* residual, float* acc, uint64_t s
       const uint64_t i = base + 8 * v;
       __m256 a;
       if constexpr (kAccumulate) {
-        __m256 g = _mm256_loadu_ps(grad + i);
+        __m256 g = _mm256_mul_ps(_mm256_loadu_ps(grad + i), vscale);
         if constexpr (kMomentum) {
           g = _mm256_add_ps(_mm256_mul_ps(vbeta, _mm256_loadu_ps(vel.in + i)), g);
           if constexpr (kStream) {
@@ -107,7 +109,7 @@ PassResult Pass(const float* grad, const float* residual, float* acc, uint64_t s
   for (; i < tail_end; ++i) {
     float v;
     if constexpr (kAccumulate) {
-      float g = grad[i];
+      float g = grad[i] * vel.grad_scale;
       if constexpr (kMomentum) {
         g = vel.beta * vel.in[i] + g;
         vel.out[i] = g;
@@ -144,7 +146,7 @@ PassResult FusedAvx2(const FusedSelectArgs& a) {
   const bool stream = a.acc != a.residual && a.size * sizeof(float) >= kStreamMinBytes &&
                       aligned(a.acc) &&
                       (!momentum || (a.velocity_out != a.velocity_in && aligned(a.velocity_out)));
-  const Velocity vel{a.velocity_in, a.velocity_out, a.beta};
+  const Velocity vel{a.velocity_in, a.velocity_out, a.beta, a.grad_scale};
   auto run = [&](auto stream_tag, auto momentum_tag) {
     return Pass<true, decltype(stream_tag)::value, decltype(momentum_tag)::value>(
         a.grad, a.residual, a.acc, a.size, a.select_begin, a.select_end, a.threshold, a.out_index,

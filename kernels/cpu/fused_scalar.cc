@@ -20,11 +20,12 @@ PassResult FusedScalar(const FusedSelectArgs& a) {
   const float* vin = a.velocity_in;
   float* vout = a.velocity_out;
   const float beta = a.beta;
+  const float scale = a.grad_scale;
   float* acc = a.acc;
   // acc[i] = e[i] + g[i], or with momentum u = beta * v[i] + g[i], v[i] = u,
   // acc[i] = e[i] + u.
   auto accumulate = [&](uint64_t i) {
-    float u = g[i];
+    float u = g[i] * scale;
     if (vout != nullptr) {
       u = beta * vin[i] + u;
       vout[i] = u;

@@ -78,8 +78,9 @@ struct FusedParams {
   const float* velocity_in = nullptr;  // kAccumulate with momentum correction only
   float* velocity_out = nullptr;       // nullptr: no momentum correction
   float beta = 0.0f;
-  uint64_t first = 0;  // first element loaded (a multiple of 4)
-  uint64_t end = 0;    // one past the last element loaded
+  float grad_scale = 1.0f;  // local clipping: grad is read as grad * grad_scale
+  uint64_t first = 0;       // first element loaded (a multiple of 4)
+  uint64_t end = 0;         // one past the last element loaded
   uint64_t sel_begin = 0;
   uint64_t sel_end = 0;
   float threshold = 0.0f;
@@ -118,6 +119,8 @@ __device__ __forceinline__ void FusedTiles(const FusedParams& p, const float* gr
         if constexpr (kAccumulate) {
           const float4 e = *reinterpret_cast<const float4*>(residual + i0);
           float4 g = *reinterpret_cast<const float4*>(grad + i0);
+          g = make_float4(__fmul_rn(g.x, p.grad_scale), __fmul_rn(g.y, p.grad_scale),
+                          __fmul_rn(g.z, p.grad_scale), __fmul_rn(g.w, p.grad_scale));
           if (velocity_out != nullptr) {
             const float4 u = *reinterpret_cast<const float4*>(velocity_in + i0);
             g = make_float4(MomentumOf(p.beta, u.x, g.x), MomentumOf(p.beta, u.y, g.y),
@@ -140,7 +143,7 @@ __device__ __forceinline__ void FusedTiles(const FusedParams& p, const float* gr
           float x = 0.0f;
           if (i < p.end) {
             if constexpr (kAccumulate) {
-              float g = grad[i];
+              float g = __fmul_rn(grad[i], p.grad_scale);
               if (velocity_out != nullptr) {
                 g = MomentumOf(p.beta, velocity_in[i], g);
                 velocity_out[i] = g;
@@ -565,6 +568,7 @@ class CudaSparseOps final : public SparseOps {
     p.velocity_in = a.velocity_in;
     p.velocity_out = a.velocity_out;
     p.beta = a.beta;
+    p.grad_scale = a.grad_scale;
     p.first = 0;
     p.end = a.size;
     p.sel_begin = a.select_begin;

@@ -371,9 +371,9 @@ TEST(Negotiation, ADenseBucketsVelocityIsSavedAndRestored) {
 }
 
 // Each bucket reports the daemon's memory for it (microctl buckets, the
-// metrics): today two residuals and candidates for the owned partition, two
-// velocities with momentum correction, a clipped copy with clipping; a dense
-// bucket's velocity. The bounds are where issue W's cuts start from.
+// metrics): two residuals and candidates for the owned partition, two
+// velocities with momentum correction, nothing more for clipping (a scale in
+// the pass); a dense bucket's velocity.
 TEST(Negotiation, EachBucketReportsTheDaemonsMemoryForIt) {
   struct Want {
     double momentum, clip;
@@ -382,7 +382,7 @@ TEST(Negotiation, EachBucketReportsTheDaemonsMemoryForIt) {
   };
   const uint64_t d = 100000, small = 5000;
   for (const Want& w :
-       {Want{0, 0, 8, 12.5, 0}, Want{0.9, 0, 16, 20.5, 4}, Want{0, 1.0, 12, 16.5, 0}}) {
+       {Want{0, 0, 8, 12.5, 0}, Want{0.9, 0, 16, 20.5, 4}, Want{0, 1.0, 8, 12.5, 0}}) {
     SCOPED_TRACE(::testing::Message() << "momentum " << w.momentum << ", clip " << w.clip);
     EngineOptions eo;
     eo.sparsify.momentum = w.momentum;

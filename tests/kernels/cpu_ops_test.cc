@@ -145,6 +145,52 @@ TEST_P(CpuOpsTest, FusedAccumulateSelectMatchesReference) {
   }
 }
 
+// Local clipping folded into the pass (grad_scale) gives the bits of Scale()
+// followed by the pass, with and without momentum correction.
+TEST_P(CpuOpsTest, FusedPassWithAGradientScaleMatchesScaleThenPass) {
+  const float scale = 0.3711f, beta = 0.9f;
+  for (uint64_t d : kSizes) {
+    const std::vector<float> g = RandomValues(d, 21 + d);
+    const std::vector<float> e = RandomValues(d, 22 + d);
+    const std::vector<float> v = RandomValues(d, 23 + d);
+    std::vector<float> scaled(d);
+    ASSERT_EQ(ops_->Scale(g.data(), scale, scaled.data(), d, nullptr), KernelStatus::kOk);
+    for (bool momentum : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "d=" << d << " momentum=" << momentum);
+      std::vector<float> want_v(d), want_acc(d);
+      if (momentum) {
+        ASSERT_EQ(ops_->Momentum(scaled.data(), v.data(), beta, want_v.data(), d, nullptr),
+                  KernelStatus::kOk);
+      }
+      for (uint64_t i = 0; i < d; ++i) want_acc[i] = e[i] + (momentum ? want_v[i] : scaled[i]);
+      const uint64_t b = d / 4, end = d / 2;
+      float* vout = Device(std::vector<float>(d));
+      float* acc = Device(std::vector<float>(d));
+      std::vector<uint32_t> idx(end - b + 1);
+      std::vector<float> val(end - b + 1);
+      StepScalars s;
+      FusedSelectArgs a{Device(g), Device(e), acc, d, b, end, 1e-3f, idx.data(), val.data(), &s};
+      a.grad_scale = scale;
+      if (momentum) {
+        a.velocity_in = Device(v);
+        a.velocity_out = vout;
+        a.beta = beta;
+      }
+      ASSERT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kOk);
+      for (uint64_t i = 0; i < d; ++i) {
+        ASSERT_EQ(Bits(acc[i]), Bits(want_acc[i])) << i;
+        if (momentum) ASSERT_EQ(Bits(vout[i]), Bits(want_v[i])) << i;
+      }
+      Pairs want;
+      for (uint64_t i = b; i < end; ++i) {
+        if (std::fabs(want_acc[i]) >= 1e-3f) want.push_back({uint32_t(i), want_acc[i]});
+      }
+      ASSERT_EQ(s.count, want.size());
+      ExpectSamePairs(Collect(idx.data(), val.data(), s.count), want);
+    }
+  }
+}
+
 // Momentum folded into the pass gives the bits of Momentum() followed by the
 // plain pass, for the velocity updated into a separate buffer and in place.
 TEST_P(CpuOpsTest, FusedPassWithMomentumMatchesMomentumThenPass) {
