@@ -513,7 +513,10 @@ absl::Status StepRunner::ReduceFused(const std::vector<Work>& works, uint64_t to
 
 absl::Status StepRunner::DenseMomentum(Bucket& b, float* average) {
   const double beta = options_.sparsify.momentum;
-  if (beta <= 0) return absl::OkStatus();
+  // A buffer registered MICROD_BUFFER_DENSE is averaged exactly, as asked:
+  // it may hold what is no gradient (the Python broadcast reuses one for
+  // every chunk of the parameters), so no momentum goes into it.
+  if (beta <= 0 || b.requested_dense) return absl::OkStatus();
   if (!b.velocity.ok()) {
     b.velocity.Reset(ops_, b.count);
     if (!b.velocity.ok()) {

@@ -105,7 +105,8 @@ class StepRunner {
   absl::Status WriteBackFused(const std::vector<Work>& works, uint64_t total);
   // Momentum correction of a dense bucket: `average` (its `count` floats in
   // ops_'s memory) becomes the new velocity beta * u + average, the update
-  // momentum SGD would make. Nothing with the correction off.
+  // momentum SGD would make. Nothing with the correction off, or for a
+  // bucket registered MICROD_BUFFER_DENSE (averaged exactly, as asked).
   absl::Status DenseMomentum(Bucket& b, float* average);
 
   const EngineOptions& options_;
