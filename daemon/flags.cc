@@ -64,9 +64,9 @@ ABSL_FLAG(double, density, 0.01, "target density in (0, 1]");
 ABSL_FLAG(double, hard_threshold, 0.0, "hard sparsifier threshold (0: 1/(2 sqrt(k)))");
 ABSL_FLAG(double, momentum_correction, 0.0,
           "momentum correction factor (DGC) in [0, 1); 0: off. With it on, the daemon applies "
-          "momentum to every bucket (dense buckets and dense warm-up steps: momentum SGD on "
-          "the average) and the training side must not (microd.torch.DistributedOptimizer "
-          "switches SGD's off)");
+          "momentum to every gradient bucket (dense ones and dense warm-up steps: momentum SGD "
+          "on the average; not buffers registered dense, averaged exactly) and the training "
+          "side must not (microd.torch.DistributedOptimizer switches SGD's off)");
 ABSL_FLAG(double, clip_norm, 0.0,
           "local gradient clipping per bucket: scale a node's gradient down to "
           "clip_norm / sqrt(nodes) (0: off)");

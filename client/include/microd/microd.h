@@ -109,7 +109,9 @@ MICROD_API microd_status microd_job_info_get(const microd_client* client, microd
 
 /* Per-buffer options. Set struct_size = sizeof(microd_buffer_options)
  * (microd_buffer_options_init does) so that fields can be appended. */
-#define MICROD_BUFFER_DENSE 1u /* always reduce this buffer dense (no sparsification) */
+/* always reduce this buffer dense: its exact average (no sparsification, no
+ * momentum correction: it may hold what is no gradient) */
+#define MICROD_BUFFER_DENSE 1u
 
 /* A buffer's element type. The daemon works in fp32 whatever it is: it
  * widens a bf16/fp16 gradient exactly, keeps the residual in fp32, and
