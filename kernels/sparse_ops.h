@@ -78,8 +78,8 @@ struct FusedSelectArgs {
   float* velocity_out = nullptr;
   float beta = 0.0f;
   // Local clipping folded into the pass: the gradient is read as
-  // grad[i] * grad_scale (a rounded multiply, first: the bits of Scale()
-  // followed by the pass). 1 leaves it as it is.
+  // grad[i] * grad_scale (a rounded multiply, before anything else). 1
+  // leaves it as it is.
   float grad_scale = 1.0f;
 };
 
@@ -178,9 +178,6 @@ class SparseOps {
   // *host_result = sum of data[i]^2, accumulated in double in index order.
   virtual KernelStatus SumOfSquares(const float* data, uint64_t size, double* host_result,
                                     void* stream) = 0;
-  // out[i] = in[i] * factor (out may alias in).
-  virtual KernelStatus Scale(const float* in, float factor, float* out, uint64_t size,
-                             void* stream) = 0;
 
   // out[j] = acc[index[j]] for j in [0, count).
   virtual KernelStatus Gather(const float* acc, const uint32_t* index, uint64_t count, float* out,

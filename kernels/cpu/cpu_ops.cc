@@ -171,12 +171,6 @@ class CpuSparseOps final : public SparseOps {
     return KernelStatus::kOk;
   }
 
-  KernelStatus Scale(const float* in, float factor, float* out, uint64_t size, void*) override {
-    if (size > 0 && (in == nullptr || out == nullptr)) return KernelStatus::kInvalidArgument;
-    for (uint64_t i = 0; i < size; ++i) out[i] = in[i] * factor;
-    return KernelStatus::kOk;
-  }
-
   KernelStatus Gather(const float* acc, const uint32_t* index, uint64_t count, float* out,
                       void*) override {
     if (count > 0 && (acc == nullptr || index == nullptr || out == nullptr)) {

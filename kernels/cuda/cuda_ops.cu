@@ -297,13 +297,6 @@ __global__ void GatherRoundedKernel(float* acc, const uint32_t* index, uint64_t 
   }
 }
 
-__global__ void ScaleKernel(const float* in, float factor, float* out, uint64_t size) {
-  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
-  for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size; i += stride) {
-    out[i] = __fmul_rn(in[i], factor);
-  }
-}
-
 // Pass 1 of the sum of squares: one double partial per block.
 __global__ void __launch_bounds__(kThreads)
     SumSquaresPartialKernel(const float* data, uint64_t size, double* partial) {
@@ -728,15 +721,6 @@ class CudaSparseOps final : public SparseOps {
     TRY(cudaStreamSynchronize(s), "sum of squares sync");
     *host_result = h;
     return KernelStatus::kOk;
-  }
-
-  KernelStatus Scale(const float* in, float factor, float* out, uint64_t size,
-                     void* stream) override {
-    if (size > 0 && (in == nullptr || out == nullptr)) return KernelStatus::kInvalidArgument;
-    if (size == 0) return KernelStatus::kOk;
-    if (!SetDevice()) return KernelStatus::kDeviceError;
-    ScaleKernel<<<Grid(size, kThreads), kThreads, 0, S(stream)>>>(in, factor, out, size);
-    return Check(cudaGetLastError(), "scale launch");
   }
 
   KernelStatus HalfToFloat(const uint16_t* src, ElementType type, uint64_t count, float* dst,
