@@ -48,20 +48,21 @@ struct StepScalars {
 //   select (i, acc[i]) with |acc[i]| >= threshold for i in [select_begin, select_end)
 // `acc` may be `residual` (in place) but must not otherwise overlap an input;
 // without that identity the arrays are distinct (the backend may then read the
-// inputs ahead of the stores, through a read-only path). The outputs receive the
-// selected indices and values (any order; capacity select_end - select_begin).
-// `scalars->nonfinite` counts non-finite acc values over the whole bucket; when
-// it is non-zero the caller must discard `acc` (the residual is untouched when
-// acc does not alias it).
+// inputs ahead of the stores, through a read-only path). `acc` may also be
+// null: the sums are then only selected and checked, nothing is stored (the
+// step's read-only pass, which leaves the residual as it is until every node
+// agrees on the step). The outputs receive the selected indices and values
+// (any order; capacity select_end - select_begin). `scalars->nonfinite`
+// counts non-finite sums over the whole bucket.
 //
-// Momentum correction folds into the same pass when `velocity_out` is set:
+// Momentum correction folds into the same pass when `velocity_in` is set:
 //   u[i] = beta * velocity_in[i] + grad[i];  velocity_out[i] = u[i]
 //   acc[i] = residual[i] + u[i]
 // (the same float operations, in the same order, as Momentum() followed by the
-// plain pass). `velocity_out` may be `velocity_in` but must overlap none of
-// grad, residual and acc; a non-finite u makes acc non-finite, so the count
-// above covers it. `out_index`, `out_value` and `scalars` overlap no other
-// array.
+// plain pass). `velocity_out` may be null (u is not stored) or
+// `velocity_in`, but must overlap none of grad, residual and acc; a
+// non-finite u makes acc non-finite, so the count above covers it.
+// `out_index`, `out_value` and `scalars` overlap no other array.
 struct FusedSelectArgs {
   const float* grad = nullptr;
   const float* residual = nullptr;
@@ -73,7 +74,7 @@ struct FusedSelectArgs {
   uint32_t* out_index = nullptr;
   float* out_value = nullptr;
   StepScalars* scalars = nullptr;
-  // Momentum correction (see above); unused while velocity_out is nullptr.
+  // Momentum correction (see above); none while velocity_in is nullptr.
   const float* velocity_in = nullptr;
   float* velocity_out = nullptr;
   float beta = 0.0f;
@@ -89,13 +90,10 @@ inline bool FusedSelectArgsValid(const FusedSelectArgs& a) {
       a.select_end > a.size) {
     return false;
   }
-  if (a.size > 0 &&
-      (a.grad == nullptr || a.residual == nullptr || a.acc == nullptr || a.acc == a.grad)) {
-    return false;
-  }
+  if (a.size > 0 && (a.grad == nullptr || a.residual == nullptr || a.acc == a.grad)) return false;
+  if (a.velocity_out != nullptr && a.velocity_in == nullptr) return false;
   if (a.velocity_out != nullptr && a.size > 0 &&
-      (a.velocity_in == nullptr || a.velocity_out == a.grad || a.velocity_out == a.residual ||
-       a.velocity_out == a.acc)) {
+      (a.velocity_out == a.grad || a.velocity_out == a.residual || a.velocity_out == a.acc)) {
     return false;
   }
   return a.select_end == a.select_begin || (a.out_index != nullptr && a.out_value != nullptr);
@@ -182,6 +180,13 @@ class SparseOps {
   // out[j] = acc[index[j]] for j in [0, count).
   virtual KernelStatus Gather(const float* acc, const uint32_t* index, uint64_t count, float* out,
                               void* stream) = 0;
+
+  // out[j] = the fused pass's sum at index[j] (residual + grad, with
+  // `args`' momentum and grad_scale: the bits the pass computes there) for j
+  // in [0, count), read from args.grad, residual and velocity_in; nothing
+  // is written but `out`. Indices below args.size.
+  virtual KernelStatus GatherSum(const FusedSelectArgs& args, const uint32_t* index, uint64_t count,
+                                 float* out, void* stream) = 0;
 
   // out[0..size) = 0, then out[index[j]] = values[j] / divisor.
   virtual KernelStatus ScatterAverage(const float* values, const uint32_t* index, uint64_t count,

@@ -55,8 +55,10 @@ absl::Status ProcessTable::Register(uint64_t client, uint32_t buffer_id, const s
   if (budget_.cost && buckets_.find(name) == buckets_.end()) {
     const uint64_t count = buffer->count();
     const uint64_t cost = budget_.cost(count, dense || count < dense_floor_);
-    const uint64_t local_sum = L_ > 1 ? 2 * sizeof(float) * std::max(largest_count_, count) : 0;
-    const uint64_t total = bucket_state_bytes_ + cost + local_sum;
+    // Several local processes: the update's buffer, the largest bucket's size
+    // (each bucket's local sum is in its cost).
+    const uint64_t update = L_ > 1 ? sizeof(float) * std::max(largest_count_, count) : 0;
+    const uint64_t total = bucket_state_bytes_ + cost + update;
     if (budget_.bytes > 0 && total > budget_.bytes) {
       return WithClientStatus(
           absl::ResourceExhaustedError(absl::StrFormat(
@@ -64,8 +66,8 @@ absl::Status ProcessTable::Register(uint64_t client, uint32_t buffer_id, const s
               "buckets would take %d bytes (%d for this bucket, %d for the %d before it%s), over "
               "its budget of %d bytes (%s; --max_state_bytes)",
               name, count, p.local_rank, total, cost, bucket_state_bytes_, buckets_.size(),
-              local_sum > 0 ? absl::StrCat(", ", local_sum, " for the local sum") : "",
-              budget_.bytes, budget_.source)),
+              update > 0 ? absl::StrCat(", ", update, " for the update") : "", budget_.bytes,
+              budget_.source)),
           ClientStatus::kResource);
     }
     bucket_state_bytes_ += cost;
@@ -203,7 +205,7 @@ Bucket* ProcessTable::find(const std::string& name) {
 }
 
 uint64_t ProcessTable::state_bytes() const {
-  return bucket_state_bytes_ + (L_ > 1 ? 2 * sizeof(float) * largest_count_ : 0);
+  return bucket_state_bytes_ + (L_ > 1 ? sizeof(float) * largest_count_ : 0);
 }
 
 uint64_t ProcessTable::total_elements() const {

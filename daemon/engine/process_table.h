@@ -48,6 +48,10 @@ struct Bucket {
   // A dense bucket's velocity under momentum correction (the daemon applies
   // the momentum the training side left out), at its first step.
   sparsify::DeviceBuffer<float> velocity;
+  // With several local processes, a sparse bucket's local sum g: the step
+  // reads it again after the exchange (values, commit), so each bucket
+  // keeps its own.
+  sparsify::DeviceBuffer<float> local_sum;
   BucketStats stats;
 };
 
@@ -87,8 +91,8 @@ class ProcessTable {
   // anything is allocated.
   void SetStateBudget(StateBudget budget) { budget_ = std::move(budget); }
   // The state of the buckets registered so far (StateBudget::cost), with
-  // the local sum's buffers (two of the largest bucket's size) when the
-  // node has several processes.
+  // the update's buffer (the largest bucket's size) when the node has
+  // several processes.
   uint64_t state_bytes() const;
 
   // A new local process: its local rank (the one asked for, or the lowest free).

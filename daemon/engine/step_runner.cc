@@ -199,8 +199,10 @@ absl::Status StepRunner::GradientOf(const Work& w, const float** grad, double* l
   const int L = options_.local_size;
   // With one local process the update is written straight over its buffer
   // (the step reads the gradient completely first); with several it goes to
-  // a daemon buffer and is copied into each.
-  if (L > 1 && (!grad_.Reserve(ops_, d) || !update_.Reserve(ops_, d))) {
+  // a daemon buffer and is copied into each, and the local sum to the
+  // bucket's own buffer (the step reads it until it ends).
+  if (L > 1 && !b.local_sum.ok()) b.local_sum.Reset(ops_, d);
+  if (L > 1 && (!b.local_sum.ok() || !update_.Reserve(ops_, d))) {
     return WithClientStatus(
         absl::ResourceExhaustedError(absl::StrCat("bucket '", b.name, "': out of memory")),
         ClientStatus::kResource);
@@ -213,11 +215,11 @@ absl::Status StepRunner::GradientOf(const Work& w, const float** grad, double* l
     std::vector<const float*> inputs;
     for (const auto& buf : w.buffers) inputs.push_back(memory_->Data(*buf));
     if (absl::Status s = KernelCall(
-            ops_->LocalSum(inputs.data(), L, d, grad_.get(), nullptr, nullptr), "local sum");
+            ops_->LocalSum(inputs.data(), L, d, b.local_sum.get(), nullptr, nullptr), "local sum");
         !s.ok()) {
       return absl::InternalError(absl::StrCat("bucket '", b.name, "': ", s.message()));
     }
-    *grad = grad_.get();
+    *grad = b.local_sum.get();
   }
   *local_sum = Seconds(t0);
   return absl::OkStatus();
@@ -299,7 +301,7 @@ void StepRunner::Deliver(const Work& w, const sparsify::StepStats& st, const flo
   {
     absl::MutexLock lock(&state_->mu);
     b.stats.AddSparse(st, local_sum, absl::ToDoubleSeconds(t2 - t1), options_.stats_history);
-    b.stats.state_bytes = b.state->AllocatedBytes();
+    b.stats.state_bytes = b.state->AllocatedBytes() + b.local_sum.size() * sizeof(float);
   }
   if (tracing()) {
     TraceStep t;

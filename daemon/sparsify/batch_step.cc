@@ -39,7 +39,9 @@ struct BatchStep::Item {
   absl::Status failed;  // its own failure, the same on every node
   StepStats stats;
   absl::Time start;
-  float* acc = nullptr;
+  // The bucket's read-only pass (its gradient, scale and velocity): the
+  // values of round 3 and the commit in Finish read through it.
+  kernels::FusedSelectArgs pass;
   uint64_t count = 0;  // this node's selected indices (hist: candidates)
   uint64_t nonfinite = 0;
   float lower = 0;  // hist: the bound the candidates were selected with
@@ -152,7 +154,6 @@ absl::Status BatchStep::Add(BucketState* bucket, const float* grad) {
   const int n = b.job_.num_nodes;
   ASSIGN_OR_RETURN(const float grad_scale, b.ClipScale(grad, it.stats));
   kernels::FusedSelectArgs args = b.PassArgs(grad, grad_scale);
-  it.acc = args.acc;
   float lambda = 0;
   switch (o.sparsifier) {
     case SparsifierKind::kMicro: {
@@ -178,12 +179,13 @@ absl::Status BatchStep::Add(BucketState* bucket, const float* grad) {
     case SparsifierKind::kDense:
       return absl::InternalError(absl::StrCat("bucket '", b.spec_.name, "': not batchable"));
   }
+  it.pass = args;
   RETURN_IF_ERROR(b.Check(b.ops_->FusedAccumulateSelect(args, b.stream_), "fused selection"));
   ASSIGN_OR_RETURN(kernels::StepScalars scalars, b.ReadScalars());
   it.nonfinite = scalars.nonfinite;
   it.count = scalars.nonfinite == 0 ? scalars.count : 0;
   if (o.sparsifier == SparsifierKind::kTopK && it.nonfinite == 0) {
-    RETURN_IF_ERROR(b.Check(b.ops_->TopK(it.acc, d, it.stats.budget, b.candidate_index_.get(),
+    RETURN_IF_ERROR(b.Check(b.ops_->TopK(args.acc, d, it.stats.budget, b.candidate_index_.get(),
                                          b.candidate_value_.get(), b.scalars_.get(), b.stream_),
                             "top-k"));
     ASSIGN_OR_RETURN(scalars, b.ReadScalars());
@@ -377,11 +379,10 @@ absl::Status BatchStep::Rescans() {
       it->lower = it->plan.rescan_lower;
       ++it->rescans;
       it->stats.rescans = it->rescans;
-      const Range part = b.SenderRange(transport_.rank());
-      RETURN_IF_ERROR(b.Check(
-          b.ops_->SelectRange(it->acc, part.begin, part.end, it->lower, b.candidate_index_.get(),
-                              b.candidate_value_.get(), b.scalars_.get(), b.stream_),
-          "selection"));
+      // The read-only pass again (its range: this node's partition).
+      kernels::FusedSelectArgs again = it->pass;
+      again.threshold = it->lower;
+      RETURN_IF_ERROR(b.Check(b.ops_->FusedAccumulateSelect(again, b.stream_), "selection"));
       ASSIGN_OR_RETURN(const kernels::StepScalars s, b.ReadScalars());
       it->count = s.count;
       RETURN_IF_ERROR(CopyCandidates(*it));
@@ -539,8 +540,9 @@ absl::Status BatchStep::ReduceValues() {
     RETURN_IF_ERROR(b.Check(b.ops_->CopyToDevice(b.global_index_.get(), it.index.data(),
                                                  K * sizeof(uint32_t), b.stream_),
                             "copy"));
-    RETURN_IF_ERROR(b.Check(
-        b.ops_->Gather(it.acc, b.global_index_.get(), K, b.values_.get(), b.stream_), "gather"));
+    RETURN_IF_ERROR(
+        b.Check(b.ops_->GatherSum(it.pass, b.global_index_.get(), K, b.values_.get(), b.stream_),
+                "gather"));
     RETURN_IF_ERROR(
         b.Check(b.ops_->CopyToHost(mine.data() + at, b.values_.get(), K * sizeof(float), b.stream_),
                 "copy"));
@@ -644,7 +646,9 @@ absl::StatusOr<StepStats> BatchStep::Finish(size_t i, float* update) {
   BucketState& b = *it.b;
   const absl::Time start = absl::Now();
   const uint64_t K = it.index.size();
-  // The update: v / W at I, zero elsewhere; the residual zeroed at I.
+  // The state committed (e += g, zeroed at I), then the update: v / W at
+  // I, zero elsewhere (it may be the gradient's buffer: after the commit).
+  RETURN_IF_ERROR(b.Commit(it.pass, K));
   RETURN_IF_ERROR(
       b.Check(b.ops_->CopyToDevice(b.values_.get(), it.values.data(), K * sizeof(float), b.stream_),
               "copy"));
@@ -652,9 +656,6 @@ absl::StatusOr<StepStats> BatchStep::Finish(size_t i, float* update) {
                                                  static_cast<float>(b.job_.world_size), update,
                                                  b.spec_.size, b.stream_),
                           "scatter"));
-  RETURN_IF_ERROR(b.Check(b.ops_->ZeroAt(it.acc, b.global_index_.get(), K, b.stream_), "zeroing"));
-  RETURN_IF_ERROR(b.MaskVelocity(K));
-  b.current_ = 1 - b.current_;
   ++b.step_;
   if (b.controller_ != nullptr) b.controller_->Commit(K, it.stats.budget);
   it.stats.selected = K;

@@ -55,15 +55,16 @@ class BatchStep {
   BatchStep(const BatchStep&) = delete;
   BatchStep& operator=(const BatchStep&) = delete;
 
-  // Phase 1, local: the bucket's pass over `grad` (this node's gradient,
-  // read completely before this returns; null: this node has none, e.g. its
-  // process left, and every node fails the bucket naming this node). Every
-  // node adds the same buckets in the same order. A kernel failure is
-  // returned (the batch cannot run).
+  // Phase 1, local: the bucket's read-only pass over `grad` (this node's
+  // gradient, which must hold the same values until Finish: the values and
+  // the commit read it again; null: this node has none, e.g. its process
+  // left, and every node fails the bucket naming this node). Every node adds
+  // the same buckets in the same order. A kernel failure is returned (the
+  // batch cannot run).
   absl::Status Add(BucketState* bucket, const float* grad);
   // Keeps only the buckets added at these indices (ascending), in that
   // order: the others' passes are dropped, their state unchanged (a pass
-  // writes only the idle residual and scratch). Before Run.
+  // writes only scratch). Before Run.
   void KeepOnly(const std::vector<size_t>& indices);
   // The rounds. An error is the batch's: no bucket's state changed.
   absl::Status Run();

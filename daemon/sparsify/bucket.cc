@@ -23,16 +23,18 @@ using transport::TagKind;
 // The owned partition's candidates of a `micro` step, as the controller sees them.
 class BucketState::Candidates final : public CandidateSet {
  public:
-  Candidates(BucketState* bucket, const float* acc, Range range, uint64_t count)
-      : bucket_(bucket), acc_(acc), range_(range), count_(count) {}
+  // `pass`: the step's read-only pass, selecting from the owned partition.
+  Candidates(BucketState* bucket, const kernels::FusedSelectArgs& pass, uint64_t count)
+      : bucket_(bucket), pass_(pass), count_(count) {}
   const float* values() const override { return bucket_->candidate_value_.get(); }
   uint64_t count() const override { return count_; }
   absl::Status Rescan(float threshold) override {
     BucketState& b = *bucket_;
-    RETURN_IF_ERROR(b.Check(
-        b.ops_->SelectRange(acc_, range_.begin, range_.end, threshold, b.candidate_index_.get(),
-                            b.candidate_value_.get(), b.scalars_.get(), b.stream_),
-        "selection"));
+    // The pass again with the lower threshold (nothing is stored: the sums
+    // are recomputed; rescans are rare).
+    kernels::FusedSelectArgs again = pass_;
+    again.threshold = threshold;
+    RETURN_IF_ERROR(b.Check(b.ops_->FusedAccumulateSelect(again, b.stream_), "selection"));
     ASSIGN_OR_RETURN(const kernels::StepScalars s, b.ReadScalars());
     count_ = s.count;
     return absl::OkStatus();
@@ -40,8 +42,7 @@ class BucketState::Candidates final : public CandidateSet {
 
  private:
   BucketState* const bucket_;
-  const float* const acc_;
-  const Range range_;
+  const kernels::FusedSelectArgs pass_;
   uint64_t count_;
 };
 
@@ -108,15 +109,17 @@ uint64_t BucketState::CandidateCapacity() const {
 uint64_t BucketState::MemoryBytes(uint64_t d, int num_nodes, const SparsifyOptions& options) {
   if (options.sparsifier == SparsifierKind::kDense) return 0;
   const SparsifyOptions o = options.ForBucket(d);
-  uint64_t floats = 2 * d;              // the two residuals
-  if (o.momentum > 0) floats += 2 * d;  // the two velocities
+  uint64_t floats = d;  // the residual
+  // The velocity, and its second buffer while a dense warm-up lasts.
+  if (o.momentum > 0) floats += o.warmup_steps > 0 ? 2 * d : d;
+  if (o.sparsifier == SparsifierKind::kTopK) floats += d;  // the sums top-k selects from
   const uint64_t candidates = CandidateCapacityOf(d, num_nodes, o);
   return floats * sizeof(float) + candidates * (sizeof(uint32_t) + sizeof(float));
 }
 
 uint64_t BucketState::AllocatedBytes() const {
-  uint64_t floats = candidate_value_.size() + values_.size();
-  for (int i = 0; i < 2; ++i) floats += residual_[i].size() + velocity_[i].size();
+  const uint64_t floats = candidate_value_.size() + values_.size() + residual_.size() +
+                          velocity_.size() + topk_sums_.size() + warmup_velocity_.size();
   return floats * sizeof(float) +
          (candidate_index_.size() + global_index_.size()) * sizeof(uint32_t) +
          wire_values_.size() * sizeof(uint16_t) + scalars_.size() * sizeof(kernels::StepScalars);
@@ -135,16 +138,17 @@ absl::Status BucketState::Allocate() {
   scalars_.Reset(ops_, 1 + job_.num_nodes);
   bool ok = scalars_.ok();
   if (options_.sparsifier != SparsifierKind::kDense) {
-    residual_[0].Reset(ops_, d);
-    residual_[1].Reset(ops_, d);
+    residual_.Reset(ops_, d);
     candidate_index_.Reset(ops_, std::max<uint64_t>(capacity, 1));
     candidate_value_.Reset(ops_, std::max<uint64_t>(capacity, 1));
-    ok = ok && residual_[0].ok() && residual_[1].ok() && candidate_index_.ok() &&
-         candidate_value_.ok();
+    ok = ok && residual_.ok() && candidate_index_.ok() && candidate_value_.ok();
     if (options_.momentum > 0) {
-      velocity_[0].Reset(ops_, d);
-      velocity_[1].Reset(ops_, d);
-      ok = ok && velocity_[0].ok() && velocity_[1].ok();
+      velocity_.Reset(ops_, d);
+      ok = ok && velocity_.ok();
+    }
+    if (options_.sparsifier == SparsifierKind::kTopK) {
+      topk_sums_.Reset(ops_, d);
+      ok = ok && topk_sums_.ok();
     }
   }
   if (!ok) {
@@ -163,8 +167,8 @@ absl::StatusOr<BucketCheckpoint> BucketState::Save() const {
     to->resize(d);
     return Check(ops_->CopyToHost(to->data(), from.get(), d * sizeof(float), stream_), "copy");
   };
-  RETURN_IF_ERROR(copy_out(residual_[current_], &c.residual));
-  RETURN_IF_ERROR(copy_out(velocity_[current_], &c.velocity));
+  RETURN_IF_ERROR(copy_out(residual_, &c.residual));
+  RETURN_IF_ERROR(copy_out(velocity_, &c.velocity));
   if (controller_ != nullptr) c.controller = controller_->Save();
   return c;
 }
@@ -181,8 +185,8 @@ absl::Status BucketState::CheckCheckpoint(const BucketCheckpoint& c) const {
                                                    " (another size, sparsifier or momentum "
                                                    "correction)"));
   };
-  RETURN_IF_ERROR(fits(residual_[0], c.residual, "residual"));
-  RETURN_IF_ERROR(fits(velocity_[0], c.velocity, "velocity"));
+  RETURN_IF_ERROR(fits(residual_, c.residual, "residual"));
+  RETURN_IF_ERROR(fits(velocity_, c.velocity, "velocity"));
   if ((controller_ != nullptr) != !c.controller.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "bucket '", spec_.name, "': the checkpoint ", c.controller.empty() ? "has no" : "has a",
@@ -202,15 +206,14 @@ absl::Status BucketState::Load(const BucketCheckpoint& c) {
   RETURN_IF_ERROR(CheckCheckpoint(c));
   const uint64_t d = spec_.size;
   if (controller_ != nullptr) RETURN_IF_ERROR(controller_->Load(c.controller));
-  current_ = 0;
   if (!c.residual.empty()) {
     RETURN_IF_ERROR(
-        Check(ops_->CopyToDevice(residual_[0].get(), c.residual.data(), d * sizeof(float), stream_),
+        Check(ops_->CopyToDevice(residual_.get(), c.residual.data(), d * sizeof(float), stream_),
               "copy"));
   }
   if (!c.velocity.empty()) {
     RETURN_IF_ERROR(
-        Check(ops_->CopyToDevice(velocity_[0].get(), c.velocity.data(), d * sizeof(float), stream_),
+        Check(ops_->CopyToDevice(velocity_.get(), c.velocity.data(), d * sizeof(float), stream_),
               "copy"));
   }
   step_ = c.step;
@@ -243,6 +246,9 @@ absl::StatusOr<StepStats> BucketState::Step(const float* grad, float* update,
   const uint64_t waits_before = ops_->host_waits() + transport.host_waits();
   const uint64_t rounds_before = transport.rounds();
   absl::StatusOr<StepStats> stats = absl::InternalError("unknown sparsifier");
+  // The warm-up's second velocity is not needed past it.
+  if (step_ >= options_.warmup_steps && warmup_velocity_.ok())
+    warmup_velocity_ = DeviceBuffer<float>();
   if (step_ < options_.warmup_steps) {
     stats = StepDense(grad, update, transport, deadline);
   } else {
@@ -377,8 +383,8 @@ absl::StatusOr<uint64_t> BucketState::GatherIndices(const std::vector<Header>& h
   return total;
 }
 
-absl::Status BucketState::ReduceAndApply(uint64_t K, float* acc, float* update,
-                                         transport::Transport& transport,
+absl::Status BucketState::ReduceAndApply(uint64_t K, const kernels::FusedSelectArgs& pass,
+                                         float* update, transport::Transport& transport,
                                          const CollectiveOptions& options, StepStats& stats) {
   if (!values_.Reserve(ops_, std::max<uint64_t>(K, 1))) {
     return absl::ResourceExhaustedError(
@@ -393,10 +399,11 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, float* acc, float* update,
       return absl::ResourceExhaustedError(
           absl::StrCat("bucket '", spec_.name, "': out of memory for ", K, " values"));
     }
-    // The residual keeps what rounding the values drops (no zeroing below).
+    // The values rounded to the wire's type (Commit keeps what rounding drops).
+    RETURN_IF_ERROR(
+        Check(ops_->GatherSum(pass, global_index_.get(), K, values_.get(), stream_), "gather"));
     RETURN_IF_ERROR(Check(
-        ops_->GatherRounded(acc, global_index_.get(), K, spec_.wire, wire_values_.get(), stream_),
-        "gather"));
+        ops_->FloatToHalf(values_.get(), spec_.wire, K, wire_values_.get(), stream_), "rounding"));
     stats.bytes_sent += K * sizeof(uint16_t);
     stats.bytes_received += K * sizeof(uint16_t);
     RETURN_IF_ERROR(transport.AllreduceSum(
@@ -417,19 +424,17 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, float* acc, float* update,
     }
   } else {
     RETURN_IF_ERROR(
-        Check(ops_->Gather(acc, global_index_.get(), K, values_.get(), stream_), "gather"));
+        Check(ops_->GatherSum(pass, global_index_.get(), K, values_.get(), stream_), "gather"));
     stats.bytes_sent += K * sizeof(float);
     stats.bytes_received += K * sizeof(float);
     RETURN_IF_ERROR(transport.AllreduceSum(values_.get(), K, DataType::kFloat32, o));
   }
   const absl::Time apply_start = absl::Now();
+  RETURN_IF_ERROR(Commit(pass, K));
   RETURN_IF_ERROR(
       Check(ops_->ScatterAverage(values_.get(), global_index_.get(), K,
                                  static_cast<float>(job_.world_size), update, spec_.size, stream_),
             "scatter"));
-  if (!half_wire) {
-    RETURN_IF_ERROR(Check(ops_->ZeroAt(acc, global_index_.get(), K, stream_), "zeroing"));
-  }
   stats.apply_seconds = absl::ToDoubleSeconds(absl::Now() - apply_start);
   stats.selected = K;
   stats.cre = std::fabs(static_cast<double>(K) / static_cast<double>(stats.budget) - 1.0);
@@ -452,13 +457,12 @@ kernels::FusedSelectArgs BucketState::PassArgs(const float* grad, float grad_sca
   kernels::FusedSelectArgs args;
   args.grad = grad;
   args.grad_scale = grad_scale;
-  args.residual = residual_[current_].get();
-  args.acc = residual_[1 - current_].get();
+  args.residual = residual_.get();
+  args.acc = topk_sums_.get();  // null but for top-k: nothing stored
   args.size = spec_.size;
   if (options_.momentum > 0) {
     // Momentum correction in the same pass: u = beta * u + g, then e + u.
-    args.velocity_in = velocity_[current_].get();
-    args.velocity_out = velocity_[1 - current_].get();
+    args.velocity_in = velocity_.get();
     args.beta = static_cast<float>(options_.momentum);
   }
   args.out_index = candidate_index_.get();
@@ -467,10 +471,28 @@ kernels::FusedSelectArgs BucketState::PassArgs(const float* grad, float grad_sca
   return args;
 }
 
-absl::Status BucketState::MaskVelocity(uint64_t K) {
-  if (options_.momentum <= 0) return absl::OkStatus();
-  return Check(ops_->ZeroAt(velocity_[1 - current_].get(), global_index_.get(), K, stream_),
-               "velocity masking");
+absl::Status BucketState::Commit(const kernels::FusedSelectArgs& pass, uint64_t K) {
+  kernels::FusedSelectArgs commit = pass;
+  commit.acc = residual_.get();  // in place
+  commit.velocity_out = velocity_.get();
+  commit.select_begin = commit.select_end = 0;
+  commit.out_index = nullptr;
+  commit.out_value = nullptr;
+  commit.scalars = scalars_.get();
+  RETURN_IF_ERROR(Check(ops_->FusedAccumulateSelect(commit, stream_), "accumulate"));
+  if (spec_.wire != kernels::ElementType::kFloat32) {
+    // The residual keeps what rounding the values drops; wire_values_ (the
+    // values sent, already widened) is scratch by now.
+    RETURN_IF_ERROR(Check(ops_->GatherRounded(residual_.get(), global_index_.get(), K, spec_.wire,
+                                              wire_values_.get(), stream_),
+                          "rounding"));
+  } else {
+    RETURN_IF_ERROR(
+        Check(ops_->ZeroAt(residual_.get(), global_index_.get(), K, stream_), "zeroing"));
+  }
+  if (!velocity_.ok()) return absl::OkStatus();
+  // Momentum factor masking.
+  return Check(ops_->ZeroAt(velocity_.get(), global_index_.get(), K, stream_), "velocity masking");
 }
 
 absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* update,
@@ -491,7 +513,6 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
   const float pass_threshold = controller_->PassThreshold();
 
   kernels::FusedSelectArgs args = PassArgs(grad, grad_scale);
-  float* const acc = args.acc;
   args.select_begin = part.begin;
   args.select_end = part.end;
   args.threshold = pass_threshold;
@@ -504,7 +525,7 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
 
   float threshold = pass_threshold;
   if (controller_->Refines()) {
-    Candidates candidates(this, acc, part, scalars.count);
+    Candidates candidates(this, args, scalars.count);
     ControllerContext ctx = ControllerContextFor(transport, options, stats);
     ctx.rescans = &stats.rescans;
     // After the checked header exchange: the controller's rounds (and any
@@ -527,11 +548,9 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
   stats.select_seconds = absl::ToDoubleSeconds(absl::Now() - start);
 
   ASSIGN_OR_RETURN(const uint64_t K, GatherIndices(headers, transport, options, stats));
-  RETURN_IF_ERROR(ReduceAndApply(K, acc, update, transport, options, stats));
-  RETURN_IF_ERROR(MaskVelocity(K));
+  RETURN_IF_ERROR(ReduceAndApply(K, args, update, transport, options, stats));
   stats.exchange_seconds =
       absl::ToDoubleSeconds(absl::Now() - start) - stats.select_seconds - stats.apply_seconds;
-  current_ = 1 - current_;
   ++step_;
   controller_->Commit(K, stats.budget);
   return stats;
@@ -563,8 +582,8 @@ absl::Status BucketState::PrimeController(const float* grad, float grad_scale, R
     RETURN_IF_ERROR(Check(ops_->Gather(grad, index.get(), m, values.get(), stream_), "sample"));
     RETURN_IF_ERROR(Check(ops_->CopyToHost(sample.data(), values.get(), m * sizeof(float), stream_),
                           "sample copy"));
-    RETURN_IF_ERROR(Check(
-        ops_->Gather(residual_[current_].get(), index.get(), m, values.get(), stream_), "sample"));
+    RETURN_IF_ERROR(
+        Check(ops_->Gather(residual_.get(), index.get(), m, values.get(), stream_), "sample"));
     RETURN_IF_ERROR(
         Check(ops_->CopyToHost(residual.data(), values.get(), m * sizeof(float), stream_),
               "sample copy"));
@@ -606,7 +625,6 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
   ASSIGN_OR_RETURN(const float grad_scale, ClipScale(grad, stats));
 
   kernels::FusedSelectArgs args = PassArgs(grad, grad_scale);
-  float* const acc = args.acc;
   args.select_begin = 0;
   args.select_end = hard ? spec_.size : 0;  // topk selects afterwards
   args.threshold = lambda;
@@ -614,7 +632,7 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
   ASSIGN_OR_RETURN(kernels::StepScalars scalars, ReadScalars());
   const uint64_t nonfinite = scalars.nonfinite;
   if (!hard && nonfinite == 0) {
-    RETURN_IF_ERROR(Check(ops_->TopK(acc, spec_.size, stats.budget, candidate_index_.get(),
+    RETURN_IF_ERROR(Check(ops_->TopK(args.acc, spec_.size, stats.budget, candidate_index_.get(),
                                      candidate_value_.get(), scalars_.get(), stream_),
                           "top-k"));
     ASSIGN_OR_RETURN(scalars, ReadScalars());
@@ -633,11 +651,9 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
   RETURN_IF_ERROR(
       Check(ops_->SortUnique(global_index_.get(), total, scalars_.get(), stream_), "union"));
   ASSIGN_OR_RETURN(scalars, ReadScalars());
-  RETURN_IF_ERROR(ReduceAndApply(scalars.count, acc, update, transport, options, stats));
-  RETURN_IF_ERROR(MaskVelocity(scalars.count));
+  RETURN_IF_ERROR(ReduceAndApply(scalars.count, args, update, transport, options, stats));
   stats.exchange_seconds =
       absl::ToDoubleSeconds(absl::Now() - start) - stats.select_seconds - stats.apply_seconds;
-  current_ = 1 - current_;
   ++step_;
   return stats;
 }
@@ -653,15 +669,24 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
   // Momentum correction during a dense warm-up: the nodes' velocities are
   // reduced instead of their gradients, which is momentum SGD on the average
   // gradient; nothing was left behind to mask. The new velocity goes into the
-  // other buffer, kept only once the step succeeds (as a sparse step's).
-  const bool momentum = options_.momentum > 0 && velocity_[0].ok();
+  // warm-up's second buffer, kept only once the step succeeds (as a sparse
+  // step's).
+  const bool momentum = options_.momentum > 0 && velocity_.ok();
   const float* inputs[1] = {grad};
   if (momentum) {
+    if (!warmup_velocity_.ok()) {
+      warmup_velocity_.Reset(ops_, spec_.size);
+      if (!warmup_velocity_.ok()) {
+        return absl::ResourceExhaustedError(absl::StrCat("bucket '", spec_.name,
+                                                         "': out of memory for the warm-up's ",
+                                                         spec_.size, " velocities"));
+      }
+    }
     RETURN_IF_ERROR(
-        Check(ops_->Momentum(grad, velocity_[current_].get(), static_cast<float>(options_.momentum),
-                             velocity_[1 - current_].get(), spec_.size, stream_),
+        Check(ops_->Momentum(grad, velocity_.get(), static_cast<float>(options_.momentum),
+                             warmup_velocity_.get(), spec_.size, stream_),
               "momentum"));
-    inputs[0] = velocity_[1 - current_].get();
+    inputs[0] = warmup_velocity_.get();
   }
   RETURN_IF_ERROR(
       Check(ops_->LocalSum(inputs, 1, spec_.size, update, scalars_.get(), stream_), "copy"));
@@ -693,7 +718,7 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
   stats.local_selected = spec_.size;
   stats.apply_seconds = absl::ToDoubleSeconds(absl::Now() - apply_start);
   // The new velocity becomes the current one; the residuals stay as they are.
-  if (momentum) std::swap(velocity_[current_], velocity_[1 - current_]);
+  if (momentum) std::swap(velocity_, warmup_velocity_);
   ++step_;
   return stats;
 }

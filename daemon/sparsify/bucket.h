@@ -97,7 +97,7 @@ class BucketState {
   uint64_t step() const { return step_; }
   uint64_t budget() const { return k_; }
   // The residual e (device memory, d elements; null for dense).
-  const float* residual() const { return residual_[current_].get(); }
+  const float* residual() const { return residual_.get(); }
   // Between steps only (not while Step runs).
   absl::StatusOr<BucketCheckpoint> Save() const;
   // Replaces this state's (before its first step or between steps); an
@@ -152,8 +152,9 @@ class BucketState {
                                          transport::Transport& transport,
                                          const transport::CollectiveOptions& options,
                                          StepStats& stats);
-  // Steps 8-10 at global_index_[0..K): values, update, residual zeroing.
-  absl::Status ReduceAndApply(uint64_t K, float* acc, float* update,
+  // Steps 8-10 at global_index_[0..K): values (the pass's sums there),
+  // Commit, update.
+  absl::Status ReduceAndApply(uint64_t K, const kernels::FusedSelectArgs& pass, float* update,
                               transport::Transport& transport,
                               const transport::CollectiveOptions& options, StepStats& stats);
 
@@ -173,12 +174,20 @@ class BucketState {
   // Local clipping: the factor the pass scales g by (1 unless its norm is too
   // large), folded into the pass: no clipped copy.
   absl::StatusOr<float> ClipScale(const float* grad, StepStats& stats);
-  // Arguments of the fused pass over `grad` into the idle residual buffer,
-  // with momentum correction folded in (the new velocity goes to the idle
-  // velocity buffer); the caller sets the selection range and threshold.
+  // Arguments of the step's read-only pass over `grad`: e + g (g scaled,
+  // momentum correction folded in) selected and checked with nothing stored
+  // (top-k: the sums stored into its scratch, which it selects from), so
+  // that a step that fails leaves the state as it was; the caller sets the
+  // selection range and threshold. The same arguments give the values
+  // (GatherSum) and, once every node has agreed the step, Commit.
   kernels::FusedSelectArgs PassArgs(const float* grad, float grad_scale);
-  // Momentum factor masking: the new velocity is zeroed at global_index_[0..K).
-  absl::Status MaskVelocity(uint64_t K);
+  // The step agreed (every collective done): e = e + g and the velocity
+  // updated in place (the bits of the read-only pass), then e zeroed at
+  // global_index_[0..K) (a bf16/fp16 wire: what rounding drops kept) and,
+  // momentum factor masking, the velocity zeroed there. `pass.grad` must
+  // still hold the gradient the pass read. Before the update is written
+  // (it may be the gradient's buffer).
+  absl::Status Commit(const kernels::FusedSelectArgs& pass, uint64_t K);
   absl::StatusOr<StepStats> StepDense(const float* grad, float* update, transport::Transport& t,
                                       absl::Time deadline);
 
@@ -191,11 +200,15 @@ class BucketState {
   std::unique_ptr<ThresholdController> controller_;  // micro only
 
   uint64_t step_ = 0;
-  // Double-buffered residual: a step writes acc into the other buffer and
-  // flips only when it succeeds, so a failed step leaves e untouched.
-  DeviceBuffer<float> residual_[2];
-  DeviceBuffer<float> velocity_[2];  // momentum correction, flipped with the residual
-  int current_ = 0;
+  // One residual and one velocity (momentum correction): a step reads them
+  // and writes them only in Commit, once every node has agreed the step.
+  DeviceBuffer<float> residual_;
+  DeviceBuffer<float> velocity_;
+  // top-k only: the step's sums e + g, which the exact top-k selects from.
+  DeviceBuffer<float> topk_sums_;
+  // The dense warm-up with momentum correction: the new velocity, kept once
+  // the step succeeds (swapped with velocity_); freed after the warm-up.
+  DeviceBuffer<float> warmup_velocity_;
   DeviceBuffer<uint32_t> candidate_index_;
   DeviceBuffer<float> candidate_value_;
   DeviceBuffer<uint32_t> global_index_;

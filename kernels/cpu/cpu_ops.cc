@@ -180,6 +180,16 @@ class CpuSparseOps final : public SparseOps {
     return KernelStatus::kOk;
   }
 
+  KernelStatus GatherSum(const FusedSelectArgs& a, const uint32_t* index, uint64_t count,
+                         float* out, void*) override {
+    if (count > 0 && (a.grad == nullptr || a.residual == nullptr || index == nullptr ||
+                      out == nullptr || a.size > kMaxBucketElements)) {
+      return KernelStatus::kInvalidArgument;
+    }
+    cpu::GatherSumScalar(a, index, count, out);
+    return KernelStatus::kOk;
+  }
+
   KernelStatus ScatterAverage(const float* values, const uint32_t* index, uint64_t count,
                               float divisor, float* out, uint64_t size, void*) override {
     if (size > kMaxBucketElements || (size > 0 && out == nullptr) ||

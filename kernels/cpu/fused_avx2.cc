@@ -1,6 +1,7 @@
 // AVX2 code path of the fused pass (built with -mavx2, called only when the
 // processor supports it). Works in 64-element blocks: eight 8-lane vectors
-// compute acc = e + g and store it, their comparison masks combine into one
+// compute acc = e + g (and store it, unless the pass is read-only), their
+// comparison masks combine into one
 // 64-bit mask, and a bit-scan loop writes the few selected elements. Blocks
 // outside the owned partition skip the comparison. When acc is a separate,
 // aligned, large buffer it is written with streaming stores, so the pass moves
@@ -35,19 +36,24 @@ inline uint64_t RangeMask(uint64_t base, uint64_t begin, uint64_t end) {
 // The velocity of the momentum pass, when there is one.
 struct Velocity {
   const float* in = nullptr;
-  float* out = nullptr;
+  float* out = nullptr;  // null: u is not stored
   float beta = 0.0f;
   float grad_scale = 1.0f;  // local clipping, applied to the gradient first
 };
 
+// kAccumulate: acc = e + g (with momentum u = beta * v + g first) is computed
+// over [0, size), stored where `acc` (and vel.out) are not null, and checked;
+// otherwise acc is only read over [begin, end). Both select over [begin, end).
 template <bool kAccumulate, bool kStream, bool kMomentum>
-PassResult Pass(const float* grad, const float* residual, float* acc, uint64_t size, uint64_t begin,
-                uint64_t end, float threshold, uint32_t* out_index, float* out_value,
-                Velocity vel = {}) {
+PassResult Pass(const FusedSelectArgs& args, const float* grad, const float* residual, float* acc,
+                uint64_t size, uint64_t begin, uint64_t end, float threshold, uint32_t* out_index,
+                float* out_value, Velocity vel = {}) {
   const __m256 vthr = _mm256_set1_ps(threshold);
   const __m256 vbeta = _mm256_set1_ps(vel.beta);
   const __m256 vscale = _mm256_set1_ps(vel.grad_scale);
   const __m256 vinf = _mm256_set1_ps(__builtin_inff());
+  const bool store = acc != nullptr;
+  const bool store_velocity = vel.out != nullptr;
   __m256 bad = _mm256_setzero_ps();
   alignas(32) float block[kBlock];
   uint64_t count = 0;
@@ -66,17 +72,21 @@ PassResult Pass(const float* grad, const float* residual, float* acc, uint64_t s
         __m256 g = _mm256_mul_ps(_mm256_loadu_ps(grad + i), vscale);
         if constexpr (kMomentum) {
           g = _mm256_add_ps(_mm256_mul_ps(vbeta, _mm256_loadu_ps(vel.in + i)), g);
-          if constexpr (kStream) {
-            _mm256_stream_ps(vel.out + i, g);
-          } else {
-            _mm256_storeu_ps(vel.out + i, g);
+          if (store_velocity) {
+            if constexpr (kStream) {
+              _mm256_stream_ps(vel.out + i, g);
+            } else {
+              _mm256_storeu_ps(vel.out + i, g);
+            }
           }
         }
         a = _mm256_add_ps(_mm256_loadu_ps(residual + i), g);
-        if constexpr (kStream) {
-          _mm256_stream_ps(acc + i, a);
-        } else {
-          _mm256_storeu_ps(acc + i, a);
+        if (store) {
+          if constexpr (kStream) {
+            _mm256_stream_ps(acc + i, a);
+          } else {
+            _mm256_storeu_ps(acc + i, a);
+          }
         }
         bad = _mm256_or_ps(bad, _mm256_cmp_ps(Abs(a), vinf, _CMP_NLT_UQ));
       } else {
@@ -106,16 +116,15 @@ PassResult Pass(const float* grad, const float* residual, float* acc, uint64_t s
   uint64_t i = full_blocks * kBlock;
   if (!kAccumulate && i < begin) i = begin;
   const uint64_t tail_end = kAccumulate ? size : end;
+  uint64_t tail_nonfinite = 0;
   for (; i < tail_end; ++i) {
     float v;
     if constexpr (kAccumulate) {
-      float g = grad[i] * vel.grad_scale;
-      if constexpr (kMomentum) {
-        g = vel.beta * vel.in[i] + g;
-        vel.out[i] = g;
-      }
-      v = residual[i] + g;
-      acc[i] = v;
+      float u;
+      v = PassSumAt(args, i, &u);
+      if (store_velocity) vel.out[i] = u;
+      if (store) acc[i] = v;
+      tail_nonfinite += !(__builtin_fabsf(v) < __builtin_inff());
     } else {
       v = acc[i];
     }
@@ -127,11 +136,11 @@ PassResult Pass(const float* grad, const float* residual, float* acc, uint64_t s
   }
   r.count = count;
   if constexpr (kAccumulate) {
-    // Rare path: count exactly only when some lane was non-finite.
-    if (_mm256_movemask_ps(bad) != 0 ||
-        CountNonFiniteScalar(acc + full_blocks * kBlock, size - full_blocks * kBlock) != 0) {
-      r.nonfinite = CountNonFiniteScalar(acc, size);
-    }
+    // Rare path: count the blocks' non-finite sums exactly only when some
+    // lane was non-finite (recomputed: acc may not be stored).
+    r.nonfinite = tail_nonfinite;
+    if (_mm256_movemask_ps(bad) != 0)
+      r.nonfinite += CountNonFiniteSums(args, 0, full_blocks * kBlock);
   }
   return r;
 }
@@ -140,17 +149,19 @@ PassResult Pass(const float* grad, const float* residual, float* acc, uint64_t s
 
 PassResult FusedAvx2(const FusedSelectArgs& a) {
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 32 == 0; };
-  const bool momentum = a.velocity_out != nullptr;
+  const bool momentum = a.velocity_in != nullptr;
   // Streaming stores only into separate buffers (acc, and the velocity when it
-  // is not updated in place): an aliased output is read in the same pass.
-  const bool stream = a.acc != a.residual && a.size * sizeof(float) >= kStreamMinBytes &&
-                      aligned(a.acc) &&
-                      (!momentum || (a.velocity_out != a.velocity_in && aligned(a.velocity_out)));
+  // is stored and not updated in place): an aliased output is read in the
+  // same pass.
+  const bool stream =
+      a.acc != nullptr && a.acc != a.residual && a.size * sizeof(float) >= kStreamMinBytes &&
+      aligned(a.acc) &&
+      (a.velocity_out == nullptr || (a.velocity_out != a.velocity_in && aligned(a.velocity_out)));
   const Velocity vel{a.velocity_in, a.velocity_out, a.beta, a.grad_scale};
   auto run = [&](auto stream_tag, auto momentum_tag) {
     return Pass<true, decltype(stream_tag)::value, decltype(momentum_tag)::value>(
-        a.grad, a.residual, a.acc, a.size, a.select_begin, a.select_end, a.threshold, a.out_index,
-        a.out_value, vel);
+        a, a.grad, a.residual, a.acc, a.size, a.select_begin, a.select_end, a.threshold,
+        a.out_index, a.out_value, vel);
   };
   using T = std::true_type;
   using F = std::false_type;
@@ -160,8 +171,8 @@ PassResult FusedAvx2(const FusedSelectArgs& a) {
 
 uint64_t SelectRangeAvx2(const float* acc, uint64_t begin, uint64_t end, float threshold,
                          uint32_t* out_index, float* out_value) {
-  return Pass<false, false, false>(nullptr, nullptr, const_cast<float*>(acc), end, begin, end,
-                                   threshold, out_index, out_value)
+  return Pass<false, false, false>(FusedSelectArgs{}, nullptr, nullptr, const_cast<float*>(acc),
+                                   end, begin, end, threshold, out_index, out_value)
       .count;
 }
 

@@ -15,23 +15,13 @@ inline bool IsNonFinite(float x) { return !(std::fabs(x) <= std::numeric_limits<
 
 PassResult FusedScalar(const FusedSelectArgs& a) {
   PassResult r;
-  const float* g = a.grad;
-  const float* e = a.residual;
-  const float* vin = a.velocity_in;
-  float* vout = a.velocity_out;
-  const float beta = a.beta;
-  const float scale = a.grad_scale;
-  float* acc = a.acc;
-  // acc[i] = e[i] + g[i], or with momentum u = beta * v[i] + g[i], v[i] = u,
-  // acc[i] = e[i] + u.
+  // The sum at i, stored where the pass stores (acc and the velocity read
+  // before either is written: both may be updated in place).
   auto accumulate = [&](uint64_t i) {
-    float u = g[i] * scale;
-    if (vout != nullptr) {
-      u = beta * vin[i] + u;
-      vout[i] = u;
-    }
-    const float v = e[i] + u;
-    acc[i] = v;
+    float u;
+    const float v = PassSumAt(a, i, &u);
+    if (a.velocity_out != nullptr) a.velocity_out[i] = u;
+    if (a.acc != nullptr) a.acc[i] = v;
     r.nonfinite += IsNonFinite(v);
     return v;
   };
@@ -47,6 +37,18 @@ PassResult FusedScalar(const FusedSelectArgs& a) {
   for (; i < a.size; ++i) accumulate(i);
   r.count = c;
   return r;
+}
+
+void GatherSumScalar(const FusedSelectArgs& a, const uint32_t* index, uint64_t count, float* out) {
+  float u;
+  for (uint64_t j = 0; j < count; ++j) out[j] = PassSumAt(a, index[j], &u);
+}
+
+uint64_t CountNonFiniteSums(const FusedSelectArgs& a, uint64_t begin, uint64_t end) {
+  uint64_t n = 0;
+  float u;
+  for (uint64_t i = begin; i < end; ++i) n += IsNonFinite(PassSumAt(a, i, &u));
+  return n;
 }
 
 uint64_t SelectRangeScalar(const float* acc, uint64_t begin, uint64_t end, float threshold,

@@ -74,9 +74,9 @@ __device__ __forceinline__ float MomentumOf(float beta, float v, float g) {
 struct FusedParams {
   const float* grad = nullptr;         // kAccumulate only
   const float* residual = nullptr;     // kAccumulate only
-  float* acc = nullptr;                // written with kAccumulate, read otherwise
+  float* acc = nullptr;                // written with kAccumulate (unless null), read otherwise
   const float* velocity_in = nullptr;  // kAccumulate with momentum correction only
-  float* velocity_out = nullptr;       // nullptr: no momentum correction
+  float* velocity_out = nullptr;       // nullptr: u is not stored
   float beta = 0.0f;
   float grad_scale = 1.0f;  // local clipping: grad is read as grad * grad_scale
   uint64_t first = 0;       // first element loaded (a multiple of 4)
@@ -91,10 +91,11 @@ struct FusedParams {
 
 // The fused pass's work, shared by the kernels below, which name the arrays
 // (p's own, or the same as __restrict__ kernel parameters).
-// kAccumulate: acc = residual + grad over [first, end) and count non-finite
-// acc values (with velocity_out set, grad is first replaced by
-// u = beta * velocity_in + grad, written to velocity_out, rounded multiply
-// then add as on the CPU); otherwise acc is only read. Both select over [sel_begin,
+// kAccumulate: acc = residual + grad over [first, end), stored unless acc is
+// null, and count non-finite acc values (with velocity_in set, grad is first
+// replaced by u = beta * velocity_in + grad, stored to velocity_out unless it
+// is null, rounded multiply then add as on the CPU); otherwise acc is only
+// read. Both select over [sel_begin,
 // sel_end). kAligned: grad, residual and acc (those used) are 16-byte aligned.
 template <bool kAccumulate, bool kAligned>
 __device__ __forceinline__ void FusedTiles(const FusedParams& p, const float* grad,
@@ -121,14 +122,15 @@ __device__ __forceinline__ void FusedTiles(const FusedParams& p, const float* gr
           float4 g = *reinterpret_cast<const float4*>(grad + i0);
           g = make_float4(__fmul_rn(g.x, p.grad_scale), __fmul_rn(g.y, p.grad_scale),
                           __fmul_rn(g.z, p.grad_scale), __fmul_rn(g.w, p.grad_scale));
-          if (velocity_out != nullptr) {
+          if (velocity_in != nullptr) {
             const float4 u = *reinterpret_cast<const float4*>(velocity_in + i0);
             g = make_float4(MomentumOf(p.beta, u.x, g.x), MomentumOf(p.beta, u.y, g.y),
                             MomentumOf(p.beta, u.z, g.z), MomentumOf(p.beta, u.w, g.w));
-            *reinterpret_cast<float4*>(velocity_out + i0) = g;
+            if (velocity_out != nullptr) *reinterpret_cast<float4*>(velocity_out + i0) = g;
           }
-          a = make_float4(e.x + g.x, e.y + g.y, e.z + g.z, e.w + g.w);
-          *reinterpret_cast<float4*>(acc + i0) = a;
+          a = make_float4(__fadd_rn(e.x, g.x), __fadd_rn(e.y, g.y), __fadd_rn(e.z, g.z),
+                          __fadd_rn(e.w, g.w));
+          if (acc != nullptr) *reinterpret_cast<float4*>(acc + i0) = a;
         } else {
           a = *reinterpret_cast<const float4*>(acc + i0);
         }
@@ -144,12 +146,12 @@ __device__ __forceinline__ void FusedTiles(const FusedParams& p, const float* gr
           if (i < p.end) {
             if constexpr (kAccumulate) {
               float g = __fmul_rn(grad[i], p.grad_scale);
-              if (velocity_out != nullptr) {
+              if (velocity_in != nullptr) {
                 g = MomentumOf(p.beta, velocity_in[i], g);
-                velocity_out[i] = g;
+                if (velocity_out != nullptr) velocity_out[i] = g;
               }
-              x = residual[i] + g;
-              acc[i] = x;
+              x = __fadd_rn(residual[i], g);
+              if (acc != nullptr) acc[i] = x;
             } else {
               x = acc[i];
             }
@@ -323,6 +325,17 @@ __global__ void SumPartialsKernel(const double* partial, int n, double* result) 
     double t = 0.0;
     for (int b = 0; b < n; ++b) t += partial[b];
     *result = t;
+  }
+}
+
+// The fused pass's sum at each index, as FusedTiles computes it.
+__global__ void GatherSumKernel(FusedParams p, const uint32_t* index, uint64_t count, float* out) {
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  for (uint64_t j = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < count; j += stride) {
+    const uint32_t i = index[j];
+    float g = __fmul_rn(p.grad[i], p.grad_scale);
+    if (p.velocity_in != nullptr) g = MomentumOf(p.beta, p.velocity_in[i], g);
+    out[j] = __fadd_rn(p.residual[i], g);
   }
 }
 
@@ -572,7 +585,7 @@ class CudaSparseOps final : public SparseOps {
     p.scalars = a.scalars;
     const uint64_t tiles = (a.size + kTile - 1) / kTile;
     const bool velocity_aligned =
-        a.velocity_out == nullptr || (Aligned16(a.velocity_in) && Aligned16(a.velocity_out));
+        a.velocity_in == nullptr || (Aligned16(a.velocity_in) && Aligned16(a.velocity_out));
     const bool aligned =
         Aligned16(a.grad) && Aligned16(a.residual) && Aligned16(a.acc) && velocity_aligned;
     // FusedSelectArgs allows no overlap but these two identities.
@@ -768,6 +781,24 @@ class CudaSparseOps final : public SparseOps {
     if (count == 0) return KernelStatus::kOk;
     if (!SetDevice()) return KernelStatus::kDeviceError;
     GatherKernel<<<Grid(count, kThreads), kThreads, 0, S(stream)>>>(acc, index, count, out);
+    return Check(cudaGetLastError(), "gather launch");
+  }
+
+  KernelStatus GatherSum(const FusedSelectArgs& a, const uint32_t* index, uint64_t count,
+                         float* out, void* stream) override {
+    if (count > 0 && (a.grad == nullptr || a.residual == nullptr || index == nullptr ||
+                      out == nullptr || a.size > kMaxBucketElements)) {
+      return KernelStatus::kInvalidArgument;
+    }
+    if (count == 0) return KernelStatus::kOk;
+    if (!SetDevice()) return KernelStatus::kDeviceError;
+    FusedParams p;
+    p.grad = a.grad;
+    p.residual = a.residual;
+    p.velocity_in = a.velocity_in;
+    p.beta = a.beta;
+    p.grad_scale = a.grad_scale;
+    GatherSumKernel<<<Grid(count, kThreads), kThreads, 0, S(stream)>>>(p, index, count, out);
     return Check(cudaGetLastError(), "gather launch");
   }
 

@@ -406,8 +406,8 @@ TEST(Negotiation, ADenseBucketsVelocityIsSavedAndRestored) {
 }
 
 // Each bucket reports the daemon's memory for it (microctl buckets, the
-// metrics): two residuals and candidates for the owned partition, two
-// velocities with momentum correction, nothing more for clipping (a scale in
+// metrics): one residual and candidates for the owned partition, one
+// velocity with momentum correction, nothing more for clipping (a scale in
 // the pass); a dense bucket's velocity.
 TEST(Negotiation, EachBucketReportsTheDaemonsMemoryForIt) {
   struct Want {
@@ -416,8 +416,11 @@ TEST(Negotiation, EachBucketReportsTheDaemonsMemoryForIt) {
     double dense;                   // of the dense one
   };
   const uint64_t d = 100000, small = 5000;
+  // A sparse bucket of 2 nodes: one residual (4 B per element), one velocity
+  // with momentum correction (4), candidates for half the bucket (4); no
+  // clipped copy. The step's small buffers stay under half a byte.
   for (const Want& w :
-       {Want{0, 0, 8, 12.5, 0}, Want{0.9, 0, 16, 20.5, 4}, Want{0, 1.0, 8, 12.5, 0}}) {
+       {Want{0, 0, 8, 8.5, 0}, Want{0.9, 0, 12, 12.5, 4}, Want{0, 1.0, 8, 8.5, 0}}) {
     SCOPED_TRACE(::testing::Message() << "momentum " << w.momentum << ", clip " << w.clip);
     EngineOptions eo;
     eo.sparsify.momentum = w.momentum;

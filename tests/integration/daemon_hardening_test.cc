@@ -387,7 +387,7 @@ TEST(Hardening, OneTimelineCaptureAtATime) {
 TEST(Hardening, ABucketOverTheStateBudgetIsRefusedAtRegistration) {
   DaemonCluster cluster(1, 1, {"--max_state_bytes=400000", "--max_bytes_per_process=100000000"});
   {
-    Trainer big(cluster.socket(0), 0, 1, 1000000);  // 8 MB of residuals alone
+    Trainer big(cluster.socket(0), 0, 1, 1000000);  // 4 MB of residual alone
     EXPECT_TRUE(absl::StrContains(big.Step(1), "over its budget of 400000 bytes")) << big.Step(1);
   }
   // Below the dense floor: 240 KB of the fused dense buffer; exact averages.

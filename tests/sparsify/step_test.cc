@@ -899,6 +899,154 @@ INSTANTIATE_TEST_SUITE_P(
         HostileCase{SparsifierKind::kTopK, HostileTransport::Lie::kIndexOutOfBucket},
         HostileCase{SparsifierKind::kHard, HostileTransport::Lie::kIndexOutOfBucket}));
 
+// A transport that fails the step's last collective (the values'
+// allreduce, or the dense one) on every node once armed: the step's whole
+// selection has run, nothing is left to fail after it.
+class FailingValuesTransport final : public transport::Transport {
+ public:
+  explicit FailingValuesTransport(transport::Transport* inner) : inner_(inner) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  const char* name() const override { return "failing"; }
+  absl::Status Allgather(const void* in, size_t bytes, void* out,
+                         const transport::CollectiveOptions& o) override {
+    return inner_->Allgather(in, bytes, out, o);
+  }
+  absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv_bytes, void* out,
+                          const transport::CollectiveOptions& o) override {
+    return inner_->AllgatherV(in, recv_bytes, out, o);
+  }
+  absl::Status AllreduceSum(void* data, size_t count, transport::DataType type,
+                            const transport::CollectiveOptions& o) override {
+    const uint32_t kind = o.tag & 0xFF;
+    if (armed_ && (kind == uint32_t(transport::TagKind::kValues) ||
+                   kind == uint32_t(transport::TagKind::kDense))) {
+      armed_ = false;
+      return absl::UnavailableError("link down (test)");
+    }
+    return inner_->AllreduceSum(data, count, type, o);
+  }
+  absl::Status Barrier(const transport::CollectiveOptions& o) override {
+    return inner_->Barrier(o);
+  }
+  void Abort(const absl::Status& reason) override { inner_->Abort(reason); }
+  void Arm() { armed_ = true; }
+
+ private:
+  transport::Transport* const inner_;
+  bool armed_ = false;
+};
+
+class StepRollback : public ::testing::TestWithParam<Case> {};
+
+// The state a step keeps (one residual, one velocity: W's memory cut) is
+// written only once every node has agreed the step: a step that fails at
+// its very last exchange leaves residual, velocity, threshold and t as they
+// were, on every node, and the job goes on with the bits of a job that
+// never failed.
+TEST_P(StepRollback, AStepFailingAtItsLastExchangeChangesNothing) {
+  const Case c = GetParam();
+  const int n = 3;
+  const uint64_t d = 3001;
+  SparsifyOptions o;
+  o.sparsifier = c.sparsifier;
+  o.controller = c.controller;
+  o.density = 0.01;
+  o.momentum = c.momentum;
+  o.warmup_steps = c.warmup_steps;
+  o.clip_norm = c.clip_norm;
+  const BucketSpec spec{"grads.0", d, 3, static_cast<kernels::ElementType>(c.wire)};
+  auto ops = kernels::CreateCpuSparseOps();
+  auto failing_group = transport::CreateInprocGroup(n);
+  auto plain_group = transport::CreateInprocGroup(n);
+  std::vector<std::unique_ptr<FailingValuesTransport>> failing;
+  std::vector<std::unique_ptr<BucketState>> a, b;  // a fails once, b never
+  for (int r = 0; r < n; ++r) {
+    failing.push_back(std::make_unique<FailingValuesTransport>(failing_group[r].get()));
+    for (auto* set : {&a, &b}) {
+      auto made = BucketState::Create(spec, {n, r, n}, o, ops.get());
+      ASSERT_TRUE(made.ok()) << made.status();
+      set->push_back(std::move(made).value());
+    }
+  }
+  auto run = [&](std::vector<std::unique_ptr<BucketState>>& buckets, bool use_failing,
+                 const std::vector<Vec>& g, std::vector<Vec>* updates) {
+    updates->assign(n, Vec(d));
+    std::vector<absl::Status> status(n);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        transport::Transport& tr = use_failing ? *failing[r] : *plain_group[r];
+        status[r] =
+            buckets[r]
+                ->Step(g[r].data(), (*updates)[r].data(), tr, absl::Now() + absl::Seconds(20))
+                .status();
+      });
+    }
+    for (auto& th : threads) th.join();
+    return status;
+  };
+  const uint64_t fail_at = c.warmup_steps > 0 ? 1 : 4;  // in the warm-up when there is one
+  for (uint64_t t = 0; t < 8; ++t) {
+    const auto g = MakeGrads(n, d, t, 11);
+    std::vector<Vec> ua, ub;
+    if (t == fail_at) {
+      std::vector<BucketCheckpoint> before;
+      for (int r = 0; r < n; ++r) {
+        failing[r]->Arm();
+        auto saved = a[r]->Save();
+        ASSERT_TRUE(saved.ok()) << saved.status();
+        before.push_back(*saved);
+      }
+      const auto status = run(a, true, g, &ua);
+      for (int r = 0; r < n; ++r) {
+        EXPECT_EQ(status[r].code(), absl::StatusCode::kUnavailable) << "node " << r;
+        auto after = a[r]->Save();
+        ASSERT_TRUE(after.ok()) << after.status();
+        EXPECT_EQ(after->step, before[r].step) << "node " << r;
+        EXPECT_EQ(after->controller, before[r].controller) << "node " << r;
+        ExpectBitEqual(after->residual, before[r].residual, "residual after a failed step");
+        ExpectBitEqual(after->velocity, before[r].velocity, "velocity after a failed step");
+      }
+    }
+    for (const auto& st : run(a, true, g, &ua)) ASSERT_TRUE(st.ok()) << st;
+    for (const auto& st : run(b, false, g, &ub)) ASSERT_TRUE(st.ok()) << st;
+    for (int r = 0; r < n; ++r) ExpectBitEqual(ua[r], ub[r], "update after the failed step");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sparsifiers, StepRollback,
+    ::testing::Values(Case{SparsifierKind::kMicro, ControllerKind::kHistogram},
+                      Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9},
+                      Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.9, 3},
+                      Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.9, 0, 0, 0.05},
+                      Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.0, 0, 0, 0, 2},
+                      Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.5},
+                      Case{SparsifierKind::kHard, ControllerKind::kHistogram, 0.9}));
+
+// Memory (W): a sparse bucket keeps one residual and, with momentum
+// correction, one velocity (before: two of each, the step writing e + g
+// into the idle one), beside candidates for its largest partition.
+TEST(StepMemory, ABucketKeepsOneResidualAndOneVelocity) {
+  const int n = 4;
+  const uint64_t d = 100000;
+  auto ops = kernels::CreateCpuSparseOps();
+  for (double momentum : {0.0, 0.9}) {
+    SCOPED_TRACE(::testing::Message() << "momentum " << momentum);
+    SparsifyOptions o;
+    o.density = 0.01;
+    o.momentum = momentum;
+    auto b = BucketState::Create({"grads.0", d, 3}, {n, 0, n}, o, ops.get());
+    ASSERT_TRUE(b.ok()) << b.status();
+    const uint64_t state = (momentum > 0 ? 2 : 1) * d * sizeof(float);
+    const uint64_t candidates = (d / n) * (sizeof(uint32_t) + sizeof(float));
+    EXPECT_EQ(BucketState::MemoryBytes(d, n, o), state + candidates);
+    EXPECT_LE((*b)->AllocatedBytes(), state + candidates + 1024);
+    EXPECT_GE((*b)->AllocatedBytes(), state + candidates);
+  }
+}
+
 // A checkpoint of another bucket shape or configuration is refused, naming
 // what differs, and the state is left as it was.
 TEST(StepCheckpoint, ACheckpointThatDoesNotFitIsRefused) {
