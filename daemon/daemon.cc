@@ -464,17 +464,19 @@ absl::Status DaemonImpl::StartDataPlane(const engine::EngineOptions& eo) {
     go.timeout = config_.op_timeout;
     go.io_nice = config_.gloo_io_nice;
     go.connections = config_.data_connections;
+    if (!config_.link_model.empty()) {
+      ASSIGN_OR_RETURN(go.link_model, transport::ParseLinkModel(config_.link_model));
+    }
     auto created = transport::CreateGlooTransport(go);
     if (!created.ok()) return Bad("transport", created.status());
     transport_ = std::move(created).value();
     ops_ = kernels::CreateCpuSparseOps();
     if (const transport::LinkModel* m = transport_->link_model(); m != nullptr && m->ranks > 1) {
       MICROD_LOG(Info,
-                 "data plane links (slowest of every node's): a direct round takes "
-                 "%.3f ms (%.3f ms posted ahead), a node sends %.1f MB/s; %d connection(s) "
-                 "per pair",
-                 m->round_seconds * 1e3, m->posted_round_seconds * 1e3, m->bytes_per_second / 1e6,
-                 m->connections);
+                 "data plane links (the slowest of every node's, %s): %s (--link_model "
+                 "takes this form); %d connection(s) per pair",
+                 config_.link_model.empty() ? "measured" : "this node's given by --link_model",
+                 transport::FormatLinkModel(*m).c_str(), m->connections);
     }
     return absl::OkStatus();
   }
@@ -608,6 +610,10 @@ absl::Status DaemonConfig::Validate() const {
   if (data_connections < 0 || data_connections > 16) {
     return Bad("--data_connections", absl::InvalidArgumentError(absl::StrCat(
                                          "must be in [0, 16], not ", data_connections)));
+  }
+  if (!link_model.empty()) {
+    if (auto m = transport::ParseLinkModel(link_model); !m.ok())
+      return Bad("--link_model", m.status());
   }
   if (gloo_io_nice < 0 || gloo_io_nice > 19) {
     return Bad("--gloo_io_nice",

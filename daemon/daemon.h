@@ -47,6 +47,7 @@ struct DaemonConfig {
   std::string hostname;  // "": chosen (control::ChooseDataPlaneAddress)
   int gloo_io_nice = 0;
   int data_connections = 0;  // 0: chosen from the links
+  std::string link_model;    // "": measured at start (transport::ParseLinkModel)
 
   // The algorithm. `sparsify` as the flags give it; Daemon::Create applies
   // `remedies` to it.

@@ -58,6 +58,10 @@ ABSL_FLAG(int, gloo_io_nice, 0,
 ABSL_FLAG(int, data_connections, 0,
           "Gloo connections per pair of nodes; large allreduces go in parts over all of them "
           "(0: 4 where a round on the data plane takes 2 ms or more, measured at start, else 1)");
+ABSL_FLAG(std::string, link_model, "",
+          "the data plane's links as round_ms=R,posted_ms=P,mb_per_s=B instead of measured at "
+          "start: a direct round's time, the same with its receives posted ahead, a node's "
+          "sending rate; the schedules of the exchanges follow from them (\"\": measured)");
 ABSL_FLAG(std::string, sparsifier, "micro", "micro, topk, hard or dense");
 ABSL_FLAG(std::string, controller, "hist", "micro threshold controller: hist or paper");
 ABSL_FLAG(double, density, 0.01, "target density in (0, 1]");
@@ -252,6 +256,7 @@ absl::StatusOr<DaemonConfig> DaemonConfigFromFlags() {
   c.hostname = absl::GetFlag(FLAGS_hostname);
   c.gloo_io_nice = absl::GetFlag(FLAGS_gloo_io_nice);
   c.data_connections = absl::GetFlag(FLAGS_data_connections);
+  c.link_model = absl::GetFlag(FLAGS_link_model);
   c.op_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
   c.peer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_peer_timeout_ms));
   c.join_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_join_timeout_ms));

@@ -1,6 +1,13 @@
 #include "daemon/transport/link_model.h"
 
 #include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 
 namespace microd::transport {
 
@@ -35,6 +42,44 @@ LinkModel LinkModel::Combine(const std::vector<LinkModel>& models) {
     worst.ranks = std::max(worst.ranks, m.ranks);
   }
   return worst;
+}
+
+absl::StatusOr<LinkModel> ParseLinkModel(absl::string_view text) {
+  const auto bad = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", text, "': ", why, " (want round_ms=R,posted_ms=P,mb_per_s=B; posted_ms optional)"));
+  };
+  std::map<std::string, double, std::less<>> got;
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    const std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(part, '=');
+    if (kv.first != "round_ms" && kv.first != "posted_ms" && kv.first != "mb_per_s") {
+      return bad(absl::StrCat("unknown key '", kv.first, "'"));
+    }
+    double v = 0;
+    if (!absl::SimpleAtod(kv.second, &v) || !std::isfinite(v) || v <= 0) {
+      return bad(absl::StrCat(kv.first, " must be a positive number"));
+    }
+    if (!got.emplace(std::string(kv.first), v).second) {
+      return bad(absl::StrCat(kv.first, " given twice"));
+    }
+  }
+  if (got.count("round_ms") == 0 || got.count("mb_per_s") == 0) {
+    return bad("round_ms and mb_per_s are needed");
+  }
+  LinkModel m;
+  m.round_seconds = got["round_ms"] / 1e3;
+  m.posted_round_seconds =
+      got.count("posted_ms") != 0 ? got["posted_ms"] / 1e3 : m.round_seconds / 2;
+  m.bytes_per_second = got["mb_per_s"] * 1e6;
+  if (m.posted_round_seconds > m.round_seconds) {
+    return bad("posted_ms is at most round_ms (posting the receives ahead only saves time)");
+  }
+  return m;
+}
+
+std::string FormatLinkModel(const LinkModel& m) {
+  return absl::StrFormat("round_ms=%g,posted_ms=%g,mb_per_s=%g", m.round_seconds * 1e3,
+                         m.posted_round_seconds * 1e3, m.bytes_per_second / 1e6);
 }
 
 }  // namespace microd::transport

@@ -8,7 +8,11 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 #include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace microd::transport {
 
@@ -38,5 +42,13 @@ struct LinkModel {
   // The slowest of each: the model every rank then uses.
   static LinkModel Combine(const std::vector<LinkModel>& models);
 };
+
+// A model given instead of measured (microd --link_model), as
+// "round_ms=R,posted_ms=P,mb_per_s=B": a direct round's milliseconds, the
+// same with the receives posted ahead (optional: R / 2, at most R), and one
+// node's sending rate in MB/s (10^6 bytes). Where the start-up probes would
+// be misled (a machine busy while the daemons start) or the link is known.
+absl::StatusOr<LinkModel> ParseLinkModel(absl::string_view text);
+std::string FormatLinkModel(const LinkModel& model);
 
 }  // namespace microd::transport

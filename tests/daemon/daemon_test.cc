@@ -44,6 +44,12 @@ TEST(DaemonConfigTest, EachBadSettingIsRefusedNamingItsFlag) {
   c = {};
   c.gloo_io_nice = 20;
   ExpectRefused(c, "--gloo_io_nice");
+  for (const char* bad : {"round_ms=1", "round_ms=1,mb_per_s=0", "round_ms=1,mb_per_s=x",
+                          "round_ms=1,posted_ms=2,mb_per_s=100", "fast"}) {
+    c = {};
+    c.link_model = bad;
+    ExpectRefused(c, "--link_model");
+  }
   c = {};
   c.cycle_floats = (uint64_t{1} << 20) + 1;
   ExpectRefused(c, "--cycle_floats");

@@ -348,6 +348,12 @@ TEST(Hardening, AdminIsAUnixSocketOnlyTheDaemonsUidReaches) {
   };
   EXPECT_EQ(connect_as(0), 0);
   EXPECT_EQ(connect_as(65534), 13);  // EACCES
+  // Stopped once it serves (its processes' socket is there): a stop signal
+  // while it still joins ends the process at once, with status 1.
+  for (int i = 0; i < 400 && !std::filesystem::exists(dir + "/s/microd.sock"); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(std::filesystem::exists(dir + "/s/microd.sock")) << ReadFile(dir + "/daemon.log");
   kill(daemon, SIGTERM);
   EXPECT_EQ(WaitAll({daemon}, std::chrono::seconds(20))[0], 0);
   EXPECT_FALSE(std::filesystem::exists(admin));  // removed at exit

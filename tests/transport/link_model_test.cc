@@ -3,6 +3,10 @@
 // every rank shares.
 #include "daemon/transport/link_model.h"
 
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "gtest/gtest.h"
 
 namespace microd::transport {
@@ -57,6 +61,33 @@ TEST(LinkModel, CombineTakesTheSlowestOfEach) {
   EXPECT_EQ(c.posted_round_seconds, 0.002);
   EXPECT_EQ(c.bytes_per_second, 1e8);
   EXPECT_EQ(c.ranks, 3);
+}
+
+// --link_model: the model given instead of measured, and each way to get
+// it wrong named.
+TEST(LinkModel, AGivenModelParsesAndPrintsBack) {
+  auto m = ParseLinkModel("round_ms=1.5,posted_ms=1,mb_per_s=1000");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_DOUBLE_EQ(m->round_seconds, 0.0015);
+  EXPECT_DOUBLE_EQ(m->posted_round_seconds, 0.001);
+  EXPECT_DOUBLE_EQ(m->bytes_per_second, 1e9);
+  EXPECT_EQ(FormatLinkModel(*m), "round_ms=1.5,posted_ms=1,mb_per_s=1000");
+  // posted_ms is optional: half a round.
+  m = ParseLinkModel("mb_per_s=125,round_ms=50");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_DOUBLE_EQ(m->posted_round_seconds, 0.025);
+  for (const auto& [text, why] : std::vector<std::pair<std::string, std::string>>{
+           {"round_ms=1", "round_ms and mb_per_s are needed"},
+           {"round_ms=1,mb_per_s=-3", "mb_per_s must be a positive number"},
+           {"round_ms=inf,mb_per_s=3", "round_ms must be a positive number"},
+           {"round_ms=1,round_ms=2,mb_per_s=3", "round_ms given twice"},
+           {"round_ms=1,mb_per_s=3,gbps=1", "unknown key 'gbps'"},
+           {"round_ms=1,posted_ms=2,mb_per_s=3", "posted_ms is at most round_ms"},
+           {"", "unknown key ''"}}) {
+    auto bad = ParseLinkModel(text);
+    ASSERT_FALSE(bad.ok()) << text;
+    EXPECT_NE(bad.status().message().find(why), std::string::npos) << bad.status();
+  }
 }
 
 }  // namespace

@@ -166,13 +166,19 @@ class GlooTransport final : public Transport {
   // bytes, without and with their receives posted ahead (the latencies),
   // and posted ones of 60 and 240 KiB to every peer (the bandwidth, from
   // the difference: what a round's first flight costs cancels out); then
-  // all take the slowest of each (LinkModel::Combine).
-  absl::Status MeasureLinks(absl::Time deadline) {
+  // all take the slowest of each (LinkModel::Combine). A `given` model
+  // replaces this rank's probes.
+  absl::Status MeasureLinks(absl::Time deadline, const std::optional<LinkModel>& given) {
     model_.ranks = size();
     if (size() == 1) return absl::OkStatus();
     CollectiveOptions o;
     o.deadline = deadline;
     o.tag = MakeTag(0, TagKind::kControl);
+    if (given.has_value()) {
+      LinkModel mine = *given;
+      mine.ranks = size();
+      return ShareLinkModel(mine, o);
+    }
     std::vector<std::string> from;
     // Each kind of probe round its own tag (slots 1-4 of the control tags).
     auto timed = [&](size_t bytes, bool posted) -> absl::StatusOr<double> {
@@ -221,6 +227,9 @@ class GlooTransport final : public Transport {
                          *std::min_element(small.begin(), small.end());
     mine.bytes_per_second =
         static_cast<double>(size() - 1) * (kLarge - kSmall) / std::max(extra, 1e-6);
+    return ShareLinkModel(mine, o);
+  }
+  absl::Status ShareLinkModel(const LinkModel& mine, const CollectiveOptions& o) {
     std::vector<LinkModel> all(size());
     RETURN_IF_ERROR(Allgather(&mine, sizeof mine, all.data(), o));
     model_ = LinkModel::Combine(all);
@@ -1010,7 +1019,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGlooTransport(const GlooOptions
       context->connectFullMesh(store, device);
     }
     auto transport = std::make_unique<GlooTransport>(context, o.timeout);
-    if (absl::Status s = transport->MeasureLinks(absl::Now() + o.timeout); !s.ok()) {
+    if (absl::Status s = transport->MeasureLinks(absl::Now() + o.timeout, o.link_model); !s.ok()) {
       return absl::UnavailableError(absl::StrCat("gloo: rank ", o.rank, " of ", o.size,
                                                  " could not measure its links: ", s.message()));
     }

@@ -2,11 +2,13 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "daemon/control/kv_store.h"
+#include "daemon/transport/link_model.h"
 #include "daemon/transport/transport.h"
 
 namespace microd::transport {
@@ -36,6 +38,9 @@ struct GlooOptions {
   // links one connection cannot fill the link). 0: 4 where a round takes
   // 2 ms or more (measured at creation), else 1.
   int connections = 0;
+  // The link model every rank's choices follow, given instead of measured
+  // at creation (each rank still takes the slowest of all ranks' models).
+  std::optional<LinkModel> link_model;
 };
 
 // Connects the full mesh (blocking until every rank arrived or the timeout).
