@@ -39,7 +39,7 @@ constexpr uint64_t kMaxBucketElements = 0xFFFFFFFFull;
 
 // Scalars a kernel reports back. Lives in device memory.
 struct StepScalars {
-  uint64_t count = 0;      // elements written to the output arrays
+  uint64_t count = 0;      // elements selected (written to the output arrays, up to their capacity)
   uint64_t nonfinite = 0;  // number of NaN/Inf values seen (0 = all finite)
 };
 
@@ -52,8 +52,10 @@ struct StepScalars {
 // null: the sums are then only selected and checked, nothing is stored (the
 // step's read-only pass, which leaves the residual as it is until every node
 // agrees on the step). The outputs receive the selected indices and values
-// (any order; capacity select_end - select_begin). `scalars->nonfinite`
-// counts non-finite sums over the whole bucket.
+// (any order), at most `out_capacity` pairs of them; `scalars->count` counts
+// every selected element, so a count above the capacity says the outputs
+// hold only part of the selection (the caller grows them and runs the pass
+// again). `scalars->nonfinite` counts non-finite sums over the whole bucket.
 //
 // Momentum correction folds into the same pass when `velocity_in` is set:
 //   u[i] = beta * velocity_in[i] + grad[i];  velocity_out[i] = u[i]
@@ -82,6 +84,9 @@ struct FusedSelectArgs {
   // grad[i] * grad_scale (a rounded multiply, before anything else). 1
   // leaves it as it is.
   float grad_scale = 1.0f;
+  // Pairs out_index and out_value hold; the default: the whole selection
+  // range.
+  uint64_t out_capacity = kMaxBucketElements;
 };
 
 // The argument checks every backend makes before the fused pass.
@@ -96,7 +101,8 @@ inline bool FusedSelectArgsValid(const FusedSelectArgs& a) {
       (a.velocity_out == a.grad || a.velocity_out == a.residual || a.velocity_out == a.acc)) {
     return false;
   }
-  return a.select_end == a.select_begin || (a.out_index != nullptr && a.out_value != nullptr);
+  return a.select_end == a.select_begin ||
+         (a.out_index != nullptr && a.out_value != nullptr && a.out_capacity > 0);
 }
 
 // A bucket's element type in the processes' buffers (the wire's dtype

@@ -179,9 +179,8 @@ absl::Status BatchStep::Add(BucketState* bucket, const float* grad) {
     case SparsifierKind::kDense:
       return absl::InternalError(absl::StrCat("bucket '", b.spec_.name, "': not batchable"));
   }
+  ASSIGN_OR_RETURN(kernels::StepScalars scalars, b.SelectPass(args));
   it.pass = args;
-  RETURN_IF_ERROR(b.Check(b.ops_->FusedAccumulateSelect(args, b.stream_), "fused selection"));
-  ASSIGN_OR_RETURN(kernels::StepScalars scalars, b.ReadScalars());
   it.nonfinite = scalars.nonfinite;
   it.count = scalars.nonfinite == 0 ? scalars.count : 0;
   if (o.sparsifier == SparsifierKind::kTopK && it.nonfinite == 0) {
@@ -274,7 +273,7 @@ absl::Status BatchStep::ReadRoundOne(const std::vector<std::string>& from) {
       // A node's count against what it can select from (its partition this
       // step under MiCRO, its candidate capacity otherwise).
       const Range range = b.SenderRange(r);
-      const uint64_t most = std::min(b.CandidateCapacity(), range.size());
+      const uint64_t most = std::min(b.SelectionBound(), range.size());
       if (h.count > most) {
         return absl::DataLossError(
             absl::StrCat("bucket '", b.spec_.name, "' step ", b.step_, ": node ", r,
@@ -382,8 +381,7 @@ absl::Status BatchStep::Rescans() {
       // The read-only pass again (its range: this node's partition).
       kernels::FusedSelectArgs again = it->pass;
       again.threshold = it->lower;
-      RETURN_IF_ERROR(b.Check(b.ops_->FusedAccumulateSelect(again, b.stream_), "selection"));
-      ASSIGN_OR_RETURN(const kernels::StepScalars s, b.ReadScalars());
+      ASSIGN_OR_RETURN(const kernels::StepScalars s, b.SelectPass(again));
       it->count = s.count;
       RETURN_IF_ERROR(CopyCandidates(*it));
       RETURN_IF_ERROR(LocalCoarse(*it));

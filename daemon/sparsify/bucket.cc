@@ -34,8 +34,7 @@ class BucketState::Candidates final : public CandidateSet {
     // are recomputed; rescans are rare).
     kernels::FusedSelectArgs again = pass_;
     again.threshold = threshold;
-    RETURN_IF_ERROR(b.Check(b.ops_->FusedAccumulateSelect(again, b.stream_), "selection"));
-    ASSIGN_OR_RETURN(const kernels::StepScalars s, b.ReadScalars());
+    ASSIGN_OR_RETURN(const kernels::StepScalars s, b.SelectPass(again));
     count_ = s.count;
     return absl::OkStatus();
   }
@@ -84,8 +83,9 @@ absl::StatusOr<std::unique_ptr<BucketState>> BucketState::Create(const BucketSpe
 
 namespace {
 
-// What a bucket of `d` elements keeps candidates for: its largest share.
-uint64_t CandidateCapacityOf(uint64_t d, int num_nodes, const SparsifyOptions& o) {
+// The most a node of a bucket of `d` elements may select in a step: its
+// largest share.
+uint64_t SelectionBoundOf(uint64_t d, int num_nodes, const SparsifyOptions& o) {
   switch (o.sparsifier) {
     case SparsifierKind::kMicro:
       return PartitionRange(d, num_nodes, 0).size();  // partition 0 is the largest
@@ -100,10 +100,49 @@ uint64_t CandidateCapacityOf(uint64_t d, int num_nodes, const SparsifyOptions& o
   return 0;
 }
 
+// The candidates a bucket keeps room for at first, sized by k (the largest
+// budget of the schedule), not by d: the hist controller's lower bound keeps
+// about kCandidateMargin * k candidates over every node, and one node may
+// hold them all; twice that, and a floor for small buckets. top-k selects
+// exactly k. A pass that selects more grows the room (SelectPass).
+uint64_t InitialCandidatesOf(uint64_t d, int num_nodes, const SparsifyOptions& o) {
+  const uint64_t bound = SelectionBoundOf(d, num_nodes, o);
+  if (o.sparsifier == SparsifierKind::kTopK) return bound;
+  constexpr uint64_t kFloor = 1024;
+  const uint64_t k = Budget(std::max(o.density, o.warmup_density), d);
+  return std::min(bound, std::max(2 * HistogramController::kCandidateMargin * k, kFloor));
+}
+
 }  // namespace
 
-uint64_t BucketState::CandidateCapacity() const {
-  return CandidateCapacityOf(spec_.size, job_.num_nodes, options_);
+uint64_t BucketState::SelectionBound() const {
+  return SelectionBoundOf(spec_.size, job_.num_nodes, options_);
+}
+
+absl::StatusOr<kernels::StepScalars> BucketState::SelectPass(kernels::FusedSelectArgs& args) {
+  for (int attempt = 0;; ++attempt) {
+    args.out_index = candidate_index_.get();
+    args.out_value = candidate_value_.get();
+    args.out_capacity = candidate_index_.size();
+    RETURN_IF_ERROR(Check(ops_->FusedAccumulateSelect(args, stream_), "fused selection"));
+    ASSIGN_OR_RETURN(const kernels::StepScalars scalars, ReadScalars());
+    if (scalars.nonfinite == 0) step_most_ = std::max(step_most_, scalars.count);
+    if (scalars.nonfinite != 0 || scalars.count <= args.out_capacity) return scalars;
+    if (attempt > 0) {
+      return absl::InternalError(absl::StrCat("bucket '", spec_.name, "': the pass selected ",
+                                              scalars.count, " values, then more"));
+    }
+    // More than there is room for: room for twice as many (the steps to
+    // come select about as many; Commit gives it back once they fit the
+    // first room again), and the pass again (it stores nothing).
+    const uint64_t room = std::max(scalars.count, std::min(2 * scalars.count, SelectionBound()));
+    candidate_index_.Reset(ops_, room);
+    candidate_value_.Reset(ops_, room);
+    if (!candidate_index_.ok() || !candidate_value_.ok()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "bucket '", spec_.name, "': out of memory for ", scalars.count, " candidates"));
+    }
+  }
 }
 
 uint64_t BucketState::MemoryBytes(uint64_t d, int num_nodes, const SparsifyOptions& options) {
@@ -113,7 +152,7 @@ uint64_t BucketState::MemoryBytes(uint64_t d, int num_nodes, const SparsifyOptio
   // The velocity, and its second buffer while a dense warm-up lasts.
   if (o.momentum > 0) floats += o.warmup_steps > 0 ? 2 * d : d;
   if (o.sparsifier == SparsifierKind::kTopK) floats += d;  // the sums top-k selects from
-  const uint64_t candidates = CandidateCapacityOf(d, num_nodes, o);
+  const uint64_t candidates = InitialCandidatesOf(d, num_nodes, o);
   return floats * sizeof(float) + candidates * (sizeof(uint32_t) + sizeof(float));
 }
 
@@ -133,14 +172,14 @@ Range BucketState::SenderRange(int r) const {
 
 absl::Status BucketState::Allocate() {
   const uint64_t d = spec_.size;
-  const uint64_t capacity = CandidateCapacity();
+  initial_candidates_ = std::max<uint64_t>(InitialCandidatesOf(d, job_.num_nodes, options_), 1);
   // One for the step's passes, then one per node for the check of its indices.
   scalars_.Reset(ops_, 1 + job_.num_nodes);
   bool ok = scalars_.ok();
   if (options_.sparsifier != SparsifierKind::kDense) {
     residual_.Reset(ops_, d);
-    candidate_index_.Reset(ops_, std::max<uint64_t>(capacity, 1));
-    candidate_value_.Reset(ops_, std::max<uint64_t>(capacity, 1));
+    candidate_index_.Reset(ops_, initial_candidates_);
+    candidate_value_.Reset(ops_, initial_candidates_);
     ok = ok && residual_.ok() && candidate_index_.ok() && candidate_value_.ok();
     if (options_.momentum > 0) {
       velocity_.Reset(ops_, d);
@@ -331,7 +370,7 @@ absl::StatusOr<uint64_t> BucketState::GatherIndices(const std::vector<Header>& h
   std::vector<size_t> bytes(job_.num_nodes);
   uint64_t total = 0;
   stats.node_counts.resize(job_.num_nodes);
-  const uint64_t capacity = CandidateCapacity();
+  const uint64_t capacity = SelectionBound();
   for (int r = 0; r < job_.num_nodes; ++r) {
     const uint64_t most = std::min(capacity, SenderRange(r).size());
     if (headers[r].count > most) {
@@ -472,6 +511,19 @@ kernels::FusedSelectArgs BucketState::PassArgs(const float* grad, float grad_sca
 }
 
 absl::Status BucketState::Commit(const kernels::FusedSelectArgs& pass, uint64_t K) {
+  // Room grown for steps that selected more (momentum correction's first
+  // steps, whose sums grow past the controller's last bound; a rescan) goes
+  // back to the first room once a step's passes fit it again. The candidates
+  // are scratch by now.
+  if (candidate_index_.size() > 2 * initial_candidates_ && step_most_ <= initial_candidates_) {
+    DeviceBuffer<uint32_t> index(ops_, initial_candidates_);
+    DeviceBuffer<float> value(ops_, initial_candidates_);
+    if (index.ok() && value.ok()) {  // else the larger room stays
+      candidate_index_ = std::move(index);
+      candidate_value_ = std::move(value);
+    }
+  }
+  step_most_ = 0;
   kernels::FusedSelectArgs commit = pass;
   commit.acc = residual_.get();  // in place
   commit.velocity_out = velocity_.get();
@@ -516,8 +568,7 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
   args.select_begin = part.begin;
   args.select_end = part.end;
   args.threshold = pass_threshold;
-  RETURN_IF_ERROR(Check(ops_->FusedAccumulateSelect(args, stream_), "fused selection"));
-  ASSIGN_OR_RETURN(kernels::StepScalars scalars, ReadScalars());
+  ASSIGN_OR_RETURN(kernels::StepScalars scalars, SelectPass(args));
 
   options.tag = MakeTag(spec_.slot, TagKind::kHeader);
   ASSIGN_OR_RETURN(std::vector<Header> headers,
@@ -628,8 +679,7 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
   args.select_begin = 0;
   args.select_end = hard ? spec_.size : 0;  // topk selects afterwards
   args.threshold = lambda;
-  RETURN_IF_ERROR(Check(ops_->FusedAccumulateSelect(args, stream_), "accumulate"));
-  ASSIGN_OR_RETURN(kernels::StepScalars scalars, ReadScalars());
+  ASSIGN_OR_RETURN(kernels::StepScalars scalars, SelectPass(args));
   const uint64_t nonfinite = scalars.nonfinite;
   if (!hard && nonfinite == 0) {
     RETURN_IF_ERROR(Check(ops_->TopK(args.acc, spec_.size, stats.budget, candidate_index_.get(),

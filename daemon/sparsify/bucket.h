@@ -141,9 +141,14 @@ class BucketState {
                                                       StepStats& stats);
   // What node r may send this step: the indices it selects from (its
   // partition under MiCRO, the whole bucket otherwise) and how many at most
-  // (what its candidate buffer holds).
+  // (its largest share: any partition, the bucket, top-k's budget).
   Range SenderRange(int r) const;
-  uint64_t CandidateCapacity() const;
+  uint64_t SelectionBound() const;
+  // The pass (`args` as PassArgs gave them, range and threshold set) with
+  // the candidate buffers as its outputs; when it selects more than they
+  // hold, they grow to hold it all and the pass runs again. `args` keeps
+  // the outputs it ran with.
+  absl::StatusOr<kernels::StepScalars> SelectPass(kernels::FusedSelectArgs& args);
   // Allgather-v of the candidates' indices into global_index_; returns the
   // total. A peer's count over its capacity or an index outside its range
   // fails the step on every node (each checks what every node sent), naming
@@ -209,8 +214,13 @@ class BucketState {
   // The dense warm-up with momentum correction: the new velocity, kept once
   // the step succeeds (swapped with velocity_); freed after the warm-up.
   DeviceBuffer<float> warmup_velocity_;
+  // A pass's selection: room for O(k) (initial_candidates_), grown by
+  // SelectPass when a pass selects more, back to it by Commit once a step's
+  // passes (step_most_: the most one selected) fit it again.
   DeviceBuffer<uint32_t> candidate_index_;
   DeviceBuffer<float> candidate_value_;
+  uint64_t initial_candidates_ = 0;
+  uint64_t step_most_ = 0;
   DeviceBuffer<uint32_t> global_index_;
   DeviceBuffer<float> values_;
   DeviceBuffer<uint16_t> wire_values_;  // the values as sent, with a bf16/fp16 wire

@@ -47,7 +47,7 @@ struct Velocity {
 template <bool kAccumulate, bool kStream, bool kMomentum>
 PassResult Pass(const FusedSelectArgs& args, const float* grad, const float* residual, float* acc,
                 uint64_t size, uint64_t begin, uint64_t end, float threshold, uint32_t* out_index,
-                float* out_value, Velocity vel = {}) {
+                float* out_value, uint64_t capacity, Velocity vel = {}) {
   const __m256 vthr = _mm256_set1_ps(threshold);
   const __m256 vbeta = _mm256_set1_ps(vel.beta);
   const __m256 vscale = _mm256_set1_ps(vel.grad_scale);
@@ -103,8 +103,10 @@ PassResult Pass(const FusedSelectArgs& args, const float* grad, const float* res
       mask &= RangeMask(base, begin, end);
       while (mask != 0) {
         const int j = __builtin_ctzll(mask);
-        out_index[count] = static_cast<uint32_t>(base + j);
-        out_value[count] = block[j];
+        if (count < capacity) {
+          out_index[count] = static_cast<uint32_t>(base + j);
+          out_value[count] = block[j];
+        }
         ++count;
         mask &= mask - 1;
       }
@@ -129,8 +131,10 @@ PassResult Pass(const FusedSelectArgs& args, const float* grad, const float* res
       v = acc[i];
     }
     if (i >= begin && i < end) {
-      out_index[count] = static_cast<uint32_t>(i);
-      out_value[count] = v;
+      if (count < capacity) {
+        out_index[count] = static_cast<uint32_t>(i);
+        out_value[count] = v;
+      }
       count += __builtin_fabsf(v) >= threshold;
     }
   }
@@ -161,7 +165,7 @@ PassResult FusedAvx2(const FusedSelectArgs& a) {
   auto run = [&](auto stream_tag, auto momentum_tag) {
     return Pass<true, decltype(stream_tag)::value, decltype(momentum_tag)::value>(
         a, a.grad, a.residual, a.acc, a.size, a.select_begin, a.select_end, a.threshold,
-        a.out_index, a.out_value, vel);
+        a.out_index, a.out_value, a.out_capacity, vel);
   };
   using T = std::true_type;
   using F = std::false_type;
@@ -172,7 +176,8 @@ PassResult FusedAvx2(const FusedSelectArgs& a) {
 uint64_t SelectRangeAvx2(const float* acc, uint64_t begin, uint64_t end, float threshold,
                          uint32_t* out_index, float* out_value) {
   return Pass<false, false, false>(FusedSelectArgs{}, nullptr, nullptr, const_cast<float*>(acc),
-                                   end, begin, end, threshold, out_index, out_value)
+                                   end, begin, end, threshold, out_index, out_value,
+                                   kMaxBucketElements)
       .count;
 }
 

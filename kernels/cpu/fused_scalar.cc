@@ -30,8 +30,10 @@ PassResult FusedScalar(const FusedSelectArgs& a) {
   uint64_t c = 0;
   for (; i < a.select_end; ++i) {
     const float v = accumulate(i);
-    a.out_index[c] = static_cast<uint32_t>(i);
-    a.out_value[c] = v;
+    if (c < a.out_capacity) {
+      a.out_index[c] = static_cast<uint32_t>(i);
+      a.out_value[c] = v;
+    }
     c += std::fabs(v) >= a.threshold;
   }
   for (; i < a.size; ++i) accumulate(i);

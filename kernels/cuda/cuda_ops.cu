@@ -86,6 +86,7 @@ struct FusedParams {
   float threshold = 0.0f;
   uint32_t* out_index = nullptr;
   float* out_value = nullptr;
+  uint64_t capacity = kMaxBucketElements;  // pairs the outputs hold
   StepScalars* scalars = nullptr;
 };
 
@@ -204,8 +205,10 @@ __device__ __forceinline__ void FusedTiles(const FusedParams& p, const float* gr
         const unsigned b = ballot[4 * q + j];
         if ((b >> lane) & 1u) {
           const unsigned long long slot = pos + __popc(b & lanes_below);
-          p.out_index[slot] = static_cast<uint32_t>(i0 + j);
-          p.out_value[slot] = v[4 * q + j];
+          if (slot < p.capacity) {
+            p.out_index[slot] = static_cast<uint32_t>(i0 + j);
+            p.out_value[slot] = v[4 * q + j];
+          }
         }
         pos += __popc(b);
       }
@@ -582,6 +585,7 @@ class CudaSparseOps final : public SparseOps {
     p.threshold = a.threshold;
     p.out_index = a.out_index;
     p.out_value = a.out_value;
+    p.capacity = a.out_capacity;
     p.scalars = a.scalars;
     const uint64_t tiles = (a.size + kTile - 1) / kTile;
     const bool velocity_aligned =

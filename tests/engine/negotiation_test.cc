@@ -405,10 +405,23 @@ TEST(Negotiation, ADenseBucketsVelocityIsSavedAndRestored) {
   }
 }
 
+// A gradient whose magnitudes spread smoothly (exponential, random signs),
+// as a model's do: the top coarse bins of the hist controller hold few
+// elements each.
+float SmoothGrad(int node, int b, uint64_t i) {
+  uint64_t x = (uint64_t(node) << 56) ^ (uint64_t(b) << 48) ^ i;
+  x += 0x9e3779b97f4a7c15ull;  // splitmix64
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  const double u = (double(x >> 11) + 0.5) / double(uint64_t{1} << 53);
+  return float((x & 1 ? 0.01 : -0.01) * -std::log(u));
+}
+
 // Each bucket reports the daemon's memory for it (microctl buckets, the
-// metrics): one residual and candidates for the owned partition, one
-// velocity with momentum correction, nothing more for clipping (a scale in
-// the pass); a dense bucket's velocity.
+// metrics): one residual and candidates sized by k, one velocity with
+// momentum correction, nothing more for clipping (a scale in the pass); a
+// dense bucket's velocity.
 TEST(Negotiation, EachBucketReportsTheDaemonsMemoryForIt) {
   struct Want {
     double momentum, clip;
@@ -417,23 +430,26 @@ TEST(Negotiation, EachBucketReportsTheDaemonsMemoryForIt) {
   };
   const uint64_t d = 100000, small = 5000;
   // A sparse bucket of 2 nodes: one residual (4 B per element), one velocity
-  // with momentum correction (4), candidates for half the bucket (4); no
-  // clipped copy. The step's small buffers stay under half a byte.
+  // with momentum correction (4), room for 8 k candidates (k = 1000: 0.64);
+  // no clipped copy. The step's small buffers (O(k)) stay under half a byte.
+  // (Before: room for the partition, 4 B an element.) Read after 10 steps:
+  // with momentum correction the first steps' sums outgrow the controller's
+  // last bound and select more, and the room grows for them, then returns.
   for (const Want& w :
-       {Want{0, 0, 8, 8.5, 0}, Want{0.9, 0, 12, 12.5, 4}, Want{0, 1.0, 8, 8.5, 0}}) {
+       {Want{0, 0, 4.64, 5.14, 0}, Want{0.9, 0, 8.64, 9.14, 4}, Want{0, 1.0, 4.64, 5.14, 0}}) {
     SCOPED_TRACE(::testing::Message() << "momentum " << w.momentum << ", clip " << w.clip);
     EngineOptions eo;
     eo.sparsify.momentum = w.momentum;
     eo.sparsify.clip_norm = w.clip;
     Cluster cluster(2, eo);
     Trainer t0(cluster.socket(0), {d, small}), t1(cluster.socket(1), {d, small});
-    for (int step = 0; step < 2; ++step) {
+    for (int step = 0; step < 10; ++step) {
       std::thread other([&] {
         (void)t1.Step(
-            {0, 1}, [](int b, uint64_t i) { return Grad(1, b, i); }, 20000);
+            {0, 1}, [](int b, uint64_t i) { return SmoothGrad(1, b, i); }, 20000);
       });
       for (microd_status st : t0.Step(
-               {0, 1}, [](int b, uint64_t i) { return Grad(0, b, i); }, 20000)) {
+               {0, 1}, [](int b, uint64_t i) { return SmoothGrad(0, b, i); }, 20000)) {
         EXPECT_EQ(st, MICROD_OK) << t0.error();
       }
       other.join();

@@ -145,6 +145,54 @@ TEST_P(CpuOpsTest, FusedAccumulateSelectMatchesReference) {
   }
 }
 
+// Outputs with room for fewer pairs than the pass selects: the count is
+// every selected element's, the outputs hold the first ones (index order on
+// the CPU) and nothing is written past their capacity.
+TEST_P(CpuOpsTest, FusedPassWritesNoMoreThanTheOutputsHold) {
+  for (uint64_t d : kSizes) {
+    const std::vector<float> g = RandomValues(d, 3 + d);
+    const std::vector<float> e = RandomValues(d, 4 + d);
+    float* const gd = Device(g);
+    float* const ed = Device(e);
+    for (auto [b, end] : Ranges(d)) {
+      Pairs want;
+      for (uint64_t i = b; i < end; ++i) {
+        const float v = e[i] + g[i];
+        if (std::fabs(v) >= 0.5f) want.push_back({uint32_t(i), v});
+      }
+      for (uint64_t capacity : {uint64_t{1}, uint64_t(want.size() / 2), uint64_t(want.size()),
+                                uint64_t(want.size() + 1)}) {
+        if (capacity == 0) continue;
+        SCOPED_TRACE(testing::Message()
+                     << "d=" << d << " range=[" << b << "," << end << ") capacity=" << capacity);
+        constexpr uint32_t kUntouched = 0xdeadbeef;
+        std::vector<uint32_t> idx(capacity + 70, kUntouched);
+        std::vector<float> val(capacity + 70, -7.0f);
+        StepScalars s;
+        FusedSelectArgs a{gd, ed, nullptr, d, b, end, 0.5f, idx.data(), val.data(), &s};
+        a.out_capacity = capacity;
+        ASSERT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kOk);
+        ASSERT_EQ(s.count, want.size());
+        const uint64_t held = std::min<uint64_t>(capacity, want.size());
+        ExpectSamePairs(Collect(idx.data(), val.data(), held),
+                        Pairs(want.begin(), want.begin() + held));
+        for (uint64_t j = capacity; j < idx.size(); ++j) {
+          ASSERT_EQ(idx[j], kUntouched) << j;
+          ASSERT_EQ(val[j], -7.0f) << j;
+        }
+      }
+    }
+  }
+  // No room at all for a range to select from is a bad argument.
+  std::vector<float> v(16, 1.0f);
+  std::vector<uint32_t> idx(16);
+  StepScalars s;
+  FusedSelectArgs a{v.data(), v.data(), nullptr, 16, 0, 16, 0.5f, idx.data(), v.data(), &s};
+  a.out_value = Device(v);
+  a.out_capacity = 0;
+  EXPECT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kInvalidArgument);
+}
+
 // Local clipping folded into the pass (grad_scale) gives the bits of scaling
 // the gradient first (a rounded multiply) and then the plain pass, with and
 // without momentum correction.

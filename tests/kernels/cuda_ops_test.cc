@@ -161,6 +161,44 @@ TEST_F(CudaOpsTest, FusedAccumulateSelectMatchesCpu) {
   }
 }
 
+// Outputs with room for fewer pairs than the pass selects: the count is
+// every selected element's, every pair held is a selected one (in any
+// order on the GPU), and nothing is written past the capacity.
+TEST_F(CudaOpsTest, FusedPassWritesNoMoreThanTheOutputsHold) {
+  const uint64_t d = 1000003;
+  const std::vector<float> g = RandomValues(d, 5);
+  const std::vector<float> e = RandomValues(d, 6);
+  std::vector<std::pair<uint32_t, float>> want;
+  for (uint64_t i = 0; i < d; ++i) {
+    const float v = e[i] + g[i];
+    if (std::fabs(v) >= 0.5f) want.push_back({uint32_t(i), v});
+  }
+  float* gd = Up(g);
+  float* ed = Up(e);
+  for (uint64_t capacity : {uint64_t{1}, uint64_t(want.size() / 3), uint64_t(want.size())}) {
+    SCOPED_TRACE(testing::Message() << "capacity " << capacity);
+    constexpr uint32_t kUntouched = 0xdeadbeef;
+    uint32_t* idxd = Up(std::vector<uint32_t>(capacity + 64, kUntouched));
+    float* vald = Up(std::vector<float>(capacity + 64, -7.0f));
+    StepScalars* sd = Up(std::vector<StepScalars>{{0, 0}});
+    FusedSelectArgs a{gd, ed, nullptr, d, 0, d, 0.5f, idxd, vald, sd};
+    a.out_capacity = capacity;
+    ASSERT_EQ(gpu_->FusedAccumulateSelect(a, stream()), KernelStatus::kOk);
+    ASSERT_EQ(DownScalars(sd).count, want.size());
+    const std::vector<uint32_t> idx = Down(idxd, capacity + 64);
+    const std::vector<float> val = Down(vald, capacity + 64);
+    for (uint64_t j = 0; j < idx.size(); ++j) {
+      if (j >= capacity) {
+        ASSERT_EQ(idx[j], kUntouched) << j;
+        continue;
+      }
+      const auto at = std::lower_bound(want.begin(), want.end(), std::make_pair(idx[j], -kInf));
+      ASSERT_TRUE(at != want.end() && at->first == idx[j]) << "slot " << j << " index " << idx[j];
+      ASSERT_EQ(Bits(val[j]), Bits(at->second)) << "index " << idx[j];
+    }
+  }
+}
+
 // A bucket large enough that every block loops over several tiles (the grid
 // is sized by occupancy, far below 2^24 / tile), with a dense selection (every
 // element selected: the output offsets of every tile claimed in turn), on a

@@ -153,7 +153,8 @@ class Reference {
       std::set<uint32_t> uni;
       for (int r = 0; r < n_; ++r) {
         if (o_.sparsifier == SparsifierKind::kHard) {
-          const float lambda = float(1.0 / (2.0 * std::sqrt(double(k_))));
+          const float lambda = float(o_.hard_threshold > 0 ? o_.hard_threshold
+                                                           : 1.0 / (2.0 * std::sqrt(double(k_))));
           for (uint64_t i = 0; i < d_; ++i) {
             if (std::fabs(acc[r][i]) >= lambda) uni.insert(uint32_t(i));
           }
@@ -632,7 +633,10 @@ TEST(StepHostWaits, DoNotGrowWithTheNumberOfNodes) {
       SparsifyOptions o;
       o.sparsifier = want.sparsifier;
       o.controller = want.controller;
-      o.density = 0.01;
+      // Room for every partition (8 k candidates): paper's first thresholds
+      // select far more than k, and a step whose pass outgrows the room
+      // waits once more, to grow it.
+      o.density = 0.1;
       Cluster cluster(n, n, d, o);
       std::vector<Vec> updates;
       std::vector<StepStats> stats;
@@ -1027,23 +1031,71 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Memory (W): a sparse bucket keeps one residual and, with momentum
 // correction, one velocity (before: two of each, the step writing e + g
-// into the idle one), beside candidates for its largest partition.
+// into the idle one), beside room for candidates sized by k (before: by its
+// largest partition, d / n).
 TEST(StepMemory, ABucketKeepsOneResidualAndOneVelocity) {
   const int n = 4;
-  const uint64_t d = 100000;
+  const uint64_t d = 1000000;
   auto ops = kernels::CreateCpuSparseOps();
   for (double momentum : {0.0, 0.9}) {
     SCOPED_TRACE(::testing::Message() << "momentum " << momentum);
     SparsifyOptions o;
-    o.density = 0.01;
+    o.density = 0.001;
     o.momentum = momentum;
     auto b = BucketState::Create({"grads.0", d, 3}, {n, 0, n}, o, ops.get());
     ASSERT_TRUE(b.ok()) << b.status();
     const uint64_t state = (momentum > 0 ? 2 : 1) * d * sizeof(float);
-    const uint64_t candidates = (d / n) * (sizeof(uint32_t) + sizeof(float));
+    // Twice the hist controller's margin of k = 1000.
+    const uint64_t candidates = 8000 * (sizeof(uint32_t) + sizeof(float));
     EXPECT_EQ(BucketState::MemoryBytes(d, n, o), state + candidates);
     EXPECT_LE((*b)->AllocatedBytes(), state + candidates + 1024);
     EXPECT_GE((*b)->AllocatedBytes(), state + candidates);
+  }
+  // A small bucket keeps a floor of room, at most its partition.
+  SparsifyOptions o;
+  o.density = 0.001;
+  EXPECT_EQ(BucketState::MemoryBytes(100000, n, o), 100000 * 4 + 1024 * 8);
+  EXPECT_EQ(BucketState::MemoryBytes(2000, n, o), 2000 * 4 + 500 * 8);
+}
+
+// Steps of the defaults keep to that room (the controller's lower bound
+// keeps a few k candidates); one that selects more than it holds (here the
+// hard sparsifier with a threshold below nearly every sum) grows it and
+// gives the same bits as the reference.
+TEST(StepMemory, RoomForCandidatesGrowsOnlyWhenAStepSelectsMore) {
+  const int n = 4;
+  const uint64_t d = 400009;
+  for (const Case c : {Case{SparsifierKind::kMicro, ControllerKind::kHistogram},
+                       Case{SparsifierKind::kHard, ControllerKind::kHistogram}}) {
+    SparsifyOptions o = OptionsOf(c, 0.001);
+    if (c.sparsifier == SparsifierKind::kHard) o.hard_threshold = 1e-4;
+    SCOPED_TRACE(SparsifierName(c.sparsifier));
+    Cluster cluster(n, n, d, o);
+    Reference ref(n, n, d, o);
+    const uint64_t before = cluster.bucket(0).AllocatedBytes();
+    std::vector<Vec> updates;
+    std::vector<StepStats> stats;
+    uint64_t most = 0;
+    for (uint64_t t = 0; t < 6; ++t) {
+      const auto g = MakeGrads(n, d, t, 11);
+      for (const auto& s : cluster.Step(g, updates, stats)) ASSERT_TRUE(s.ok()) << s;
+      uint64_t K = 0;
+      const Vec want = ref.Step(g, float(stats[0].threshold), &K);
+      for (int r = 0; r < n; ++r) {
+        ExpectBitEqual(updates[r], want, "update of node " + std::to_string(r));
+        ExpectBitEqual(cluster.residual(r), ref.residual(r),
+                       "residual of node " + std::to_string(r));
+        most = std::max(most, stats[r].local_selected);
+      }
+    }
+    // The step's index and value buffers (O(K), K about k = 400) aside.
+    const uint64_t after = cluster.bucket(0).AllocatedBytes();
+    if (c.sparsifier == SparsifierKind::kMicro) {
+      EXPECT_LE(after, before + 64 * Budget(o.density, d));
+    } else {
+      ASSERT_GT(most, 3200u);  // more than the room it started with (8 k)
+      EXPECT_GE(after, before + most * (sizeof(uint32_t) + sizeof(float)));
+    }
   }
 }
 
