@@ -87,6 +87,11 @@ struct FusedSelectArgs {
   // Pairs out_index and out_value hold; the default: the whole selection
   // range.
   uint64_t out_capacity = kMaxBucketElements;
+  // The commit's update: zero_out[i] = 0 over [0, size), each after grad[i]
+  // is read (it may be grad: the update written over the gradient), so that
+  // the update's zero fill rides on a pass that reads grad anyway. Only
+  // with acc stored; overlaps nothing else.
+  float* zero_out = nullptr;
 };
 
 // The argument checks every backend makes before the fused pass.
@@ -99,6 +104,11 @@ inline bool FusedSelectArgsValid(const FusedSelectArgs& a) {
   if (a.velocity_out != nullptr && a.velocity_in == nullptr) return false;
   if (a.velocity_out != nullptr && a.size > 0 &&
       (a.velocity_out == a.grad || a.velocity_out == a.residual || a.velocity_out == a.acc)) {
+    return false;
+  }
+  if (a.zero_out != nullptr && a.size > 0 &&
+      (a.acc == nullptr || a.zero_out == a.residual || a.zero_out == a.acc ||
+       a.zero_out == a.velocity_in || a.zero_out == a.velocity_out)) {
     return false;
   }
   return a.select_end == a.select_begin ||
@@ -194,9 +204,11 @@ class SparseOps {
   virtual KernelStatus GatherSum(const FusedSelectArgs& args, const uint32_t* index, uint64_t count,
                                  float* out, void* stream) = 0;
 
-  // out[0..size) = 0, then out[index[j]] = values[j] / divisor.
+  // out[0..size) = 0 (unless `out_zeroed`: the commit pass zeroed it,
+  // FusedSelectArgs::zero_out), then out[index[j]] = values[j] / divisor.
   virtual KernelStatus ScatterAverage(const float* values, const uint32_t* index, uint64_t count,
-                                      float divisor, float* out, uint64_t size, void* stream) = 0;
+                                      float divisor, float* out, uint64_t size, bool out_zeroed,
+                                      void* stream) = 0;
 
   // acc[index[j]] = 0 for j in [0, count).
   virtual KernelStatus ZeroAt(float* acc, const uint32_t* index, uint64_t count, void* stream) = 0;

@@ -646,13 +646,13 @@ absl::StatusOr<StepStats> BatchStep::Finish(size_t i, float* update) {
   const uint64_t K = it.index.size();
   // The state committed (e += g, zeroed at I), then the update: v / W at
   // I, zero elsewhere (it may be the gradient's buffer: after the commit).
-  RETURN_IF_ERROR(b.Commit(it.pass, K));
+  RETURN_IF_ERROR(b.Commit(it.pass, K, update));
   RETURN_IF_ERROR(
       b.Check(b.ops_->CopyToDevice(b.values_.get(), it.values.data(), K * sizeof(float), b.stream_),
               "copy"));
   RETURN_IF_ERROR(b.Check(b.ops_->ScatterAverage(b.values_.get(), b.global_index_.get(), K,
                                                  static_cast<float>(b.job_.world_size), update,
-                                                 b.spec_.size, b.stream_),
+                                                 b.spec_.size, /*out_zeroed=*/true, b.stream_),
                           "scatter"));
   ++b.step_;
   if (b.controller_ != nullptr) b.controller_->Commit(K, it.stats.budget);

@@ -469,11 +469,11 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, const kernels::FusedSelectA
     RETURN_IF_ERROR(transport.AllreduceSum(values_.get(), K, DataType::kFloat32, o));
   }
   const absl::Time apply_start = absl::Now();
-  RETURN_IF_ERROR(Commit(pass, K));
-  RETURN_IF_ERROR(
-      Check(ops_->ScatterAverage(values_.get(), global_index_.get(), K,
-                                 static_cast<float>(job_.world_size), update, spec_.size, stream_),
-            "scatter"));
+  RETURN_IF_ERROR(Commit(pass, K, update));
+  RETURN_IF_ERROR(Check(ops_->ScatterAverage(values_.get(), global_index_.get(), K,
+                                             static_cast<float>(job_.world_size), update,
+                                             spec_.size, /*out_zeroed=*/true, stream_),
+                        "scatter"));
   stats.apply_seconds = absl::ToDoubleSeconds(absl::Now() - apply_start);
   stats.selected = K;
   stats.cre = std::fabs(static_cast<double>(K) / static_cast<double>(stats.budget) - 1.0);
@@ -510,7 +510,7 @@ kernels::FusedSelectArgs BucketState::PassArgs(const float* grad, float grad_sca
   return args;
 }
 
-absl::Status BucketState::Commit(const kernels::FusedSelectArgs& pass, uint64_t K) {
+absl::Status BucketState::Commit(const kernels::FusedSelectArgs& pass, uint64_t K, float* update) {
   // Room grown for steps that selected more (momentum correction's first
   // steps, whose sums grow past the controller's last bound; a rescan) goes
   // back to the first room once a step's passes fit it again. The candidates
@@ -530,6 +530,7 @@ absl::Status BucketState::Commit(const kernels::FusedSelectArgs& pass, uint64_t 
   commit.select_begin = commit.select_end = 0;
   commit.out_index = nullptr;
   commit.out_value = nullptr;
+  commit.zero_out = update;
   commit.scalars = scalars_.get();
   RETURN_IF_ERROR(Check(ops_->FusedAccumulateSelect(commit, stream_), "accumulate"));
   if (spec_.wire != kernels::ElementType::kFloat32) {

@@ -190,9 +190,10 @@ class BucketState {
   // updated in place (the bits of the read-only pass), then e zeroed at
   // global_index_[0..K) (a bf16/fp16 wire: what rounding drops kept) and,
   // momentum factor masking, the velocity zeroed there. `pass.grad` must
-  // still hold the gradient the pass read. Before the update is written
-  // (it may be the gradient's buffer).
-  absl::Status Commit(const kernels::FusedSelectArgs& pass, uint64_t K);
+  // still hold the gradient the pass read. The same pass zeroes `update`
+  // (d elements; it may be the gradient's buffer): ScatterAverage then
+  // only places the values.
+  absl::Status Commit(const kernels::FusedSelectArgs& pass, uint64_t K, float* update);
   absl::StatusOr<StepStats> StepDense(const float* grad, float* update, transport::Transport& t,
                                       absl::Time deadline);
 

@@ -191,7 +191,8 @@ class CpuSparseOps final : public SparseOps {
   }
 
   KernelStatus ScatterAverage(const float* values, const uint32_t* index, uint64_t count,
-                              float divisor, float* out, uint64_t size, void*) override {
+                              float divisor, float* out, uint64_t size, bool out_zeroed,
+                              void*) override {
     if (size > kMaxBucketElements || (size > 0 && out == nullptr) ||
         (count > 0 && (values == nullptr || index == nullptr))) {
       return KernelStatus::kInvalidArgument;
@@ -199,7 +200,7 @@ class CpuSparseOps final : public SparseOps {
     for (uint64_t j = 0; j < count; ++j) {
       if (index[j] >= size) return KernelStatus::kInvalidArgument;
     }
-    if (size > 0) std::memset(out, 0, size * sizeof(float));
+    if (size > 0 && !out_zeroed) std::memset(out, 0, size * sizeof(float));
     for (uint64_t j = 0; j < count; ++j) out[index[j]] = values[j] / divisor;
     return KernelStatus::kOk;
   }

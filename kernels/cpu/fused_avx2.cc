@@ -54,6 +54,7 @@ PassResult Pass(const FusedSelectArgs& args, const float* grad, const float* res
   const __m256 vinf = _mm256_set1_ps(__builtin_inff());
   const bool store = acc != nullptr;
   const bool store_velocity = vel.out != nullptr;
+  float* const zero_out = kAccumulate ? args.zero_out : nullptr;
   __m256 bad = _mm256_setzero_ps();
   alignas(32) float block[kBlock];
   uint64_t count = 0;
@@ -89,6 +90,8 @@ PassResult Pass(const FusedSelectArgs& args, const float* grad, const float* res
           }
         }
         bad = _mm256_or_ps(bad, _mm256_cmp_ps(Abs(a), vinf, _CMP_NLT_UQ));
+        // The update's zero fill, after grad + i was read (it may be grad).
+        if (zero_out != nullptr) _mm256_storeu_ps(zero_out + i, _mm256_setzero_ps());
       } else {
         a = _mm256_loadu_ps(acc + i);
       }
@@ -126,6 +129,7 @@ PassResult Pass(const FusedSelectArgs& args, const float* grad, const float* res
       v = PassSumAt(args, i, &u);
       if (store_velocity) vel.out[i] = u;
       if (store) acc[i] = v;
+      if (zero_out != nullptr) zero_out[i] = 0.0f;
       tail_nonfinite += !(__builtin_fabsf(v) < __builtin_inff());
     } else {
       v = acc[i];
@@ -141,10 +145,14 @@ PassResult Pass(const FusedSelectArgs& args, const float* grad, const float* res
   r.count = count;
   if constexpr (kAccumulate) {
     // Rare path: count the blocks' non-finite sums exactly only when some
-    // lane was non-finite (recomputed: acc may not be stored).
+    // lane was non-finite: from acc where the pass stored the sums (it may
+    // have overwritten the residual, and zero_out the gradient), else
+    // recomputed.
     r.nonfinite = tail_nonfinite;
-    if (_mm256_movemask_ps(bad) != 0)
-      r.nonfinite += CountNonFiniteSums(args, 0, full_blocks * kBlock);
+    if (_mm256_movemask_ps(bad) != 0) {
+      r.nonfinite += store ? CountNonFiniteScalar(acc, full_blocks * kBlock)
+                           : CountNonFiniteSums(args, 0, full_blocks * kBlock);
+    }
   }
   return r;
 }

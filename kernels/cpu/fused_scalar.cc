@@ -22,6 +22,7 @@ PassResult FusedScalar(const FusedSelectArgs& a) {
     const float v = PassSumAt(a, i, &u);
     if (a.velocity_out != nullptr) a.velocity_out[i] = u;
     if (a.acc != nullptr) a.acc[i] = v;
+    if (a.zero_out != nullptr) a.zero_out[i] = 0.0f;  // after grad[i] was read
     r.nonfinite += IsNonFinite(v);
     return v;
   };

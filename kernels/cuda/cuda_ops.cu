@@ -603,7 +603,13 @@ class CudaSparseOps final : public SparseOps {
       const auto kernel = aligned ? FusedKernel<true, true> : FusedKernel<true, false>;
       kernel<<<GridFor(kernel, tiles), kThreads, 0, s>>>(p);
     }
-    return Check(cudaGetLastError(), "fused kernel launch");
+    TRY(cudaGetLastError(), "fused kernel launch");
+    // The update's zero fill, queued after the pass that reads grad (which
+    // it may be): on the GPU not fused (the kernels take grad __restrict__).
+    if (a.zero_out != nullptr) {
+      TRY(cudaMemsetAsync(a.zero_out, 0, a.size * sizeof(float), s), "memset update");
+    }
+    return KernelStatus::kOk;
   }
 
   KernelStatus SelectRange(const float* acc, uint64_t begin, uint64_t end, float threshold,
@@ -807,14 +813,17 @@ class CudaSparseOps final : public SparseOps {
   }
 
   KernelStatus ScatterAverage(const float* values, const uint32_t* index, uint64_t count,
-                              float divisor, float* out, uint64_t size, void* stream) override {
+                              float divisor, float* out, uint64_t size, bool out_zeroed,
+                              void* stream) override {
     if (size > kMaxBucketElements || (size > 0 && out == nullptr) ||
         (count > 0 && (values == nullptr || index == nullptr))) {
       return KernelStatus::kInvalidArgument;
     }
     if (!SetDevice()) return KernelStatus::kDeviceError;
     cudaStream_t s = S(stream);
-    if (size > 0) TRY(cudaMemsetAsync(out, 0, size * sizeof(float), s), "memset update");
+    if (size > 0 && !out_zeroed) {
+      TRY(cudaMemsetAsync(out, 0, size * sizeof(float), s), "memset update");
+    }
     if (count == 0 || size == 0) return KernelStatus::kOk;
     ScatterAverageKernel<<<Grid(count, kThreads), kThreads, 0, s>>>(values, index, count, divisor,
                                                                     out, size);

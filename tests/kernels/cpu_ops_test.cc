@@ -145,6 +145,62 @@ TEST_P(CpuOpsTest, FusedAccumulateSelectMatchesReference) {
   }
 }
 
+// The commit pass (sums stored in place) zeroes the update as it goes, the
+// update a buffer of its own or the gradient itself: the same sums and
+// velocity as without it, the update all zeros. Refused where the update
+// would be the residual, the velocity, or where nothing is stored.
+TEST_P(CpuOpsTest, TheCommitPassZeroesTheUpdate) {
+  for (uint64_t d : kSizes) {
+    const std::vector<float> g = RandomValues(d, 21 + d);
+    const std::vector<float> e = RandomValues(d, 22 + d);
+    const std::vector<float> v = RandomValues(d, 23 + d);
+    for (bool momentum : {false, true}) {
+      for (bool onto_grad : {false, true}) {
+        SCOPED_TRACE(testing::Message()
+                     << "d=" << d << " momentum=" << momentum << " onto_grad=" << onto_grad);
+        StepScalars s_want, s_got;
+        float* e_want = Device(e);
+        float* v_want = Device(v);
+        FusedSelectArgs want{Device(g), e_want, e_want, d, 0, 0, 0.0f, nullptr, nullptr, &s_want};
+        float* e_got = Device(e);
+        float* v_got = Device(v);
+        float* g_got = Device(g);
+        FusedSelectArgs got{g_got, e_got, e_got, d, 0, 0, 0.0f, nullptr, nullptr, &s_got};
+        if (momentum) {
+          want.velocity_in = want.velocity_out = v_want;
+          got.velocity_in = got.velocity_out = v_got;
+          want.beta = got.beta = 0.9f;
+        }
+        float* update = onto_grad ? g_got : Device(std::vector<float>(d, 5.0f));
+        got.zero_out = update;
+        ASSERT_EQ(ops_->FusedAccumulateSelect(want, nullptr), KernelStatus::kOk);
+        ASSERT_EQ(ops_->FusedAccumulateSelect(got, nullptr), KernelStatus::kOk);
+        EXPECT_EQ(s_got.nonfinite, s_want.nonfinite);
+        for (uint64_t i = 0; i < d; ++i) {
+          ASSERT_EQ(Bits(e_got[i]), Bits(e_want[i])) << i;
+          ASSERT_EQ(Bits(v_got[i]), Bits(v_want[i])) << i;
+          ASSERT_EQ(Bits(update[i]), Bits(0.0f)) << i;
+        }
+      }
+    }
+  }
+  std::vector<float> a(16, 1.0f), b(16, 1.0f), u(16, 1.0f);
+  StepScalars s;
+  FusedSelectArgs ok{a.data(), b.data(), b.data(), 16, 0, 0, 0.0f, nullptr, nullptr, &s};
+  ok.zero_out = u.data();
+  EXPECT_EQ(ops_->FusedAccumulateSelect(ok, nullptr), KernelStatus::kOk);
+  FusedSelectArgs bad = ok;
+  bad.zero_out = b.data();  // the residual
+  EXPECT_EQ(ops_->FusedAccumulateSelect(bad, nullptr), KernelStatus::kInvalidArgument);
+  bad = ok;
+  bad.acc = nullptr;  // nothing stored: the read-only pass
+  EXPECT_EQ(ops_->FusedAccumulateSelect(bad, nullptr), KernelStatus::kInvalidArgument);
+  bad = ok;
+  bad.velocity_in = bad.velocity_out = u.data();
+  bad.beta = 0.9f;
+  EXPECT_EQ(ops_->FusedAccumulateSelect(bad, nullptr), KernelStatus::kInvalidArgument);
+}
+
 // Outputs with room for fewer pairs than the pass selects: the count is
 // every selected element's, the outputs hold the first ones (index order on
 // the CPU) and nothing is written past their capacity.
@@ -369,12 +425,12 @@ TEST_P(CpuOpsTest, FusedPassRejectsBadArguments) {
                               nullptr),
             KernelStatus::kInvalidArgument);
   EXPECT_EQ(ops_->ScatterAverage(v.data(), idx.data(), 1, 1.0f, out.data(), kMaxBucketElements + 1,
-                                 nullptr),
+                                 false, nullptr),
             KernelStatus::kInvalidArgument);
   // An index outside the output is refused before anything is written.
   idx[0] = 16;
   out.assign(16, 7.0f);
-  EXPECT_EQ(ops_->ScatterAverage(v.data(), idx.data(), 1, 1.0f, out.data(), 16, nullptr),
+  EXPECT_EQ(ops_->ScatterAverage(v.data(), idx.data(), 1, 1.0f, out.data(), 16, false, nullptr),
             KernelStatus::kInvalidArgument);
   EXPECT_EQ(out[0], 7.0f);
 }
@@ -454,12 +510,20 @@ TEST_P(CpuOpsTest, GatherScatterZero) {
     for (size_t j = 0; j < idx.size(); ++j) ASSERT_EQ(Bits(gathered[j]), Bits(acc[idx[j]]));
 
     std::vector<float> out(d, 5.0f);
-    ASSERT_EQ(
-        ops_->ScatterAverage(gathered.data(), idx.data(), idx.size(), 3.0f, out.data(), d, nullptr),
-        KernelStatus::kOk);
+    ASSERT_EQ(ops_->ScatterAverage(gathered.data(), idx.data(), idx.size(), 3.0f, out.data(), d,
+                                   false, nullptr),
+              KernelStatus::kOk);
     for (uint64_t i = 0; i < d; ++i) {
       const float want = i % 3 == 0 ? acc[i] / 3.0f : 0.0f;
       ASSERT_EQ(Bits(out[i]), Bits(want)) << i;
+    }
+    // Onto an update the commit pass zeroed: only the values are placed.
+    std::vector<float> onto(d, 5.0f);
+    ASSERT_EQ(ops_->ScatterAverage(gathered.data(), idx.data(), idx.size(), 3.0f, onto.data(), d,
+                                   /*out_zeroed=*/true, nullptr),
+              KernelStatus::kOk);
+    for (uint64_t i = 0; i < d; ++i) {
+      ASSERT_EQ(Bits(onto[i]), Bits(i % 3 == 0 ? acc[i] / 3.0f : 5.0f)) << i;
     }
     std::vector<float> e = acc;
     ASSERT_EQ(ops_->ZeroAt(e.data(), idx.data(), idx.size(), nullptr), KernelStatus::kOk);

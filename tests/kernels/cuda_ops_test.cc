@@ -357,7 +357,7 @@ TEST_F(CudaOpsTest, BadArgumentsAreRefusedLikeCpu) {
   EXPECT_EQ(gpu_->FusedAccumulateSelect(a, stream()), KernelStatus::kInvalidArgument);
   EXPECT_EQ(gpu_->SelectRange(v, 0, kMaxBucketElements + 1, 0, idx, out, s, stream()),
             KernelStatus::kInvalidArgument);
-  EXPECT_EQ(gpu_->ScatterAverage(v, idx, 1, 1.0f, out, kMaxBucketElements + 1, stream()),
+  EXPECT_EQ(gpu_->ScatterAverage(v, idx, 1, 1.0f, out, kMaxBucketElements + 1, false, stream()),
             KernelStatus::kInvalidArgument);
   EXPECT_EQ(gpu_->TopK(v, 16, 4, nullptr, out, s, stream()), KernelStatus::kInvalidArgument);
   EXPECT_EQ(gpu_->SortUnique(idx, 16, nullptr, stream()), KernelStatus::kInvalidArgument);
@@ -370,7 +370,7 @@ TEST_F(CudaOpsTest, BadArgumentsAreRefusedLikeCpu) {
   std::vector<uint32_t> bad = {3, 16};
   uint32_t* badd = Up(bad);
   float* ones = Up(std::vector<float>(2, 1.0f));
-  EXPECT_EQ(gpu_->ScatterAverage(ones, badd, 2, 2.0f, out, 16, stream()), KernelStatus::kOk);
+  EXPECT_EQ(gpu_->ScatterAverage(ones, badd, 2, 2.0f, out, 16, false, stream()), KernelStatus::kOk);
   std::vector<float> want(16, 0.0f);
   want[3] = 0.5f;
   ExpectSameBits(Down(out, 16), want);
@@ -628,10 +628,12 @@ TEST_F(CudaOpsTest, GatherScatterZeroMatchCpu) {
     ExpectSameBits(Down(got_g, k), got_c);
 
     std::vector<float> upd_c(n, 3.0f);
-    ASSERT_EQ(cpu_->ScatterAverage(got_c.data(), idx.data(), k, 3.0f, upd_c.data(), n, nullptr),
-              KernelStatus::kOk);
+    ASSERT_EQ(
+        cpu_->ScatterAverage(got_c.data(), idx.data(), k, 3.0f, upd_c.data(), n, false, nullptr),
+        KernelStatus::kOk);
     float* upd_g = Up(std::vector<float>(n, 3.0f));
-    ASSERT_EQ(gpu_->ScatterAverage(got_g, idxd, k, 3.0f, upd_g, n, stream()), KernelStatus::kOk);
+    ASSERT_EQ(gpu_->ScatterAverage(got_g, idxd, k, 3.0f, upd_g, n, false, stream()),
+              KernelStatus::kOk);
     ExpectSameBits(Down(upd_g, n), upd_c);
 
     std::vector<float> z_c = acc;
