@@ -120,6 +120,15 @@ uint64_t BucketState::SelectionBound() const {
 }
 
 absl::StatusOr<kernels::StepScalars> BucketState::SelectPass(kernels::FusedSelectArgs& args) {
+  if (!candidate_index_.ok() || !candidate_value_.ok()) {
+    // A growth that ran out of memory left no room: the first room again.
+    candidate_index_.Reset(ops_, initial_candidates_);
+    candidate_value_.Reset(ops_, initial_candidates_);
+    if (!candidate_index_.ok() || !candidate_value_.ok()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "bucket '", spec_.name, "': out of memory for ", initial_candidates_, " candidates"));
+    }
+  }
   for (int attempt = 0;; ++attempt) {
     args.out_index = candidate_index_.get();
     args.out_value = candidate_value_.get();

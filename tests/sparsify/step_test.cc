@@ -1099,6 +1099,142 @@ TEST(StepMemory, RoomForCandidatesGrowsOnlyWhenAStepSelectsMore) {
   }
 }
 
+// The CPU backend, with allocations of more than `limit` bytes refused
+// while `refuse` is set (everything else passed through).
+class TightOps final : public kernels::SparseOps {
+ public:
+  explicit TightOps(uint64_t limit) : ops_(kernels::CreateCpuSparseOps()), limit_(limit) {}
+  bool refuse = false;
+  kernels::Device device() const override { return ops_->device(); }
+  const char* name() const override { return "tight"; }
+  void* Allocate(size_t bytes) override {
+    return refuse && bytes > limit_ ? nullptr : ops_->Allocate(bytes);
+  }
+  void Free(void* p) override { ops_->Free(p); }
+  using K = kernels::KernelStatus;
+  K CopyToHost(void* d, const void* s, size_t b, void* st) override {
+    return ops_->CopyToHost(d, s, b, st);
+  }
+  K CopyToDevice(void* d, const void* s, size_t b, void* st) override {
+    return ops_->CopyToDevice(d, s, b, st);
+  }
+  K Synchronize(void* st) override { return ops_->Synchronize(st); }
+  K SynchronizeFor(void* st, double s) override { return ops_->SynchronizeFor(st, s); }
+  K FusedAccumulateSelect(const kernels::FusedSelectArgs& a, void* st) override {
+    return ops_->FusedAccumulateSelect(a, st);
+  }
+  K SelectRange(const float* a, uint64_t b, uint64_t e, float t, uint32_t* i, float* v,
+                kernels::StepScalars* s, void* st) override {
+    return ops_->SelectRange(a, b, e, t, i, v, s, st);
+  }
+  K TrimBelow(uint32_t* i, float* v, uint64_t c, float t, kernels::StepScalars* s,
+              void* st) override {
+    return ops_->TrimBelow(i, v, c, t, s, st);
+  }
+  K LogHistogram(const float* v, uint64_t c, uint32_t sh, uint32_t f, uint32_t n, int64_t* b,
+                 void* st) override {
+    return ops_->LogHistogram(v, c, sh, f, n, b, st);
+  }
+  K Momentum(const float* g, const float* vi, float b, float* vo, uint64_t n, void* st) override {
+    return ops_->Momentum(g, vi, b, vo, n, st);
+  }
+  K SumOfSquares(const float* d, uint64_t n, double* r, void* st) override {
+    return ops_->SumOfSquares(d, n, r, st);
+  }
+  K Gather(const float* a, const uint32_t* i, uint64_t c, float* o, void* st) override {
+    return ops_->Gather(a, i, c, o, st);
+  }
+  K GatherSum(const kernels::FusedSelectArgs& a, const uint32_t* i, uint64_t c, float* o,
+              void* st) override {
+    return ops_->GatherSum(a, i, c, o, st);
+  }
+  K ScatterAverage(const float* v, const uint32_t* i, uint64_t c, float d, float* o, uint64_t n,
+                   bool z, void* st) override {
+    return ops_->ScatterAverage(v, i, c, d, o, n, z, st);
+  }
+  K ZeroAt(float* a, const uint32_t* i, uint64_t c, void* st) override {
+    return ops_->ZeroAt(a, i, c, st);
+  }
+  K CopyFloats(float* d, const float* s, uint64_t c, void* st) override {
+    return ops_->CopyFloats(d, s, c, st);
+  }
+  K ZeroFloats(float* d, uint64_t c, void* st) override { return ops_->ZeroFloats(d, c, st); }
+  K CountOutside(const uint32_t* i, uint64_t c, uint64_t b, uint64_t e, kernels::StepScalars* s,
+                 void* st) override {
+    return ops_->CountOutside(i, c, b, e, s, st);
+  }
+  K LocalSum(const float* const* in, int n, uint64_t size, float* o, kernels::StepScalars* s,
+             void* st) override {
+    return ops_->LocalSum(in, n, size, o, s, st);
+  }
+  K Divide(float* d, uint64_t n, float v, kernels::StepScalars* s, void* st) override {
+    return ops_->Divide(d, n, v, s, st);
+  }
+  K CountNonFinite(const float* d, uint64_t n, kernels::StepScalars* s, void* st) override {
+    return ops_->CountNonFinite(d, n, s, st);
+  }
+  K TopK(const float* a, uint64_t n, uint64_t k, uint32_t* i, float* v, kernels::StepScalars* s,
+         void* st) override {
+    return ops_->TopK(a, n, k, i, v, s, st);
+  }
+  K HalfToFloat(const uint16_t* s, kernels::ElementType t, uint64_t c, float* d,
+                void* st) override {
+    return ops_->HalfToFloat(s, t, c, d, st);
+  }
+  K FloatToHalf(const float* s, kernels::ElementType t, uint64_t c, uint16_t* d,
+                void* st) override {
+    return ops_->FloatToHalf(s, t, c, d, st);
+  }
+  K GatherRounded(float* a, const uint32_t* i, uint64_t c, kernels::ElementType t, uint16_t* o,
+                  void* st) override {
+    return ops_->GatherRounded(a, i, c, t, o, st);
+  }
+  K SortUnique(uint32_t* i, uint64_t c, kernels::StepScalars* s, void* st) override {
+    return ops_->SortUnique(i, c, s, st);
+  }
+
+ private:
+  std::unique_ptr<kernels::SparseOps> ops_;
+  const uint64_t limit_;
+};
+
+// A step whose pass outgrows the candidates' room while memory is short
+// fails with the bucket named and changes nothing; once memory is back the
+// same step succeeds, with the bits of a bucket that never ran short.
+TEST(StepMemory, RoomThatCannotGrowFailsTheStepAndTheNextOneGrowsIt) {
+  const uint64_t d = 100003;
+  SparsifyOptions o;
+  o.sparsifier = SparsifierKind::kHard;
+  o.hard_threshold = 1e-4;  // nearly every sum: far more than the 1,024 it starts with
+  o.density = 0.001;
+  TightOps tight(64 << 10);
+  auto plenty = kernels::CreateCpuSparseOps();
+  auto group = transport::CreateInprocGroup(1);
+  auto short_of = BucketState::Create({"grads.0", d, 3}, {1, 0, 1}, o, &tight);
+  auto reference = BucketState::Create({"grads.0", d, 3}, {1, 0, 1}, o, plenty.get());
+  ASSERT_TRUE(short_of.ok() && reference.ok());
+  const Vec g = MakeGrads(1, d, 0, 5)[0];
+  Vec update(d), want(d);
+  tight.refuse = true;
+  auto failed =
+      (*short_of)->Step(g.data(), update.data(), *group[0], absl::Now() + absl::Seconds(30));
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted) << failed.status();
+  EXPECT_TRUE(absl::StrContains(failed.status().message(), "bucket 'grads.0'")) << failed.status();
+  EXPECT_EQ((*short_of)->step(), 0u);
+  ExpectBitEqual(Vec((*short_of)->residual(), (*short_of)->residual() + d), Vec(d, 0.0f),
+                 "residual after the failed step");
+  tight.refuse = false;
+  auto ok = (*short_of)->Step(g.data(), update.data(), *group[0], absl::Now() + absl::Seconds(30));
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  auto straight =
+      (*reference)->Step(g.data(), want.data(), *group[0], absl::Now() + absl::Seconds(30));
+  ASSERT_TRUE(straight.ok()) << straight.status();
+  ExpectBitEqual(update, want, "update");
+  ExpectBitEqual(Vec((*short_of)->residual(), (*short_of)->residual() + d),
+                 Vec((*reference)->residual(), (*reference)->residual() + d), "residual");
+}
+
 // A checkpoint of another bucket shape or configuration is refused, naming
 // what differs, and the state is left as it was.
 TEST(StepCheckpoint, ACheckpointThatDoesNotFitIsRefused) {
