@@ -120,14 +120,17 @@ uint64_t BucketState::SelectionBound() const {
 }
 
 absl::StatusOr<kernels::StepScalars> BucketState::SelectPass(kernels::FusedSelectArgs& args) {
+  // Room for `room` candidates (the old contents dropped), for `wanted`.
+  auto make_room = [&](uint64_t room, uint64_t wanted) -> absl::Status {
+    candidate_index_.Reset(ops_, room);
+    candidate_value_.Reset(ops_, room);
+    if (candidate_index_.ok() && candidate_value_.ok()) return absl::OkStatus();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("bucket '", spec_.name, "': out of memory for ", wanted, " candidates"));
+  };
+  // A growth that ran out of memory left no room: the first room again.
   if (!candidate_index_.ok() || !candidate_value_.ok()) {
-    // A growth that ran out of memory left no room: the first room again.
-    candidate_index_.Reset(ops_, initial_candidates_);
-    candidate_value_.Reset(ops_, initial_candidates_);
-    if (!candidate_index_.ok() || !candidate_value_.ok()) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "bucket '", spec_.name, "': out of memory for ", initial_candidates_, " candidates"));
-    }
+    RETURN_IF_ERROR(make_room(initial_candidates_, initial_candidates_));
   }
   for (int attempt = 0;; ++attempt) {
     args.out_index = candidate_index_.get();
@@ -145,12 +148,7 @@ absl::StatusOr<kernels::StepScalars> BucketState::SelectPass(kernels::FusedSelec
     // come select about as many; Commit gives it back once they fit the
     // first room again), and the pass again (it stores nothing).
     const uint64_t room = std::max(scalars.count, std::min(2 * scalars.count, SelectionBound()));
-    candidate_index_.Reset(ops_, room);
-    candidate_value_.Reset(ops_, room);
-    if (!candidate_index_.ok() || !candidate_value_.ok()) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "bucket '", spec_.name, "': out of memory for ", scalars.count, " candidates"));
-    }
+    RETURN_IF_ERROR(make_room(room, scalars.count));
   }
 }
 
