@@ -4,10 +4,22 @@
 // 2.15x; clipping adds O(k)). `--nodes` buckets step over the in-process
 // transport with synthetic gradients; each reports the bytes it holds after
 // `--steps` steps (BucketState::AllocatedBytes: what `microctl buckets`
-// shows as "state"). Several local processes add the node's shared
-// local-sum buffers (2 x 4 bytes an element of the largest bucket when
-// --local_size > 1), not counted here.
+// shows as "state").
+//
+// Then the same seen from outside, as a user would measure it: real
+// daemons on loopback (--daemon_nodes, one bucket of --daemon_size) with
+// 1, 2 and 4 training processes a node (microd-bench-step-client), node 0
+// daemon's peak resident memory (VmHWM) less what it held before the
+// processes came and less their shared buffers (4 bytes an element each,
+// the processes' memory, which the daemon maps).
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -15,8 +27,10 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "bench/bench_cluster.h"
 #include "daemon/sim/synthetic.h"
 #include "daemon/sparsify/bucket.h"
 #include "daemon/transport/inproc/inproc_transport.h"
@@ -26,6 +40,11 @@ ABSL_FLAG(uint64_t, size, 4000000, "bucket size d (fp32 elements)");
 ABSL_FLAG(int, nodes, 4, "nodes (one bucket state each, stepping together)");
 ABSL_FLAG(double, density, 0.001, "target density");
 ABSL_FLAG(int, steps, 6, "steps before the bytes are read");
+ABSL_FLAG(uint64_t, daemon_size, 25557032, "daemons: the bucket's size (fp32 elements)");
+ABSL_FLAG(int, daemon_nodes, 2, "daemons: how many, on loopback");
+ABSL_FLAG(std::vector<std::string>, processes, std::vector<std::string>({"1", "2", "4"}),
+          "daemons: training processes a node, one run each (empty: skip the daemons)");
+ABSL_FLAG(std::string, daemon, "", "microd binary (default: the build's)");
 
 namespace {
 
@@ -86,6 +105,69 @@ double BytesPerElement(const Config& c, uint64_t d, int n, double density, int s
   return static_cast<double>(state[0]->AllocatedBytes()) / static_cast<double>(d);
 }
 
+// A /proc/PID/status field in bytes (its kB figure), or -1.
+long long ProcStatus(pid_t pid, const std::string& field) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::atoll(line.c_str() + field.size() + 1) * 1024;
+  }
+  return -1;
+}
+
+// Node 0 daemon's own peak memory in bytes per element with `L` processes a
+// node, or -1 on a failure (what failed on stderr).
+double DaemonBytesPerElement(char* self, int L, uint64_t d, int n, double density, int steps) {
+  std::string tmpl = "/tmp/microd-bench-memory-XXXXXX";
+  if (mkdtemp(tmpl.data()) == nullptr) return -1;
+  const std::string dir = tmpl;
+  for (int r = 0; r < n; ++r) mkdir(absl::StrCat(dir, "/n", r).c_str(), 0755);
+  const std::string daemon = absl::GetFlag(FLAGS_daemon).empty()
+                                 ? microd::bench::Sibling(self, "../daemon/microd")
+                                 : absl::GetFlag(FLAGS_daemon);
+  const std::vector<pid_t> daemons =
+      microd::bench::StartDaemons(daemon, dir, n,
+                                  {absl::StrCat("--density=", density),
+                                   absl::StrCat("--local_size=", L), "--timeout_ms=120000"});
+  if (daemons.empty()) {
+    std::fprintf(stderr, "bench-memory: node 0 did not start (see %s)\n", dir.c_str());
+    return -1;
+  }
+  // Serving once every node's socket is there (the job formed).
+  for (int i = 0; i < 1500; ++i) {
+    bool all = true;
+    struct stat st;
+    for (int r = 0; r < n; ++r)
+      all = all && stat(microd::bench::SocketOf(dir, r).c_str(), &st) == 0;
+    if (all) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const long long before = ProcStatus(daemons[0], "VmRSS");
+  std::vector<pid_t> clients;
+  for (int r = 0; r < n; ++r) {
+    for (int l = 0; l < L; ++l) {
+      clients.push_back(microd::bench::Spawn(
+          {microd::bench::Sibling(self, "microd-bench-step-client"),
+           "--socket=" + microd::bench::SocketOf(dir, r), absl::StrCat("--size=", d),
+           absl::StrCat("--steps=", steps), absl::StrCat("--node=", r),
+           absl::StrCat("--out=", dir, "/client", r, "-", l)},
+          absl::StrCat(dir, "/client", r, "-", l, ".log")));
+    }
+  }
+  bool ok = true;
+  for (pid_t p : clients) ok = microd::bench::WaitFor(p, std::chrono::minutes(8)) && ok;
+  const long long peak = ProcStatus(daemons[0], "VmHWM");
+  for (pid_t p : daemons) kill(p, SIGTERM);
+  for (pid_t p : daemons) microd::bench::WaitFor(p, std::chrono::seconds(20));
+  if (!ok || before < 0 || peak < 0) {
+    std::fprintf(stderr, "bench-memory: a training process failed (see %s)\n", dir.c_str());
+    return -1;
+  }
+  const double shared = 4.0 * static_cast<double>(d) * L;
+  return (static_cast<double>(peak - before) - shared) / static_cast<double>(d);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -118,5 +200,32 @@ int main(int argc, char** argv) {
   }
   std::printf("%d of %zu configurations within their target\n",
               static_cast<int>(configs.size()) - missed, configs.size());
+  const std::vector<std::string> processes = absl::GetFlag(FLAGS_processes);
+  if (processes.empty()) return 0;
+  const uint64_t dd = absl::GetFlag(FLAGS_daemon_size);
+  const int dn = absl::GetFlag(FLAGS_daemon_nodes);
+  std::printf(
+      "\ndaemons on loopback: %d nodes, one sparse bucket of %llu elements, density %g, %d "
+      "steps; node 0 daemon's peak resident memory less its own before the processes came "
+      "and less their shared buffers (4 B an element each)\n",
+      dn, static_cast<unsigned long long>(dd), density, steps);
+  std::printf("%-34s %12s %14s %10s %s\n", "processes a node (defaults)", "bytes/elem",
+              "x fp32 gradient", "target", "");
+  int daemon_missed = 0;
+  for (const std::string& p : processes) {
+    const int L = std::atoi(p.c_str());
+    if (L < 1) {
+      std::fprintf(stderr, "bench-memory: --processes: '%s' is not a count\n", p.c_str());
+      return 2;
+    }
+    const double b = DaemonBytesPerElement(argv[0], L, dd, dn, density, steps);
+    if (b < -0.5) return 1;
+    const bool met = b / 4.0 <= 1.15;
+    daemon_missed += met ? 0 : 1;
+    std::printf("%-34d %12.2f %13.2fx %9.2fx %s\n", L, b, b / 4.0, 1.15, met ? "met" : "MISSED");
+    std::fflush(stdout);
+  }
+  std::printf("%d of %zu process counts within their target\n",
+              static_cast<int>(processes.size()) - daemon_missed, processes.size());
   return 0;
 }

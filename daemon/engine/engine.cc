@@ -34,14 +34,12 @@ Engine::Engine(EngineOptions options, control::Membership membership, control::C
   absl::MutexLock lock(&state_.mu);
   state_.table.SetStateBudget(
       {options_.state_budget, options_.state_budget_source,
-       [sparsify = options_.sparsify, n = membership_.node_count, L = options_.local_size](
-           uint64_t count, bool dense) {
+       [sparsify = options_.sparsify, n = membership_.node_count](uint64_t count, bool dense) {
          // A dense bucket: its slot in the batch's fusion buffer, and its
-         // velocity under momentum correction. A sparse one: its state, and
-         // its local sum when the node has several processes.
+         // velocity under momentum correction. A sparse one: its state
+         // (several local processes are summed in place: nothing more).
          return dense ? (sparsify.momentum > 0 ? 2 : 1) * count * sizeof(float)
-                      : sparsify::BucketState::MemoryBytes(count, n, sparsify) +
-                            (L > 1 ? count * sizeof(float) : 0);
+                      : sparsify::BucketState::MemoryBytes(count, n, sparsify);
        }});
 }
 

@@ -55,23 +55,18 @@ absl::Status ProcessTable::Register(uint64_t client, uint32_t buffer_id, const s
   if (budget_.cost && buckets_.find(name) == buckets_.end()) {
     const uint64_t count = buffer->count();
     const uint64_t cost = budget_.cost(count, dense || count < dense_floor_);
-    // Several local processes: the update's buffer, the largest bucket's size
-    // (each bucket's local sum is in its cost).
-    const uint64_t update = L_ > 1 ? sizeof(float) * std::max(largest_count_, count) : 0;
-    const uint64_t total = bucket_state_bytes_ + cost + update;
+    const uint64_t total = bucket_state_bytes_ + cost;
     if (budget_.bytes > 0 && total > budget_.bytes) {
       return WithClientStatus(
           absl::ResourceExhaustedError(absl::StrFormat(
               "buffer '%s' of %d elements (local rank %d): the daemon's state for this node's "
-              "buckets would take %d bytes (%d for this bucket, %d for the %d before it%s), over "
+              "buckets would take %d bytes (%d for this bucket, %d for the %d before it), over "
               "its budget of %d bytes (%s; --max_state_bytes)",
               name, count, p.local_rank, total, cost, bucket_state_bytes_, buckets_.size(),
-              update > 0 ? absl::StrCat(", ", update, " for the update") : "", budget_.bytes,
-              budget_.source)),
+              budget_.bytes, budget_.source)),
           ClientStatus::kResource);
     }
     bucket_state_bytes_ += cost;
-    largest_count_ = std::max(largest_count_, count);
   }
   Bucket& b = buckets_[name];
   if (b.count == 0) {
@@ -174,6 +169,7 @@ Work ProcessTable::Take(Bucket& b) {
   w.buffers = b.buffers;
   w.answer = std::make_shared<Answer>(b.clients, b.tickets, b.buffer_ids);
   w.ready_at = b.ready_at;
+  w.round = b.rounds++;
   std::fill(b.tickets.begin(), b.tickets.end(), 0);
   b.submitted = 0;
   if (b.cache_id >= 0) cached_ready_[b.cache_id] = false;
@@ -204,9 +200,7 @@ Bucket* ProcessTable::find(const std::string& name) {
   return it == buckets_.end() || it->second.count == 0 ? nullptr : &it->second;
 }
 
-uint64_t ProcessTable::state_bytes() const {
-  return bucket_state_bytes_ + (L_ > 1 ? sizeof(float) * largest_count_ : 0);
-}
+uint64_t ProcessTable::state_bytes() const { return bucket_state_bytes_; }
 
 uint64_t ProcessTable::total_elements() const {
   uint64_t total = 0;

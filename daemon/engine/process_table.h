@@ -48,10 +48,12 @@ struct Bucket {
   // A dense bucket's velocity under momentum correction (the daemon applies
   // the momentum the training side left out), at its first step.
   sparsify::DeviceBuffer<float> velocity;
-  // With several local processes, a sparse bucket's local sum g: the step
-  // reads it again after the exchange (values, commit), so each bucket
-  // keeps its own.
-  sparsify::DeviceBuffer<float> local_sum;
+  // Submissions taken so far (the next Work's round), and, with several
+  // local processes, 1 + the round whose local sum the first process's
+  // buffer holds (0: none). The sum is made in place there, once a round:
+  // the passes begun during a cycle and the step's own read the same sum.
+  uint64_t rounds = 0;
+  uint64_t summed = 0;
   BucketStats stats;
 };
 
@@ -63,6 +65,7 @@ struct Work {
   std::vector<std::shared_ptr<local::ProcessBuffer>> buffers;
   std::shared_ptr<Answer> answer;
   absl::Time ready_at;  // the bucket's, when taken (the timeline's waiting)
+  uint64_t round = 0;   // the bucket's submissions this is (Bucket::rounds)
 
   // True if some local process has gone since it submitted.
   bool missing_buffer() const;
@@ -90,9 +93,7 @@ class ProcessTable {
   // is refused at registration (ResourceExhausted with the numbers), before
   // anything is allocated.
   void SetStateBudget(StateBudget budget) { budget_ = std::move(budget); }
-  // The state of the buckets registered so far (StateBudget::cost), with
-  // the update's buffer (the largest bucket's size) when the node has
-  // several processes.
+  // The state of the buckets registered so far (StateBudget::cost).
   uint64_t state_bytes() const;
 
   // A new local process: its local rank (the one asked for, or the lowest free).
@@ -158,7 +159,6 @@ class ProcessTable {
   const uint64_t dense_floor_;
   StateBudget budget_;
   uint64_t bucket_state_bytes_ = 0;  // sum of budget_.cost over the buckets
-  uint64_t largest_count_ = 0;
   std::map<uint64_t, Process> processes_;
   std::map<std::string, Bucket> buckets_;
   std::vector<std::string> newly_ready_;

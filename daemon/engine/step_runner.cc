@@ -195,31 +195,30 @@ absl::Status StepRunner::EnsureState(Bucket& b) {
 
 absl::Status StepRunner::GradientOf(const Work& w, const float** grad, double* local_sum) {
   Bucket& b = *w.bucket;
-  const uint64_t d = b.count;
   const int L = options_.local_size;
-  // With one local process the update is written straight over its buffer
-  // (the step reads the gradient completely first); with several it goes to
-  // a daemon buffer and is copied into each, and the local sum to the
-  // bucket's own buffer (the step reads it until it ends).
-  if (L > 1 && !b.local_sum.ok()) b.local_sum.Reset(ops_, d);
-  if (L > 1 && (!b.local_sum.ok() || !update_.Reserve(ops_, d))) {
-    return WithClientStatus(
-        absl::ResourceExhaustedError(absl::StrCat("bucket '", b.name, "': out of memory")),
-        ClientStatus::kResource);
+  // The update is written over the first process's buffer (the step reads
+  // the gradient completely first) and, with several, copied into the
+  // others. With several the first one's buffer takes the local sum too, in
+  // place, once a round (a second call, after passes begun during a cycle
+  // were dropped, finds it there): no bucket-sized buffer of the daemon.
+  const absl::Time t0 = absl::Now();
+  *grad = memory_->Data(*w.buffers[0]);
+  if (L > 1 && b.summed == w.round + 1) {
+    *local_sum = 0;
+    return absl::OkStatus();
   }
   // Step 1: the node's gradient. With one local process its buffer is g itself.
-  const absl::Time t0 = absl::Now();
   RETURN_IF_ERROR(StageIn(w, t0 + options_.op_timeout));
-  *grad = memory_->Data(*w.buffers[0]);
   if (L > 1) {
     std::vector<const float*> inputs;
     for (const auto& buf : w.buffers) inputs.push_back(memory_->Data(*buf));
-    if (absl::Status s = KernelCall(
-            ops_->LocalSum(inputs.data(), L, d, b.local_sum.get(), nullptr, nullptr), "local sum");
+    if (absl::Status s = KernelCall(ops_->LocalSum(inputs.data(), L, b.count,
+                                                   memory_->Data(*w.buffers[0]), nullptr, nullptr),
+                                    "local sum");
         !s.ok()) {
       return absl::InternalError(absl::StrCat("bucket '", b.name, "': ", s.message()));
     }
-    *grad = b.local_sum.get();
+    b.summed = w.round + 1;
   }
   *local_sum = Seconds(t0);
   return absl::OkStatus();
@@ -250,6 +249,7 @@ std::shared_ptr<Speculation> StepRunner::Speculate(const std::vector<size_t>& id
       if (id >= state_->table.cached_count() || !state_->table.cached_ready(id)) continue;
       w.bucket = &state_->table.cached(id);
       w.buffers = w.bucket->buffers;
+      w.round = w.bucket->rounds;  // the Work that takes them will be this round
     }
     Bucket& b = *w.bucket;
     if (absl::Status s = EnsureState(b); !s.ok()) {
@@ -277,9 +277,7 @@ std::shared_ptr<Speculation> StepRunner::Speculate(const std::vector<size_t>& id
   return spec;
 }
 
-float* StepRunner::UpdateBuffer(const Work& w) {
-  return options_.local_size > 1 ? update_.get() : memory_->Data(*w.buffers[0]);
-}
+float* StepRunner::UpdateBuffer(const Work& w) { return memory_->Data(*w.buffers[0]); }
 
 void StepRunner::Deliver(const Work& w, const sparsify::StepStats& st, const float* update,
                          double local_sum, absl::Time t0) {
@@ -287,10 +285,8 @@ void StepRunner::Deliver(const Work& w, const sparsify::StepStats& st, const flo
   const absl::Time t1 = absl::Now();
   if (state_->job_failed()) return;  // Fail() answered this work
   absl::Status written;
-  if (options_.local_size > 1) {
-    for (const auto& buf : w.buffers) {
-      if (written.ok()) written = CopyFloats(memory_->Data(*buf), update, b.count);
-    }
+  for (size_t i = 1; i < w.buffers.size() && written.ok(); ++i) {
+    written = CopyFloats(memory_->Data(*w.buffers[i]), update, b.count);
   }
   if (written.ok()) written = memory_->StageOut(w, absl::Now() + options_.op_timeout);
   if (!written.ok()) {
@@ -301,7 +297,7 @@ void StepRunner::Deliver(const Work& w, const sparsify::StepStats& st, const flo
   {
     absl::MutexLock lock(&state_->mu);
     b.stats.AddSparse(st, local_sum, absl::ToDoubleSeconds(t2 - t1), options_.stats_history);
-    b.stats.state_bytes = b.state->AllocatedBytes() + b.local_sum.size() * sizeof(float);
+    b.stats.state_bytes = b.state->AllocatedBytes();
   }
   if (tracing()) {
     TraceStep t;

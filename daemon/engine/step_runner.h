@@ -119,7 +119,7 @@ class StepRunner {
   Timeline* timeline_ = nullptr;
   uint32_t next_slot_ = 1;  // transport tag slots; 0 is the fused dense buffer
   // Scratch buffers (device memory of ops_).
-  sparsify::DeviceBuffer<float> update_, fusion_;
+  sparsify::DeviceBuffer<float> fusion_;
   sparsify::DeviceBuffer<kernels::StepScalars> scalars_;
 };
 

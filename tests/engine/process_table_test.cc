@@ -37,24 +37,24 @@ TEST_F(ProcessTableTest, LocalRanksAreTheRequestedOrTheLowestFree) {
 // registration (before: only the buffers, 4 bytes an element, against a
 // 1 TiB default, while the state is 3-6x that).
 TEST_F(ProcessTableTest, ABucketWhoseStatePassesTheBudgetIsRefusedWithTheNumbers) {
-  table_.SetStateBudget({16000, "a test's budget",
+  table_.SetStateBudget({14000, "a test's budget",
                          [](uint64_t count, bool dense) { return (dense ? 4 : 12) * count; }});
   ASSERT_TRUE(table_.Hello(1, 0, 100).ok());
   ASSERT_TRUE(table_.Hello(2, 1, 101).ok());
   std::vector<Work> refused;
   ASSERT_TRUE(table_.Register(1, 1, "a", false, Buffer(1000), &refused).ok());  // 12000
   ASSERT_TRUE(table_.Register(2, 1, "a", false, Buffer(1000), &refused).ok());  // the same bucket
-  // 2 local processes: the update's buffer, the largest bucket's size (4000).
-  EXPECT_EQ(table_.state_bytes(), 16000u);
+  // 2 local processes add nothing: summed in place, the update written over
+  // the first one's buffer (before: an update buffer, 4000 more).
+  EXPECT_EQ(table_.state_bytes(), 12000u);
   const absl::Status over = table_.Register(1, 2, "b", false, Buffer(200), &refused);
   EXPECT_EQ(ToClientStatus(over), ClientStatus::kResource) << over;
   EXPECT_TRUE(absl::StrContains(over.message(),
-                                "would take 18400 bytes (2400 for this bucket, 12000 for the 1 "
-                                "before it, 4000 for the update), over its budget of 16000 "
-                                "bytes (a test's budget"))
+                                "would take 14400 bytes (2400 for this bucket, 12000 for the 1 "
+                                "before it), over its budget of 14000 bytes (a test's budget"))
       << over;
   EXPECT_EQ(table_.find("b"), nullptr);  // nothing registered
-  EXPECT_EQ(table_.state_bytes(), 16000u);
+  EXPECT_EQ(table_.state_bytes(), 12000u);
 }
 
 TEST_F(ProcessTableTest, ABucketIsReadyWhenEveryLocalProcessSubmittedIt) {

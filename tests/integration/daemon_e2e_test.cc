@@ -76,6 +76,11 @@ void RunAndCompare(int n, int L, std::optional<bool> cache = std::nullopt, int r
     EXPECT_EQ(b.dense(), b.count() < kDenseFloor) << b.name();
     if (!b.dense()) {
       EXPECT_LE(b.mean_cre(), 0.05) << b.name();
+      // The daemon's memory for it: one residual (4 B an element) and O(k);
+      // several processes on a node are summed in place, adding nothing
+      // (before: a local sum of 4 B an element per bucket).
+      EXPECT_LE(static_cast<double>(b.state_bytes()) / static_cast<double>(b.count()), 5.5)
+          << b.name();
     }
     EXPECT_EQ(b.history_size(), 0) << "history only when asked for";
   }
@@ -190,6 +195,11 @@ TEST(DaemonEndToEnd, CoordinatorOnlyFourDaemonsOneProcessEach) { RunAndCompare(4
 // Half the nodes submit in the other order and later: the cycles agree on
 // partial sets and run the rest in later cycles, with the same results.
 TEST(DaemonEndToEnd, ResponseCacheNodesSubmittingInOtherOrders) { RunAndCompare(4, 1, true, 2); }
+// The same with two processes a node: passes begun during a cycle and
+// dropped leave the local sum (made in place, once) for the step's own.
+TEST(DaemonEndToEnd, ResponseCacheTwoProcessesSubmittingInOtherOrders) {
+  RunAndCompare(4, 2, true, 2);
+}
 // Small dense buckets not reduced by the cycle: a fused allreduce after it.
 TEST(DaemonEndToEnd, ResponseCacheWithoutCycleReductions) {
   RunAndCompare(3, 2, true, 1, {"--cycle_floats=0"});
