@@ -156,8 +156,9 @@ uint64_t BucketState::MemoryBytes(uint64_t d, int num_nodes, const SparsifyOptio
   if (options.sparsifier == SparsifierKind::kDense) return 0;
   const SparsifyOptions o = options.ForBucket(d);
   uint64_t floats = d;  // the residual
-  // The velocity, and its second buffer while a dense warm-up lasts.
-  if (o.momentum > 0) floats += o.warmup_steps > 0 ? 2 * d : d;
+  // The velocity (a dense warm-up computes the new one into the residual's
+  // buffer, all zero until the first sparse step).
+  if (o.momentum > 0) floats += d;
   if (o.sparsifier == SparsifierKind::kTopK) floats += d;  // the sums top-k selects from
   const uint64_t candidates = InitialCandidatesOf(d, num_nodes, o);
   return floats * sizeof(float) + candidates * (sizeof(uint32_t) + sizeof(float));
@@ -256,6 +257,11 @@ absl::Status BucketState::Load(const BucketCheckpoint& c) {
     RETURN_IF_ERROR(
         Check(ops_->CopyToDevice(residual_.get(), c.residual.data(), d * sizeof(float), stream_),
               "copy"));
+    residual_zero_ = std::all_of(c.residual.begin(), c.residual.end(), [](float x) {
+      uint32_t bits;
+      std::memcpy(&bits, &x, sizeof bits);
+      return bits == 0;
+    });
   }
   if (!c.velocity.empty()) {
     RETURN_IF_ERROR(
@@ -531,6 +537,7 @@ absl::Status BucketState::Commit(const kernels::FusedSelectArgs& pass, uint64_t 
     }
   }
   step_most_ = 0;
+  residual_zero_ = false;
   kernels::FusedSelectArgs commit = pass;
   commit.acc = residual_.get();  // in place
   commit.velocity_out = velocity_.get();
@@ -726,13 +733,15 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
   stats.dense = true;
   // Momentum correction during a dense warm-up: the nodes' velocities are
   // reduced instead of their gradients, which is momentum SGD on the average
-  // gradient; nothing was left behind to mask. The new velocity goes into the
-  // warm-up's second buffer, kept only once the step succeeds (as a sparse
-  // step's).
+  // gradient; nothing was left behind to mask. The new velocity is kept only
+  // once the step succeeds (as a sparse step's): it goes into the residual's
+  // buffer while the residual is all zero (a warm-up step neither reads nor
+  // writes it), which is zeroed again after, else into a second buffer.
   const bool momentum = options_.momentum > 0 && velocity_.ok();
+  const bool borrow = momentum && residual_zero_ && residual_.ok();
   const float* inputs[1] = {grad};
   if (momentum) {
-    if (!warmup_velocity_.ok()) {
+    if (!borrow && !warmup_velocity_.ok()) {
       warmup_velocity_.Reset(ops_, spec_.size);
       if (!warmup_velocity_.ok()) {
         return absl::ResourceExhaustedError(absl::StrCat("bucket '", spec_.name,
@@ -740,14 +749,33 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
                                                          spec_.size, " velocities"));
       }
     }
+    float* next = borrow ? residual_.get() : warmup_velocity_.get();
     RETURN_IF_ERROR(
-        Check(ops_->Momentum(grad, velocity_.get(), static_cast<float>(options_.momentum),
-                             warmup_velocity_.get(), spec_.size, stream_),
+        Check(ops_->Momentum(grad, velocity_.get(), static_cast<float>(options_.momentum), next,
+                             spec_.size, stream_),
               "momentum"));
-    inputs[0] = warmup_velocity_.get();
+    inputs[0] = next;
   }
+  absl::Status reduced = ReduceDense(inputs[0], update, transport, deadline, start, stats);
+  if (borrow) {
+    // The new velocity becomes the current one and the residual's buffer
+    // (then holding the old one, or the failed step's) zero again.
+    if (reduced.ok()) std::swap(velocity_, residual_);
+    absl::Status zeroed = Check(ops_->ZeroFloats(residual_.get(), spec_.size, stream_), "zeroing");
+    if (reduced.ok()) reduced = zeroed;
+  } else if (momentum && reduced.ok()) {
+    std::swap(velocity_, warmup_velocity_);
+  }
+  RETURN_IF_ERROR(reduced);
+  ++step_;
+  return stats;
+}
+
+absl::Status BucketState::ReduceDense(const float* input, float* update,
+                                      transport::Transport& transport, absl::Time deadline,
+                                      absl::Time start, StepStats& stats) {
   RETURN_IF_ERROR(
-      Check(ops_->LocalSum(inputs, 1, spec_.size, update, scalars_.get(), stream_), "copy"));
+      Check(ops_->LocalSum(&input, 1, spec_.size, update, scalars_.get(), stream_), "copy"));
   ASSIGN_OR_RETURN(const kernels::StepScalars scalars, ReadScalars());
   CollectiveOptions options;
   options.deadline = deadline;
@@ -775,10 +803,7 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
   stats.sum_of_counts = spec_.size;
   stats.local_selected = spec_.size;
   stats.apply_seconds = absl::ToDoubleSeconds(absl::Now() - apply_start);
-  // The new velocity becomes the current one; the residuals stay as they are.
-  if (momentum) std::swap(velocity_, warmup_velocity_);
-  ++step_;
-  return stats;
+  return absl::OkStatus();
 }
 
 }  // namespace microd::sparsify

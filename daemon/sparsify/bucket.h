@@ -196,6 +196,10 @@ class BucketState {
   absl::Status Commit(const kernels::FusedSelectArgs& pass, uint64_t K, float* update);
   absl::StatusOr<StepStats> StepDense(const float* grad, float* update, transport::Transport& t,
                                       absl::Time deadline);
+  // A dense step's exchange of `input` (the gradient, or the new velocity)
+  // into `update`: the copy, the checked headers, the averaging allreduce.
+  absl::Status ReduceDense(const float* input, float* update, transport::Transport& transport,
+                           absl::Time deadline, absl::Time start, StepStats& stats);
 
   const BucketSpec spec_;
   const JobShape job_;
@@ -212,8 +216,13 @@ class BucketState {
   DeviceBuffer<float> velocity_;
   // top-k only: the step's sums e + g, which the exact top-k selects from.
   DeviceBuffer<float> topk_sums_;
-  // The dense warm-up with momentum correction: the new velocity, kept once
-  // the step succeeds (swapped with velocity_); freed after the warm-up.
+  // True while every bit of the residual is zero: no sparse step committed
+  // (and no checkpoint loaded a nonzero one). The dense warm-up with
+  // momentum correction then computes the new velocity into the residual's
+  // buffer, which it does not use, and zeroes it again.
+  bool residual_zero_ = true;
+  // Else the warm-up's new velocity goes here, kept once the step succeeds
+  // (swapped with velocity_); freed after the warm-up.
   DeviceBuffer<float> warmup_velocity_;
   // A pass's selection: room for O(k) (initial_candidates_), grown by
   // SelectPass when a pass selects more, back to it by Commit once a step's

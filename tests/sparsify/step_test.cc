@@ -790,6 +790,49 @@ TEST_P(StepTest, NonFiniteGradientFailsEveryNodeAndChangesNothing) {
   }
 }
 
+// A NaN during the dense warm-up with momentum correction (whose new
+// velocity borrows the residual's buffer) fails the step and changes
+// nothing: the velocity as before, the residual zero; the steps after match
+// the reference.
+TEST(StepWarmUp, NonFiniteDuringTheDenseWarmUpChangesNothing) {
+  const int n = 3;
+  const uint64_t d = 3001;
+  SparsifyOptions o;
+  o.density = 0.01;
+  o.momentum = 0.9;
+  o.warmup_steps = 4;
+  Cluster cluster(n, n, d, o);
+  Reference ref(n, n, d, o);
+  std::vector<Vec> updates;
+  std::vector<StepStats> stats;
+  for (uint64_t t = 0; t < 8; ++t) {
+    const auto g = MakeGrads(n, d, t, 91);
+    if (t == 2) {
+      auto bad = g;
+      bad[2][7] = std::numeric_limits<float>::quiet_NaN();
+      std::vector<std::vector<float>> velocity;
+      for (int r = 0; r < n; ++r) velocity.push_back(cluster.bucket(r).Save()->velocity);
+      const auto status = cluster.Step(bad, updates, stats);
+      for (int r = 0; r < n; ++r) {
+        ASSERT_FALSE(status[r].ok()) << "node " << r;
+        EXPECT_TRUE(absl::StrContains(status[r].message(), "node 2")) << status[r];
+        ExpectBitEqual(cluster.bucket(r).Save()->velocity, velocity[r],
+                       "velocity after a failed warm-up step");
+        ExpectBitEqual(cluster.residual(r), Vec(d, 0.0f), "residual after a failed warm-up step");
+        EXPECT_EQ(cluster.bucket(r).step(), t);
+      }
+    }
+    for (const auto& s : cluster.Step(g, updates, stats)) ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(stats[0].dense, t < o.warmup_steps);
+    uint64_t K;
+    const Vec want = ref.Step(g, float(stats[0].threshold), &K);
+    for (int r = 0; r < n; ++r) {
+      ExpectBitEqual(updates[r], want, "update of node " + std::to_string(r));
+      ExpectBitEqual(cluster.residual(r), ref.residual(r), "residual of node " + std::to_string(r));
+    }
+  }
+}
+
 // A peer that lies (issue J): node 1's transport, wrapped, sends a count
 // larger than it can have selected, or indices outside what it selects from.
 // Every node fails the step with an error naming node 1, before anything is
@@ -1226,11 +1269,21 @@ class TightOps final : public kernels::SparseOps {
 TEST(StepMemory, TheBackendHoldsWhatTheBucketReports) {
   const int n = 4;
   const uint64_t d = 1000003;
-  for (double momentum : {0.0, 0.9}) {
-    SCOPED_TRACE(::testing::Message() << "momentum " << momentum);
+  struct Config {
+    double momentum;
+    uint64_t warmup_steps;
+  };
+  // The last: the defaults' dense warm-up with momentum correction, whose
+  // new velocity takes the residual's buffer (before: a second velocity, 4 B
+  // an element more for the warm-up's steps).
+  for (const Config cfg : {Config{0.0, 0}, Config{0.9, 0}, Config{0.9, 3}}) {
+    const double momentum = cfg.momentum;
+    SCOPED_TRACE(::testing::Message()
+                 << "momentum " << momentum << ", " << cfg.warmup_steps << " dense steps");
     SparsifyOptions o;
     o.density = 0.001;
     o.momentum = momentum;
+    o.warmup_steps = cfg.warmup_steps;
     auto group = transport::CreateInprocGroup(n);
     std::vector<std::unique_ptr<TightOps>> ops;
     std::vector<std::unique_ptr<BucketState>> buckets;
