@@ -3,7 +3,10 @@
 // processes of this node on a Unix socket and the Admin service over gRPC
 // (daemon.h). Every flag can also come from MICROD_<FLAG> in the environment
 // (flags.h; the command line wins).
+#include <malloc.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "absl/flags/usage.h"
@@ -27,6 +30,13 @@ int main(int argc, char** argv) {
       "microd: sidecar daemon averaging gradients with MiCRO sparsification.\n"
       "  node 0: microd --coordinator_listen=0.0.0.0:7470 --nodes=4 --local_size=1\n"
       "  others: microd --coordinator=node0:7470 --local_size=1");
+  // Large buffers (a step's indices and values, the transport's scratch)
+  // come and go with k, which changes step by step (the warm-up's decay):
+  // mapped from the system and returned on free, not kept in the heap,
+  // where glibc's rising threshold would hold the largest ever seen (2.5x
+  // the daemon's peak over a warm-up, docs/benchmarks.md). A user's
+  // MALLOC_MMAP_THRESHOLD_ wins.
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") == nullptr) mallopt(M_MMAP_THRESHOLD, 1 << 20);
   if (absl::Status s = microd::ApplyEnvironment(); !s.ok()) return Fatal(s, 2);
   microd::ParseCommandLine(argc, argv);
   if (absl::Status s = microd::ConfigureLog(); !s.ok()) {

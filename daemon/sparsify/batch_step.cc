@@ -530,8 +530,8 @@ absl::Status BatchStep::ReduceValues() {
     if (!it.alive()) continue;
     BucketState& b = *it.b;
     const uint64_t K = it.index.size();
-    if (!b.global_index_.Reserve(b.ops_, std::max<uint64_t>(K, 1)) ||
-        !b.values_.Reserve(b.ops_, std::max<uint64_t>(K, 1))) {
+    if (!b.global_index_.Fit(b.ops_, std::max<uint64_t>(K, 1)) ||
+        !b.values_.Fit(b.ops_, std::max<uint64_t>(K, 1))) {
       return absl::ResourceExhaustedError(
           absl::StrCat("bucket '", b.spec_.name, "': out of memory for ", K, " values"));
     }

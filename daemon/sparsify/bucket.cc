@@ -100,23 +100,31 @@ uint64_t SelectionBoundOf(uint64_t d, int num_nodes, const SparsifyOptions& o) {
   return 0;
 }
 
-// The candidates a bucket keeps room for at first, sized by k (the largest
-// budget of the schedule), not by d: the hist controller's lower bound keeps
-// about kCandidateMargin * k candidates over every node, and one node may
-// hold them all; twice that, and a floor for small buckets. top-k selects
+// The candidates a bucket keeps room for at a step of `density`, sized by
+// its k, not by d: the hist controller's lower bound keeps about
+// kCandidateMargin * k candidates over every node, and one node may hold
+// them all; twice that, and a floor for small buckets. top-k selects
 // exactly k. A pass that selects more grows the room (SelectPass).
-uint64_t InitialCandidatesOf(uint64_t d, int num_nodes, const SparsifyOptions& o) {
+uint64_t CandidatesOf(uint64_t d, int num_nodes, const SparsifyOptions& o, double density) {
   const uint64_t bound = SelectionBoundOf(d, num_nodes, o);
-  if (o.sparsifier == SparsifierKind::kTopK) return bound;
+  const uint64_t k = Budget(density, d);
+  if (o.sparsifier == SparsifierKind::kTopK) return std::max<uint64_t>(std::min(bound, k), 1);
   constexpr uint64_t kFloor = 1024;
-  const uint64_t k = Budget(std::max(o.density, o.warmup_density), d);
-  return std::min(bound, std::max(2 * HistogramController::kCandidateMargin * k, kFloor));
+  return std::max<uint64_t>(
+      std::min(bound, std::max(2 * HistogramController::kCandidateMargin * k, kFloor)), 1);
 }
 
 }  // namespace
 
 uint64_t BucketState::SelectionBound() const {
   return SelectionBoundOf(spec_.size, job_.num_nodes, options_);
+}
+
+uint64_t BucketState::RoomAt(uint64_t step) const {
+  // A dense warm-up step selects nothing: the first sparse step's room. The
+  // density only falls after it (the warm-up's decay).
+  const double density = options_.DensityAt(std::max(step, options_.warmup_steps));
+  return CandidatesOf(spec_.size, job_.num_nodes, options_, density);
 }
 
 absl::StatusOr<kernels::StepScalars> BucketState::SelectPass(kernels::FusedSelectArgs& args) {
@@ -130,7 +138,7 @@ absl::StatusOr<kernels::StepScalars> BucketState::SelectPass(kernels::FusedSelec
   };
   // A growth that ran out of memory left no room: the first room again.
   if (!candidate_index_.ok() || !candidate_value_.ok()) {
-    RETURN_IF_ERROR(make_room(initial_candidates_, initial_candidates_));
+    RETURN_IF_ERROR(make_room(RoomAt(step_), RoomAt(step_)));
   }
   for (int attempt = 0;; ++attempt) {
     args.out_index = candidate_index_.get();
@@ -160,7 +168,9 @@ uint64_t BucketState::MemoryBytes(uint64_t d, int num_nodes, const SparsifyOptio
   // buffer, all zero until the first sparse step).
   if (o.momentum > 0) floats += d;
   if (o.sparsifier == SparsifierKind::kTopK) floats += d;  // the sums top-k selects from
-  const uint64_t candidates = InitialCandidatesOf(d, num_nodes, o);
+  // The room of the first sparse step, the most (the warm-up's decay only
+  // lowers it).
+  const uint64_t candidates = CandidatesOf(d, num_nodes, o, o.DensityAt(o.warmup_steps));
   return floats * sizeof(float) + candidates * (sizeof(uint32_t) + sizeof(float));
 }
 
@@ -180,14 +190,14 @@ Range BucketState::SenderRange(int r) const {
 
 absl::Status BucketState::Allocate() {
   const uint64_t d = spec_.size;
-  initial_candidates_ = std::max<uint64_t>(InitialCandidatesOf(d, job_.num_nodes, options_), 1);
+  const uint64_t room = RoomAt(0);
   // One for the step's passes, then one per node for the check of its indices.
   scalars_.Reset(ops_, 1 + job_.num_nodes);
   bool ok = scalars_.ok();
   if (options_.sparsifier != SparsifierKind::kDense) {
     residual_.Reset(ops_, d);
-    candidate_index_.Reset(ops_, initial_candidates_);
-    candidate_value_.Reset(ops_, initial_candidates_);
+    candidate_index_.Reset(ops_, room);
+    candidate_value_.Reset(ops_, room);
     ok = ok && residual_.ok() && candidate_index_.ok() && candidate_value_.ok();
     if (options_.momentum > 0) {
       velocity_.Reset(ops_, d);
@@ -398,7 +408,7 @@ absl::StatusOr<uint64_t> BucketState::GatherIndices(const std::vector<Header>& h
   }
   stats.local_selected = headers[job_.node_rank].count;
   stats.sum_of_counts = total;
-  if (!global_index_.Reserve(ops_, std::max<uint64_t>(total, 1))) {
+  if (!global_index_.Fit(ops_, std::max<uint64_t>(total, 1))) {
     return absl::ResourceExhaustedError(
         absl::StrCat("bucket '", spec_.name, "': out of memory for ", total, " indices"));
   }
@@ -438,7 +448,7 @@ absl::StatusOr<uint64_t> BucketState::GatherIndices(const std::vector<Header>& h
 absl::Status BucketState::ReduceAndApply(uint64_t K, const kernels::FusedSelectArgs& pass,
                                          float* update, transport::Transport& transport,
                                          const CollectiveOptions& options, StepStats& stats) {
-  if (!values_.Reserve(ops_, std::max<uint64_t>(K, 1))) {
+  if (!values_.Fit(ops_, std::max<uint64_t>(K, 1))) {
     return absl::ResourceExhaustedError(
         absl::StrCat("bucket '", spec_.name, "': out of memory for ", K, " values"));
   }
@@ -447,7 +457,7 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, const kernels::FusedSelectA
   o.shape_agreed = true;  // K follows from the indices every node has
   const bool half_wire = spec_.wire != kernels::ElementType::kFloat32;
   if (half_wire) {
-    if (!wire_values_.Reserve(ops_, std::max<uint64_t>(K, 1))) {
+    if (!wire_values_.Fit(ops_, std::max<uint64_t>(K, 1))) {
       return absl::ResourceExhaustedError(
           absl::StrCat("bucket '", spec_.name, "': out of memory for ", K, " values"));
     }
@@ -525,12 +535,14 @@ kernels::FusedSelectArgs BucketState::PassArgs(const float* grad, float grad_sca
 
 absl::Status BucketState::Commit(const kernels::FusedSelectArgs& pass, uint64_t K, float* update) {
   // Room grown for steps that selected more (momentum correction's first
-  // steps, whose sums grow past the controller's last bound; a rescan) goes
-  // back to the first room once a step's passes fit it again. The candidates
-  // are scratch by now.
-  if (candidate_index_.size() > 2 * initial_candidates_ && step_most_ <= initial_candidates_) {
-    DeviceBuffer<uint32_t> index(ops_, initial_candidates_);
-    DeviceBuffer<float> value(ops_, initial_candidates_);
+  // steps, whose sums grow past the controller's last bound; a rescan), or
+  // kept for a denser step than the next (the warm-up's decay), goes back to
+  // the next step's room once this step's passes fit it. The candidates are
+  // scratch by now.
+  const uint64_t next = RoomAt(step_ + 1);
+  if (candidate_index_.size() > 2 * next && step_most_ <= next) {
+    DeviceBuffer<uint32_t> index(ops_, next);
+    DeviceBuffer<float> value(ops_, next);
     if (index.ok() && value.ok()) {  // else the larger room stays
       candidate_index_ = std::move(index);
       candidate_value_ = std::move(value);

@@ -144,6 +144,8 @@ class BucketState {
   // (its largest share: any partition, the bucket, top-k's budget).
   Range SenderRange(int r) const;
   uint64_t SelectionBound() const;
+  // The candidates' room for step `step` (by its density: O(k)).
+  uint64_t RoomAt(uint64_t step) const;
   // The pass (`args` as PassArgs gave them, range and threshold set) with
   // the candidate buffers as its outputs; when it selects more than they
   // hold, they grow to hold it all and the pass runs again. `args` keeps
@@ -224,12 +226,11 @@ class BucketState {
   // Else the warm-up's new velocity goes here, kept once the step succeeds
   // (swapped with velocity_); freed after the warm-up.
   DeviceBuffer<float> warmup_velocity_;
-  // A pass's selection: room for O(k) (initial_candidates_), grown by
-  // SelectPass when a pass selects more, back to it by Commit once a step's
-  // passes (step_most_: the most one selected) fit it again.
+  // A pass's selection: room for O(k) (RoomAt), grown by
+  // SelectPass when a pass selects more, back to the next step's (RoomAt) by
+  // Commit once a step's passes (step_most_: the most one selected) fit it.
   DeviceBuffer<uint32_t> candidate_index_;
   DeviceBuffer<float> candidate_value_;
-  uint64_t initial_candidates_ = 0;
   uint64_t step_most_ = 0;
   DeviceBuffer<uint32_t> global_index_;
   DeviceBuffer<float> values_;

@@ -1,6 +1,7 @@
 // An array of T in a SparseOps device's memory, freed on destruction.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <utility>
 
@@ -39,6 +40,15 @@ class DeviceBuffer {
     if (ptr_ != nullptr && count_ >= count) return true;
     Reset(ops, count + count / 2);
     return ptr_ != nullptr;
+  }
+
+  // Reserve, giving back first room far beyond `count` (over 4x it and over
+  // 4 Ki elements): for a step's K, which falls step by step through the
+  // warm-up's decay.
+  bool Fit(kernels::SparseOps* ops, size_t count) {
+    constexpr size_t kKeep = size_t{1} << 12;
+    if (ptr_ != nullptr && count_ > 4 * std::max(count, kKeep)) Release();
+    return Reserve(ops, count);
   }
 
   bool ok() const { return ptr_ != nullptr; }

@@ -1144,6 +1144,44 @@ TEST(StepMemory, RoomForCandidatesGrowsOnlyWhenAStepSelectsMore) {
   }
 }
 
+// Through the warm-up's decay (here from 25 % to 0.1 % over 10 steps) the
+// candidates' room and the step's index and value buffers follow k down:
+// after it the bucket holds what one that never warmed up holds (before:
+// the room of the densest step, a quarter of the bucket, and its indices
+// and values, for good). The bits match the reference throughout.
+TEST(StepMemory, TheWarmUpsDecayGivesItsRoomBack) {
+  const int n = 4;
+  const uint64_t d = 400009;
+  SparsifyOptions o;
+  o.density = 0.001;
+  o.warmup_density = 0.25;
+  o.warmup_decay_steps = 10;
+  Cluster cluster(n, n, d, o);
+  Reference ref(n, n, d, o);
+  std::vector<Vec> updates;
+  std::vector<StepStats> stats;
+  uint64_t most = 0;
+  for (uint64_t t = 0; t < 16; ++t) {
+    const auto g = MakeGrads(n, d, t, 23);
+    for (const auto& s : cluster.Step(g, updates, stats)) ASSERT_TRUE(s.ok()) << s;
+    uint64_t K = 0;
+    const Vec want = ref.Step(g, float(stats[0].threshold), &K);
+    for (int r = 0; r < n; ++r) {
+      ExpectBitEqual(updates[r], want, "update of node " + std::to_string(r));
+      ExpectBitEqual(cluster.residual(r), ref.residual(r), "residual of node " + std::to_string(r));
+    }
+    most = std::max(most, cluster.bucket(0).AllocatedBytes());
+  }
+  SparsifyOptions plain = o;
+  plain.warmup_density = 0;
+  plain.warmup_decay_steps = 0;
+  const uint64_t settled = BucketState::MemoryBytes(d, n, plain);
+  EXPECT_GT(most, settled + d);  // the densest steps' room: over 1 B an element
+  for (int r = 0; r < n; ++r) {
+    EXPECT_LE(cluster.bucket(r).AllocatedBytes(), settled + 64 * 1024) << "node " << r;
+  }
+}
+
 // The CPU backend, with allocations of more than `limit` bytes refused
 // while `refuse` is set (everything else passed through), counting the
 // bytes it holds: what the CUDA backend would hold in device memory (the

@@ -908,9 +908,12 @@ class GlooTransport final : public Transport {
     std::unique_ptr<char[]> bytes;
     size_t size = 0;
   };
+  // Far larger than asked (over 4x, and over 16 MiB: a dense warm-up's
+  // buckets, then sparse steps' values), it is given back: kept, it would
+  // hold the largest bucket's size for good.
   void* Scratch(size_t bytes, size_t lane = 0) {
     Scratchpad& s = scratch_[lane];
-    if (bytes > s.size) {
+    if (bytes > s.size || (s.size > (size_t{16} << 20) && bytes <= s.size / 4)) {
       s.bytes.reset(new char[bytes]);
       s.size = bytes;
     }
