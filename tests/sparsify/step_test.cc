@@ -290,6 +290,19 @@ class Cluster {
   std::vector<std::unique_ptr<BucketState>> buckets_;
 };
 
+// One step of every node with gradients `g`, checked bit for bit against
+// the reference: each node's update and residual.
+void StepLikeTheReference(Cluster& cluster, Reference& ref, const std::vector<Vec>& g,
+                          std::vector<Vec>& updates, std::vector<StepStats>& stats) {
+  for (const auto& s : cluster.Step(g, updates, stats)) ASSERT_TRUE(s.ok()) << s;
+  uint64_t K = 0;
+  const Vec want = ref.Step(g, float(stats[0].threshold), &K);
+  for (size_t r = 0; r < updates.size(); ++r) {
+    ExpectBitEqual(updates[r], want, "update of node " + std::to_string(r));
+    ExpectBitEqual(cluster.residual(r), ref.residual(r), "residual of node " + std::to_string(r));
+  }
+}
+
 struct Case {
   SparsifierKind sparsifier;
   ControllerKind controller;
@@ -822,14 +835,9 @@ TEST(StepWarmUp, NonFiniteDuringTheDenseWarmUpChangesNothing) {
         EXPECT_EQ(cluster.bucket(r).step(), t);
       }
     }
-    for (const auto& s : cluster.Step(g, updates, stats)) ASSERT_TRUE(s.ok()) << s;
+    StepLikeTheReference(cluster, ref, g, updates, stats);
+    if (::testing::Test::HasFatalFailure()) return;
     EXPECT_EQ(stats[0].dense, t < o.warmup_steps);
-    uint64_t K;
-    const Vec want = ref.Step(g, float(stats[0].threshold), &K);
-    for (int r = 0; r < n; ++r) {
-      ExpectBitEqual(updates[r], want, "update of node " + std::to_string(r));
-      ExpectBitEqual(cluster.residual(r), ref.residual(r), "residual of node " + std::to_string(r));
-    }
   }
 }
 
@@ -1123,15 +1131,9 @@ TEST(StepMemory, RoomForCandidatesGrowsOnlyWhenAStepSelectsMore) {
     uint64_t most = 0;
     for (uint64_t t = 0; t < 6; ++t) {
       const auto g = MakeGrads(n, d, t, 11);
-      for (const auto& s : cluster.Step(g, updates, stats)) ASSERT_TRUE(s.ok()) << s;
-      uint64_t K = 0;
-      const Vec want = ref.Step(g, float(stats[0].threshold), &K);
-      for (int r = 0; r < n; ++r) {
-        ExpectBitEqual(updates[r], want, "update of node " + std::to_string(r));
-        ExpectBitEqual(cluster.residual(r), ref.residual(r),
-                       "residual of node " + std::to_string(r));
-        most = std::max(most, stats[r].local_selected);
-      }
+      StepLikeTheReference(cluster, ref, g, updates, stats);
+      if (::testing::Test::HasFatalFailure()) return;
+      for (int r = 0; r < n; ++r) most = std::max(most, stats[r].local_selected);
     }
     // The step's index and value buffers (O(K), K about k = 400) aside.
     const uint64_t after = cluster.bucket(0).AllocatedBytes();
@@ -1163,13 +1165,8 @@ TEST(StepMemory, TheWarmUpsDecayGivesItsRoomBack) {
   uint64_t most = 0;
   for (uint64_t t = 0; t < 16; ++t) {
     const auto g = MakeGrads(n, d, t, 23);
-    for (const auto& s : cluster.Step(g, updates, stats)) ASSERT_TRUE(s.ok()) << s;
-    uint64_t K = 0;
-    const Vec want = ref.Step(g, float(stats[0].threshold), &K);
-    for (int r = 0; r < n; ++r) {
-      ExpectBitEqual(updates[r], want, "update of node " + std::to_string(r));
-      ExpectBitEqual(cluster.residual(r), ref.residual(r), "residual of node " + std::to_string(r));
-    }
+    StepLikeTheReference(cluster, ref, g, updates, stats);
+    if (::testing::Test::HasFatalFailure()) return;
     most = std::max(most, cluster.bucket(0).AllocatedBytes());
   }
   SparsifyOptions plain = o;
