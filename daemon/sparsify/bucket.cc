@@ -114,6 +114,13 @@ uint64_t CandidatesOf(uint64_t d, int num_nodes, const SparsifyOptions& o, doubl
       std::min(bound, std::max(2 * HistogramController::kCandidateMargin * k, kFloor)), 1);
 }
 
+// The room at step `step`: a dense warm-up step selects nothing, so the
+// first sparse step's room. The density only falls after it (the warm-up's
+// decay): step 0's room is the most a bucket ever starts a step with.
+uint64_t RoomOf(uint64_t d, int num_nodes, const SparsifyOptions& o, uint64_t step) {
+  return CandidatesOf(d, num_nodes, o, o.DensityAt(std::max(step, o.warmup_steps)));
+}
+
 }  // namespace
 
 uint64_t BucketState::SelectionBound() const {
@@ -121,10 +128,7 @@ uint64_t BucketState::SelectionBound() const {
 }
 
 uint64_t BucketState::RoomAt(uint64_t step) const {
-  // A dense warm-up step selects nothing: the first sparse step's room. The
-  // density only falls after it (the warm-up's decay).
-  const double density = options_.DensityAt(std::max(step, options_.warmup_steps));
-  return CandidatesOf(spec_.size, job_.num_nodes, options_, density);
+  return RoomOf(spec_.size, job_.num_nodes, options_, step);
 }
 
 absl::StatusOr<kernels::StepScalars> BucketState::SelectPass(kernels::FusedSelectArgs& args) {
@@ -138,7 +142,8 @@ absl::StatusOr<kernels::StepScalars> BucketState::SelectPass(kernels::FusedSelec
   };
   // A growth that ran out of memory left no room: the first room again.
   if (!candidate_index_.ok() || !candidate_value_.ok()) {
-    RETURN_IF_ERROR(make_room(RoomAt(step_), RoomAt(step_)));
+    const uint64_t room = RoomAt(step_);
+    RETURN_IF_ERROR(make_room(room, room));
   }
   for (int attempt = 0;; ++attempt) {
     args.out_index = candidate_index_.get();
@@ -168,9 +173,7 @@ uint64_t BucketState::MemoryBytes(uint64_t d, int num_nodes, const SparsifyOptio
   // buffer, all zero until the first sparse step).
   if (o.momentum > 0) floats += d;
   if (o.sparsifier == SparsifierKind::kTopK) floats += d;  // the sums top-k selects from
-  // The room of the first sparse step, the most (the warm-up's decay only
-  // lowers it).
-  const uint64_t candidates = CandidatesOf(d, num_nodes, o, o.DensityAt(o.warmup_steps));
+  const uint64_t candidates = RoomOf(d, num_nodes, o, 0);
   return floats * sizeof(float) + candidates * (sizeof(uint32_t) + sizeof(float));
 }
 

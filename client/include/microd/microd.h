@@ -184,8 +184,9 @@ MICROD_API microd_status microd_register_cuda_buffer(microd_client* client, cons
  * ticket done: the update is then in the buffer. After a failure (e.g.
  * MICROD_ERR_NONFINITE) on a node with several processes, local rank 0's
  * buffer may hold their sum rather than its own gradient (the daemon sums
- * them there). One submission per buffer may be pending at a time. A CUDA buffer is submitted as by
- * microd_allreduce_cuda_async with the legacy default stream. */
+ * them there). One submission per buffer may be pending at a time. A CUDA
+ * buffer is submitted as by microd_allreduce_cuda_async with the legacy
+ * default stream. */
 MICROD_API microd_status microd_allreduce_async(microd_client* client, int32_t buffer_id,
                                                 uint64_t* ticket);
 
