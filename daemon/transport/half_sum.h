@@ -3,8 +3,10 @@
 // that the collectives' templates pick these sums.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/convert.h"
 
@@ -50,6 +52,43 @@ inline void SumInRankOrder<Bf16>(const Bf16* c, size_t stride, int n, size_t len
 template <>
 inline void SumInRankOrder<F16>(const F16* c, size_t stride, int n, size_t len, F16* out) {
   SumHalvesInRankOrder(c, stride, n, len, out);
+}
+
+// The same sums, with rank r's contribution in `mine` (which receives the
+// sum) and the other n - 1 in `others`, in rank order without r (rank q at
+// others + (q < r ? q : q - 1) * stride): no copy of one's own part. The
+// same operations in the same order as SumInRankOrder, so the same bits.
+template <typename T>
+void SumInRankOrderInPlace(const T* others, size_t stride, int n, int r, size_t len, T* mine) {
+  constexpr bool kHalf = std::is_same_v<T, Bf16> || std::is_same_v<T, F16>;
+  using Acc = std::conditional_t<kHalf, float, T>;
+  auto load = [](const T& x) -> Acc {
+    if constexpr (kHalf) {
+      return T::Widen(x.bits);
+    } else {
+      return x;
+    }
+  };
+  constexpr size_t kTile = 512;
+  Acc acc[kTile];
+  for (size_t b = 0; b < len; b += kTile) {
+    const size_t m = std::min(kTile, len - b);
+    for (int q = 0; q < n; ++q) {
+      const T* in = q == r ? mine + b : others + (q < r ? q : q - 1) * stride + b;
+      if (q == 0) {
+        for (size_t i = 0; i < m; ++i) acc[i] = load(in[i]);
+      } else {
+        for (size_t i = 0; i < m; ++i) acc[i] += load(in[i]);
+      }
+    }
+    for (size_t i = 0; i < m; ++i) {
+      if constexpr (kHalf) {
+        mine[b + i].bits = T::Round(acc[i]);
+      } else {
+        mine[b + i] = acc[i];
+      }
+    }
+  }
 }
 
 }  // namespace microd::transport

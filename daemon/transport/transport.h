@@ -92,6 +92,9 @@ class Transport {
   // own (NCCL: each collective's completion, each descriptor round); 0 for
   // the host backends.
   virtual uint64_t host_waits() const { return 0; }
+  // Working memory the backend keeps between calls, in bytes (the Gloo
+  // backend's allreduce scratch); safe to read from any thread.
+  virtual uint64_t scratch_bytes() const { return 0; }
 
   // Every rank contributes `bytes` bytes; `out` (size() * bytes) receives rank
   // r's contribution at offset r * bytes.

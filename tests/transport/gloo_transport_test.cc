@@ -7,8 +7,10 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -19,8 +21,9 @@
 namespace microd::transport::testing {
 namespace {
 
-std::vector<std::unique_ptr<Transport>> CreateGlooGroup(int size, int io_nice = 0,
-                                                        int connections = 0) {
+std::vector<std::unique_ptr<Transport>> CreateGlooGroup(
+    int size, int io_nice = 0, int connections = 0,
+    std::optional<LinkModel> link_model = std::nullopt) {
   static control::InMemoryKeyValueStore store;
   static std::atomic<int> group_id{0};
   const std::string prefix = "group" + std::to_string(group_id++);
@@ -36,6 +39,7 @@ std::vector<std::unique_ptr<Transport>> CreateGlooGroup(int size, int io_nice = 
       o.timeout = absl::Seconds(30);
       o.io_nice = io_nice;
       o.connections = connections;
+      o.link_model = link_model;
       auto t = CreateGlooTransport(o);
       EXPECT_TRUE(t.ok()) << t.status();
       if (t.ok()) group[r] = std::move(t).value();
@@ -157,6 +161,57 @@ TEST(GlooTransportTest, DirectRoundsCountOneAndTheLinkModelIsShared) {
     });
     EXPECT_EQ(small, std::vector<uint64_t>(n, 1));
     EXPECT_EQ(spilled, std::vector<uint64_t>(n, 2));
+  }
+}
+
+// A large allreduce (several segments a chunk) keeps a few segments of
+// the other ranks' contributions, not a chunk's worth of each: a dense
+// bucket of 80 MB held 80 MB of scratch beside it, now at most 2 segments
+// of 6 MiB from all peers together (in step) or 3 of 8 MiB per peer
+// (receives posted ahead, on a long link); and the sums stay the
+// rank-order sums, bit for bit.
+TEST(GlooTransportTest, LargeSumsKeepAFewSegmentsOfScratch) {
+  constexpr size_t kCount = 20000003;  // 80 MB a rank
+  constexpr uint64_t kSegmentBytes = 8 << 20;
+  for (const bool long_link : {false, true}) {
+    for (int n : {2, 3}) {
+      std::optional<LinkModel> model;
+      if (long_link) {
+        model.emplace();
+        model->round_seconds = 0.01;  // posted ahead from 2 ms
+        model->posted_round_seconds = 0.005;
+      }
+      std::vector<std::unique_ptr<Transport>> group = CreateGlooGroup(n, 0, 1, model);
+      ASSERT_EQ(group.size(), size_t(n));
+      auto value = [](int q, size_t i) {
+        return (float(q) + 0.37f) * 1e-3f * float((i * 2654435761u) % 1000 + 1) * (q % 2 ? -1 : 1);
+      };
+      std::vector<uint64_t> scratch(n);
+      RunRanks(group, [&](int r, Transport& t) {
+        std::vector<float> f(kCount);
+        for (size_t i = 0; i < kCount; ++i) f[i] = value(r, i);
+        CollectiveOptions o;
+        o.deadline = absl::Now() + absl::Seconds(60);
+        o.tag = 5;
+        ASSERT_TRUE(t.AllreduceSum(f.data(), kCount, DataType::kFloat32, o).ok());
+        scratch[r] = t.scratch_bytes();
+        for (size_t i = 0; i < kCount; ++i) {
+          float want = value(0, i);
+          for (int q = 1; q < n; ++q) want += value(q, i);
+          ASSERT_EQ(0, std::memcmp(&f[i], &want, sizeof want))
+              << "rank " << r << " of " << n << " element " << i;
+        }
+      });
+      const uint64_t bound =
+          long_link ? 3 * (n - 1) * (kSegmentBytes + 4) + 4 : 2 * ((6 << 20) + (n - 1) * 4) + 4;
+      for (int r = 0; r < n; ++r) {
+        SCOPED_TRACE(::testing::Message()
+                     << n << " ranks, rank " << r << (long_link ? ", long link" : ", short link"));
+        EXPECT_GT(scratch[r], 0u);
+        EXPECT_LE(scratch[r], bound);
+        EXPECT_LE(scratch[r], kCount * sizeof(float) / 2 + 16);  // was kCount * 4
+      }
+    }
   }
 }
 

@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -89,8 +90,14 @@ constexpr size_t kRoundLengthBytes = sizeof(uint64_t);
 // No message of a round is longer (a peer's length past it is a bad peer).
 constexpr uint64_t kMaxRoundBytes = uint64_t{1} << 32;
 // Segments of the large allreduce: about this many bytes of a chunk each,
-// at most kMaxSegments (slot deltas are 8 bits).
+// at most kMaxSegments (slot deltas are 8 bits). On a long link (rounds
+// posted ahead, each costing a one-way trip) a segment is kSegmentBytes; in
+// step, what a rank receives of one segment from all its peers together is
+// kStepSegmentBytes (the scratch holds two such), at least
+// kMinSegmentBytes a peer.
 constexpr size_t kSegmentBytes = 8 << 20;
+constexpr size_t kStepSegmentBytes = 6 << 20;
+constexpr size_t kMinSegmentBytes = 1 << 20;
 constexpr size_t kMaxSegments = 64;
 // A link whose round (not posted ahead) takes this long gets several
 // connections per pair by default.
@@ -122,6 +129,7 @@ class GlooTransport final : public Transport {
   int rank() const override { return lanes_[0]->rank; }
   int size() const override { return lanes_[0]->size; }
   const char* name() const override { return "gloo"; }
+  uint64_t scratch_bytes() const override { return scratch_bytes_.load(); }
 
   absl::Status Allgather(const void* in, size_t bytes, void* out,
                          const CollectiveOptions& o) override {
@@ -782,15 +790,31 @@ class GlooTransport final : public Transport {
     const int r = rank();
     std::vector<size_t> chunk, offset;
     Chunks(count, n, &chunk, &offset);
-    // The same segment count on every rank (from count alone).
+    // The same segment count on every rank (from count and the link model,
+    // alike everywhere).
+    const bool ahead = model_.round_seconds >= kLongLinkSeconds;
+    const size_t segment_bytes =
+        ahead ? kSegmentBytes : std::max(kMinSegmentBytes, kStepSegmentBytes / (n - 1));
     const size_t chunk_bytes = (count / n) * sizeof(T);
     const int segments = static_cast<int>(
-        std::clamp<size_t>((chunk_bytes + kSegmentBytes - 1) / kSegmentBytes, 1, kMaxSegments));
+        std::clamp<size_t>((chunk_bytes + segment_bytes - 1) / segment_bytes, 1, kMaxSegments));
     auto seg_begin = [&](int j, int k) { return chunk[j] * k / segments; };
     auto seg_len = [&](int j, int k) { return seg_begin(j, k + 1) - seg_begin(j, k); };
-    // Scratch: per segment of my chunk, the n contributions side by side.
-    T* scratch = static_cast<T*>(Scratch(chunk[r] * n * sizeof(T) + sizeof(T), lane));
-    auto contributions = [&](int k) { return scratch + seg_begin(r, k) * n; };
+    // Scratch: the other n - 1 contributions to a segment of my chunk, side
+    // by side in one of `window` slots used in turn (my own stays in place).
+    // A segment's slot is free again once it is summed; in step, its
+    // receives are posted a round after the segment two back was summed; on
+    // a long link they are posted `window` segments ahead. So the scratch
+    // holds a few segments, not the chunk: a large dense bucket costs a
+    // fixed tile beyond itself.
+    const int window = std::min(segments, ahead ? 3 : 2);
+    const size_t slot_len = static_cast<size_t>(n - 1) * ((chunk[r] + segments - 1) / segments);
+    T* scratch = static_cast<T*>(Scratch(slot_len * window * sizeof(T) + sizeof(T), lane));
+    auto contributions = [&](int k) { return scratch + (k % window) * slot_len; };
+    // Where rank q's contribution to segment k goes in its slot.
+    auto place = [&](int q, int k) {
+      return static_cast<size_t>(q < r ? q : q - 1) * seg_len(r, k);
+    };
 
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     ActiveScope scope{this};
@@ -800,7 +824,7 @@ class GlooTransport final : public Transport {
     std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> parts(segments);
     for (int k = 0; k < segments; ++k) {
       const size_t len = seg_len(r, k);
-      parts[k] = Track(len > 0 ? contributions(k) : &dummy, len * n * sizeof(T), lane);
+      parts[k] = Track(len > 0 ? contributions(k) : &dummy, len * (n - 1) * sizeof(T), lane);
     }
     const gloo::Slot rs_slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
     const gloo::Slot ag_slot = gloo::Slot::build(kAllgatherSlotPrefix, tag);
@@ -819,57 +843,69 @@ class GlooTransport final : public Transport {
       for (int s = 1; s < n; ++s) rounds.push_back({k + 1 < segments ? k + 1 : -1, k, s});
     }
     if (lane == 0) CountRounds(rounds.size());  // the lanes' rounds run side by side
-    // Sums segment k of my chunk into place, in rank order (and divides it,
-    // for an average): every contribution is in.
-    auto sum = [&](int k) {
-      const size_t len = seg_len(r, k);
-      if (len == 0) return;
-      T* out = data + offset[r] + seg_begin(r, k);
-      SumInRankOrder(contributions(k), len, n, len, out);
-      Divide(out, len, divisor);
-    };
     // Round by round, every rank in step: Gloo sends only once the
     // receiver has posted the matching receive, and a rank posts the next
     // round's receives only when this round is done both ways.
-    // On a long link every round's receives are posted at once, before the
-    // first send: a receive's notice then reaches its sender rounds ahead,
-    // and each round costs a one-way trip instead of a round trip (Gloo
-    // sends only once the receiver has posted). On a short one the rounds
-    // stay in step (below): posted ahead, a rank done with round m sends
-    // round m + 1 into a receiver still taking round m from another, and
-    // the converging transfers stall TCP (1 Gbit/s, 0.3 ms round trips:
-    // 1.65-2.08 s instead of 1.31 s). Each receive has its own place, and
-    // the waits below count them round by round.
-    const bool ahead = model_.round_seconds >= kLongLinkSeconds;
-    auto post = [&](const Round& x) {
+    // On a long link the receives are posted ahead, before the first send
+    // (the allgather's all at once, the reduce-scatter's `window` segments
+    // ahead, as slots free up): a receive's notice then reaches its sender
+    // rounds ahead, and each round costs a one-way trip instead of a round
+    // trip (Gloo sends only once the receiver has posted). On a short one
+    // the rounds stay in step (below): posted ahead, a rank done with round
+    // m sends round m + 1 into a receiver still taking round m from
+    // another, and the converging transfers stall TCP (1 Gbit/s, 0.3 ms
+    // round trips: 1.65-2.08 s instead of 1.31 s). Each receive has its own
+    // place, and the waits below count them round by round.
+    auto post_rs = [&](const Round& x) {
       const int from = (r - x.s + n) % n;
       if (x.rs >= 0 && seg_len(r, x.rs) > 0) {
-        const size_t len = seg_len(r, x.rs);
-        parts[x.rs]->recv(from, rs_slot + static_cast<uint8_t>(x.rs), from * len * sizeof(T),
-                          len * sizeof(T));
+        parts[x.rs]->recv(from, rs_slot + static_cast<uint8_t>(x.rs), place(from, x.rs) * sizeof(T),
+                          seg_len(r, x.rs) * sizeof(T));
       }
+    };
+    auto post_ag = [&](const Round& x) {
+      const int from = (r - x.s + n) % n;
       if (x.ag >= 0 && seg_len(from, x.ag) > 0) {
         whole->recv(from, ag_slot + static_cast<uint8_t>(x.ag),
                     (offset[from] + seg_begin(from, x.ag)) * sizeof(T),
                     seg_len(from, x.ag) * sizeof(T));
       }
     };
+    // Ahead: the reduce-scatter receives of segment k, posted once segment
+    // k - window is summed (its slot free).
+    auto post_segment = [&](int k) {
+      if (k >= segments) return;
+      for (const Round& x : rounds) {
+        if (x.rs == k) post_rs(x);
+      }
+    };
+    // Sums segment k of my chunk into place, in rank order (and divides it,
+    // for an average): every contribution is in. Ahead, its
+    // slot then takes segment k + window's.
+    auto sum = [&](int k) {
+      const size_t len = seg_len(r, k);
+      if (len > 0) {
+        T* out = data + offset[r] + seg_begin(r, k);
+        SumInRankOrderInPlace(contributions(k), len, n, r, len, out);
+        Divide(out, len, divisor);
+      }
+      if (ahead) post_segment(k + window);
+    };
     if (ahead) {
-      for (const Round& x : rounds) post(x);
+      for (const Round& x : rounds) post_ag(x);
+      for (int k = 0; k < window; ++k) post_segment(k);
     }
     int summed = 0;
     for (const Round& x : rounds) {
       const int to = (r + x.s) % n;
       const int from = (r - x.s + n) % n;
-      if (!ahead) post(x);
+      if (!ahead) {
+        post_rs(x);
+        post_ag(x);
+      }
       int recvs_rs = 0, recvs_ag = 0, sends = 0;
       if (x.rs >= 0) {
         const size_t len = seg_len(r, x.rs);
-        if (x.s == 1 && len > 0) {
-          // My own contribution to this segment, beside the others'.
-          std::memcpy(contributions(x.rs) + r * len, data + offset[r] + seg_begin(r, x.rs),
-                      len * sizeof(T));
-        }
         if (len > 0) ++recvs_rs;
         if (seg_len(to, x.rs) > 0) {
           whole->send(to, rs_slot + static_cast<uint8_t>(x.rs),
@@ -914,8 +950,11 @@ class GlooTransport final : public Transport {
   void* Scratch(size_t bytes, size_t lane = 0) {
     Scratchpad& s = scratch_[lane];
     if (bytes > s.size || (s.size > (size_t{16} << 20) && bytes <= s.size / 4)) {
+      s.bytes.reset();
+      scratch_bytes_ -= s.size;
       s.bytes.reset(new char[bytes]);
       s.size = bytes;
+      scratch_bytes_ += bytes;
     }
     return s.bytes.get();
   }
@@ -928,6 +967,7 @@ class GlooTransport final : public Transport {
   // Rounds whose receives Expect posted, by tag (engine thread only).
   std::map<uint32_t, std::deque<std::unique_ptr<PostedRound>>> posted_;
   std::vector<Scratchpad> scratch_;
+  std::atomic<uint64_t> scratch_bytes_{0};  // over every lane's scratch
   absl::Mutex mu_;
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
   absl::Mutex active_mu_;
