@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "absl/types/span.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/status_map.h"
 #include "daemon/sparsify/round_message.h"
@@ -46,15 +47,20 @@ struct BatchStep::Item {
   uint64_t nonfinite = 0;
   float lower = 0;  // hist: the bound the candidates were selected with
   int rescans = 0;
-  std::vector<uint32_t> my_index;            // this node's, on the host
-  std::vector<float> my_value;               // hist: their values
+  // This node's selection (hist: its candidates' indices and values), read
+  // on the host: the bucket's own buffers on the CPU backend, else copies.
+  absl::Span<const uint32_t> my_index;
+  absl::Span<const float> my_value;  // hist only
+  std::vector<uint32_t> host_index;
+  std::vector<float> host_value;
   std::vector<uint32_t> my_bins, my_counts;  // hist: sparse coarse histogram
   std::vector<BucketState::Header> headers;  // every node's
   // hist: every node's sparse coarse histogram (from round 1 or a rescan).
   std::vector<std::vector<uint32_t>> bins, counts;
   HC::CoarsePlan plan;
-  std::vector<uint32_t> index;  // I, every node's selection in rank order
-  std::vector<float> values;    // v at I, summed over nodes
+  std::vector<uint32_t> index;  // I, every node's selection in rank order (until round 3)
+  uint64_t selected = 0;        // |I|
+  uint64_t values_at = 0;       // where v at I, summed over nodes, is in BatchStep::sums_
   double threshold = 0;
 
   bool alive() const { return failed.ok(); }
@@ -106,15 +112,25 @@ absl::Status BatchStep::Exchange(TagKind kind, std::string_view mine,
 
 absl::Status BatchStep::CopyCandidates(Item& it) {
   BucketState& b = *it.b;
-  it.my_index.resize(it.count);
-  RETURN_IF_ERROR(b.Check(b.ops_->CopyToHost(it.my_index.data(), b.candidate_index_.get(),
+  if (b.ops_->device() == kernels::Device::kCpu) {
+    // Host memory already: read in place (nothing writes the candidates
+    // before round 3, a rescan's pass aside, which comes back here).
+    it.my_index = absl::MakeConstSpan(b.candidate_index_.get(), it.count);
+    if (it.hist) it.my_value = absl::MakeConstSpan(b.candidate_value_.get(), it.count);
+    return absl::OkStatus();
+  }
+  it.host_index.resize(it.count);
+  RETURN_IF_ERROR(b.Check(b.ops_->CopyToHost(it.host_index.data(), b.candidate_index_.get(),
                                              it.count * sizeof(uint32_t), b.stream_),
                           "copy"));
+  it.my_index = it.host_index;
   if (!it.hist) return absl::OkStatus();
-  it.my_value.resize(it.count);
-  return b.Check(b.ops_->CopyToHost(it.my_value.data(), b.candidate_value_.get(),
-                                    it.count * sizeof(float), b.stream_),
-                 "copy");
+  it.host_value.resize(it.count);
+  RETURN_IF_ERROR(b.Check(b.ops_->CopyToHost(it.host_value.data(), b.candidate_value_.get(),
+                                             it.count * sizeof(float), b.stream_),
+                          "copy"));
+  it.my_value = it.host_value;
+  return absl::OkStatus();
 }
 
 absl::Status BatchStep::LocalCoarse(Item& it) {
@@ -409,31 +425,50 @@ absl::Status BatchStep::Rescans() {
 }
 
 std::string BatchStep::RoundTwo() {
-  RoundWriter w;
-  for (Item& it : items_) {
-    if (!it.hist || !it.alive()) continue;
-    // This node's candidates above the k-th value's coarse bin (all of
-    // them when every candidate is taken), then those in it with their
-    // fine sub-bin, each list in candidate order.
-    std::vector<uint32_t> above, in_bin;
+  // This node's candidates above the k-th value's coarse bin (all of them
+  // when every candidate is taken), then those in it with their fine
+  // sub-bin, each list in candidate order. The few in the bin are gathered
+  // first; those above (at a high density, most of the partition) are
+  // counted, then written straight into the message, sized exactly.
+  struct Lists {
+    uint64_t above = 0;
+    std::vector<uint32_t> in_bin;
     std::vector<uint8_t> sub;
+  };
+  std::vector<Lists> lists(items_.size());
+  size_t bytes = 0;
+  for (size_t i = 0; i < items_.size(); ++i) {
+    Item& it = items_[i];
+    if (!it.hist || !it.alive()) continue;
+    Lists& l = lists[i];
     const bool all = it.plan.kind == HC::CoarsePlan::kTakeAll;
     const uint32_t fine_first = it.plan.kth_coarse << (HC::kCoarseShift - HC::kFineShift);
     for (uint64_t j = 0; j < it.count; ++j) {
       const uint32_t bin = HC::CoarseBinOf(it.my_value[j]);
       if (all || bin > it.plan.kth_coarse) {
-        above.push_back(it.my_index[j]);
+        ++l.above;
       } else if (bin == it.plan.kth_coarse) {
-        in_bin.push_back(it.my_index[j]);
-        sub.push_back(static_cast<uint8_t>(HC::FineBinOf(it.my_value[j]) - fine_first));
+        l.in_bin.push_back(it.my_index[j]);
+        l.sub.push_back(static_cast<uint8_t>(HC::FineBinOf(it.my_value[j]) - fine_first));
       }
     }
+    bytes += 8 + l.above * sizeof(uint32_t) + l.in_bin.size() * (sizeof(uint32_t) + 1);
+  }
+  RoundWriter w;
+  w.Reserve(bytes);
+  for (size_t i = 0; i < items_.size(); ++i) {
+    Item& it = items_[i];
+    if (!it.hist || !it.alive()) continue;
+    const Lists& l = lists[i];
+    const bool all = it.plan.kind == HC::CoarsePlan::kTakeAll;
     const size_t before = w.size();
-    w.Put(static_cast<uint32_t>(above.size()));
-    w.PutArray(above.data(), above.size());
-    w.Put(static_cast<uint32_t>(in_bin.size()));
-    w.PutArray(in_bin.data(), in_bin.size());
-    w.PutArray(sub.data(), sub.size());
+    w.Put(static_cast<uint32_t>(l.above));
+    for (uint64_t j = 0; j < it.count; ++j) {
+      if (all || HC::CoarseBinOf(it.my_value[j]) > it.plan.kth_coarse) w.Put(it.my_index[j]);
+    }
+    w.Put(static_cast<uint32_t>(l.in_bin.size()));
+    w.PutArray(l.in_bin.data(), l.in_bin.size());
+    w.PutArray(l.sub.data(), l.sub.size());
     it.stats.bytes_sent += w.size() - before;
   }
   return w.Take();
@@ -441,9 +476,10 @@ std::string BatchStep::RoundTwo() {
 
 absl::Status BatchStep::ReadRoundTwo(const std::vector<std::string>& from) {
   const int n = transport_.size();
+  // Node r's lists, read in place in its message.
   struct Lists {
-    std::vector<uint32_t> above, in_bin;
-    std::vector<uint8_t> sub;
+    ArrayView<uint32_t> above, in_bin;
+    ArrayView<uint8_t> sub;
   };
   std::vector<std::vector<Lists>> got(items_.size(), std::vector<Lists>(n));
   for (int r = 0; r < n; ++r) {
@@ -453,10 +489,13 @@ absl::Status BatchStep::ReadRoundTwo(const std::vector<std::string>& from) {
       if (!it.hist || !it.alive()) continue;
       Lists& l = got[i][r];
       uint32_t a = 0, m = 0;
-      if (!in.Get(&a) || !in.GetArray(a, &l.above) || !in.Get(&m) || !in.GetArray(m, &l.in_bin) ||
-          !in.GetArray(m, &l.sub)) {
+      if (!in.Get(&a) || !in.GetView<uint32_t>(a, &l.above.at) || !in.Get(&m) ||
+          !in.GetView<uint32_t>(m, &l.in_bin.at) || !in.GetView<uint8_t>(m, &l.sub.at)) {
         return BadMessage(r, "round 2", it.b->spec_.name);
       }
+      l.above.n = a;
+      l.in_bin.n = m;
+      l.sub.n = m;
       // What node r sent agrees with the histogram it sent in round 1.
       uint64_t want_above = 0, want_in = 0;
       const bool all = it.plan.kind == HC::CoarsePlan::kTakeAll;
@@ -480,8 +519,9 @@ absl::Status BatchStep::ReadRoundTwo(const std::vector<std::string>& from) {
       std::vector<int64_t> fine(HC::kFineBins + 1, 0);
       uint64_t above = 0;
       for (int r = 0; r < n; ++r) {
-        above += got[i][r].above.size();
-        for (uint8_t s : got[i][r].sub) ++fine[s];
+        above += got[i][r].above.n;
+        const ArrayView<uint8_t>& sub = got[i][r].sub;
+        for (uint64_t j = 0; j < sub.n; ++j) ++fine[sub.Get(j)];
       }
       const uint32_t fine_first = it.plan.kth_coarse << (HC::kCoarseShift - HC::kFineShift);
       const HC::FineChoice c = HC::ChooseFine(fine, above, it.stats.budget, fine_first, it.lower);
@@ -490,12 +530,16 @@ absl::Status BatchStep::ReadRoundTwo(const std::vector<std::string>& from) {
     }
     it.stats.threshold = it.threshold;
     uint64_t total = 0;
+    uint64_t most = it.index.size();
+    for (int r = 0; r < n; ++r) most += got[i][r].above.n + got[i][r].in_bin.n;
+    it.index.reserve(most);
     for (int r = 0; r < n; ++r) {
-      Lists& l = got[i][r];
+      const Lists& l = got[i][r];
       const size_t before = it.index.size();
-      it.index.insert(it.index.end(), l.above.begin(), l.above.end());
-      for (size_t j = 0; j < l.in_bin.size(); ++j) {
-        if (l.sub[j] >= sub_bin) it.index.push_back(l.in_bin[j]);
+      it.index.resize(before + l.above.n);
+      l.above.CopyTo(it.index.data() + before);
+      for (uint64_t j = 0; j < l.in_bin.n; ++j) {
+        if (l.sub.Get(j) >= sub_bin) it.index.push_back(l.in_bin.Get(j));
       }
       const Range range = b.SenderRange(r);
       uint64_t outside = 0;
@@ -519,12 +563,18 @@ absl::Status BatchStep::ReadRoundTwo(const std::vector<std::string>& from) {
 
 absl::Status BatchStep::ReduceValues() {
   // This node's accumulated values at every selected index of every live
-  // bucket, one after another.
+  // bucket, one after another; summed in place. The host copies of the
+  // candidates and of I are dropped as I goes to the backend: at a high
+  // density (the warm-up's decay) each is a sizeable part of the bucket.
   uint64_t total = 0;
   for (Item& it : items_) {
+    it.my_index = {};
+    it.my_value = {};
+    std::vector<uint32_t>().swap(it.host_index);
+    std::vector<float>().swap(it.host_value);
     if (it.alive()) total += it.index.size();
   }
-  std::vector<float> mine(total);
+  sums_.assign(total, 0.0f);
   uint64_t at = 0;
   for (Item& it : items_) {
     if (!it.alive()) continue;
@@ -538,47 +588,46 @@ absl::Status BatchStep::ReduceValues() {
     RETURN_IF_ERROR(b.Check(b.ops_->CopyToDevice(b.global_index_.get(), it.index.data(),
                                                  K * sizeof(uint32_t), b.stream_),
                             "copy"));
+    std::vector<uint32_t>().swap(it.index);
+    it.selected = K;
+    it.values_at = at;
     RETURN_IF_ERROR(
         b.Check(b.ops_->GatherSum(it.pass, b.global_index_.get(), K, b.values_.get(), b.stream_),
                 "gather"));
-    RETURN_IF_ERROR(
-        b.Check(b.ops_->CopyToHost(mine.data() + at, b.values_.get(), K * sizeof(float), b.stream_),
-                "copy"));
+    RETURN_IF_ERROR(b.Check(
+        b.ops_->CopyToHost(sums_.data() + at, b.values_.get(), K * sizeof(float), b.stream_),
+        "copy"));
     it.stats.bytes_sent += K * sizeof(float);
     it.stats.bytes_received += K * sizeof(float);
     at += K;
   }
   const int n = transport_.size();
-  std::vector<float> sum(total);
   if (direct_values_) {
     // Every node's values to every peer, summed here in rank order: the
     // bits of the allreduce.
     std::vector<std::string> from;
-    const std::string_view bytes(reinterpret_cast<const char*>(mine.data()),
-                                 mine.size() * sizeof(float));
+    const std::string_view bytes(reinterpret_cast<const char*>(sums_.data()),
+                                 sums_.size() * sizeof(float));
     RETURN_IF_ERROR(Exchange(TagKind::kRound3, bytes, &from));
     for (int r = 0; r < n; ++r) {
       if (from[r].size() != total * sizeof(float)) {
         return BadMessage(r, "round 3", "(its values)");
       }
     }
-    if (total > 0) std::memcpy(sum.data(), from[0].data(), total * sizeof(float));
-    std::vector<float> theirs(total);
+    if (total > 0) std::memcpy(sums_.data(), from[0].data(), total * sizeof(float));
+    constexpr uint64_t kTile = 1024;  // the messages' bytes, read a tile at a time
+    float theirs[kTile];
     for (int r = 1; r < n; ++r) {
-      if (total > 0) std::memcpy(theirs.data(), from[r].data(), total * sizeof(float));
-      for (uint64_t j = 0; j < total; ++j) sum[j] += theirs[j];
+      for (uint64_t j = 0; j < total; j += kTile) {
+        const uint64_t m = std::min(kTile, total - j);
+        std::memcpy(theirs, from[r].data() + j * sizeof(float), m * sizeof(float));
+        for (uint64_t i = 0; i < m; ++i) sums_[j + i] += theirs[i];
+      }
     }
   } else {
-    sum = mine;
     CollectiveOptions o = Options(TagKind::kRound3);
     o.shape_agreed = true;  // the sizes follow from what every node received
-    RETURN_IF_ERROR(transport_.AllreduceSum(sum.data(), total, transport::DataType::kFloat32, o));
-  }
-  at = 0;
-  for (Item& it : items_) {
-    if (!it.alive()) continue;
-    it.values.assign(sum.begin() + at, sum.begin() + at + it.index.size());
-    at += it.index.size();
+    RETURN_IF_ERROR(transport_.AllreduceSum(sums_.data(), total, transport::DataType::kFloat32, o));
   }
   return absl::OkStatus();
 }
@@ -643,13 +692,13 @@ absl::StatusOr<StepStats> BatchStep::Finish(size_t i, float* update) {
   if (update == nullptr) return absl::InvalidArgumentError("batched step: null update");
   BucketState& b = *it.b;
   const absl::Time start = absl::Now();
-  const uint64_t K = it.index.size();
+  const uint64_t K = it.selected;
   // The state committed (e += g, zeroed at I), then the update: v / W at
   // I, zero elsewhere (it may be the gradient's buffer: after the commit).
   RETURN_IF_ERROR(b.Commit(it.pass, K, update));
-  RETURN_IF_ERROR(
-      b.Check(b.ops_->CopyToDevice(b.values_.get(), it.values.data(), K * sizeof(float), b.stream_),
-              "copy"));
+  RETURN_IF_ERROR(b.Check(b.ops_->CopyToDevice(b.values_.get(), sums_.data() + it.values_at,
+                                               K * sizeof(float), b.stream_),
+                          "copy"));
   RETURN_IF_ERROR(b.Check(b.ops_->ScatterAverage(b.values_.get(), b.global_index_.get(), K,
                                                  static_cast<float>(b.job_.world_size), update,
                                                  b.spec_.size, /*out_zeroed=*/true, b.stream_),

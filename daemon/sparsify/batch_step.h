@@ -100,6 +100,7 @@ class BatchStep {
   uint64_t rounds_ = 0;
   bool ran_ = false;
   bool direct_values_ = false;  // round 3 is a direct round (else an allreduce)
+  std::vector<float> sums_;     // round 3: the live buckets' values, summed over nodes
 };
 
 }  // namespace microd::sparsify

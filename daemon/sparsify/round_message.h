@@ -27,6 +27,7 @@ class RoundWriter {
     if (n > 0) bytes_.append(reinterpret_cast<const char*>(p), n * sizeof(T));
   }
   size_t size() const { return bytes_.size(); }
+  void Reserve(size_t bytes) { bytes_.reserve(bytes); }
   std::string Take() { return std::move(bytes_); }
 
  private:
@@ -54,11 +55,36 @@ class RoundReader {
     at_ += n * sizeof(T);
     return true;
   }
+  // The same, without a copy: `*at` points at the n elements in the
+  // message (unaligned: read them with memcpy, or ArrayView::Get).
+  template <typename T>
+  bool GetView(uint64_t n, const char** at) {
+    static_assert(std::is_trivially_copyable_v<T>, "plain fields only");
+    if (n > left() / sizeof(T)) return false;
+    *at = bytes_.data() + at_;
+    at_ += n * sizeof(T);
+    return true;
+  }
   size_t left() const { return bytes_.size() - at_; }
 
  private:
   std::string_view bytes_;
   size_t at_ = 0;
+};
+
+// n elements of a message read with GetView.
+template <typename T>
+struct ArrayView {
+  const char* at = nullptr;
+  uint64_t n = 0;
+  T Get(uint64_t j) const {
+    T v;
+    std::memcpy(&v, at + j * sizeof(T), sizeof(T));
+    return v;
+  }
+  void CopyTo(T* out) const {
+    if (n > 0) std::memcpy(out, at, n * sizeof(T));
+  }
 };
 
 }  // namespace microd::sparsify

@@ -523,8 +523,10 @@ class GlooTransport final : public Transport {
     const int n = size();
     const int r = rank();
     from->assign(n, std::string());
-    (*from)[r] = std::string(mine);
-    if (n == 1) return;
+    if (n == 1) {
+      (*from)[r] = std::string(mine);
+      return;
+    }
     const auto started = std::chrono::steady_clock::now();
     const auto deadline = started + timeout;
     std::unique_ptr<PostedRound> round;
@@ -591,6 +593,10 @@ class GlooTransport final : public Transport {
     for (int i = 0; i < sends; ++i) {
       if (!send->waitSend(deadline)) throw std::runtime_error("transport aborted");
     }
+    // This rank's own message: the one sent, less its length (no second
+    // copy of a message that can be tens of MB).
+    out.erase(0, kRoundLengthBytes);
+    (*from)[r] = std::move(out);
     CountRounds(spilled ? 2 : 1);
   }
 
