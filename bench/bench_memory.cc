@@ -50,6 +50,9 @@ ABSL_FLAG(std::string, daemon, "", "microd binary (default: the build's)");
 ABSL_FLAG(std::vector<std::string>, daemon_flags, {}, "daemons: more flags for every run");
 ABSL_FLAG(int, past_warmup_steps, 60,
           "daemons: rows of this many steps, past the default warm-up's dense steps (0: none)");
+ABSL_FLAG(int, dense_above_steps, 300,
+          "daemons: a row of this many steps with --warmup_dense_above=0.01, past the step "
+          "where the decay reaches 1 % (284 at 0.1 %; 0: none)");
 
 namespace {
 
@@ -246,6 +249,15 @@ int main(int argc, char** argv) {
     rows.push_back({absl::StrCat("defaults, ", past, " steps"), 1, {}, 1.15, past});
     rows.push_back(
         {absl::StrCat("--remedies=off, ", past, " steps"), 1, {"--remedies=off"}, 1.15, past});
+  }
+  // The decay's steps above 1 % run dense: the first sparse step is at 1 %.
+  const int dense_above = absl::GetFlag(FLAGS_dense_above_steps);
+  if (dense_above > 0) {
+    rows.push_back({absl::StrCat("--warmup_dense_above=0.01, ", dense_above, " steps"),
+                    1,
+                    {"--warmup_dense_above=0.01"},
+                    1.15,
+                    dense_above});
   }
   int daemon_missed = 0;
   for (const Row& row : rows) {

@@ -250,6 +250,7 @@ void DaemonImpl::FillStatus(const v1::GetStatusRequest& req, v1::GetStatusRespon
   r->set_warmup_steps(sparsify.warmup_steps);
   r->set_warmup_density(sparsify.warmup_density);
   r->set_warmup_decay_steps(sparsify.warmup_decay_steps);
+  r->set_warmup_dense_above(sparsify.warmup_dense_above);
   r->set_clip_norm(sparsify.clip_norm);
   r->set_min_k(sparsify.min_k);
   for (const std::string& line : remedies_) r->add_remedies(line);

@@ -78,6 +78,10 @@ ABSL_FLAG(uint64_t, warmup_steps, 0, "the first N steps of every bucket are dens
 ABSL_FLAG(double, warmup_density, 0.0,
           "then decay the density exponentially from this to --density (0: no decay)");
 ABSL_FLAG(uint64_t, warmup_decay_steps, 0, "length of the density decay, in steps");
+ABSL_FLAG(double, warmup_dense_above, 0.0,
+          "during the density decay, steps whose density is above this run dense: the daemon's "
+          "memory stays at the residual plus a fixed tile instead of growing with the density "
+          "(a dense step's bytes on the wire instead; 0: off)");
 ABSL_FLAG(uint64_t, min_k, 0,
           "a bucket whose budget at --density is below this many values per step is "
           "sparsified at the density that gives it this many (0: off, unless --remedies "
@@ -129,8 +133,8 @@ ABSL_FLAG(uint64_t, max_bytes_per_process, 0,
           "bytes of buffers (4 per element: the mapping or the daemon's fp32 copy) one training "
           "process may register (0: the daemon's memory budget, see --max_state_bytes)");
 ABSL_FLAG(uint64_t, max_state_bytes, 0,
-          "the most this node's bucket state (residuals, velocities, candidates, the local "
-          "sum) may take in the daemon's memory; a buffer whose bucket would take it past is "
+          "the most this node's bucket state (residuals, velocities, candidates) may take in "
+          "the daemon's memory; a buffer whose bucket would take it past is "
           "refused at registration, with the numbers (0: 80% of the memory limit of the "
           "daemon's cgroup, or of the machine's memory; no limit with --transport=nccl, whose "
           "state is on the GPU)");
@@ -181,6 +185,7 @@ absl::Status ReadSparsify(DaemonConfig* c) {
   o.warmup_steps = absl::GetFlag(FLAGS_warmup_steps);
   o.warmup_density = absl::GetFlag(FLAGS_warmup_density);
   o.warmup_decay_steps = absl::GetFlag(FLAGS_warmup_decay_steps);
+  o.warmup_dense_above = absl::GetFlag(FLAGS_warmup_dense_above);
   o.min_k = absl::GetFlag(FLAGS_min_k);
   // A dense job has no velocity to correct.
   o.momentum = o.sparsifier == sparsify::SparsifierKind::kDense

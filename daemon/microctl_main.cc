@@ -67,6 +67,9 @@ void PrintStatus(const microd::v1::GetStatusResponse& r) {
       r.momentum_correction(), static_cast<unsigned long long>(r.warmup_steps()),
       r.warmup_density(), r.density(), static_cast<unsigned long long>(r.warmup_decay_steps()),
       r.clip_norm(), static_cast<unsigned long long>(r.min_k()));
+  if (r.warmup_dense_above() > 0) {
+    std::printf("            decay steps above density %g run dense\n", r.warmup_dense_above());
+  }
   for (const auto& line : r.remedies()) std::printf("            %s\n", line.c_str());
   std::printf("socket      %s\n", r.socket().c_str());
   std::printf("version     %s, up %.0f s, %llu schedule batches run\n", r.version().c_str(),

@@ -28,6 +28,7 @@ absl::Status CheckOptionsAgree(transport::Transport& transport, const EngineOpti
       {"--warmup_steps", s.warmup_steps},
       {"--warmup_density", bits(s.warmup_density)},
       {"--warmup_decay_steps", s.warmup_decay_steps},
+      {"--warmup_dense_above", bits(s.warmup_dense_above)},
       {"--min_k", s.min_k},
       {"--dense_floor", o.dense_floor},
       {"--nonfinite", o.skip_nonfinite ? 1u : 0u},

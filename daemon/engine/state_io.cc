@@ -115,6 +115,8 @@ microd::v1::NodeCheckpoint Engine::CheckpointShape() const {
   o["--warmup_steps"] = absl::StrCat(s.warmup_steps);
   o["--warmup_density"] = num(s.warmup_density);
   o["--warmup_decay_steps"] = absl::StrCat(s.warmup_decay_steps);
+  // Only where set: states saved before the flag existed still load.
+  if (s.warmup_dense_above > 0) o["--warmup_dense_above"] = num(s.warmup_dense_above);
   o["--min_k"] = absl::StrCat(s.min_k);
   o["--dense_floor"] = absl::StrCat(options_.dense_floor);
   return c;

@@ -68,7 +68,7 @@ struct BatchStep::Item {
 
 bool BatchStep::Batchable(const BucketState& b) {
   const SparsifyOptions& o = b.options_;
-  if (b.step_ < o.warmup_steps || b.spec_.wire != kernels::ElementType::kFloat32) return false;
+  if (o.DenseAt(b.step_) || b.spec_.wire != kernels::ElementType::kFloat32) return false;
   switch (o.sparsifier) {
     case SparsifierKind::kMicro:
       return !b.controller_->WantsPrime();

@@ -118,7 +118,7 @@ uint64_t CandidatesOf(uint64_t d, int num_nodes, const SparsifyOptions& o, doubl
 // first sparse step's room. The density only falls after it (the warm-up's
 // decay): step 0's room is the most a bucket ever starts a step with.
 uint64_t RoomOf(uint64_t d, int num_nodes, const SparsifyOptions& o, uint64_t step) {
-  return CandidatesOf(d, num_nodes, o, o.DensityAt(std::max(step, o.warmup_steps)));
+  return CandidatesOf(d, num_nodes, o, o.DensityAt(o.SparseFrom(step)));
 }
 
 }  // namespace
@@ -312,9 +312,9 @@ absl::StatusOr<StepStats> BucketState::Step(const float* grad, float* update,
   const uint64_t rounds_before = transport.rounds();
   absl::StatusOr<StepStats> stats = absl::InternalError("unknown sparsifier");
   // The warm-up's second velocity is not needed past it.
-  if (step_ >= options_.warmup_steps && warmup_velocity_.ok())
-    warmup_velocity_ = DeviceBuffer<float>();
-  if (step_ < options_.warmup_steps) {
+  const bool dense = options_.DenseAt(step_);
+  if (!dense && warmup_velocity_.ok()) warmup_velocity_ = DeviceBuffer<float>();
+  if (dense) {
     stats = StepDense(grad, update, transport, deadline);
   } else {
     switch (options_.sparsifier) {

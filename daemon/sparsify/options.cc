@@ -66,6 +66,10 @@ absl::Status SparsifyOptions::Validate() const {
         absl::StrCat("warm-up density must be in [density, 1] with a positive decay length, got ",
                      warmup_density, " over ", warmup_decay_steps, " steps"));
   }
+  if (!(warmup_dense_above >= 0.0 && warmup_dense_above <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--warmup_dense_above must be a density in [0, 1], got ", warmup_dense_above));
+  }
   if (!(hard_threshold >= 0.0) || std::isinf(hard_threshold)) {
     return absl::InvalidArgumentError(
         absl::StrCat("hard threshold must be finite and >= 0, got ", hard_threshold));
@@ -118,6 +122,12 @@ std::vector<std::string> ApplyRemedies(const RemedySet& set, SparsifyOptions* o)
         "(--warmup_steps, --warmup_density, --warmup_decay_steps)",
         static_cast<unsigned long long>(o->warmup_steps), o->warmup_density, o->density,
         static_cast<unsigned long long>(o->warmup_decay_steps)));
+    if (o->warmup_dense_above > 0.0) {
+      applied.back() += absl::StrFormat(
+          "; its steps above density %g run dense, the first sparse one is step %llu "
+          "(--warmup_dense_above)",
+          o->warmup_dense_above, static_cast<unsigned long long>(o->SparseFrom(0)));
+    }
   }
   if (set.min_k && o->min_k == 0) {
     o->min_k = kMinK;
@@ -136,6 +146,25 @@ double SparsifyOptions::DensityAt(uint64_t t) const {
   if (warmup_density <= 0.0 || since >= warmup_decay_steps) return density;
   const double f = static_cast<double>(since) / static_cast<double>(warmup_decay_steps);
   return warmup_density * std::pow(density / warmup_density, f);
+}
+
+bool SparsifyOptions::DenseAt(uint64_t t) const {
+  if (t < warmup_steps) return true;
+  if (warmup_dense_above <= 0.0 || t - warmup_steps >= warmup_decay_steps) return false;
+  return DensityAt(t) > warmup_dense_above;
+}
+
+uint64_t SparsifyOptions::SparseFrom(uint64_t t) const {
+  if (!DenseAt(t)) return t;
+  // Dense steps are a prefix of the schedule: the first sparse one lies in
+  // (max(t, warmup_steps) - 1, the decay's end].
+  uint64_t lo = std::max(t, warmup_steps), hi = warmup_steps + warmup_decay_steps;
+  if (!DenseAt(lo)) return lo;
+  while (hi - lo > 1) {  // DenseAt(lo), !DenseAt(hi)
+    const uint64_t mid = lo + (hi - lo) / 2;
+    (DenseAt(mid) ? lo : hi) = mid;
+  }
+  return hi;
 }
 
 absl::Status JobShape::Validate() const {

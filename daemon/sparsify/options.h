@@ -47,6 +47,11 @@ struct SparsifyOptions {
   uint64_t warmup_steps = 0;
   double warmup_density = 0.0;
   uint64_t warmup_decay_steps = 0;
+  // During the decay, a step whose density is above this runs dense: a
+  // sparse step at density x holds its selection (candidates, indices and
+  // values: O(x d) bytes beside the residual), a dense one a fixed tile,
+  // at the cost of a dense step's bytes on the wire. 0: off.
+  double warmup_dense_above = 0.0;
   // A bucket whose budget at `density` would be below min_k elements is
   // sparsified at the density that gives it min_k (all of it if smaller):
   // at a few dozen values per step error feedback holds back most of the
@@ -55,6 +60,11 @@ struct SparsifyOptions {
 
   // Target density at step t of a bucket (before `warmup_steps`: 1).
   double DensityAt(uint64_t t) const;
+  // Whether step t is a dense step of the warm-up (before `warmup_steps`,
+  // or in the decay above `warmup_dense_above`).
+  bool DenseAt(uint64_t t) const;
+  // The first step at or after t that is not (the density only falls).
+  uint64_t SparseFrom(uint64_t t) const;
   // These options for a bucket of d elements: `density` (and a warm-up
   // density below it) raised where min_k asks for it.
   SparsifyOptions ForBucket(uint64_t d) const;

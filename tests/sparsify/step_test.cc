@@ -95,7 +95,7 @@ class Reference {
   Vec Step(const std::vector<Vec>& grads, float micro_threshold, uint64_t* K_out) {
     const std::vector<Vec>& raw = grads;  // as given (dense and warm-up steps)
     Vec u(d_, 0.0f);
-    if (o_.sparsifier == SparsifierKind::kDense || t_ < o_.warmup_steps) {
+    if (o_.sparsifier == SparsifierKind::kDense || o_.DenseAt(t_)) {
       // Dense (also during a dense warm-up: residual and threshold stay as
       // they are; with momentum correction the velocities are reduced, not
       // masked: momentum SGD on the average gradient).
@@ -310,7 +310,8 @@ struct Case {
   uint64_t warmup_steps = 0;
   double warmup_density = 0.0;  // decays to the density over 10 steps
   double clip_norm = 0.0;
-  int wire = 1;  // the selected values on the wire: 1 fp32, 2 bf16, 3 fp16
+  int wire = 1;              // the selected values on the wire: 1 fp32, 2 bf16, 3 fp16
+  double dense_above = 0.0;  // --warmup_dense_above
 };
 void PrintTo(const Case& c, std::ostream* os) {
   *os << SparsifierName(c.sparsifier) << "/" << ControllerName(c.controller) << "/m" << c.momentum
@@ -328,6 +329,7 @@ SparsifyOptions OptionsOf(const Case& c, double density) {
   o.warmup_steps = c.warmup_steps;
   o.warmup_density = c.warmup_density;
   o.warmup_decay_steps = c.warmup_density > 0 ? 10 : 0;
+  o.warmup_dense_above = c.dense_above;
   o.clip_norm = c.clip_norm;
   return o;
 }
@@ -387,33 +389,38 @@ TEST_P(StepTest, MatchesReferenceBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(
     Sparsifiers, StepTest,
-    ::testing::Values(Case{SparsifierKind::kMicro, ControllerKind::kPaper},
-                      Case{SparsifierKind::kMicro, ControllerKind::kHistogram},
-                      Case{SparsifierKind::kTopK, ControllerKind::kHistogram},
-                      Case{SparsifierKind::kHard, ControllerKind::kHistogram},
-                      Case{SparsifierKind::kDense, ControllerKind::kHistogram},
-                      Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9},
-                      Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.9},
-                      Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.5},
-                      Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9, 3},
-                      Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.0, 2, 0.25},
-                      // The shape of the defaults below 0.5 %: a dense warm-up,
-                      // then a decaying density, with momentum correction.
-                      Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.9, 2, 0.25},
-                      Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.0, 0, 0.25},
-                      Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9, 0, 0.0, 0.3},
-                      Case{SparsifierKind::kHard, ControllerKind::kHistogram, 0.0, 0, 0.0, 0.5},
-                      // --wire_dtype=bucket for bf16/fp16 buckets.
-                      Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.0, 0, 0.0, 0.0, 2},
-                      Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9, 0, 0.0, 0.0, 3},
-                      Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.0, 0, 0.0, 0.0, 2},
-                      Case{SparsifierKind::kHard, ControllerKind::kHistogram, 0.0, 0, 0.0, 0.0, 3}),
+    ::testing::Values(
+        Case{SparsifierKind::kMicro, ControllerKind::kPaper},
+        Case{SparsifierKind::kMicro, ControllerKind::kHistogram},
+        Case{SparsifierKind::kTopK, ControllerKind::kHistogram},
+        Case{SparsifierKind::kHard, ControllerKind::kHistogram},
+        Case{SparsifierKind::kDense, ControllerKind::kHistogram},
+        Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9},
+        Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.9},
+        Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.5},
+        Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9, 3},
+        Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.0, 2, 0.25},
+        // The shape of the defaults below 0.5 %: a dense warm-up,
+        // then a decaying density, with momentum correction.
+        Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.9, 2, 0.25},
+        Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.0, 0, 0.25},
+        Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9, 0, 0.0, 0.3},
+        Case{SparsifierKind::kHard, ControllerKind::kHistogram, 0.0, 0, 0.0, 0.5},
+        // --wire_dtype=bucket for bf16/fp16 buckets.
+        Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.0, 0, 0.0, 0.0, 2},
+        Case{SparsifierKind::kMicro, ControllerKind::kPaper, 0.9, 0, 0.0, 0.0, 3},
+        Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.0, 0, 0.0, 0.0, 2},
+        Case{SparsifierKind::kHard, ControllerKind::kHistogram, 0.0, 0, 0.0, 0.0, 3},
+        // --warmup_dense_above: the decay's first steps dense.
+        Case{SparsifierKind::kMicro, ControllerKind::kHistogram, 0.9, 2, 0.5, 0.0, 1, 0.2},
+        Case{SparsifierKind::kTopK, ControllerKind::kHistogram, 0.0, 0, 0.5, 0.0, 1, 0.2}),
     [](const auto& info) {
       return std::string(SparsifierName(info.param.sparsifier)) + "_" +
              ControllerName(info.param.controller) + (info.param.momentum > 0 ? "_momentum" : "") +
              (info.param.warmup_steps > 0 ? "_warmup" : "") +
              (info.param.warmup_density > 0 ? "_schedule" : "") +
              (info.param.clip_norm > 0 ? "_clip" : "") +
+             (info.param.dense_above > 0 ? "_denseabove" : "") +
              (info.param.wire == 2   ? "_wirebf16"
               : info.param.wire == 3 ? "_wirefp16"
                                      : "");
@@ -535,6 +542,63 @@ TEST(StepMinK, ASmallBucketGetsMinKValuesPerStep) {
   warm.warmup_density = 0.01;
   warm.warmup_decay_steps = 10;
   EXPECT_EQ(warm.ForBucket(20011).warmup_density, warm.ForBucket(20011).density);
+}
+
+// --warmup_dense_above: the decay's steps above the mark are dense, a
+// prefix of the schedule; past the decay every step is sparse, whatever the
+// density; the room a bucket starts with is the first sparse step's.
+TEST(WarmUpDenseAbove, DecayStepsAboveTheMarkAreDense) {
+  auto all = ParseRemedies("auto");
+  ASSERT_TRUE(all.ok());
+  SparsifyOptions o;
+  o.density = 0.001;
+  ApplyRemedies(*all, &o);  // 50 dense steps, then 25 % -> 0.1 % over 399
+  ASSERT_EQ(o.warmup_decay_steps, 399u);
+  EXPECT_EQ(o.SparseFrom(0), 50u);  // the mark off: only the dense steps
+  EXPECT_FALSE(o.DenseAt(50));
+  o.warmup_dense_above = 0.01;
+  ASSERT_TRUE(o.Validate().ok());
+  // 0.25 * 0.004^(i / 399) <= 0.01 from i = 233 (399 * ln 25 / ln 250 = 232.6).
+  for (uint64_t t : {0, 49, 50, 51, 200, 282}) EXPECT_TRUE(o.DenseAt(t)) << t;
+  for (uint64_t t : {283, 284, 448, 449, 100000}) EXPECT_FALSE(o.DenseAt(t)) << t;
+  EXPECT_GT(o.DensityAt(282), 0.01);
+  EXPECT_LE(o.DensityAt(283), 0.01);
+  for (uint64_t t : {0, 1, 50, 282, 283}) EXPECT_EQ(o.SparseFrom(t), 283u) << t;
+  EXPECT_EQ(o.SparseFrom(300), 300u);
+  // The remedy's line says so.
+  SparsifyOptions said;
+  said.density = 0.001;
+  said.warmup_dense_above = 0.01;
+  const std::vector<std::string> lines = ApplyRemedies(*all, &said);
+  ASSERT_FALSE(lines.empty());
+  EXPECT_TRUE(absl::StrContains(lines[0],
+                                "above density 0.01 run dense, the first sparse one "
+                                "is step 283"))
+      << lines[0];
+  // A target above the mark: dense through the decay, sparse after it.
+  SparsifyOptions high;
+  high.density = 0.05;
+  high.warmup_density = 0.5;
+  high.warmup_decay_steps = 10;
+  high.warmup_dense_above = 0.1;
+  // 0.5 * 0.1^(t / 10) > 0.1 up to t = 6 (0.5 * 0.1^0.7 = 0.0998).
+  EXPECT_TRUE(high.DenseAt(0));
+  EXPECT_TRUE(high.DenseAt(6));
+  EXPECT_FALSE(high.DenseAt(7));
+  EXPECT_EQ(high.SparseFrom(0), 7u);
+  EXPECT_FALSE(high.DenseAt(10));
+  EXPECT_FALSE(high.DenseAt(1000));
+  // A target above the mark itself: sparse once the decay is over.
+  high.warmup_dense_above = 0.01;
+  EXPECT_TRUE(high.DenseAt(9));
+  EXPECT_FALSE(high.DenseAt(10));
+  EXPECT_EQ(high.SparseFrom(3), 10u);
+  // Out of range.
+  for (double bad : {-0.1, 1.5, std::nan("")}) {
+    SparsifyOptions b = o;
+    b.warmup_dense_above = bad;
+    EXPECT_FALSE(b.Validate().ok()) << bad;
+  }
 }
 
 // --remedies: below kRemedyDensity the daemon fills in the warm-up and the
