@@ -74,6 +74,8 @@ void PrintStatus(const microd::v1::GetStatusResponse& r) {
   std::printf("socket      %s\n", r.socket().c_str());
   std::printf("version     %s, up %.0f s, %llu schedule batches run\n", r.version().c_str(),
               r.uptime_seconds(), static_cast<unsigned long long>(r.batches()));
+  std::printf("transport   %s of scratch beside the buckets' state\n",
+              Bytes(static_cast<double>(r.transport_scratch_bytes())).c_str());
   if (r.response_cache()) {
     std::printf(
         "cache       on, %llu batches agreed between the daemons, %llu bucket steps "

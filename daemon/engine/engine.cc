@@ -305,6 +305,7 @@ EngineSnapshot Engine::Snapshot(bool with_history) const {
   s.batches = state_.batches;
   s.cache_batches = state_.cache_batches;
   s.cycle_reductions = state_.cycle_reductions;
+  s.transport_scratch_bytes = transport_ != nullptr ? transport_->scratch_bytes() : 0;
   s.buckets = state_.table.Stats(with_history);
   return s;
 }

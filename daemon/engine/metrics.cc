@@ -92,6 +92,9 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
   gauge("microd_processes", "training processes connected to this daemon", st.processes_size());
   gauge("microd_stalls", "buckets the stall inspector reports", st.stalls_size());
   gauge("microd_uptime_seconds", "seconds since the daemon started", st.uptime_seconds());
+  gauge("microd_transport_scratch_bytes",
+        "the transport's working memory beside the buckets' state (allreduce scratch)",
+        static_cast<double>(st.transport_scratch_bytes()));
   {
     MetricFamily f =
         Family("microd_batches_total", "batches run, by how they were agreed", MetricType::Counter);

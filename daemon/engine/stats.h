@@ -91,9 +91,10 @@ struct BucketStats {
 struct EngineSnapshot {
   std::string failure;  // empty while healthy
   std::vector<BucketStats> buckets;
-  uint64_t batches = 0;           // schedule batches run
-  uint64_t cache_batches = 0;     // batches of cached buckets agreed over the data plane
-  uint64_t cycle_reductions = 0;  // bucket steps reduced by the cycle itself
+  uint64_t batches = 0;                  // schedule batches run
+  uint64_t cache_batches = 0;            // batches of cached buckets agreed over the data plane
+  uint64_t cycle_reductions = 0;         // bucket steps reduced by the cycle itself
+  uint64_t transport_scratch_bytes = 0;  // the transport's working memory (not a bucket's)
 };
 
 }  // namespace microd::engine

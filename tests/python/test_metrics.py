@@ -90,6 +90,7 @@ def test_metrics_match_microctl(make_cluster):
                    sparsifier="micro", controller="hist") == 1
         assert one("microd_batches_total", kind="schedule") == int(status["batches"])
         assert one("microd_batches_total", kind="cache") == int(status["cacheBatches"])
+        assert one("microd_transport_scratch_bytes") == int(status.get("transportScratchBytes", 0))
         by_name = {b["name"]: b for b in status["buckets"]}
         assert set(by_name) == {"big", "small"}
         # The daemon's memory for each: a sparse bucket's residual and
