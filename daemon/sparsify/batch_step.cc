@@ -489,13 +489,10 @@ absl::Status BatchStep::ReadRoundTwo(const std::vector<std::string>& from) {
       if (!it.hist || !it.alive()) continue;
       Lists& l = got[i][r];
       uint32_t a = 0, m = 0;
-      if (!in.Get(&a) || !in.GetView<uint32_t>(a, &l.above.at) || !in.Get(&m) ||
-          !in.GetView<uint32_t>(m, &l.in_bin.at) || !in.GetView<uint8_t>(m, &l.sub.at)) {
+      if (!in.Get(&a) || !in.GetView(a, &l.above) || !in.Get(&m) || !in.GetView(m, &l.in_bin) ||
+          !in.GetView(m, &l.sub)) {
         return BadMessage(r, "round 2", it.b->spec_.name);
       }
-      l.above.n = a;
-      l.in_bin.n = m;
-      l.sub.n = m;
       // What node r sent agrees with the histogram it sent in round 1.
       uint64_t want_above = 0, want_in = 0;
       const bool all = it.plan.kind == HC::CoarsePlan::kTakeAll;

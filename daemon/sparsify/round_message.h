@@ -34,6 +34,21 @@ class RoundWriter {
   std::string bytes_;
 };
 
+// n elements of a message, read in place (unaligned: through memcpy).
+template <typename T>
+struct ArrayView {
+  const char* at = nullptr;
+  uint64_t n = 0;
+  T Get(uint64_t j) const {
+    T v;
+    std::memcpy(&v, at + j * sizeof(T), sizeof(T));
+    return v;
+  }
+  void CopyTo(T* out) const {
+    if (n > 0) std::memcpy(out, at, n * sizeof(T));
+  }
+};
+
 class RoundReader {
  public:
   explicit RoundReader(std::string_view bytes) : bytes_(bytes) {}
@@ -55,13 +70,13 @@ class RoundReader {
     at_ += n * sizeof(T);
     return true;
   }
-  // The same, without a copy: `*at` points at the n elements in the
-  // message (unaligned: read them with memcpy, or ArrayView::Get).
+  // The same, without a copy: `out` views the n elements in the message.
   template <typename T>
-  bool GetView(uint64_t n, const char** at) {
+  bool GetView(uint64_t n, ArrayView<T>* out) {
     static_assert(std::is_trivially_copyable_v<T>, "plain fields only");
     if (n > left() / sizeof(T)) return false;
-    *at = bytes_.data() + at_;
+    out->at = bytes_.data() + at_;
+    out->n = n;
     at_ += n * sizeof(T);
     return true;
   }
@@ -70,21 +85,6 @@ class RoundReader {
  private:
   std::string_view bytes_;
   size_t at_ = 0;
-};
-
-// n elements of a message read with GetView.
-template <typename T>
-struct ArrayView {
-  const char* at = nullptr;
-  uint64_t n = 0;
-  T Get(uint64_t j) const {
-    T v;
-    std::memcpy(&v, at + j * sizeof(T), sizeof(T));
-    return v;
-  }
-  void CopyTo(T* out) const {
-    if (n > 0) std::memcpy(out, at, n * sizeof(T));
-  }
 };
 
 }  // namespace microd::sparsify
