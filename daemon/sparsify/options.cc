@@ -66,6 +66,14 @@ absl::Status SparsifyOptions::Validate() const {
         absl::StrCat("warm-up density must be in [density, 1] with a positive decay length, got ",
                      warmup_density, " over ", warmup_decay_steps, " steps"));
   }
+  if (warmup_density == 0.0 && warmup_decay_steps > 0) {
+    // Without a start density there is nothing to decay from: the flag
+    // would do nothing, and with --remedies=auto it would also have kept
+    // the default warm-up off.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a density decay of ", warmup_decay_steps,
+        " steps needs a start density (--warmup_density); without one it does nothing"));
+  }
   if (!(warmup_dense_above >= 0.0 && warmup_dense_above <= 1.0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--warmup_dense_above must be a density in [0, 1], got ", warmup_dense_above));

@@ -650,6 +650,16 @@ TEST(Remedies, FillInOnlyWhatTheFlagsLeaveUnset) {
   EXPECT_EQ(floor_only.warmup_steps, 0u);
   EXPECT_EQ(floor_only.min_k, kMinK);
 
+  // A decay length alone decays nothing: refused, not silently a no-op
+  // (and not a way to lose the default warm-up unawares).
+  SparsifyOptions decay_only;
+  decay_only.density = 0.001;
+  decay_only.warmup_decay_steps = 200;
+  EXPECT_TRUE(ApplyRemedies(*all, &decay_only).size() == 1u);  // min_k only
+  const absl::Status refused = decay_only.Validate();
+  EXPECT_FALSE(refused.ok());
+  EXPECT_TRUE(absl::StrContains(refused.message(), "--warmup_density")) << refused;
+
   auto bad = ParseRemedies("warmup,clipping");
   ASSERT_FALSE(bad.ok());
   EXPECT_TRUE(absl::StrContains(bad.status().message(), "clipping")) << bad.status();
