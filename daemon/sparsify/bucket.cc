@@ -218,6 +218,25 @@ absl::Status BucketState::Allocate() {
   return absl::OkStatus();
 }
 
+absl::Status BucketState::SetJob(const JobShape& job) {
+  if (absl::Status s = job.Validate(); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("bucket '", spec_.name, "': ", s.message()));
+  }
+  if (job.num_nodes != job_.num_nodes) {
+    // The per-node scalars (one per node's index check) are sized by n;
+    // the candidates' room follows on its own (SelectPass grows it,
+    // Commit gives it back).
+    DeviceBuffer<kernels::StepScalars> scalars(ops_, 1 + job.num_nodes);
+    if (!scalars.ok()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("bucket '", spec_.name, "': out of memory for ", job.num_nodes, " nodes"));
+    }
+    scalars_ = std::move(scalars);
+  }
+  job_ = job;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<BucketCheckpoint> BucketState::Save() const {
   BucketCheckpoint c;
   c.step = step_;

@@ -93,6 +93,14 @@ class BucketState {
   absl::StatusOr<StepStats> Step(const float* grad, float* update, transport::Transport& transport,
                                  absl::Time deadline);
 
+  // A new membership (an elastic job's next epoch): the state this node
+  // holds goes on unchanged (e, the velocity, t, the threshold, k), and
+  // from the next step the partitions are cut for job.num_nodes and this
+  // node owns ((t + job.node_rank) mod n). Between steps only. An error
+  // (a bad shape, no memory) changes nothing.
+  absl::Status SetJob(const JobShape& job);
+  const JobShape& job() const { return job_; }
+
   const BucketSpec& spec() const { return spec_; }
   uint64_t step() const { return step_; }
   uint64_t budget() const { return k_; }
@@ -204,7 +212,7 @@ class BucketState {
                            absl::Time deadline, absl::Time start, StepStats& stats);
 
   const BucketSpec spec_;
-  const JobShape job_;
+  JobShape job_;
   const SparsifyOptions options_;
   kernels::SparseOps* const ops_;
   void* const stream_ = nullptr;

@@ -201,8 +201,23 @@ class Reference {
   const Vec& residual(int r) const { return e_[r]; }
   double tau() const { return tau_; }
 
+  // An elastic job's next epoch: nodes `kept` (old ranks, in their order)
+  // go on as nodes 0..m-1 of a job of W processes, each with the residual
+  // and velocity it held; t and the threshold go on.
+  void Keep(const std::vector<int>& kept, int W) {
+    std::vector<Vec> e, m;
+    for (int r : kept) {
+      e.push_back(e_[r]);
+      m.push_back(m_[r]);
+    }
+    e_ = std::move(e);
+    m_ = std::move(m);
+    n_ = static_cast<int>(kept.size());
+    W_ = W;
+  }
+
  private:
-  const int n_, W_;
+  int n_, W_;
   const uint64_t d_;
   const int wire_;
   const SparsifyOptions o_;
@@ -264,6 +279,26 @@ class Cluster {
     const float* e = buckets_[r]->residual();
     return Vec(e, e + d_);
   }
+
+  // The nodes `kept` (old ranks, ascending) go on as a job of their number
+  // with W processes: a new transport among them, each bucket told its new
+  // rank (BucketState::SetJob); the others are dropped, state and all.
+  void Keep(const std::vector<int>& kept, int W) {
+    const int m = static_cast<int>(kept.size());
+    std::vector<std::unique_ptr<kernels::SparseOps>> ops;
+    std::vector<std::unique_ptr<BucketState>> buckets;
+    for (int i = 0; i < m; ++i) {
+      ops.push_back(std::move(ops_[kept[i]]));
+      buckets.push_back(std::move(buckets_[kept[i]]));
+      const absl::Status s = buckets.back()->SetJob({m, i, W});
+      ASSERT_TRUE(s.ok()) << s;
+    }
+    buckets_ = std::move(buckets);  // before ops_: a bucket frees into its backend
+    ops_ = std::move(ops);
+    group_ = transport::CreateInprocGroup(m);
+    n_ = m;
+    W_ = W;
+  }
   BucketState& bucket(int r) { return *buckets_[r]; }
 
   // As a restarted job: every node saves its state, fresh states are made
@@ -280,8 +315,8 @@ class Cluster {
   }
 
  private:
-  const int n_;
-  const int W_;
+  int n_;
+  int W_;
   const uint64_t d_;
   const SparsifyOptions o_;
   const BucketSpec spec_;
@@ -385,6 +420,63 @@ TEST_P(StepTest, MatchesReferenceBitForBit) {
       }
     }
   }
+}
+
+// An elastic job's epochs: 4 nodes, then node 2 lost (0, 1, 3 go on as
+// 0, 1, 2), then the new node 1 lost (0 and 2 go on as 0 and 1). Each epoch
+// re-cuts the partitions for its node count; the survivors keep their
+// residuals, velocities, t and threshold: bit for bit the reference of
+// their number, started from what they held (the lost nodes' residuals are
+// lost with them).
+TEST_P(StepTest, SurvivorsOfLostNodesGoOnAsAJobOfTheirNumber) {
+  const Case c = GetParam();
+  const uint64_t d = 20011;
+  const SparsifyOptions o = OptionsOf(c, 0.01);
+  Cluster cluster(4, 8, d, o, c.wire);
+  Reference ref(4, 8, d, o, c.wire);
+  std::vector<Vec> updates;
+  std::vector<StepStats> stats;
+  int n = 4;
+  for (uint64_t t = 0; t < 24; ++t) {
+    SCOPED_TRACE(testing::Message() << "step " << t << ", " << n << " nodes");
+    if (t == 8 || t == 16) {
+      const std::vector<int> kept = t == 8 ? std::vector<int>{0, 1, 3} : std::vector<int>{0, 2};
+      n = static_cast<int>(kept.size());
+      cluster.Keep(kept, 2 * n);
+      ref.Keep(kept, 2 * n);
+    }
+    const auto g = MakeGrads(n, d, t, 77);
+    for (const auto& s : cluster.Step(g, updates, stats)) ASSERT_TRUE(s.ok()) << s;
+    uint64_t K = 0;
+    const Vec want = ref.Step(g, float(stats[0].threshold), &K);
+    for (int r = 0; r < n; ++r) {
+      ExpectBitEqual(updates[r], want, "update of node " + std::to_string(r));
+      if (c.sparsifier != SparsifierKind::kDense) {
+        ExpectBitEqual(cluster.residual(r), ref.residual(r),
+                       "residual of node " + std::to_string(r));
+      }
+      ASSERT_EQ(stats[r].step, t);
+      ASSERT_EQ(stats[r].selected, K);
+    }
+  }
+}
+
+// A shape SetJob refuses changes nothing: the bucket steps on as before.
+TEST(StepElastic, ABadShapeChangesNothing) {
+  SparsifyOptions o;
+  o.density = 0.01;
+  Cluster cluster(2, 2, 1003, o);
+  for (const JobShape bad : {JobShape{0, 0, 1}, JobShape{3, 3, 3}, JobShape{3, 1, 2}}) {
+    const absl::Status s = cluster.bucket(1).SetJob(bad);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "grads.0")) << s;
+  }
+  EXPECT_EQ(cluster.bucket(1).job().num_nodes, 2);
+  EXPECT_EQ(cluster.bucket(1).job().node_rank, 1);
+  Reference ref(2, 2, 1003, o);
+  std::vector<Vec> updates;
+  std::vector<StepStats> stats;
+  StepLikeTheReference(cluster, ref, MakeGrads(2, 1003, 0, 5), updates, stats);
 }
 
 INSTANTIATE_TEST_SUITE_P(
