@@ -92,6 +92,11 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(CoordinatorOpti
   if (options.peer_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("coordinator: peer timeout must be positive");
   }
+  if (options.min_nodes < 0 || options.min_nodes > options.expected_nodes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("coordinator: the minimum node count must be in [0, ", options.expected_nodes,
+                     "] (the node count), got ", options.min_nodes));
+  }
   if (absl::Status s = ValidateName("job id", options.job_id); !s.ok()) return s;
   return std::make_unique<Coordinator>(std::move(options));
 }
@@ -119,16 +124,37 @@ void Coordinator::Fail(const std::string& reason) {
   FailLocked(reason);
 }
 
-absl::Status Coordinator::CheckMember(uint64_t session, int rank, int* caller) {
+absl::Status Coordinator::CheckMember(uint64_t session, int rank, int* caller, bool* stale) {
   if (state_ == JobState::kForming) {
     return absl::FailedPreconditionError("the job has not formed yet: join first");
   }
-  int owner = -1;
+  int owner = -1, old_owner = -1;
   for (const Node& n : nodes_) {
     if (n.credential == session) owner = n.rank;  // every node compared, whichever matches
+    for (uint64_t c : n.old_credentials) {
+      if (c == session) old_owner = n.rank;
+    }
+  }
+  if (stale != nullptr) *stale = false;
+  if (owner < 0 && old_owner >= 0) {
+    // A node that survived a change of membership, not told yet: alive, and
+    // speaking for a rank it may no longer have.
+    Node& node = nodes_[old_owner];
+    node.last_seen = absl::Now();
+    if (stale != nullptr) {
+      *stale = true;
+      if (caller != nullptr) *caller = old_owner;
+      return absl::OkStatus();
+    }
+    return absl::FailedPreconditionError(absl::StrCat(
+        "membership changed: the job is at epoch ", epoch_, ", where node '", node.name,
+        "' is node ", old_owner, " of ", nodes_.size(), " (its heartbeat gets the new session)"));
   }
   if (owner < 0) {
-    return absl::PermissionDeniedError("unknown session: this node did not join this job");
+    return absl::PermissionDeniedError(
+        epoch_ == 0 ? "unknown session: this node did not join this job"
+                    : "unknown session: this node did not join this job, or was dropped from "
+                      "it by a change of membership");
   }
   if (rank < -1 || rank >= static_cast<int>(nodes_.size())) {
     return absl::InvalidArgumentError(
@@ -286,18 +312,60 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
                      " nodes arrived before the deadline (", arrived, ")"));
   }
   if (absl::Status s = JobError(); !s.ok()) return s;
-  Membership m;
-  m.node_count = options_.expected_nodes;
   for (const Node& n : nodes_) {
-    if (n.name == node_name) {
-      m.node_rank = n.rank;
-      m.session = n.credential;
-    }
+    if (n.name == node_name) return MembershipOf(n.rank);
+  }
+  return absl::InternalError(absl::StrCat("join: node '", node_name, "' not in the job"));
+}
+
+Membership Coordinator::MembershipOf(int rank) const {
+  Membership m;
+  m.node_rank = rank;
+  m.node_count = static_cast<int>(nodes_.size());
+  m.session = nodes_[rank].credential;
+  m.epoch = epoch_;
+  m.first_batch = schedule_base_ + schedule_.size();
+  for (const Node& n : nodes_) {
     m.local_sizes.push_back(n.local_size);
     m.node_names.push_back(n.name);
     m.world_size += n.local_size;
   }
   return m;
+}
+
+void Coordinator::FormEpochLocked(const std::vector<int>& lost, const std::string& cause) {
+  std::vector<Node> next;
+  std::vector<std::string> kept;
+  std::set<uint64_t> given;  // no credential is ever given twice
+  for (const Node& n : nodes_) {
+    given.insert(n.credential);
+    given.insert(n.old_credentials.begin(), n.old_credentials.end());
+  }
+  for (Node& n : nodes_) {
+    if (std::find(lost.begin(), lost.end(), n.rank) != lost.end()) continue;
+    kept.push_back(absl::StrCat(n.name, " (node ", next.size(), ", was ", n.rank, ")"));
+    n.rank = static_cast<int>(next.size());
+    n.old_credentials.push_back(n.credential);
+    do {
+      n.credential = RandomSession();
+    } while (!given.insert(n.credential).second);
+    n.waiting.clear();
+    next.push_back(std::move(n));
+  }
+  nodes_ = std::move(next);
+  // The schedule starts afresh at the next index: what was reported and
+  // not scheduled is dropped, and every node reports again.
+  schedule_base_ += schedule_.size();
+  schedule_.clear();
+  pending_.clear();
+  for (Node& n : nodes_) n.polled = schedule_base_;
+  stalls_.clear();
+  stall_logged_.clear();
+  ++epoch_;
+  changes_.push_back({epoch_, absl::Now(), cause, static_cast<int>(nodes_.size())});
+  MICROD_LOG(Warning, "coordinator: membership epoch %llu: %s; %zu nodes go on: %s",
+             static_cast<unsigned long long>(epoch_), cause.c_str(), nodes_.size(),
+             absl::StrJoin(kept, ", ").c_str());
 }
 
 void Coordinator::AssignRanks() {
@@ -445,11 +513,16 @@ absl::StatusOr<std::vector<ScheduleBatch>> Coordinator::Poll(uint64_t session, i
   }
   nodes_[rank].polled = next;
   TrimSchedule();
-  auto ready = [this, next]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  const uint64_t epoch = epoch_;
+  auto ready = [this, next, epoch]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return schedule_base_ + schedule_.size() > next || state_ == JobState::kFailed ||
-           state_ == JobState::kFinished;
+           state_ == JobState::kFinished || epoch_ != epoch;
   };
   mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+  if (epoch_ != epoch && state_ == JobState::kRunning) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("membership changed: the job is at epoch ", epoch_));
+  }
   // Batches already in the log are delivered even after a failure, so that
   // every node sees the same errors (a mismatch) before the failure itself.
   if (schedule_base_ + schedule_.size() <= next) {
@@ -486,9 +559,19 @@ absl::StatusOr<HeartbeatAnswer> Coordinator::Heartbeat(uint64_t session, int ran
   }
   absl::MutexLock lock(&mu_);
   if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("node rank ", rank, " is negative"));
-  if (absl::Status s = CheckMember(session, rank); !s.ok()) return s;
+  int caller = -1;
+  bool stale = false;
+  if (absl::Status s = CheckMember(session, rank, &caller, &stale); !s.ok()) return s;
+  HeartbeatAnswer answer{state_, failure_, stalls_, epoch_};
+  if (stale) {
+    // A survivor of a change: its new membership; what it waits for is
+    // reported again once it runs in the new epoch.
+    answer.membership = MembershipOf(caller);
+    answer.change = changes_.empty() ? "" : changes_.back().cause;
+    return answer;
+  }
   nodes_[rank].waiting = std::move(waiting);
-  return HeartbeatAnswer{state_, failure_, stalls_};
+  return answer;
 }
 
 void Coordinator::InspectStalls(absl::Time now) {
@@ -570,12 +653,28 @@ absl::Status Coordinator::Leave(uint64_t session, int rank) {
   return absl::OkStatus();
 }
 
-absl::Status Coordinator::ReportFailure(uint64_t session, int rank, const std::string& reason) {
+absl::Status Coordinator::ReportFailure(uint64_t session, int rank, const std::string& reason,
+                                        bool data_plane) {
   if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("node rank ", rank, " is negative"));
   if (reason.size() > 4096) return absl::InvalidArgumentError("failure reason over 4096 bytes");
   absl::MutexLock lock(&mu_);
   if (absl::Status s = CheckMember(session, rank); !s.ok()) return s;
-  FailLocked(absl::StrCat("node ", rank, " (", nodes_[rank].name, "): ", reason));
+  const std::string text = absl::StrCat("node ", rank, " (", nodes_[rank].name, "): ", reason);
+  if (data_plane && elastic() && state_ == JobState::kRunning) {
+    // Perhaps a peer was lost: the watchdog decides (the first report held).
+    if (held_failure_.empty() || held_epoch_ != epoch_) {
+      held_failure_ = text;
+      held_epoch_ = epoch_;
+      held_until_ = absl::Now() + options_.peer_timeout + kDataPlaneGrace;
+      MICROD_LOG(Warning,
+                 "coordinator: %s; waiting up to %s for the peer timeout to tell whether a node "
+                 "was lost",
+                 text.c_str(),
+                 absl::FormatDuration(options_.peer_timeout + kDataPlaneGrace).c_str());
+    }
+    return absl::OkStatus();
+  }
+  FailLocked(text);
   return absl::OkStatus();
 }
 
@@ -585,6 +684,9 @@ JobSnapshot Coordinator::Snapshot() const {
   s.state = state_;
   s.failure = failure_;
   s.expected_nodes = options_.expected_nodes;
+  s.epoch = epoch_;
+  s.min_nodes = elastic() ? options_.min_nodes : options_.expected_nodes;
+  s.changes = changes_;
   const absl::Time now = absl::Now();
   for (const Node& n : nodes_) {
     NodeSnapshot ns;
@@ -611,9 +713,18 @@ void Coordinator::Watchdog() {
     // a few heartbeats apart).
     const Node* first = nullptr;
     std::string also;
+    std::vector<int> lost;  // every node past the timeout
+    std::vector<std::string> lost_text;
     for (const Node& n : nodes_) {
       if (n.left) continue;
       const absl::Duration silent = now - n.last_seen;
+      const std::string text =
+          absl::StrCat("node ", n.rank, " (", n.name, ") silent for ",
+                       absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))));
+      if (silent > options_.peer_timeout) {
+        lost.push_back(n.rank);
+        lost_text.push_back(text);
+      }
       if (silent > options_.peer_timeout && first == nullptr) {
         first = &n;
       } else if (silent > options_.peer_timeout / 2) {
@@ -624,11 +735,37 @@ void Coordinator::Watchdog() {
     }
     InspectStalls(now);
     if (state_ != JobState::kRunning) continue;
+    const std::string timeout =
+        absl::StrCat(" (peer timeout ", absl::FormatDuration(options_.peer_timeout), ")");
+    const int left = static_cast<int>(nodes_.size() - lost.size());
+    if (first != nullptr && elastic() && first->rank != 0 && left >= options_.min_nodes) {
+      // Node 0 serves this coordinator: silent, it is this process that
+      // stalled, and it cannot be dropped.
+      FormEpochLocked(lost, absl::StrCat(absl::StrJoin(lost_text, ", "), timeout));
+      continue;
+    }
     if (first != nullptr) {
-      FailLocked(absl::StrCat(
+      std::string why = absl::StrCat(
           "node ", first->rank, " (", first->name, ") silent for ",
-          absl::FormatDuration(absl::Trunc(now - first->last_seen, absl::Milliseconds(1))),
-          " (peer timeout ", absl::FormatDuration(options_.peer_timeout), ")", also));
+          absl::FormatDuration(absl::Trunc(now - first->last_seen, absl::Milliseconds(1))), timeout,
+          also);
+      if (elastic()) {
+        absl::StrAppend(&why, first->rank == 0
+                                  ? "; node 0 serves the coordinator and cannot be dropped"
+                                  : absl::StrCat("; ", left,
+                                                 " node(s) would remain, fewer "
+                                                 "than the minimum of ",
+                                                 options_.min_nodes, " (--min_nodes)"));
+      }
+      FailLocked(why);
+      continue;
+    }
+    if (!held_failure_.empty()) {
+      if (held_epoch_ != epoch_) {
+        held_failure_.clear();  // a node was lost since: the epoch formed instead
+      } else if (now >= held_until_) {
+        FailLocked(absl::StrCat(held_failure_, " (no node was lost within the peer timeout)"));
+      }
     }
   }
 }

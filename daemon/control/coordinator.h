@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,12 +32,31 @@ struct CoordinatorOptions {
   absl::Duration stall_warning = absl::Seconds(60);
   // ...and this long (zero: never) fails the job with that text.
   absl::Duration stall_abort = absl::ZeroDuration();
+  // Elastic membership: while at least this many nodes remain, the loss of
+  // nodes (silent past the peer timeout) forms the next membership epoch of
+  // the survivors instead of failing the job. 0 or expected_nodes: not
+  // elastic. Node 0, which serves the coordinator, is never dropped: its
+  // silence fails the job.
+  int min_nodes = 0;
+};
+
+// One change of an elastic job's membership.
+struct MembershipChange {
+  uint64_t epoch = 0;  // the epoch it formed
+  absl::Time at;
+  std::string cause;  // which nodes were lost, and why
+  int nodes = 0;      // nodes in the new epoch
 };
 
 struct HeartbeatAnswer {
   JobState state = JobState::kForming;
   std::string failure;
   std::vector<std::string> stalls;  // the stall inspector's current reports
+  uint64_t epoch = 0;               // the job's membership epoch
+  // Set when the heartbeat came with an earlier epoch's session: the node's
+  // membership now (new rank, node count, session), and what changed.
+  std::optional<Membership> membership;
+  std::string change;
 };
 
 struct NodeSnapshot {
@@ -52,6 +72,9 @@ struct JobSnapshot {
   std::string failure;
   int expected_nodes = 0;
   std::vector<NodeSnapshot> nodes;  // by rank once running, join order before
+  uint64_t epoch = 0;
+  int min_nodes = 0;                      // elastic when below expected_nodes
+  std::vector<MembershipChange> changes;  // oldest first
 };
 
 // Limits on what a request may carry.
@@ -99,7 +122,13 @@ class Coordinator {
                                             std::vector<BucketWait> waiting = {});
   absl::Status Leave(uint64_t session, int rank);
   // A node reports that the job failed; the reason is kept with its name.
-  absl::Status ReportFailure(uint64_t session, int rank, const std::string& reason);
+  // `data_plane`: a collective failed, which is how a lost peer looks to the
+  // others; in an elastic job that verdict waits for the watchdog (the peer
+  // timeout and a grace of kDataPlaneGrace): if nodes are found lost, the
+  // next epoch forms instead; else the job fails with this reason.
+  absl::Status ReportFailure(uint64_t session, int rank, const std::string& reason,
+                             bool data_plane = false);
+  static constexpr absl::Duration kDataPlaneGrace = absl::Seconds(2);
 
   // Ends the job: every pending and later call fails with `reason`.
   void Fail(const std::string& reason);
@@ -117,8 +146,11 @@ class Coordinator {
     uint64_t report_seq = 0;          // the last numbered report taken
     std::vector<BucketWait> waiting;  // from its last heartbeat
     // What this node presents in every later call (Membership::session):
-    // random, its own, given once the job formed.
+    // random, its own, given once the job formed, and anew in each epoch.
     uint64_t credential = 0;
+    // Its credentials of earlier epochs: a call with one is told that the
+    // membership changed (a heartbeat gets the new one).
+    std::vector<uint64_t> old_credentials;
   };
   struct Pending {
     uint64_t order = 0;                 // first report, for a stable schedule
@@ -128,7 +160,21 @@ class Coordinator {
   // The call presents `session` and speaks for node `rank` (-1: a call that
   // names no rank): the session must be the credential of that node, or of
   // some node for -1. `caller` (optional): the rank whose credential it is.
-  absl::Status CheckMember(uint64_t session, int rank, int* caller = nullptr)
+  // `stale` (optional): a session of an earlier epoch is accepted (its
+  // rank not checked) and *stale set; without it such a call is refused
+  // with FailedPrecondition naming the epoch.
+  absl::Status CheckMember(uint64_t session, int rank, int* caller = nullptr, bool* stale = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool elastic() const {
+    return options_.min_nodes > 0 && options_.min_nodes < options_.expected_nodes;
+  }
+  // The membership of node `rank` in the current epoch.
+  Membership MembershipOf(int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The next epoch, of every node but `lost` (ranks), renumbered in the
+  // order of their ranks, each with a new credential; the schedule starts
+  // afresh (what was reported and not scheduled is dropped: the nodes
+  // report again).
+  void FormEpochLocked(const std::vector<int>& lost, const std::string& cause)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank may write its own rendezvous entries only ("<prefix>/<rank>",
   // "<prefix>/rank_<rank>"); every other key is job-wide and node 0's alone.
@@ -173,6 +219,13 @@ class Coordinator {
   std::deque<ScheduleBatch> schedule_ ABSL_GUARDED_BY(mu_);
   uint64_t schedule_base_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::string> stalls_ ABSL_GUARDED_BY(mu_);
+  uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<MembershipChange> changes_ ABSL_GUARDED_BY(mu_);
+  // A data-plane failure held for the watchdog (elastic jobs): its reason,
+  // its epoch, and when it becomes the job's failure.
+  std::string held_failure_ ABSL_GUARDED_BY(mu_);
+  uint64_t held_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time held_until_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   std::map<std::string, absl::Time> stall_logged_ ABSL_GUARDED_BY(mu_);  // by bucket
 
   absl::Notification stop_;

@@ -150,6 +150,8 @@ absl::StatusOr<Membership> CoordinatorClient::Join(absl::Time deadline) {
   membership_.world_size = resp.world_size();
   membership_.session = resp.session();
   membership_.observed_host = resp.observed_host();
+  membership_.epoch = resp.epoch();
+  membership_.first_batch = resp.first_batch();
   if (membership_.node_rank < 0 || membership_.node_rank >= membership_.node_count ||
       static_cast<int>(membership_.local_sizes.size()) != membership_.node_count) {
     return absl::InternalError("join: inconsistent answer from the coordinator");

@@ -45,6 +45,17 @@ microd::v1::JobState ToProto(JobState state) {
   return microd::v1::JOB_STATE_UNSPECIFIED;
 }
 
+static void ToProto(const Membership& m, microd::v1::JoinResponse* resp) {
+  resp->set_node_rank(m.node_rank);
+  resp->set_node_count(m.node_count);
+  for (int s : m.local_sizes) resp->add_local_sizes(s);
+  for (const auto& n : m.node_names) resp->add_node_names(n);
+  resp->set_world_size(m.world_size);
+  resp->set_session(m.session);
+  resp->set_epoch(m.epoch);
+  resp->set_first_batch(m.first_batch);
+}
+
 grpc::Status CoordinatorService::Join(grpc::ServerContext* ctx, const microd::v1::JoinRequest* req,
                                       microd::v1::JoinResponse* resp) {
   if (req->timeout_ms() < 0) {
@@ -54,12 +65,7 @@ grpc::Status CoordinatorService::Join(grpc::ServerContext* ctx, const microd::v1
                               req->requested_rank(), Deadline(ctx, req->timeout_ms()),
                               HostOfGrpcPeer(ctx->peer()));
   if (!m.ok()) return ToGrpcStatus(m.status());
-  resp->set_node_rank(m->node_rank);
-  resp->set_node_count(m->node_count);
-  for (int s : m->local_sizes) resp->add_local_sizes(s);
-  for (const auto& n : m->node_names) resp->add_node_names(n);
-  resp->set_world_size(m->world_size);
-  resp->set_session(m->session);
+  ToProto(*m, resp);
   resp->set_observed_host(HostOfGrpcPeer(ctx->peer()));
   return grpc::Status::OK;
 }
@@ -136,6 +142,9 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
   resp->set_state(ToProto(r->state));
   resp->set_failure(r->failure);
   for (const std::string& s : r->stalls) resp->add_stalls(s);
+  resp->set_epoch(r->epoch);
+  if (r->membership.has_value()) ToProto(*r->membership, resp->mutable_membership());
+  resp->set_change(r->change);
   return grpc::Status::OK;
 }
 
@@ -146,7 +155,8 @@ grpc::Status CoordinatorService::Leave(grpc::ServerContext*, const microd::v1::L
 
 grpc::Status CoordinatorService::Fail(grpc::ServerContext*, const microd::v1::FailRequest* req,
                                       microd::v1::FailResponse*) {
-  return ToGrpcStatus(coordinator_->ReportFailure(req->session(), req->node_rank(), req->reason()));
+  return ToGrpcStatus(coordinator_->ReportFailure(req->session(), req->node_rank(), req->reason(),
+                                                  req->data_plane()));
 }
 
 grpc::Status AdminService::GetStatus(grpc::ServerContext*, const microd::v1::GetStatusRequest* req,

@@ -34,6 +34,11 @@ struct Membership {
   // The address the coordinator saw the join come from (set by the client
   // from the answer; "" when unknown).
   std::string observed_host;
+  // Elastic jobs: the membership epoch (0: as the job formed; each loss of
+  // nodes forms the next, renumbering the survivors), and the index of the
+  // first schedule batch of this epoch (where the node polls from).
+  uint64_t epoch = 0;
+  uint64_t first_batch = 0;
 };
 
 struct BucketInfo {

@@ -5,6 +5,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <functional>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -513,6 +514,179 @@ TEST(CoordinatorReports, AResentReportIsTakenOnce) {
   EXPECT_EQ(batches->size(), 1u);
   // A number out of order is an error.
   EXPECT_EQ(c->Report(session, 0, w, 5).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A job of `names.size()` nodes (ranks in that order) on the coordinator's
+// own API, for the elastic tests.
+std::vector<Membership> JoinDirect(Coordinator& c, const std::vector<std::string>& names) {
+  std::vector<absl::StatusOr<Membership>> m(names.size(), absl::UnknownError(""));
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < names.size(); ++i) {
+    threads.emplace_back([&, i] {
+      m[i] = c.Join("job", names[i], 1, "", static_cast<int>(i), absl::Now() + absl::Seconds(10));
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::vector<Membership> out;
+  for (auto& x : m) {
+    EXPECT_TRUE(x.ok()) << x.status();
+    out.push_back(x.ok() ? *x : Membership{});
+  }
+  return out;
+}
+
+std::unique_ptr<Coordinator> ElasticCoordinator(int nodes, int min_nodes,
+                                                absl::Duration timeout = absl::Milliseconds(500)) {
+  CoordinatorOptions o;
+  o.job_id = "job";
+  o.expected_nodes = nodes;
+  o.min_nodes = min_nodes;
+  o.peer_timeout = timeout;
+  return *Coordinator::Create(o);
+}
+
+// Heartbeats of the nodes `alive` (by session) every 50 ms until `until`.
+void BeatUntil(Coordinator& c, const std::vector<Membership*>& alive, absl::Time until,
+               const std::function<bool()>& done) {
+  while (absl::Now() < until && !done()) {
+    for (Membership* m : alive) {
+      auto a = c.Heartbeat(m->session, m->node_rank);
+      ASSERT_TRUE(a.ok()) << a.status();
+      if (a->membership.has_value()) *m = *a->membership;  // a survivor's new membership
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+// An elastic job (4 nodes, at least 2) loses node 2: the coordinator forms
+// epoch 1 of nodes 0, 1 and 3, renumbered 0, 1, 2 in the order of their
+// ranks, each told by its next heartbeat (a new session); the old sessions
+// are refused elsewhere, naming the epoch; the lost node's is unknown; the
+// new epoch's schedule works with 3 nodes; the job never failed.
+TEST(CoordinatorElastic, ALostNodeFormsTheNextEpochOfTheSurvivors) {
+  auto c = ElasticCoordinator(4, 2);
+  std::vector<Membership> m = JoinDirect(*c, {"a", "b", "c", "d"});
+  const std::vector<Membership> before = m;
+  const std::vector<BucketInfo> w = {{"w", 1, 10}};
+  ASSERT_TRUE(c->Report(m[0].session, 0, w).ok());  // dropped by the change
+  std::thread poller([&] {
+    // A poll waiting across the change ends with it.
+    auto r = c->Poll(before[1].session, 1, 0, absl::Now() + absl::Seconds(30));
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+  });
+  const absl::Time start = absl::Now();
+  BeatUntil(*c, {&m[0], &m[1], &m[3]}, start + absl::Seconds(10),
+            [&] { return m[0].epoch == 1 && m[1].epoch == 1 && m[3].epoch == 1; });
+  poller.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  const Membership* survivors[] = {&m[0], &m[1], &m[3]};
+  for (int i = 0; i < 3; ++i) {
+    const Membership& s = *survivors[i];
+    EXPECT_EQ(s.epoch, 1u);
+    EXPECT_EQ(s.node_rank, i);
+    EXPECT_EQ(s.node_count, 3);
+    EXPECT_EQ(s.world_size, 3);
+    EXPECT_EQ(s.node_names, (std::vector<std::string>{"a", "b", "d"}));
+    EXPECT_NE(s.session, before[&s - &m[0]].session);
+  }
+  const JobSnapshot snap = c->Snapshot();
+  EXPECT_EQ(snap.state, JobState::kRunning);
+  EXPECT_EQ(snap.epoch, 1u);
+  ASSERT_EQ(snap.changes.size(), 1u);
+  EXPECT_TRUE(absl::StrContains(snap.changes[0].cause, "node 2 (c) silent"))
+      << snap.changes[0].cause;
+  // An old session elsewhere: refused, naming the epoch; the lost node's: unknown.
+  const absl::Status stale = c->Report(before[3].session, 3, w);
+  EXPECT_EQ(stale.code(), absl::StatusCode::kFailedPrecondition) << stale;
+  EXPECT_TRUE(absl::StrContains(stale.message(), "epoch 1")) << stale;
+  EXPECT_EQ(c->Heartbeat(before[2].session, 2).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  // The new epoch schedules what its 3 nodes report, from its first batch.
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(c->Report(survivors[i]->session, i, w).ok());
+  }
+  auto batches = c->Poll(m[3].session, 2, m[3].first_batch, absl::Now() + absl::Seconds(1));
+  ASSERT_TRUE(batches.ok()) << batches.status();
+  ASSERT_EQ(batches->size(), 1u);
+  EXPECT_EQ((*batches)[0].scheduled[0].name, "w");
+}
+
+// Fewer survivors than --min_nodes, or node 0 (the coordinator's own) lost:
+// the job fails, saying why it could not go on.
+TEST(CoordinatorElastic, BelowTheMinimumOrWithoutNodeZeroTheJobFails) {
+  {
+    auto c = ElasticCoordinator(4, 3);
+    std::vector<Membership> m = JoinDirect(*c, {"a", "b", "c", "d"});
+    BeatUntil(*c, {&m[0], &m[1]}, absl::Now() + absl::Seconds(10),
+              [&] { return c->Snapshot().state != JobState::kRunning; });
+    const JobSnapshot snap = c->Snapshot();
+    EXPECT_EQ(snap.state, JobState::kFailed);
+    EXPECT_TRUE(absl::StrContains(snap.failure, "fewer than the minimum of 3 (--min_nodes)"))
+        << snap.failure;
+    EXPECT_EQ(snap.epoch, 0u);
+  }
+  {
+    auto c = ElasticCoordinator(3, 2);
+    std::vector<Membership> m = JoinDirect(*c, {"a", "b", "c"});
+    BeatUntil(*c, {&m[1], &m[2]}, absl::Now() + absl::Seconds(10),
+              [&] { return c->Snapshot().state != JobState::kRunning; });
+    const JobSnapshot snap = c->Snapshot();
+    EXPECT_EQ(snap.state, JobState::kFailed);
+    EXPECT_TRUE(absl::StrContains(snap.failure, "node 0 serves the coordinator")) << snap.failure;
+  }
+}
+
+// A collective's failure reported by a node (how a lost peer looks to the
+// others) waits for the watchdog in an elastic job: with a node then found
+// lost, the next epoch forms and the job goes on; with none, the job fails
+// with the reported reason once the peer timeout and the grace have passed.
+TEST(CoordinatorElastic, ADataPlaneFailureWaitsForThePeerTimeout) {
+  {
+    auto c = ElasticCoordinator(3, 2);
+    std::vector<Membership> m = JoinDirect(*c, {"a", "b", "c"});
+    ASSERT_TRUE(c->ReportFailure(m[1].session, 1, "gloo: connection reset", true).ok());
+    EXPECT_EQ(c->Snapshot().state, JobState::kRunning);
+    BeatUntil(*c, {&m[0], &m[1]}, absl::Now() + absl::Seconds(10),
+              [&] { return m[0].epoch == 1 && m[1].epoch == 1; });
+    // Past the grace too: the held failure was dropped with the change.
+    BeatUntil(*c, {&m[0], &m[1]},
+              absl::Now() + absl::Milliseconds(500) + Coordinator::kDataPlaneGrace,
+              [] { return false; });
+    EXPECT_EQ(c->Snapshot().state, JobState::kRunning) << c->Snapshot().failure;
+    EXPECT_EQ(c->Snapshot().epoch, 1u);
+  }
+  {
+    auto c = ElasticCoordinator(3, 2);
+    std::vector<Membership> m = JoinDirect(*c, {"a", "b", "c"});
+    const absl::Time start = absl::Now();
+    ASSERT_TRUE(c->ReportFailure(m[1].session, 1, "gloo: connection reset", true).ok());
+    BeatUntil(*c, {&m[0], &m[1], &m[2]}, start + absl::Seconds(10),
+              [&] { return c->Snapshot().state != JobState::kRunning; });
+    const JobSnapshot snap = c->Snapshot();
+    EXPECT_EQ(snap.state, JobState::kFailed);
+    EXPECT_TRUE(absl::StrContains(snap.failure, "node 1 (b): gloo: connection reset"))
+        << snap.failure;
+    EXPECT_GE(absl::Now() - start, absl::Milliseconds(500) + Coordinator::kDataPlaneGrace);
+    EXPECT_EQ(snap.epoch, 0u);
+  }
+  {
+    // Not elastic: at once, as before.
+    auto c = ElasticCoordinator(3, 0);
+    std::vector<Membership> m = JoinDirect(*c, {"a", "b", "c"});
+    ASSERT_TRUE(c->ReportFailure(m[1].session, 1, "gloo: connection reset", true).ok());
+    EXPECT_EQ(c->Snapshot().state, JobState::kFailed);
+  }
+}
+
+TEST(CoordinatorElastic, AMinimumAboveTheNodeCountIsRefused) {
+  CoordinatorOptions o;
+  o.job_id = "job";
+  o.expected_nodes = 3;
+  o.min_nodes = 4;
+  const auto c = Coordinator::Create(o);
+  ASSERT_FALSE(c.ok());
+  EXPECT_TRUE(absl::StrContains(c.status().message(), "minimum node count")) << c.status();
 }
 
 }  // namespace
