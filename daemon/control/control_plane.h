@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,16 @@ class ControlPlane {
   virtual absl::StatusOr<std::vector<ScheduleBatch>> Poll(uint64_t next, absl::Time deadline) = 0;
   // Tells the coordinator the job failed here (best effort).
   virtual absl::Status ReportFailure(const std::string& reason) = 0;
+  // Tells it a collective failed here, which in an elastic job may be a
+  // lost peer: the coordinator's watchdog decides (the job fails, or the
+  // next membership epoch forms).
+  virtual absl::Status ReportDataPlaneFailure(const std::string& reason) {
+    return ReportFailure(reason);
+  }
+  // Called when this node learns that the job's membership changed (the
+  // node's membership in the new epoch, and the cause). Elastic jobs only.
+  using MembershipCallback = std::function<void(const Membership&, const std::string& change)>;
+  virtual void SetMembershipCallback(MembershipCallback callback) { (void)callback; }
   // OK while the job runs, else why it failed or ended, as of now (after a
   // local error this finds the root cause another node reported).
   virtual absl::Status RefreshJobStatus() = 0;

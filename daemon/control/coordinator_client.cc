@@ -55,6 +55,29 @@ std::unique_ptr<grpc::ClientContext> CoordinatorClient::Context(absl::Time deadl
   return ctx;
 }
 
+namespace {
+
+// A membership as the coordinator sent it, checked.
+absl::StatusOr<Membership> FromProto(const microd::v1::JoinResponse& resp) {
+  Membership m;
+  m.node_rank = resp.node_rank();
+  m.node_count = resp.node_count();
+  m.local_sizes.assign(resp.local_sizes().begin(), resp.local_sizes().end());
+  m.node_names.assign(resp.node_names().begin(), resp.node_names().end());
+  m.world_size = resp.world_size();
+  m.session = resp.session();
+  m.epoch = resp.epoch();
+  m.first_batch = resp.first_batch();
+  if (m.node_rank < 0 || m.node_rank >= m.node_count ||
+      static_cast<int>(m.local_sizes.size()) != m.node_count ||
+      static_cast<int>(m.node_names.size()) != m.node_count) {
+    return absl::InternalError("inconsistent membership from the coordinator");
+  }
+  return m;
+}
+
+}  // namespace
+
 void CoordinatorClient::Answered() {
   absl::MutexLock lock(&mu_);
   last_answer_ = absl::Now();
@@ -72,10 +95,25 @@ absl::Status CoordinatorClient::Unreachable(const grpc::Status& s, const char* w
   const absl::Status st = FromGrpcStatus(s);
   if (!transient) return st;  // the coordinator's own answer (e.g. the job failed)
   return absl::UnavailableError(absl::StrCat(
-      "node ", membership_.node_rank, " ('", options_.node_name,
-      "') lost the coordinator (node 0 at ", options_.address, "): no answer to its ", what,
-      " for ", absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))), " (peer timeout ",
+      "node ", Identity().second, " ('", options_.node_name, "') lost the coordinator (node 0 at ",
+      options_.address, "): no answer to its ", what, " for ",
+      absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))), " (peer timeout ",
       absl::FormatDuration(options_.peer_timeout), "): ", st.message()));
+}
+
+Membership CoordinatorClient::membership() const {
+  absl::MutexLock lock(&mu_);
+  return membership_;
+}
+
+std::pair<uint64_t, int> CoordinatorClient::Identity() const {
+  absl::MutexLock lock(&mu_);
+  return {membership_.session, membership_.node_rank};
+}
+
+void CoordinatorClient::SetMembershipCallback(MembershipCallback callback) {
+  absl::MutexLock lock(&mu_);
+  on_membership_ = std::move(callback);
 }
 
 absl::Status CoordinatorClient::job_status() const {
@@ -143,27 +181,22 @@ absl::StatusOr<Membership> CoordinatorClient::Join(absl::Time deadline) {
                         absl::StrCat("join ", options_.address, ": ", st.message(), why));
   }
   Answered();
-  membership_.node_rank = resp.node_rank();
-  membership_.node_count = resp.node_count();
-  membership_.local_sizes.assign(resp.local_sizes().begin(), resp.local_sizes().end());
-  membership_.node_names.assign(resp.node_names().begin(), resp.node_names().end());
-  membership_.world_size = resp.world_size();
-  membership_.session = resp.session();
-  membership_.observed_host = resp.observed_host();
-  membership_.epoch = resp.epoch();
-  membership_.first_batch = resp.first_batch();
-  if (membership_.node_rank < 0 || membership_.node_rank >= membership_.node_count ||
-      static_cast<int>(membership_.local_sizes.size()) != membership_.node_count) {
-    return absl::InternalError("join: inconsistent answer from the coordinator");
+  absl::StatusOr<Membership> m = FromProto(resp);
+  if (!m.ok()) return absl::InternalError(absl::StrCat("join: ", m.status().message()));
+  m->observed_host = resp.observed_host();
+  {
+    absl::MutexLock lock(&mu_);
+    membership_ = *m;
   }
   heartbeat_ = std::thread([this] { HeartbeatLoop(); });
-  return membership_;
+  return *m;
 }
 
 grpc::Status CoordinatorClient::HeartbeatOnce(absl::Duration timeout) {
   microd::v1::HeartbeatRequest req;
-  req.set_session(membership_.session);
-  req.set_node_rank(membership_.node_rank);
+  const auto [session, rank] = Identity();
+  req.set_session(session);
+  req.set_node_rank(rank);
   std::function<std::vector<BucketWait>()> provider;
   {
     absl::MutexLock lock(&mu_);
@@ -191,6 +224,26 @@ grpc::Status CoordinatorClient::HeartbeatOnce(absl::Duration timeout) {
       absl::MutexLock lock(&mu_);
       stalls_.assign(resp.stalls().begin(), resp.stalls().end());
     }
+    if (resp.has_membership()) {
+      // A new epoch: this node survived a change of membership.
+      absl::StatusOr<Membership> m = FromProto(resp.membership());
+      if (!m.ok()) {
+        MarkFailed(absl::InternalError(absl::StrCat(
+            "job failed: a bad membership from the coordinator: ", m.status().message())));
+        return s;
+      }
+      MembershipCallback callback;
+      {
+        absl::MutexLock lock(&mu_);
+        m->observed_host = membership_.observed_host;
+        membership_ = *m;
+        callback = on_membership_;
+      }
+      MICROD_LOG(Warning, "node '%s': membership epoch %llu: node %d of %d (%s)",
+                 options_.node_name.c_str(), static_cast<unsigned long long>(m->epoch),
+                 m->node_rank, m->node_count, resp.change().c_str());
+      if (callback) callback(*m, resp.change());
+    }
     if (resp.state() == microd::v1::JOB_STATE_FAILED) {
       MarkFailed(absl::AbortedError(absl::StrCat("job failed: ", resp.failure())));
     } else if (resp.state() == microd::v1::JOB_STATE_FINISHED) {
@@ -207,7 +260,7 @@ grpc::Status CoordinatorClient::HeartbeatOnce(absl::Duration timeout) {
 }
 
 absl::Status CoordinatorClient::RefreshJobStatus() {
-  if (membership_.session != 0 && job_status().ok()) HeartbeatOnce(absl::Seconds(1));
+  if (Identity().first != 0 && job_status().ok()) HeartbeatOnce(absl::Seconds(1));
   return job_status();
 }
 
@@ -230,7 +283,7 @@ void CoordinatorClient::HeartbeatLoop() {
 absl::Status CoordinatorClient::Set(const std::string& key, const std::string& value) {
   if (absl::Status s = job_status(); !s.ok()) return s;
   microd::v1::KeySetRequest req;
-  req.set_session(membership_.session);
+  req.set_session(Identity().first);
   req.set_key(key);
   req.set_value(value);
   microd::v1::KeySetResponse resp;
@@ -242,7 +295,7 @@ absl::StatusOr<std::vector<std::string>> CoordinatorClient::Get(absl::Span<const
                                                                 absl::Time deadline) {
   if (absl::Status s = job_status(); !s.ok()) return s;
   microd::v1::KeyGetRequest req;
-  req.set_session(membership_.session);
+  req.set_session(Identity().first);
   for (const auto& k : keys) req.add_keys(k);
   const absl::Time now = absl::Now();
   req.set_timeout_ms(deadline <= now ? 0 : ServerTimeoutMs(deadline));
@@ -256,8 +309,9 @@ absl::StatusOr<std::vector<std::string>> CoordinatorClient::Get(absl::Span<const
 absl::Status CoordinatorClient::Report(const std::vector<BucketInfo>& ready) {
   if (absl::Status s = job_status(); !s.ok()) return s;
   microd::v1::ReportRequest req;
-  req.set_session(membership_.session);
-  req.set_node_rank(membership_.node_rank);
+  const auto [session, rank] = Identity();
+  req.set_session(session);
+  req.set_node_rank(rank);
   for (const BucketInfo& b : ready) {
     auto* r = req.add_ready();
     r->set_name(b.name);
@@ -287,8 +341,9 @@ absl::StatusOr<std::vector<ScheduleBatch>> CoordinatorClient::Poll(uint64_t next
                                                                    absl::Time deadline) {
   if (absl::Status s = job_status(); !s.ok()) return s;
   microd::v1::PollRequest req;
-  req.set_session(membership_.session);
-  req.set_node_rank(membership_.node_rank);
+  const auto [session, rank] = Identity();
+  req.set_session(session);
+  req.set_node_rank(rank);
   req.set_next(next);
   req.set_timeout_ms(ServerTimeoutMs(deadline));
   microd::v1::PollResponse resp;
@@ -323,10 +378,11 @@ absl::StatusOr<std::vector<ScheduleBatch>> CoordinatorClient::Poll(uint64_t next
 
 absl::Status CoordinatorClient::Leave() {
   StopHeartbeats();
-  if (membership_.session == 0) return absl::OkStatus();
+  const auto [session, rank] = Identity();
+  if (session == 0) return absl::OkStatus();
   microd::v1::LeaveRequest req;
-  req.set_session(membership_.session);
-  req.set_node_rank(membership_.node_rank);
+  req.set_session(session);
+  req.set_node_rank(rank);
   microd::v1::LeaveResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
@@ -338,11 +394,21 @@ absl::Status CoordinatorClient::Leave() {
 namespace microd::control {
 
 absl::Status CoordinatorClient::ReportFailure(const std::string& reason) {
-  if (membership_.session == 0) return absl::FailedPreconditionError("not joined");
+  return SendFailure(reason, /*data_plane=*/false);
+}
+
+absl::Status CoordinatorClient::ReportDataPlaneFailure(const std::string& reason) {
+  return SendFailure(reason, /*data_plane=*/true);
+}
+
+absl::Status CoordinatorClient::SendFailure(const std::string& reason, bool data_plane) {
+  const auto [session, rank] = Identity();
+  if (session == 0) return absl::FailedPreconditionError("not joined");
   microd::v1::FailRequest req;
-  req.set_session(membership_.session);
-  req.set_node_rank(membership_.node_rank);
+  req.set_session(session);
+  req.set_node_rank(rank);
   req.set_reason(reason);
+  req.set_data_plane(data_plane);
   microd::v1::FailResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));

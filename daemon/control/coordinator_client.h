@@ -68,6 +68,10 @@ class CoordinatorClient final : public KeyValueStore, public ControlPlane {
   void StopHeartbeats();
   // Tells the coordinator the job failed here (best effort, short deadline).
   absl::Status ReportFailure(const std::string& reason) override;
+  absl::Status ReportDataPlaneFailure(const std::string& reason) override;
+  // Called on the heartbeat thread when a heartbeat brings a new epoch's
+  // membership (which every later call then presents).
+  void SetMembershipCallback(MembershipCallback callback) override;
 
   // OK while the job runs; the failure once it failed or ended.
   absl::Status job_status() const;
@@ -81,11 +85,15 @@ class CoordinatorClient final : public KeyValueStore, public ControlPlane {
   void SetWaitingProvider(std::function<std::vector<BucketWait>()> provider);
   // The stall inspector's reports, as of the last heartbeat answer.
   std::vector<std::string> stalls() const;
-  const Membership& membership() const { return membership_; }
+  // This node's membership as of now (an elastic job's changes included).
+  Membership membership() const;
 
  private:
   explicit CoordinatorClient(CoordinatorClientOptions options);
   void MarkFailed(const absl::Status& status);
+  // The session and rank every call presents (the current epoch's).
+  std::pair<uint64_t, int> Identity() const;
+  absl::Status SendFailure(const std::string& reason, bool data_plane);
   void HeartbeatLoop();
   // One heartbeat; updates the failure state. The RPC's status.
   grpc::Status HeartbeatOnce(absl::Duration timeout);
@@ -101,9 +109,11 @@ class CoordinatorClient final : public KeyValueStore, public ControlPlane {
   const CoordinatorClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<microd::v1::Coordinator::Stub> stub_;
-  Membership membership_;
-
   mutable absl::Mutex mu_;
+  // Written by Join (before the heartbeats start) and by the heartbeat
+  // thread when an epoch changes; read under mu_.
+  Membership membership_ ABSL_GUARDED_BY(mu_);
+  MembershipCallback on_membership_ ABSL_GUARDED_BY(mu_);
   absl::Status failed_ ABSL_GUARDED_BY(mu_);
   absl::Time last_answer_ ABSL_GUARDED_BY(mu_) = absl::Now();
   uint64_t report_seq_ = 0;  // reports are sent from one thread at a time

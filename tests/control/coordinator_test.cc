@@ -20,12 +20,13 @@ namespace {
 class CoordinatorTest : public ::testing::Test {
  protected:
   void Start(int nodes, absl::Duration peer_timeout = absl::Seconds(10),
-             std::string token = "secret") {
+             std::string token = "secret", int min_nodes = 0) {
     CoordinatorOptions o;
     o.job_id = "job";
     o.token = token;
     o.expected_nodes = nodes;
     o.peer_timeout = peer_timeout;
+    o.min_nodes = min_nodes;
     coordinator_ = *Coordinator::Create(o);
     service_ = std::make_unique<CoordinatorService>(coordinator_.get());
     admin_ = std::make_unique<AdminService>(
@@ -422,6 +423,56 @@ TEST_F(CoordinatorTest, SilentNodeFailsTheJobForEveryoneWithinThePeerTimeout) {
   // Afterwards nothing blocks.
   const std::string k = "k";
   EXPECT_FALSE(c[1]->Get({&k, 1}, absl::Now() + absl::Seconds(30)).ok());
+}
+
+// Over gRPC, an elastic job: node 2 stops (no more heartbeats); the
+// survivors' heartbeats bring them the next epoch (their callbacks called
+// once, with the change's cause), every later call presents the new
+// session and rank, and the schedule runs with the 3 of them.
+TEST_F(CoordinatorTest, SurvivorsLearnTheNextEpochFromTheirHeartbeats) {
+  Start(4, absl::Milliseconds(600), "secret", /*min_nodes=*/2);
+  std::vector<std::unique_ptr<CoordinatorClient>> c;
+  for (const char* n : {"a", "b", "c", "d"}) {
+    c.push_back(Client(n, 1, -1, "secret", absl::Milliseconds(600)));
+  }
+  for (auto& r : JoinAll(c)) ASSERT_TRUE(r.ok()) << r.status();
+  absl::Mutex mu;
+  std::vector<std::pair<Membership, std::string>> told[4];
+  for (int i : {0, 1, 3}) {
+    c[i]->SetMembershipCallback([&, i](const Membership& m, const std::string& change) {
+      absl::MutexLock lock(&mu);
+      told[i].push_back({m, change});
+    });
+  }
+  c[2].reset();
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  auto all_told = [&] {
+    absl::MutexLock lock(&mu);
+    return !told[0].empty() && !told[1].empty() && !told[3].empty();
+  };
+  while (!all_told() && absl::Now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_TRUE(all_told());
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // no second call
+  const int want_rank[] = {0, 1, -1, 2};
+  for (int i : {0, 1, 3}) {
+    absl::MutexLock lock(&mu);
+    ASSERT_EQ(told[i].size(), 1u) << "node " << i;
+    const Membership& m = told[i][0].first;
+    EXPECT_EQ(m.epoch, 1u);
+    EXPECT_EQ(m.node_rank, want_rank[i]);
+    EXPECT_EQ(m.node_count, 3);
+    EXPECT_TRUE(absl::StrContains(told[i][0].second, "node 2 (c) silent")) << told[i][0].second;
+    EXPECT_EQ(c[i]->membership().node_rank, want_rank[i]);
+    EXPECT_TRUE(c[i]->job_status().ok()) << c[i]->job_status();
+  }
+  const uint64_t first = c[0]->membership().first_batch;
+  for (int i : {0, 1, 3}) ASSERT_TRUE(c[i]->Report({{"w", 1, 10}}).ok());
+  auto batches = c[3]->Poll(first, absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(batches.ok()) << batches.status();
+  ASSERT_EQ(batches->size(), 1u);
+  EXPECT_EQ((*batches)[0].scheduled[0].name, "w");
 }
 
 TEST_F(CoordinatorTest, AdminStatusAndHealthCheck) {
