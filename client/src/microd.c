@@ -50,6 +50,7 @@ struct microd_client {
   pthread_mutex_t mu;      /* guards everything below */
   pthread_mutex_t read_mu; /* one thread reads the socket at a time */
   microd_job_info info;
+  uint64_t epoch; /* the membership epoch of `info` */
   float momentum_correction;
   uint32_t daemon_caps; /* MICROD_WIRE_CAP_* of the hello answer */
   buffer* buffers;
@@ -88,7 +89,7 @@ static void copy_message(char* dst, const char* src) {
   snprintf(dst, MICROD_WIRE_MESSAGE_BYTES, "%s", src);
 }
 
-static int valid_status(int32_t s) { return s >= MICROD_OK && s <= MICROD_ERR_CLOSED; }
+static int valid_status(int32_t s) { return s >= MICROD_OK && s <= MICROD_ERR_MEMBERSHIP; }
 
 /* Marks the connection unusable; every later call returns `status`. */
 static void break_connection(microd_client* c, microd_status status, const char* message) {
@@ -117,6 +118,7 @@ static void read_one(microd_client* c, int timeout_ms) {
     microd_wire_register_ack reg;
     microd_wire_completion done;
     microd_wire_error err;
+    microd_wire_membership membership;
     char bytes[MICROD_WIRE_MAX_BYTES + 1];
   } m;
   ssize_t n;
@@ -139,6 +141,21 @@ static void read_one(microd_client* c, int timeout_ms) {
       t->status = valid_status(m.done.status) ? (microd_status)m.done.status : MICROD_ERR_PROTOCOL;
       copy_message(t->message, m.done.message);
       if (t->buffer_id >= 0 && t->buffer_id < c->nbuffers) c->buffers[t->buffer_id].pending = 0;
+    }
+  } else if (m.h.type == MICROD_MSG_MEMBERSHIP && n == sizeof(microd_wire_membership)) {
+    const microd_wire_membership* mm = &m.membership;
+    if (mm->node_count < 1 || mm->node_rank < 0 || mm->node_rank >= mm->node_count ||
+        mm->local_rank < 0 || mm->local_rank >= mm->local_size || mm->rank < 0 ||
+        mm->rank >= mm->world_size || mm->world_size < mm->node_count || mm->epoch <= c->epoch) {
+      break_connection(c, MICROD_ERR_PROTOCOL, "malformed membership message from the daemon");
+    } else {
+      c->epoch = mm->epoch;
+      c->info.rank = mm->rank;
+      c->info.world_size = mm->world_size;
+      c->info.local_rank = mm->local_rank;
+      c->info.local_size = mm->local_size;
+      c->info.node_rank = mm->node_rank;
+      c->info.node_count = mm->node_count;
     }
   } else if (m.h.type == MICROD_MSG_REGISTER_ACK && n == sizeof(microd_wire_register_ack)) {
     c->register_ack = m.reg;
@@ -186,6 +203,8 @@ const char* microd_status_string(microd_status status) {
       return "MICROD_ERR_INTERNAL: internal error";
     case MICROD_ERR_CLOSED:
       return "MICROD_ERR_CLOSED: handle closed";
+    case MICROD_ERR_MEMBERSHIP:
+      return "MICROD_ERR_MEMBERSHIP: the job's membership changed; submit again";
   }
   return "MICROD_ERR_UNKNOWN: unknown status";
 }
@@ -305,6 +324,7 @@ static microd_status say_hello(int fd, const microd_options* o, int64_t deadline
   microd_wire_hello hello;
   memset(&hello, 0, sizeof hello);
   microd_wire_header_init(&hello.h, MICROD_MSG_HELLO, sizeof hello);
+  hello.h.reserved = MICROD_WIRE_CAP_MEMBERSHIP; /* this library follows membership changes */
   hello.local_rank = o->local_rank;
   hello.pid = (uint32_t)getpid();
   /* A daemon that refuses this process answers with an ERROR and closes at
@@ -387,7 +407,21 @@ microd_status microd_connect(const microd_options* options, microd_client** out)
 microd_status microd_job_info_get(const microd_client* client, microd_job_info* out) {
   if (!check_handle(client)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
   if (out == NULL) return MICROD_ERR_INVALID_ARGUMENT;
-  *out = client->info;
+  /* The reader updates it on a MEMBERSHIP message. */
+  microd_client* c = (microd_client*)client;
+  pthread_mutex_lock(&c->mu);
+  *out = c->info;
+  pthread_mutex_unlock(&c->mu);
+  return MICROD_OK;
+}
+
+microd_status microd_job_epoch(const microd_client* client, uint64_t* epoch) {
+  if (!check_handle(client)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
+  if (epoch == NULL) return MICROD_ERR_INVALID_ARGUMENT;
+  microd_client* c = (microd_client*)client;
+  pthread_mutex_lock(&c->mu);
+  *epoch = c->epoch;
+  pthread_mutex_unlock(&c->mu);
   return MICROD_OK;
 }
 

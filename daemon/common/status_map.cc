@@ -15,7 +15,7 @@ ClientStatus ToClientStatus(const absl::Status& status) {
     const std::string s(*payload);
     if (!s.empty() && s.size() <= 2) {
       const int v = std::stoi(s);
-      if (v > 0 && v <= static_cast<int>(ClientStatus::kClosed))
+      if (v > 0 && v <= static_cast<int>(ClientStatus::kMembership))
         return static_cast<ClientStatus>(v);
     }
   }

@@ -27,6 +27,7 @@ enum class ClientStatus : int {
   kNonFinite = 10,
   kInternal = 11,
   kClosed = 12,
+  kMembership = 13,
 };
 
 // Returns `status` with the client code it must map to attached.

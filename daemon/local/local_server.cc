@@ -278,7 +278,33 @@ void LocalServer::Complete(uint64_t client, uint64_t ticket, uint32_t buffer_id,
   absl::MutexLock lock(&mu_);
   auto it = clients_.find(client);
   if (it == clients_.end()) return;
+  if (m.status == static_cast<int32_t>(ClientStatus::kMembership) &&
+      (it->second.caps & MICROD_WIRE_CAP_MEMBERSHIP) == 0) {
+    // A library that predates elastic jobs cannot follow: its job ends here.
+    m.status = static_cast<int32_t>(ClientStatus::kJobFailed);
+    CopyMessage(m.message, absl::StrCat("this client library cannot follow a change of the "
+                                        "job's membership: ",
+                                        status.message()));
+  }
   Send(it->second, &m, sizeof m);  // a failure: the server thread drops it
+}
+
+void LocalServer::NotifyMembership(uint64_t client, uint64_t epoch, const ProcessInfo& info,
+                                   const std::string& what) {
+  microd_wire_membership m{};
+  microd_wire_header_init(&m.h, MICROD_MSG_MEMBERSHIP, sizeof m);
+  m.epoch = epoch;
+  m.rank = info.rank;
+  m.world_size = info.world_size;
+  m.local_rank = info.local_rank;
+  m.local_size = info.local_size;
+  m.node_rank = info.node_rank;
+  m.node_count = info.node_count;
+  CopyMessage(m.message, what);
+  absl::MutexLock lock(&mu_);
+  auto it = clients_.find(client);
+  if (it == clients_.end() || (it->second.caps & MICROD_WIRE_CAP_MEMBERSHIP) == 0) return;
+  Send(it->second, &m, sizeof m);
 }
 
 std::vector<ClientSnapshot> LocalServer::Clients() const {
@@ -538,6 +564,7 @@ bool LocalServer::HandleHello(uint64_t id, Client& c, const ::microd_wire_hello&
   {
     absl::MutexLock lock(&mu_);
     c.greeted = true;
+    c.caps = hello.h.reserved;
     c.local_rank = info->local_rank;
   }
   microd_wire_hello_ack ack{};

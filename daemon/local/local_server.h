@@ -202,7 +202,15 @@ class LocalServer {
   ~LocalServer();
 
   // Sends a completion to a client (thread-safe; dropped if the client left).
+  // MICROD_ERR_MEMBERSHIP goes as MICROD_ERR_JOB_FAILED to a client whose
+  // hello did not say it follows membership changes.
   void Complete(uint64_t client, uint64_t ticket, uint32_t buffer_id, const absl::Status& status);
+  // Tells a client its place in the job's membership epoch `epoch` (an
+  // elastic job's change; `what` says what changed), before its pending
+  // submissions complete with MICROD_ERR_MEMBERSHIP. Nothing for a client
+  // that did not say it follows such changes. Thread-safe.
+  void NotifyMembership(uint64_t client, uint64_t epoch, const ProcessInfo& info,
+                        const std::string& what);
   // Stops serving, closes every connection and removes the socket file.
   void Stop();
   std::vector<ClientSnapshot> Clients() const;
@@ -216,6 +224,7 @@ class LocalServer {
     gid_t gid = 0;
     std::vector<gid_t> groups;  // supplementary (SO_PEERGROUPS)
     bool greeted = false;
+    uint32_t caps = 0;  // MICROD_WIRE_CAP_* of its hello
     int local_rank = -1;
     std::map<uint32_t, uint64_t> buffers;  // id -> bytes
     uint64_t bytes = 0;

@@ -35,8 +35,9 @@ TEST(ClientApi, VersionAndStatusStrings) {
                          "MICROD_ERR_PERMISSION",
                          "MICROD_ERR_NONFINITE",
                          "MICROD_ERR_INTERNAL",
-                         "MICROD_ERR_CLOSED"};
-  for (int s = 0; s <= MICROD_ERR_CLOSED; ++s) {
+                         "MICROD_ERR_CLOSED",
+                         "MICROD_ERR_MEMBERSHIP"};
+  for (int s = 0; s <= MICROD_ERR_MEMBERSHIP; ++s) {
     EXPECT_TRUE(absl::StartsWith(microd_status_string(static_cast<microd_status>(s)), names[s]))
         << s;
   }

@@ -52,7 +52,12 @@ typedef enum microd_status {
   MICROD_ERR_PERMISSION = 9,       /* the daemon refused this process, or it the daemon (uid/gid) */
   MICROD_ERR_NONFINITE = 10,       /* NaN or Inf in a gradient; the step was not applied */
   MICROD_ERR_INTERNAL = 11,        /* a bug: please report the message */
-  MICROD_ERR_CLOSED = 12           /* the handle was closed */
+  MICROD_ERR_CLOSED = 12,          /* the handle was closed */
+  /* An elastic job's membership changed (nodes lost): this step was not
+   * applied on any node. The buffer's contents are unspecified: read
+   * microd_job_info_get again (rank and world size may have changed),
+   * write the gradient again and submit it again. */
+  MICROD_ERR_MEMBERSHIP = 13
 } microd_status;
 
 /* Opaque connection to the daemon. */
@@ -106,6 +111,9 @@ MICROD_API microd_status microd_momentum_correction(const microd_client* client,
 
 /* Job shape as the daemon reported it at connect. Never blocks. */
 MICROD_API microd_status microd_job_info_get(const microd_client* client, microd_job_info* out);
+/* The job's membership epoch as this process last heard it: 0 as the job
+ * formed, one more at each change (MICROD_ERR_MEMBERSHIP). Never blocks. */
+MICROD_API microd_status microd_job_epoch(const microd_client* client, uint64_t* epoch);
 
 /* Per-buffer options. Set struct_size = sizeof(microd_buffer_options)
  * (microd_buffer_options_init does) so that fields can be appended. */

@@ -21,6 +21,7 @@ __all__ = [
     "Status", "MicrodError", "InvalidArgumentError", "UnavailableError", "MicrodTimeoutError",
     "MismatchError", "JobFailedError", "UnsupportedError", "ProtocolError", "ResourceError",
     "PermissionDeniedError", "NonFiniteError", "InternalError", "ClosedError",
+    "MembershipChangedError",
     "Client", "Buffer", "CudaBuffer", "JobInfo", "library_path",
 ]
 
@@ -40,6 +41,7 @@ class Status(enum.IntEnum):
     NONFINITE = 10
     INTERNAL = 11
     CLOSED = 12
+    MEMBERSHIP = 13
 
 
 class MicrodError(Exception):
@@ -72,6 +74,17 @@ class InternalError(MicrodError): pass
 class ClosedError(MicrodError): pass
 
 
+class MembershipChangedError(MicrodError):
+    """MICROD_ERR_MEMBERSHIP: an elastic job's membership changed; the step
+    was not applied on any node. `rank` and `world_size` are this process's
+    in the new membership (also the client's `rank`, `world_size`, `job`
+    from now on); `epoch` the new membership's. Write the gradient again and
+    submit again."""
+    rank = None
+    world_size = None
+    epoch = None
+
+
 _ERRORS = {
     Status.INVALID_ARGUMENT: InvalidArgumentError,
     Status.UNAVAILABLE: UnavailableError,
@@ -85,6 +98,7 @@ _ERRORS = {
     Status.NONFINITE: NonFiniteError,
     Status.INTERNAL: InternalError,
     Status.CLOSED: ClosedError,
+    Status.MEMBERSHIP: MembershipChangedError,
 }
 
 BUFFER_DENSE = 1
@@ -190,6 +204,7 @@ def _library():
         lib.microd_last_error.restype = c.c_char_p
         lib.microd_last_error.argtypes = [c.c_void_p]
         lib.microd_job_info_get.argtypes = [c.c_void_p, c.POINTER(_JobInfo)]
+        lib.microd_job_epoch.argtypes = [c.c_void_p, c.POINTER(c.c_uint64)]
         lib.microd_momentum_correction.argtypes = [c.c_void_p, c.POINTER(c.c_float)]
         lib.microd_buffer_options_init.argtypes = [c.POINTER(_BufferOptions)]
         lib.microd_register_typed_buffer.argtypes = [c.c_void_p, c.c_char_p, c.c_uint64,
@@ -347,7 +362,24 @@ class Client:
     node_rank = property(lambda self: self.job.node_rank)
     node_count = property(lambda self: self.job.node_count)
 
+    @property
+    def epoch(self):
+        """The job's membership epoch as this process last heard it (0 as
+        the job formed; one more at each change)."""
+        epoch = ctypes.c_uint64(0)
+        self._check(_library().microd_job_epoch(self._live(), ctypes.byref(epoch)))
+        return int(epoch.value)
+
     def _check(self, status):
+        if status == Status.MEMBERSHIP:
+            # The library read the new membership before this answer.
+            lib = _library()
+            err = _error(status, lib.microd_last_error(self._live()))
+            info = _JobInfo()
+            if lib.microd_job_info_get(self._live(), ctypes.byref(info)) == Status.OK:
+                self.job = JobInfo(info)
+            err.rank, err.world_size, err.epoch = self.rank, self.world_size, self.epoch
+            raise err
         if status != Status.OK:
             raise _error(status, _library().microd_last_error(self._live()))
 

@@ -31,7 +31,8 @@ enum microd_wire_type {
   MICROD_MSG_ERROR = 7,         /* daemon -> client, then the daemon disconnects */
   MICROD_MSG_GOODBYE = 8,       /* client -> daemon */
   MICROD_MSG_REGISTER_CUDA = 9, /* client -> daemon, answered with REGISTER_ACK */
-  MICROD_MSG_STATE = 10         /* client -> daemon, answered with a COMPLETION */
+  MICROD_MSG_STATE = 10,        /* client -> daemon, answered with a COMPLETION */
+  MICROD_MSG_MEMBERSHIP = 11    /* daemon -> client (one with MICROD_WIRE_CAP_MEMBERSHIP) */
 };
 
 /* Capabilities: in a HELLO_ACK the header's `reserved` field carries these
@@ -40,6 +41,13 @@ enum microd_wire_type {
  * daemon answers it, with MICROD_ERR_UNSUPPORTED where it has no CUDA (a CPU
  * build, or no usable GPU), never by dropping the connection. */
 #define MICROD_WIRE_CAP_REGISTER_CUDA 1u
+/* In a HELLO the header's `reserved` field carries the client's bits: with
+ * MICROD_WIRE_CAP_MEMBERSHIP the client understands MEMBERSHIP messages and
+ * the status MICROD_ERR_MEMBERSHIP. An elastic job's daemon sends such a
+ * client a MEMBERSHIP when the job's membership changes, before completing
+ * its pending submissions with MICROD_ERR_MEMBERSHIP; a client without the
+ * bit gets MICROD_ERR_JOB_FAILED for them instead (it could not follow). */
+#define MICROD_WIRE_CAP_MEMBERSHIP 2u
 
 enum microd_wire_buffer_kind { MICROD_BUFFER_HOST = 1, MICROD_BUFFER_CUDA = 2 };
 /* The values of microd.h's MICROD_DTYPE_* (there: the buffer options). */
@@ -155,6 +163,19 @@ typedef struct microd_wire_state {
   uint64_t ticket;
   char dir[MICROD_WIRE_PATH_BYTES];
 } microd_wire_state;
+
+/* The process's place in the job's new membership epoch. */
+typedef struct microd_wire_membership {
+  microd_wire_header h;
+  uint64_t epoch;
+  int32_t rank;
+  int32_t world_size;
+  int32_t local_rank;
+  int32_t local_size;
+  int32_t node_rank;
+  int32_t node_count;
+  char message[MICROD_WIRE_MESSAGE_BYTES]; /* what changed */
+} microd_wire_membership;
 
 typedef struct microd_wire_goodbye {
   microd_wire_header h;
