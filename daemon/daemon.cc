@@ -107,6 +107,11 @@ engine::EngineOptions EngineOptionsOf(const DaemonConfig& c, uint64_t memory_bud
   }
   eo.device_resident = c.transport == "nccl";
   eo.device = c.cuda_device;
+  eo.elastic = c.min_nodes > 0 && c.min_nodes < c.nodes;
+  // Long enough for the coordinator's verdict: the peer timeout, its grace
+  // for a reported data-plane failure, and a heartbeat to bring it.
+  eo.membership_wait =
+      2 * c.peer_timeout + control::Coordinator::kDataPlaneGrace + absl::Seconds(5);
   return eo;
 }
 
@@ -159,6 +164,9 @@ class DaemonImpl {
                         v1::GetTimelineResponse* resp);
   absl::Status Join();
   absl::Status StartDataPlane(const engine::EngineOptions& eo);
+  // An elastic job's next epoch: the data plane among its nodes, under a
+  // rendezvous prefix of its own, with the links' model of the first one.
+  absl::StatusOr<std::unique_ptr<transport::Transport>> NextDataPlane(const control::Membership& m);
   absl::Status Serve(const engine::EngineOptions& eo);
   // `buckets` (optional): the engine's per-bucket statistics of the same
   // snapshot (the metrics' histograms).
@@ -181,6 +189,7 @@ class DaemonImpl {
   control::Membership membership_;
   std::unique_ptr<control::CoordinatorClient> client_;
   std::unique_ptr<transport::Transport> transport_;
+  transport::GlooOptions gloo_options_;  // the first data plane's (NextDataPlane)
   std::unique_ptr<kernels::SparseOps> ops_;
   std::unique_ptr<engine::Engine> engine_;
   std::unique_ptr<local::LocalServer> local_server_;
@@ -203,6 +212,7 @@ absl::Status DaemonImpl::StartCoordinator() {
     co.job_id = config_.job_id;
     co.token = config_.token;
     co.expected_nodes = config_.nodes;
+    co.min_nodes = config_.min_nodes;
     co.peer_timeout = config_.peer_timeout;
     co.stall_warning = absl::Seconds(config_.stall_warning_s);
     co.stall_abort = absl::Seconds(config_.stall_abort_s);
@@ -457,7 +467,7 @@ absl::Status DaemonImpl::StartDataPlane(const engine::EngineOptions& eo) {
     if (!data_address.ok()) return Bad("--hostname", data_address.status());
     MICROD_LOG(Info, "data plane on %s (%s)", data_address->address.c_str(),
                data_address->why.c_str());
-    transport::GlooOptions go;
+    transport::GlooOptions& go = gloo_options_;
     go.rank = membership_.node_rank;
     go.size = membership_.node_count;
     go.store = client_.get();
@@ -501,6 +511,19 @@ absl::Status DaemonImpl::StartDataPlane(const engine::EngineOptions& eo) {
 #endif
 }
 
+absl::StatusOr<std::unique_ptr<transport::Transport>> DaemonImpl::NextDataPlane(
+    const control::Membership& m) {
+  transport::GlooOptions go = gloo_options_;
+  go.rank = m.node_rank;
+  go.size = m.node_count;
+  go.prefix = absl::StrCat("gloo/e", m.epoch);
+  if (const transport::LinkModel* model = transport_->link_model(); model != nullptr) {
+    go.link_model = *model;  // no need to measure the same links again
+    go.link_model->ranks = m.node_count;
+  }
+  return transport::CreateGlooTransport(go);
+}
+
 absl::Status DaemonImpl::Serve(const engine::EngineOptions& eo) {
   local::LocalServerOptions lo;
   lo.socket_path = config_.socket;
@@ -525,6 +548,15 @@ absl::Status DaemonImpl::Serve(const engine::EngineOptions& eo) {
   engine_->SetServer(local_server_.get());
   engine_->SetTimeline(&timeline_);
   client_->SetFailureCallback([e = engine_.get()](const absl::Status& s) { e->Fail(s, false); });
+  client_->SetMembershipCallback([this](const control::Membership& m, const std::string& change) {
+    {
+      absl::MutexLock lock(&mu_);
+      membership_ = m;
+    }
+    log::SetRank(m.node_rank);
+    timeline_.SetNode(m.node_rank, config_.node_name);
+    engine_->OnMembership(m, change);
+  });
   // Buckets waiting for half the warning time go to the stall inspector.
   client_->SetWaitingProvider(
       [e = engine_.get(), at_least = absl::Seconds(config_.stall_warning_s) / 2] {
@@ -551,8 +583,10 @@ absl::Status DaemonImpl::Start(const std::function<void()>& serving) {
   RETURN_IF_ERROR(StartTimeline());
   RETURN_IF_ERROR(Join());
   timeline_.SetNode(membership_.node_rank, config_.node_name);
-  const engine::EngineOptions eo = EngineOptionsOf(config_, memory_budget_, memory_budget_source_);
+  engine::EngineOptions eo = EngineOptionsOf(config_, memory_budget_, memory_budget_source_);
   RETURN_IF_ERROR(StartDataPlane(eo));
+  if (eo.elastic)
+    eo.new_transport = [this](const control::Membership& m) { return NextDataPlane(m); };
   if (absl::Status s = engine::CheckOptionsAgree(*transport_, eo, absl::Now() + config_.op_timeout);
       !s.ok()) {
     return Bad("options", s);
@@ -604,6 +638,15 @@ absl::Status DaemonConfig::Validate() const {
                                    absl::StrCat("must be in [1, ", control::kMaxLocalSize, "]")));
   }
   if (nodes < 1) return Bad("--nodes", absl::InvalidArgumentError("must be at least 1"));
+  if (min_nodes < 0 || min_nodes > nodes) {
+    return Bad("--min_nodes", absl::InvalidArgumentError(absl::StrCat(
+                                  "must be in [0, --nodes=", nodes, "], not ", min_nodes)));
+  }
+  if (min_nodes > 0 && min_nodes < nodes && transport == "nccl") {
+    return Bad("--min_nodes",
+               absl::UnimplementedError("elastic membership needs --transport=gloo for now (a new "
+                                        "NCCL communicator per epoch is not built yet)"));
+  }
   if (cuda_device < 0) return Bad("--cuda_device", absl::InvalidArgumentError("must be >= 0"));
   if (cycle_floats > (uint64_t{1} << 20)) {
     return Bad("--cycle_floats", absl::InvalidArgumentError("must be at most 1048576"));

@@ -25,6 +25,9 @@ struct DaemonConfig {
   std::string node_name;  // "": the host name
   int node_rank = -1;     // -1: any free one
   int nodes = 1;          // used by the coordinator
+  // Elastic membership: while at least this many nodes remain, the job goes
+  // on without a lost node (0, or `nodes`: not elastic).
+  int min_nodes = 0;
   int local_size = 1;
   std::string coordinator;         // host:port of the coordinator
   std::string coordinator_listen;  // serve the coordinator here (node 0)

@@ -18,6 +18,11 @@ ABSL_FLAG(int, local_size, 1, "training processes on this node");
 ABSL_FLAG(std::string, node_name, "", "this node's name (default: the host name)");
 ABSL_FLAG(int, node_rank, -1, "node rank to take (-1: any free one)");
 ABSL_FLAG(int, nodes, 1, "nodes in the job (used by the coordinator)");
+ABSL_FLAG(int, min_nodes, 0,
+          "elastic membership: while at least this many nodes remain, a node lost past the "
+          "peer timeout leaves the job instead of failing it; the others go on as a job of "
+          "their number, with MICROD_ERR_MEMBERSHIP for the step in flight (0, or --nodes: "
+          "not elastic; every node must give the same)");
 ABSL_FLAG(std::string, coordinator, "", "address of the coordinator (host:port)");
 ABSL_FLAG(std::string, coordinator_listen, "",
           "serve the coordinator on this address (node 0 only)");
@@ -243,6 +248,7 @@ absl::StatusOr<DaemonConfig> DaemonConfigFromFlags() {
   c.node_name = absl::GetFlag(FLAGS_node_name);
   c.node_rank = absl::GetFlag(FLAGS_node_rank);
   c.nodes = absl::GetFlag(FLAGS_nodes);
+  c.min_nodes = absl::GetFlag(FLAGS_min_nodes);
   c.local_size = absl::GetFlag(FLAGS_local_size);
   c.coordinator = absl::GetFlag(FLAGS_coordinator);
   c.coordinator_listen = absl::GetFlag(FLAGS_coordinator_listen);

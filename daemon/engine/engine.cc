@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
 #include "daemon/common/log.h"
 #include "daemon/common/status_macros.h"
@@ -46,14 +47,9 @@ Engine::Engine(EngineOptions options, control::Membership membership, control::C
 Engine::~Engine() { Stop(absl::CancelledError("the daemon is shutting down")); }
 
 void Engine::Start() {
-  Speculator speculate;
-  if (!options_.device_resident) {
-    speculate = [this](const std::vector<size_t>& ids) { return runner_.Speculate(ids); };
-  }
-  negotiator_ = MakeNegotiator(options_, membership_, client_, transport_, ops_, &state_, this,
-                               std::move(speculate));
+  negotiator_ = NewNegotiator();
   thread_ = std::thread([this] { Loop(); });
-  poll_thread_ = std::thread([this] { PollLoop(); });
+  poll_thread_ = std::thread([this, next = membership_.first_batch] { PollLoop(next); });
 }
 
 void Engine::Stop(const absl::Status& reason) {
@@ -77,6 +73,8 @@ void Engine::Fail(const absl::Status& reason, bool report) {
     pending = state_.table.TakeAllSubmitted();
     for (Work& w : state_.in_flight) pending.push_back(std::move(w));
     state_.in_flight.clear();
+    for (Work& w : state_.held) pending.push_back(std::move(w));
+    state_.held.clear();
     state_.table.DropNewlyReady();
   }
   const bool ended = reason.code() == absl::StatusCode::kFailedPrecondition ||
@@ -92,7 +90,7 @@ void Engine::Fail(const absl::Status& reason, bool report) {
   // node aborts its transport find the root cause there.
   if (report && client_ != nullptr) (void)client_->ReportFailure(std::string(reason.message()));
   // Unblock a step in flight, here and (by closed connections) on the peers.
-  transport_->Abort(reason);
+  CurrentTransport()->Abort(reason);
   const absl::Status status = JobFailed(reason);
   for (const Work& w : pending) Complete(w, status);
 }
@@ -195,8 +193,7 @@ void Engine::Finish(const Work& w, const absl::Status& status) {
   Complete(w, status);  // nothing when Fail() answered it already
 }
 
-void Engine::PollLoop() {
-  uint64_t next = 0;
+void Engine::PollLoop(uint64_t next) {
   for (;;) {
     {
       absl::MutexLock lock(&state_.mu);
@@ -209,19 +206,236 @@ void Engine::PollLoop() {
         absl::MutexLock lock(&state_.mu);
         if (state_.stop) return;
       }
-      Fail(batches.status(), /*report=*/false);
+      // An elastic job's change of membership ends the poll: the next
+      // epoch's poll starts once the engine reconfigured.
+      if (!Hold({}, batches.status())) Fail(batches.status(), /*report=*/false);
       return;
     }
     if (batches->empty()) continue;
     next = batches->back().index + 1;
     absl::MutexLock lock(&state_.mu);
+    // Polled with a new epoch's session while the engine recovers: the next
+    // epoch's poll reads them again, from its first batch.
+    if (state_.recovering) return;
     for (auto& b : *batches) state_.schedule.push_back(std::move(b));
     state_.changed = true;
   }
 }
 
+std::unique_ptr<Negotiator> Engine::NewNegotiator() {
+  Speculator speculate;
+  if (!options_.device_resident) {
+    speculate = [this](const std::vector<size_t>& ids) { return runner_.Speculate(ids); };
+  }
+  return MakeNegotiator(options_, membership_, client_, transport_, ops_, &state_, this,
+                        std::move(speculate));
+}
+
+transport::Transport* Engine::CurrentTransport() const {
+  absl::MutexLock lock(&state_.mu);
+  return transport_;
+}
+
+bool Engine::Hold(const std::vector<Work>& works, const absl::Status& why) {
+  if (!options_.elastic) return false;
+  bool first = false;
+  transport::Transport* t = nullptr;
+  {
+    absl::MutexLock lock(&state_.mu);
+    if (!state_.failed.ok() || state_.stop) return false;
+    auto& in_flight = state_.in_flight;
+    for (const Work& w : works) {
+      auto it = std::find_if(in_flight.begin(), in_flight.end(),
+                             [&](const Work& x) { return x.answer == w.answer; });
+      if (it != in_flight.end()) in_flight.erase(it);
+      state_.held.push_back(w);
+    }
+    if (!state_.recovering) {
+      state_.recovering = true;
+      state_.recover_until = absl::Now() + options_.membership_wait;
+      state_.recover_cause = why;
+      first = true;
+    }
+    t = transport_;
+  }
+  if (first) {
+    MICROD_LOG(Warning,
+               "node %d: %s; holding the step for the coordinator's verdict (a lost node: the "
+               "job's next membership epoch), up to %s",
+               membership_.node_rank, std::string(why.message()).c_str(),
+               absl::FormatDuration(options_.membership_wait).c_str());
+    if (client_ != nullptr) (void)client_->ReportDataPlaneFailure(std::string(why.message()));
+    t->Abort(why);  // the other steps on this data plane end too
+  }
+  return true;
+}
+
+void Engine::OnMembership(const control::Membership& membership, const std::string& change) {
+  const absl::Status why =
+      absl::UnavailableError(absl::StrCat("the job's membership changed: ", change));
+  if (!options_.elastic) {
+    Fail(absl::AbortedError(absl::StrCat(why.message(),
+                                         "; this node does not follow such "
+                                         "changes (--min_nodes)")),
+         /*report=*/true);
+    return;
+  }
+  transport::Transport* t = nullptr;
+  {
+    absl::MutexLock lock(&state_.mu);
+    if (!state_.failed.ok() || state_.stop) return;
+    state_.next_membership = {membership, change};
+    if (!state_.recovering) {
+      state_.recovering = true;
+      state_.recover_until = absl::Now() + options_.membership_wait;
+      state_.recover_cause = why;
+    }
+    t = transport_;
+  }
+  t->Abort(why);  // what runs on the old data plane ends now
+}
+
+void Engine::Reconfigure() {
+  std::optional<std::pair<control::Membership, std::string>> next;
+  absl::Status cause;
+  {
+    absl::MutexLock lock(&state_.mu);
+    auto decided = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu) {
+      return state_.next_membership.has_value() || !state_.failed.ok() || state_.stop;
+    };
+    state_.mu.AwaitWithDeadline(absl::Condition(&decided), state_.recover_until);
+    if (!state_.failed.ok() || state_.stop) return;
+    next = std::move(state_.next_membership);
+    state_.next_membership.reset();
+    cause = state_.recover_cause;
+  }
+  if (!next.has_value()) {
+    Fail(absl::Status(
+             cause.code(),
+             absl::StrCat(cause.message(), " (no change of the job's membership came within ",
+                          absl::FormatDuration(options_.membership_wait), ")")),
+         /*report=*/true);
+    return;
+  }
+  // The old epoch's readers end: the poll (its poll failed, or it sees the
+  // engine recovering) and the negotiator's own threads.
+  if (poll_thread_.joinable()) poll_thread_.join();
+  if (negotiator_ != nullptr) negotiator_->Join();
+  std::vector<Work> pending;
+  if (absl::Status s = Reconfigured(next->first, next->second, &pending); !s.ok()) {
+    Fail(absl::Status(s.code(), absl::StrCat("node ", membership_.node_rank,
+                                             ": the job's next membership epoch: ", s.message())),
+         /*report=*/true);
+    return;
+  }
+  runner_.SetTransport(transport_);
+  negotiator_ = NewNegotiator();
+  poll_thread_ = std::thread([this, first = membership_.first_batch] { PollLoop(first); });
+  // Every process learns its place first, then that its step was not applied.
+  std::vector<std::pair<uint64_t, int>> clients;
+  {
+    absl::MutexLock lock(&state_.mu);
+    clients = state_.table.Clients();
+  }
+  const int offset = std::accumulate(membership_.local_sizes.begin(),
+                                     membership_.local_sizes.begin() + membership_.node_rank, 0);
+  for (const auto& [client, local_rank] : clients) {
+    local::ProcessInfo info;
+    info.local_rank = local_rank;
+    info.local_size = options_.local_size;
+    info.node_rank = membership_.node_rank;
+    info.node_count = membership_.node_count;
+    info.world_size = membership_.world_size;
+    info.rank = offset + local_rank;
+    info.momentum_correction = static_cast<float>(options_.sparsify.momentum);
+    if (server_ != nullptr) {
+      server_->NotifyMembership(client, membership_.epoch, info, next->second);
+    }
+  }
+  for (const Work& w : pending) {
+    Complete(w, WithClientStatus(absl::AbortedError(absl::StrCat(
+                                     "bucket '", w.bucket->name,
+                                     "': this step was not applied: the job's "
+                                     "membership changed (",
+                                     next->second, "); epoch ", membership_.epoch, ": node ",
+                                     membership_.node_rank, " of ", membership_.node_count,
+                                     ", world size ", membership_.world_size, "; submit it again")),
+                                 ClientStatus::kMembership));
+  }
+  MICROD_LOG(Warning,
+             "node %d of %d: membership epoch %llu running (%zu pending submission(s) answered "
+             "MICROD_ERR_MEMBERSHIP)",
+             membership_.node_rank, membership_.node_count,
+             static_cast<unsigned long long>(membership_.epoch), pending.size());
+}
+
+absl::Status Engine::Reconfigured(const control::Membership& next, const std::string& change,
+                                  std::vector<Work>* pending) {
+  if (!options_.new_transport) {
+    return absl::FailedPreconditionError("no way to connect a new data plane");
+  }
+  MICROD_LOG(Warning, "node %d: membership epoch %llu: now node %d of %d (%s)",
+             membership_.node_rank, static_cast<unsigned long long>(next.epoch), next.node_rank,
+             next.node_count, change.c_str());
+  ASSIGN_OR_RETURN(std::unique_ptr<transport::Transport> t, options_.new_transport(next));
+  // Every node must hold its buckets at the same step: a step the lost
+  // node's data reached on some nodes only (its last round) cannot be
+  // undone, and the job fails, naming it.
+  std::string mine;
+  {
+    absl::MutexLock lock(&state_.mu);
+    for (Bucket* b : state_.table.WithState()) {
+      if (b->state != nullptr) absl::StrAppend(&mine, b->name, "=", b->state->step(), "\n");
+    }
+  }
+  std::vector<std::string> from;
+  transport::CollectiveOptions o;
+  o.tag = transport::MakeTag(1, transport::TagKind::kControl);
+  o.deadline = absl::Now() + options_.op_timeout;
+  RETURN_IF_ERROR(t->ExchangeRound(mine, &from, o));
+  for (size_t r = 0; r < from.size(); ++r) {
+    if (from[r] == mine) continue;
+    return absl::DataLossError(absl::StrCat(
+        "node ", r, " of the new epoch holds its buckets at other steps than this node (node ",
+        next.node_rank, "): the lost node's last step reached only some nodes; here: ",
+        mine.empty() ? "none" : absl::StrReplaceAll(mine, {{"\n", " "}}),
+        "; there: ", from[r].empty() ? "none" : absl::StrReplaceAll(from[r], {{"\n", " "}})));
+  }
+  const sparsify::JobShape shape{next.node_count, next.node_rank, next.world_size};
+  absl::MutexLock lock(&state_.mu);
+  for (Bucket* b : state_.table.WithState()) {
+    if (b->state != nullptr) RETURN_IF_ERROR(b->state->SetJob(shape));
+  }
+  // The new epoch: every pending submission is answered, nothing is cached,
+  // the schedule starts at the epoch's first batch.
+  *pending = state_.table.TakeAllSubmitted();
+  for (Work& w : state_.in_flight) pending->push_back(std::move(w));
+  state_.in_flight.clear();
+  for (Work& w : state_.held) pending->push_back(std::move(w));
+  state_.held.clear();
+  state_.table.ResetCache();
+  state_.schedule.clear();
+  state_.log_run = 0;
+  state_.changed = false;
+  membership_ = next;
+  transports_.push_back(std::move(t));
+  transport_ = transports_.back().get();
+  state_.recovering = false;
+  state_.recover_cause = absl::OkStatus();
+  return absl::OkStatus();
+}
+
 void Engine::Loop() {
   for (;;) {
+    bool recovering;
+    {
+      absl::MutexLock lock(&state_.mu);
+      recovering = state_.recovering && state_.failed.ok() && !state_.stop;
+    }
+    if (recovering) {
+      Reconfigure();
+      continue;
+    }
     RunStateRequest();
     std::optional<Plan> plan = negotiator_->Next();
     if (!plan.has_value()) return;

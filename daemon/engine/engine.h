@@ -63,6 +63,10 @@ class Engine final : public local::LocalHandler, private JobControl {
   void Stop(const absl::Status& reason);
   // Ends the job on this node (and tells the coordinator when `report`).
   void Fail(const absl::Status& reason, bool report) override;
+  // An elastic job's next membership epoch, as the coordinator told this
+  // node (its membership there, and what changed): the engine ends what
+  // runs on the old data plane and reconfigures on its thread (Reconfigure).
+  void OnMembership(const control::Membership& membership, const std::string& change);
 
   absl::StatusOr<local::ProcessInfo> OnHello(uint64_t client, int requested_local_rank,
                                              pid_t pid) override;
@@ -87,6 +91,20 @@ class Engine final : public local::LocalHandler, private JobControl {
   // JobControl.
   absl::Status WithRootCause(const absl::Status& local) override;
   void Finish(const Work& work, const absl::Status& status) override;
+  bool Hold(const std::vector<Work>& works, const absl::Status& why) override;
+  // Elastic: on the engine's thread, once recovering: waits for the next
+  // epoch's membership (or the job's failure, or recover_until), connects
+  // its data plane, checks that every node holds its buckets at the same
+  // step, re-cuts the partitions (BucketState::SetJob), starts the schedule
+  // afresh and completes every pending submission with
+  // MICROD_ERR_MEMBERSHIP, each process told its place first.
+  void Reconfigure();
+  // The negotiator of the current epoch's membership and data plane.
+  std::unique_ptr<Negotiator> NewNegotiator();
+  // The current epoch's data plane (kept alive until the engine goes).
+  transport::Transport* CurrentTransport() const;
+  absl::Status Reconfigured(const control::Membership& next, const std::string& change,
+                            std::vector<Work>* pending);
 
   // Answers the work's submissions (once).
   void Complete(const Work& w, const absl::Status& status);
@@ -98,8 +116,9 @@ class Engine final : public local::LocalHandler, private JobControl {
   void RunBatch(const control::ScheduleBatch& batch, bool cached,
                 std::shared_ptr<Speculation> speculation = nullptr);
   void RunInCycle(const InCycle& in_cycle, bool count_batch);
-  // Reads the coordinator's schedule log into EngineState::schedule.
-  void PollLoop();
+  // Reads the coordinator's schedule log into EngineState::schedule, from
+  // batch `next` on.
+  void PollLoop(uint64_t next);
   // A state request every local process made, run between plans
   // (state_io.cc); the answer for each process.
   void RunStateRequest();
@@ -110,9 +129,15 @@ class Engine final : public local::LocalHandler, private JobControl {
   microd::v1::NodeCheckpoint CheckpointShape() const;
 
   const EngineOptions options_;
-  const control::Membership membership_;
+  // This node's membership: changed (under state_.mu) only on the engine's
+  // thread, between plans, when an elastic job's epoch changes.
+  control::Membership membership_;
   control::ControlPlane* const client_;
-  transport::Transport* const transport_;
+  transport::Transport* transport_;  // the current epoch's data plane
+  // The data planes of later epochs (the first one is the caller's); the
+  // old ones stay, aborted, until the engine goes (a thread may still
+  // hold one's pointer).
+  std::vector<std::unique_ptr<transport::Transport>> transports_;
   kernels::SparseOps* const ops_;
   local::LocalServer* server_ = nullptr;
 

@@ -5,7 +5,9 @@
 
 #include <cstdint>
 #include <deque>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -54,6 +56,15 @@ struct EngineState {
   uint64_t batches ABSL_GUARDED_BY(mu) = 0;
   uint64_t cache_batches ABSL_GUARDED_BY(mu) = 0;
   uint64_t cycle_reductions ABSL_GUARDED_BY(mu) = 0;
+  // Elastic jobs: a step failed on the data plane, or the membership
+  // changed. The engine holds the failed steps' submissions (`held`) until
+  // the next epoch's membership arrives (`next_membership`, with what
+  // changed) or `recover_until`, then reconfigures (engine.cc).
+  bool recovering ABSL_GUARDED_BY(mu) = false;
+  absl::Time recover_until ABSL_GUARDED_BY(mu);
+  absl::Status recover_cause ABSL_GUARDED_BY(mu);
+  std::vector<Work> held ABSL_GUARDED_BY(mu);
+  std::optional<std::pair<control::Membership, std::string>> next_membership ABSL_GUARDED_BY(mu);
 };
 
 // The engine, as its parts see it.
@@ -66,6 +77,11 @@ class JobControl {
   virtual absl::Status WithRootCause(const absl::Status& local) = 0;
   // Answers a Work of the running batch, unless Fail() did already.
   virtual void Finish(const Work& work, const absl::Status& status) = 0;
+  // A collective failed (`why`) with `works` in flight: in an elastic job,
+  // perhaps a lost peer. True: the works are held for the next membership
+  // epoch (the coordinator decides); false: not elastic, or the job failed
+  // already: the caller fails them as before.
+  virtual bool Hold(const std::vector<Work>& works, const absl::Status& why) { return false; }
 };
 
 // The status every submission gets once the job failed for `why`.

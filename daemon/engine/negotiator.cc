@@ -1,6 +1,7 @@
 #include "daemon/engine/negotiator.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 
@@ -23,7 +24,7 @@ class CoordinatorNegotiator final : public Negotiator {
       absl::MutexLock lock(&state_->mu);
       auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
         return state_->stop || state_->table.has_newly_ready() || !state_->schedule.empty() ||
-               state_->state_request_ready;
+               state_->state_request_ready || state_->recovering;
       };
       state_->mu.AwaitWithTimeout(absl::Condition(&has_work), absl::Seconds(1));
       if (state_->stop) return std::nullopt;
@@ -32,7 +33,10 @@ class CoordinatorNegotiator final : public Negotiator {
         state_->schedule.clear();
         return plan;
       }
-      report = state_->table.TakeNewlyReady();
+      if (state_->recovering) return plan;  // the engine reconfigures first
+      // While an elastic job recovers, what becomes ready is reported in
+      // the next epoch.
+      if (!state_->recovering) report = state_->table.TakeNewlyReady();
       if (!state_->schedule.empty()) {
         plan.batches.push_back(std::move(state_->schedule.front()));
         state_->schedule.pop_front();
@@ -40,7 +44,7 @@ class CoordinatorNegotiator final : public Negotiator {
     }
     if (!report.empty()) {
       if (absl::Status s = client_->Report(report); !s.ok()) {
-        job_->Fail(s, /*report=*/false);
+        if (!job_->Hold({}, s)) job_->Fail(s, /*report=*/false);
         return Plan{};
       }
     }
@@ -72,6 +76,7 @@ class CycleNegotiator final : public Negotiator {
 
   std::optional<Plan> Next() override;
   void Join() override {
+    quit_ = true;
     if (report_thread_.joinable()) report_thread_.join();
   }
 
@@ -118,6 +123,7 @@ class CycleNegotiator final : public Negotiator {
   EngineState* const state_;
   JobControl* const job_;
   bool progressed_ = false;  // the last cycle ran something
+  std::atomic<bool> quit_{false};
   sparsify::DeviceBuffer<kernels::StepScalars> scalars_;
   std::thread report_thread_;
 };
@@ -129,7 +135,7 @@ std::optional<Plan> CycleNegotiator::Next() {
       return !state_->schedule.empty() || state_->table.any_cached_ready();
     };
     auto go = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
-      return state_->stop || state_->state_request_ready ||
+      return state_->stop || state_->state_request_ready || state_->recovering ||
              (pending() && (state_->changed || progressed_));
     };
     // A change (a submission, a schedule batch) starts a cycle at once.
@@ -139,6 +145,10 @@ std::optional<Plan> CycleNegotiator::Next() {
     state_->mu.AwaitWithTimeout(absl::Condition(&go),
                                 pending() ? absl::Milliseconds(1) : absl::Seconds(1));
     if (state_->stop) return std::nullopt;
+    if (state_->recovering) {  // the engine reconfigures first
+      progressed_ = false;
+      return Plan{};
+    }
     if (!state_->failed.ok()) {
       state_->schedule.clear();
       progressed_ = false;
@@ -286,7 +296,9 @@ Plan CycleNegotiator::Cycle() {
   auto theirs = Exchange(mine);
   if (passes.joinable()) passes.join();
   if (!theirs.ok()) {
-    if (!state_->job_failed()) job_->Fail(job_->WithRootCause(theirs.status()), /*report=*/true);
+    if (!state_->job_failed() && !job_->Hold({}, theirs.status())) {
+      job_->Fail(job_->WithRootCause(theirs.status()), /*report=*/true);
+    }
     return Plan{};  // or Fail() ended the cycle
   }
   const double exchange = absl::ToDoubleSeconds(absl::Now() - t0);
@@ -334,16 +346,19 @@ void CycleNegotiator::ReportLoop() {
       auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
         return state_->stop || state_->table.has_newly_ready();
       };
-      state_->mu.AwaitWithTimeout(absl::Condition(&has_work), absl::Seconds(1));
-      if (state_->stop) return;
+      state_->mu.AwaitWithTimeout(absl::Condition(&has_work), absl::Milliseconds(200));
+      if (state_->stop || quit_) return;
       if (!state_->failed.ok()) {
         state_->table.DropNewlyReady();
         continue;
       }
+      if (state_->recovering) continue;  // reported in the next epoch
       report = state_->table.TakeNewlyReady();
     }
     if (report.empty()) continue;
-    if (absl::Status s = client_->Report(report); !s.ok()) job_->Fail(s, /*report=*/false);
+    if (absl::Status s = client_->Report(report); !s.ok() && !job_->Hold({}, s)) {
+      job_->Fail(s, /*report=*/false);
+    }
   }
 }
 

@@ -79,7 +79,8 @@ class Negotiator {
   // on what to run; nullopt once the engine stops. An empty plan: nothing
   // now (idle, or the job failed: JobControl::Fail was told).
   virtual std::optional<Plan> Next() = 0;
-  // Ends the negotiator's own threads (after EngineState::stop is set).
+  // Ends the negotiator's own threads (after EngineState::stop is set, or
+  // before an elastic job's next epoch replaces the negotiator).
   virtual void Join() {}
 };
 

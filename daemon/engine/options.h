@@ -2,10 +2,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "daemon/control/types.h"
 #include "daemon/sparsify/bucket.h"
 #include "daemon/transport/transport.h"
 
@@ -51,6 +55,16 @@ struct EngineOptions {
   // --wire_dtype=bucket: the selected values of a bf16/fp16 sparse bucket
   // travel in its own type (half the value bytes; sparsify::BucketSpec::wire).
   bool wire_bucket_dtype = false;
+  // Elastic membership (--min_nodes below --nodes): a step that fails on
+  // the data plane holds its submissions for up to `membership_wait`,
+  // waiting for the coordinator's verdict: the next membership epoch (the
+  // engine then connects the survivors' data plane with `new_transport`,
+  // re-cuts the partitions and completes every pending submission with
+  // MICROD_ERR_MEMBERSHIP) or the job's failure.
+  bool elastic = false;
+  absl::Duration membership_wait = absl::Seconds(30);
+  std::function<absl::StatusOr<std::unique_ptr<transport::Transport>>(const control::Membership&)>
+      new_transport;
 };
 
 // Every node must run with the same step options (the collectives' sizes

@@ -229,6 +229,21 @@ void ProcessTable::Cache(Bucket& b) {
   cached_ready_.push_back(false);
 }
 
+void ProcessTable::ResetCache() {
+  for (Bucket* b : cached_) b->cache_id = -1;
+  cached_.clear();
+  cached_ready_.clear();
+  newly_ready_.clear();
+}
+
+std::vector<std::pair<uint64_t, int>> ProcessTable::Clients() const {
+  std::vector<std::pair<uint64_t, int>> out;
+  for (const auto& [id, p] : processes_) {
+    if (p.local_rank >= 0) out.push_back({id, p.local_rank});
+  }
+  return out;
+}
+
 bool ProcessTable::any_cached_ready() const {
   return std::find(cached_ready_.begin(), cached_ready_.end(), true) != cached_ready_.end();
 }

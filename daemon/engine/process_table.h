@@ -141,6 +141,12 @@ class ProcessTable {
   Bucket& cached(size_t id) { return *cached_[id]; }
   bool cached_ready(size_t id) const { return cached_ready_[id]; }
   bool any_cached_ready() const;
+  // An elastic job's next epoch (after TakeAllSubmitted): no bucket is
+  // cached any more, nothing is newly ready; the coordinator schedules each
+  // bucket once again, which caches it anew, in the new epoch's order.
+  void ResetCache();
+  // The connected processes that said hello: (client, local rank).
+  std::vector<std::pair<uint64_t, int>> Clients() const;
 
   // Buckets some local process submitted at least `at_least` before `now`
   // that have not run, longest first (at most `limit`).

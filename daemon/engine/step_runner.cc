@@ -80,6 +80,7 @@ void StepRunner::MemoryFailed(const std::vector<const Work*>& works, const absl:
 }
 
 void StepRunner::StepFailed(const std::vector<Work>& works, absl::Status s) {
+  if (job_->Hold(works, s)) return;  // an elastic job: perhaps a lost peer
   s = job_->WithRootCause(s);
   for (const Work& w : works) job_->Finish(w, JobFailed(s));
   job_->Fail(s, /*report=*/true);

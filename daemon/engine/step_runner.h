@@ -38,6 +38,10 @@ class StepRunner {
         state_(state),
         job_(job) {}
 
+  // An elastic job's next epoch: the steps to come use `transport` (engine
+  // thread, between plans; the membership is read through the reference
+  // given at construction, which the engine updates).
+  void SetTransport(transport::Transport* transport) { transport_ = transport; }
   // The bucket's sparsifier state, made at its first step (or when a saved
   // state is loaded into it). Engine thread only.
   absl::Status EnsureState(Bucket& bucket);
@@ -111,7 +115,7 @@ class StepRunner {
 
   const EngineOptions& options_;
   const control::Membership& membership_;
-  transport::Transport* const transport_;
+  transport::Transport* transport_;  // the current epoch's (SetTransport)
   kernels::SparseOps* const ops_;
   StepMemory* const memory_;
   EngineState* const state_;

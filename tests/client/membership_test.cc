@@ -123,7 +123,8 @@ TEST_F(MembershipTest, TheLibraryFollowsTheNewMembership) {
                     WithClientStatus(absl::AbortedError("bucket 'grads.0': step 7 not applied"),
                                      ClientStatus::kMembership));
   EXPECT_EQ(microd_wait(c, ticket, 5000), MICROD_ERR_MEMBERSHIP);
-  EXPECT_TRUE(absl::StrContains(microd_last_error(c), "step 7 not applied")) << microd_last_error(c);
+  EXPECT_TRUE(absl::StrContains(microd_last_error(c), "step 7 not applied"))
+      << microd_last_error(c);
   ASSERT_EQ(microd_job_info_get(c, &info), MICROD_OK);
   ASSERT_EQ(microd_job_epoch(c, &epoch), MICROD_OK);
   EXPECT_EQ(epoch, 1u);

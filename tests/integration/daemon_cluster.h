@@ -224,63 +224,90 @@ class DaemonCluster {
 // hashed as 2-byte elements. `wire_bucket` (--wire_dtype=bucket): the sparse
 // buckets' selected values travel in `dtype`.
 using ReferenceHashes = std::vector<std::vector<std::vector<uint64_t>>>;
+// `lost` >= 0 (an elastic job): node `lost` leaves before step `change_at`;
+// from that step on the others go on as a job of n - 1 nodes (renumbered in
+// order, their state kept: BucketState::SetJob), each process's gradient
+// still seeded by the global rank it started with; the lost node's hashes
+// stop there.
 inline ReferenceHashes Reference(int n, int L, const std::vector<BucketSpec>& buckets, long steps,
                                  const sparsify::SparsifyOptions& base = {}, int dtype = 1,
-                                 bool wire_bucket = false) {
+                                 bool wire_bucket = false, int lost = -1, long change_at = -1) {
   auto ops = kernels::CreateCpuSparseOps();
-  auto group = transport::CreateInprocGroup(n);
   std::vector<std::vector<std::vector<uint64_t>>> ref(
       n, std::vector<std::vector<uint64_t>>(steps, std::vector<uint64_t>(buckets.size())));
-  std::vector<std::thread> threads;
+  std::vector<std::vector<std::unique_ptr<sparsify::BucketState>>> state(n);
+  std::vector<std::vector<std::vector<float>>> velocity(
+      n, std::vector<std::vector<float>>(buckets.size()));
   for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      std::vector<std::unique_ptr<sparsify::BucketState>> state;
-      std::vector<std::vector<float>> velocity(buckets.size());
-      for (size_t b = 0; b < buckets.size(); ++b) {
-        sparsify::SparsifyOptions o = base;
-        if (buckets[b].count < kDenseFloor) o.sparsifier = sparsify::SparsifierKind::kDense;
-        sparsify::BucketSpec spec{buckets[b].name, buckets[b].count, static_cast<uint32_t>(b + 1)};
-        if (wire_bucket) spec.wire = static_cast<kernels::ElementType>(dtype);
-        state.push_back(*sparsify::BucketState::Create(spec, {n, r, n * L}, o, ops.get()));
-      }
-      for (long t = 0; t < steps; ++t) {
-        for (size_t b = 0; b < buckets.size(); ++b) {
-          const uint64_t d = buckets[b].count;
-          std::vector<std::vector<float>> local(L, std::vector<float>(d));
-          std::vector<const float*> ptr;
-          std::vector<uint16_t> half(dtype == 1 ? 0 : d);
-          for (int l = 0; l < L; ++l) {
-            e2e_fill(local[l].data(), d, r * L + l, static_cast<int>(b), t);
-            if (dtype != 1) {
-              e2e_narrow(local[l].data(), d, dtype, half.data());
-              e2e_widen(half.data(), d, dtype, local[l].data());
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      sparsify::SparsifyOptions o = base;
+      if (buckets[b].count < kDenseFloor) o.sparsifier = sparsify::SparsifierKind::kDense;
+      sparsify::BucketSpec spec{buckets[b].name, buckets[b].count, static_cast<uint32_t>(b + 1)};
+      if (wire_bucket) spec.wire = static_cast<kernels::ElementType>(dtype);
+      state[r].push_back(*sparsify::BucketState::Create(spec, {n, r, n * L}, o, ops.get()));
+    }
+  }
+  // Steps [from, to) of the nodes `nodes` (old ranks), as a job of their number.
+  auto run = [&](const std::vector<int>& nodes, long from, long to) {
+    const int m = static_cast<int>(nodes.size());
+    auto group = transport::CreateInprocGroup(m);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < m; ++i) {
+      threads.emplace_back([&, i] {
+        const int r = nodes[i];
+        if (m != n) {
+          for (auto& st : state[r]) ASSERT_TRUE(st->SetJob({m, i, m * L}).ok());
+        }
+        for (long t = from; t < to; ++t) {
+          for (size_t b = 0; b < buckets.size(); ++b) {
+            const uint64_t d = buckets[b].count;
+            std::vector<std::vector<float>> local(L, std::vector<float>(d));
+            std::vector<const float*> ptr;
+            std::vector<uint16_t> half(dtype == 1 ? 0 : d);
+            for (int l = 0; l < L; ++l) {
+              e2e_fill(local[l].data(), d, r * L + l, static_cast<int>(b), t);
+              if (dtype != 1) {
+                e2e_narrow(local[l].data(), d, dtype, half.data());
+                e2e_widen(half.data(), d, dtype, local[l].data());
+              }
+              ptr.push_back(local[l].data());
             }
-            ptr.push_back(local[l].data());
-          }
-          std::vector<float> grad(d), update(d);
-          ops->LocalSum(ptr.data(), L, d, grad.data(), nullptr, nullptr);
-          auto s = state[b]->Step(grad.data(), update.data(), *group[r],
-                                  absl::Now() + absl::Seconds(60));
-          ASSERT_TRUE(s.ok()) << s.status();
-          if (d < kDenseFloor && base.momentum > 0 &&
-              base.sparsifier != sparsify::SparsifierKind::kDense) {
-            // Momentum correction of a dense bucket: momentum SGD on the average.
-            std::vector<float>& u = velocity[b];
-            u.resize(d, 0.0f);
-            const float beta = static_cast<float>(base.momentum);
-            for (uint64_t i = 0; i < d; ++i) update[i] = u[i] = beta * u[i] + update[i];
-          }
-          if (dtype != 1) {
-            e2e_narrow(update.data(), d, dtype, half.data());
-            ref[r][t][b] = e2e_hash(half.data(), d * sizeof(uint16_t));
-          } else {
-            ref[r][t][b] = e2e_hash(update.data(), d * sizeof(float));
+            std::vector<float> grad(d), update(d);
+            ops->LocalSum(ptr.data(), L, d, grad.data(), nullptr, nullptr);
+            auto s = state[r][b]->Step(grad.data(), update.data(), *group[i],
+                                       absl::Now() + absl::Seconds(60));
+            ASSERT_TRUE(s.ok()) << s.status();
+            if (d < kDenseFloor && base.momentum > 0 &&
+                base.sparsifier != sparsify::SparsifierKind::kDense) {
+              // Momentum correction of a dense bucket: momentum SGD on the average.
+              std::vector<float>& u = velocity[r][b];
+              u.resize(d, 0.0f);
+              const float beta = static_cast<float>(base.momentum);
+              for (uint64_t k = 0; k < d; ++k) update[k] = u[k] = beta * u[k] + update[k];
+            }
+            if (dtype != 1) {
+              e2e_narrow(update.data(), d, dtype, half.data());
+              ref[r][t][b] = e2e_hash(half.data(), d * sizeof(uint16_t));
+            } else {
+              ref[r][t][b] = e2e_hash(update.data(), d * sizeof(float));
+            }
           }
         }
-      }
-    });
+      });
+    }
+    for (auto& t : threads) t.join();
+  };
+  std::vector<int> all(n), survivors;
+  for (int r = 0; r < n; ++r) {
+    all[r] = r;
+    if (r != lost) survivors.push_back(r);
   }
-  for (auto& t : threads) t.join();
+  if (lost < 0) {
+    run(all, 0, steps);
+  } else {
+    run(all, 0, change_at);
+    run(survivors, change_at, steps);
+  }
   return ref;
 }
 

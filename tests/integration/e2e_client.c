@@ -10,13 +10,18 @@
  * step's number (a resumed job); "load=DIR": microd_state_load(DIR) before
  * the first step; "save=DIR": microd_state_save(DIR) after the last;
  * "dtype=bf16" or "dtype=fp16": the buckets hold that type (the gradient
- * rounded to it, the hash over its 2-byte elements). */
+ * rounded to it, the hash over its 2-byte elements); "pause_at=N": stop
+ * before step N's submissions and sleep until killed; "elastic": on
+ * MICROD_ERR_MEMBERSHIP write "EPOCH step epoch rank world_size node_rank
+ * node_count" and do the step again (the same gradients: a process keeps
+ * the rank it connected with as its gradients' seed). */
 #define _POSIX_C_SOURCE 200809L /* nanosleep */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "e2e_grad.h"
 #include "microd/microd.h"
@@ -90,11 +95,15 @@ int main(int argc, char** argv) {
     ++nb;
   }
   int reverse = 0;
+  int elastic = 0;
+  long pause_at = -1;
   long first = 0;
   const char* load_dir = NULL;
   const char* save_dir = NULL;
   for (int i = 8; i < argc; ++i) {
     if (strcmp(argv[i], "reverse") == 0) reverse = 1;
+    if (strcmp(argv[i], "elastic") == 0) elastic = 1;
+    if (strncmp(argv[i], "pause_at=", 9) == 0) pause_at = atol(argv[i] + 9);
     if (strncmp(argv[i], "first=", 6) == 0) first = atol(argv[i] + 6);
     if (strncmp(argv[i], "load=", 5) == 0) load_dir = argv[i] + 5;
     if (strncmp(argv[i], "save=", 5) == 0) save_dir = argv[i] + 5;
@@ -107,8 +116,16 @@ int main(int argc, char** argv) {
   }
   for (long t = first; t < first + steps; ++t) {
     uint64_t tickets[MAX_BUCKETS];
+    int todo[MAX_BUCKETS]; /* the buckets still to submit this step */
+    for (int b = 0; b < nb; ++b) todo[b] = 1;
+    if (t == pause_at) {
+      fflush(out);
+      for (;;) pause(); /* until killed */
+    }
+  again:
     for (int i = 0; i < nb; ++i) {
       const int b = reverse ? nb - 1 - i : i;
+      if (!todo[b]) continue;
       if (reverse && i > 0) {
         const struct timespec pause = {0, 2000000};
         nanosleep(&pause, NULL);
@@ -131,8 +148,14 @@ int main(int argc, char** argv) {
       }
     }
     if (t == die_at) raise(SIGKILL);
+    int changed = 0;
     for (int b = 0; b < nb; ++b) {
+      if (!todo[b]) continue;
       s = microd_wait(c, tickets[b], timeout_ms);
+      if (s == MICROD_ERR_MEMBERSHIP && elastic) {
+        changed = 1; /* not applied: submitted again below */
+        continue;
+      }
       if (s != MICROD_OK) {
         fprintf(out, "FAILED %d step %ld bucket %s: %s\n", (int)s, t, names[b],
                 microd_last_error(c));
@@ -140,8 +163,19 @@ int main(int argc, char** argv) {
         microd_close(c);
         return 3;
       }
+      todo[b] = 0;
       fprintf(out, "%ld %d %016llx\n", t, b,
               (unsigned long long)e2e_hash(data[b], counts[b] * elem));
+    }
+    if (changed) {
+      microd_job_info now;
+      uint64_t epoch = 0;
+      microd_job_info_get(c, &now);
+      microd_job_epoch(c, &epoch);
+      fprintf(out, "EPOCH %ld %llu %d %d %d %d\n", t, (unsigned long long)epoch, now.rank,
+              now.world_size, now.node_rank, now.node_count);
+      fflush(out);
+      goto again;
     }
     fflush(out);
   }
