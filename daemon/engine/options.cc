@@ -36,6 +36,7 @@ absl::Status CheckOptionsAgree(transport::Transport& transport, const EngineOpti
       {"--cycle_floats", o.cycle_floats},
       {"--transport", o.device_resident ? 1u : 0u},
       {"--wire_dtype", o.wire_bucket_dtype ? 1u : 0u},
+      {"--min_nodes", o.elastic ? 1u : 0u},  // elastic or not (node 0 holds the number)
   };
   const size_t k = mine.size();
   std::vector<uint64_t> values(k), all(k * transport.size());
