@@ -4,6 +4,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -194,6 +195,47 @@ def test_dead_daemon_is_a_clear_error_not_a_hang(make_cluster):
     c.close()
     with pytest.raises(microd.ClosedError):
         c.allreduce(buf)
+
+
+ELASTIC_TRAINER = r"""
+import sys, time
+import microd
+c = microd.Client(timeout_ms=30000)
+buf = c.register("g", 100000)
+seed, pause_at, changes, step = c.rank, int(sys.argv[1]), [], 0
+while step < 8:
+    if seed == 2 and step == pause_at:
+        print("PAUSED", flush=True)
+        time.sleep(600)
+    buf.array[:] = seed + 1 + step
+    try:
+        c.allreduce(buf, 60000)
+    except microd.MembershipChangedError as e:
+        changes.append((step, e.epoch, e.rank, e.world_size, c.epoch, c.rank, c.world_size))
+        continue  # the same step again, in the new membership
+    step += 1
+print("CHANGES", changes, flush=True)
+"""
+
+
+def test_an_elastic_job_goes_on_without_a_lost_node(make_cluster, tmp_path):
+    # 3 nodes, at least 2: node 2 is lost before step 4 (its trainer stops,
+    # then its daemon is killed); the others' step 4 raises
+    # MembershipChangedError with their place in epoch 1, and they finish.
+    cluster = make_cluster(3, args=("--min_nodes=2",))
+    script = tmp_path / "elastic.py"
+    script.write_text(ELASTIC_TRAINER)
+    procs = [subprocess.Popen([sys.executable, str(script), "4"], env=cluster.env(r, 0),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(3)]
+    assert procs[2].stdout.readline().strip() == "PAUSED"
+    cluster.procs[2].kill()
+    procs[2].kill()
+    procs[2].wait()
+    for r in (0, 1):
+        out, _ = procs[r].communicate(timeout=60)
+        assert procs[r].returncode == 0, out
+        assert f"CHANGES [(4, 1, {r}, 2, 1, {r}, 2)]" in out, out
 
 
 def test_microctl_history_lists_every_sparse_step(make_cluster):
