@@ -10,6 +10,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -224,14 +225,15 @@ class DaemonCluster {
 // hashed as 2-byte elements. `wire_bucket` (--wire_dtype=bucket): the sparse
 // buckets' selected values travel in `dtype`.
 using ReferenceHashes = std::vector<std::vector<std::vector<uint64_t>>>;
-// `lost` >= 0 (an elastic job): node `lost` leaves before step `change_at`;
-// from that step on the others go on as a job of n - 1 nodes (renumbered in
-// order, their state kept: BucketState::SetJob), each process's gradient
-// still seeded by the global rank it started with; the lost node's hashes
-// stop there.
+// `lost` not empty (an elastic job): those nodes leave before step
+// `change_at`; from that step on the others go on as a job of their number
+// (renumbered in order, their state kept: BucketState::SetJob), each
+// process's gradient still seeded by the global rank it started with; the
+// lost nodes' hashes stop there.
 inline ReferenceHashes Reference(int n, int L, const std::vector<BucketSpec>& buckets, long steps,
                                  const sparsify::SparsifyOptions& base = {}, int dtype = 1,
-                                 bool wire_bucket = false, int lost = -1, long change_at = -1) {
+                                 bool wire_bucket = false, const std::vector<int>& lost = {},
+                                 long change_at = -1) {
   auto ops = kernels::CreateCpuSparseOps();
   std::vector<std::vector<std::vector<uint64_t>>> ref(
       n, std::vector<std::vector<uint64_t>>(steps, std::vector<uint64_t>(buckets.size())));
@@ -300,9 +302,9 @@ inline ReferenceHashes Reference(int n, int L, const std::vector<BucketSpec>& bu
   std::vector<int> all(n), survivors;
   for (int r = 0; r < n; ++r) {
     all[r] = r;
-    if (r != lost) survivors.push_back(r);
+    if (std::find(lost.begin(), lost.end(), r) == lost.end()) survivors.push_back(r);
   }
-  if (lost < 0) {
+  if (lost.empty()) {
     run(all, 0, steps);
   } else {
     run(all, 0, change_at);

@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -269,37 +270,44 @@ void KilledDaemon(bool response_cache) {
 TEST(DaemonFaults, KilledDaemonFailsEveryOtherNode) { KilledDaemon(false); }
 TEST(DaemonFaults, KilledDaemonWithTheResponseCache) { KilledDaemon(true); }
 
-// Elastic membership (--min_nodes=2 of 3): node 2 is lost between two
-// steps (its process stops before step 6, then its daemon is killed).
-// After the peer timeout the others go on as a job of 2: their step 6 is
-// answered MICROD_ERR_MEMBERSHIP, with the new epoch, rank and world size
-// read before it; they submit it again; every step, before the change and
-// after it, is bit for bit the reference of such a job (the survivors'
-// residuals kept, the partitions re-cut for 2).
-void ElasticLostNode(bool response_cache) {
+// Elastic membership (--min_nodes): nodes `lost` of `n` are lost between
+// two steps (their processes stop before step 6, then their daemons are
+// killed). After the peer timeout the others go on as a job of their
+// number: their step 6 is answered MICROD_ERR_MEMBERSHIP, with the new
+// epoch, rank and world size read before it; they submit it again; every
+// step, before the change and after it, is bit for bit the reference of
+// such a job (the survivors' residuals kept, the partitions re-cut).
+void ElasticLostNodes(int n, const std::vector<int>& lost, bool response_cache) {
   const std::vector<BucketSpec> buckets = {{"fc", 100003}, {"b", 1000}};
   const long steps = 12, change_at = 6;
   std::vector<std::string> flags = CacheFlags(response_cache);
   flags.push_back("--min_nodes=2");
-  DaemonCluster cluster(3, 1, flags);
+  DaemonCluster cluster(n, 1, flags);
+  auto is_lost = [&](int r) { return std::find(lost.begin(), lost.end(), r) != lost.end(); };
   cluster.StartClients(buckets, steps, -1, -1, -1, [&](int r, int) {
     std::vector<std::string> a = {"elastic"};
-    if (r == 2) a.push_back(absl::StrCat("pause_at=", change_at));
+    if (is_lost(r)) a.push_back(absl::StrCat("pause_at=", change_at));
     return a;
   });
-  for (int i = 0; i < 1500 && ReadLines(cluster.outs()[2]).size() < change_at * buckets.size();
-       ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  for (int r : lost) {
+    for (int i = 0; i < 1500 && ReadLines(cluster.outs()[r]).size() < change_at * buckets.size();
+         ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ASSERT_EQ(ReadLines(cluster.outs()[r]).size(), change_at * buckets.size());
   }
-  ASSERT_EQ(ReadLines(cluster.outs()[2]).size(), change_at * buckets.size());
   const auto start = std::chrono::steady_clock::now();
-  cluster.Kill(2);
-  kill(cluster.clients()[2], SIGKILL);
+  for (int r : lost) {
+    cluster.Kill(r);
+    kill(cluster.clients()[r], SIGKILL);
+  }
   const std::vector<int> codes = cluster.WaitClients(std::chrono::seconds(90));
   // The peer timeout (3 s), then the new data plane and the steps left.
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
-  const auto ref = Reference(3, 1, buckets, steps, {}, 1, false, /*lost=*/2, change_at);
-  for (int r = 0; r < 3; ++r) {
+  const auto ref = Reference(n, 1, buckets, steps, {}, 1, false, lost, change_at);
+  const int m = n - static_cast<int>(lost.size());
+  int new_rank = 0;
+  for (int r = 0; r < n; ++r) {
     const auto lines = ReadLines(cluster.outs()[r]);
     int epochs = 0;
     size_t results = 0;
@@ -308,7 +316,9 @@ void ElasticLostNode(bool response_cache) {
       if (f[0] == "EPOCH") {
         ++epochs;
         // step, epoch, rank, world size, node rank, node count
-        EXPECT_EQ(line, absl::StrCat("EPOCH ", change_at, " 1 ", r, " 2 ", r, " 2")) << r;
+        EXPECT_EQ(line,
+                  absl::StrCat("EPOCH ", change_at, " 1 ", new_rank, " ", m, " ", new_rank, " ", m))
+            << "node " << r;
         continue;
       }
       ASSERT_EQ(f.size(), 3u) << "node " << r << ": " << line;
@@ -318,18 +328,23 @@ void ElasticLostNode(bool response_cache) {
           << "node " << r << " step " << t << " bucket " << buckets[b].name;
       ++results;
     }
-    if (r == 2) {
+    if (is_lost(r)) {
       EXPECT_EQ(results, change_at * buckets.size());
       continue;
     }
+    ++new_rank;
     EXPECT_EQ(codes[r], 0) << "node " << r << ": " << (lines.empty() ? "" : lines.back());
     EXPECT_EQ(epochs, 1) << "node " << r;
     EXPECT_EQ(results, steps * buckets.size()) << "node " << r;
   }
 }
 
-TEST(DaemonElastic, ALostNodeLeavesAndTheOthersGoOn) { ElasticLostNode(false); }
-TEST(DaemonElastic, ALostNodeLeavesAndTheOthersGoOnWithTheResponseCache) { ElasticLostNode(true); }
+TEST(DaemonElastic, ALostNodeLeavesAndTheOthersGoOn) { ElasticLostNodes(3, {2}, false); }
+TEST(DaemonElastic, ALostNodeLeavesAndTheOthersGoOnWithTheResponseCache) {
+  ElasticLostNodes(3, {2}, true);
+}
+// Two at once, one of them in the middle: ranks move down.
+TEST(DaemonElastic, TwoNodesLostAtOnce) { ElasticLostNodes(4, {1, 3}, true); }
 
 TEST(DaemonFaults, SizeMismatchBetweenNodesIsReportedEverywhere) {
   DaemonCluster cluster(2, 1);
