@@ -74,6 +74,19 @@ void PrintStatus(const microd::v1::GetStatusResponse& r) {
   std::printf("socket      %s\n", r.socket().c_str());
   std::printf("version     %s, up %.0f s, %llu schedule batches run\n", r.version().c_str(),
               r.uptime_seconds(), static_cast<unsigned long long>(r.batches()));
+  if (r.min_nodes() > 0 || r.membership_epoch() > 0) {
+    std::printf("membership  epoch %llu", static_cast<unsigned long long>(r.membership_epoch()));
+    if (r.min_nodes() > 0) std::printf(", elastic: at least %d nodes", r.min_nodes());
+    if (r.membership_epoch() > 0) {
+      std::printf(", the last change took %.1f s here", r.last_recovery_seconds());
+    }
+    std::printf("\n");
+  }
+  for (const auto& c : r.membership_changes()) {
+    std::printf("            epoch %llu, %.0f s ago, %d nodes: %s\n",
+                static_cast<unsigned long long>(c.epoch()), c.seconds_ago(), c.nodes(),
+                c.cause().c_str());
+  }
   std::printf("transport   %s of scratch beside the buckets' state\n",
               Bytes(static_cast<double>(r.transport_scratch_bytes())).c_str());
   if (r.response_cache()) {

@@ -188,6 +188,15 @@ void FillJobStatus(const JobSnapshot& job, microd::v1::GetStatusResponse* resp) 
     s->set_seconds_since_heartbeat(n.seconds_since_heartbeat);
     s->set_left(n.left);
   }
+  resp->set_min_nodes(job.min_nodes < job.expected_nodes ? job.min_nodes : 0);
+  const absl::Time now = absl::Now();
+  for (const MembershipChange& c : job.changes) {
+    auto* m = resp->add_membership_changes();
+    m->set_epoch(c.epoch);
+    m->set_seconds_ago(absl::ToDoubleSeconds(now - c.at));
+    m->set_cause(c.cause);
+    m->set_nodes(c.nodes);
+  }
 }
 
 namespace {

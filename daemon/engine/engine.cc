@@ -252,7 +252,8 @@ bool Engine::Hold(const std::vector<Work>& works, const absl::Status& why) {
     }
     if (!state_.recovering) {
       state_.recovering = true;
-      state_.recover_until = absl::Now() + options_.membership_wait;
+      state_.recover_started = absl::Now();
+      state_.recover_until = state_.recover_started + options_.membership_wait;
       state_.recover_cause = why;
       first = true;
     }
@@ -287,7 +288,8 @@ void Engine::OnMembership(const control::Membership& membership, const std::stri
     state_.next_membership = {membership, change};
     if (!state_.recovering) {
       state_.recovering = true;
-      state_.recover_until = absl::Now() + options_.membership_wait;
+      state_.recover_started = absl::Now();
+      state_.recover_until = state_.recover_started + options_.membership_wait;
       state_.recover_cause = why;
     }
     t = transport_;
@@ -362,11 +364,16 @@ void Engine::Reconfigure() {
                                      ", world size ", membership_.world_size, "; submit it again")),
                                  ClientStatus::kMembership));
   }
+  double took;
+  {
+    absl::MutexLock lock(&state_.mu);
+    took = state_.last_recovery_seconds;
+  }
   MICROD_LOG(Warning,
-             "node %d of %d: membership epoch %llu running (%zu pending submission(s) answered "
-             "MICROD_ERR_MEMBERSHIP)",
+             "node %d of %d: membership epoch %llu running, %.3f s after the first sign of the "
+             "change (%zu pending submission(s) answered MICROD_ERR_MEMBERSHIP)",
              membership_.node_rank, membership_.node_count,
-             static_cast<unsigned long long>(membership_.epoch), pending.size());
+             static_cast<unsigned long long>(membership_.epoch), took, pending.size());
 }
 
 absl::Status Engine::Reconfigured(const control::Membership& next, const std::string& change,
@@ -422,6 +429,7 @@ absl::Status Engine::Reconfigured(const control::Membership& next, const std::st
   transport_ = transports_.back().get();
   state_.recovering = false;
   state_.recover_cause = absl::OkStatus();
+  state_.last_recovery_seconds = absl::ToDoubleSeconds(absl::Now() - state_.recover_started);
   return absl::OkStatus();
 }
 
@@ -520,6 +528,8 @@ EngineSnapshot Engine::Snapshot(bool with_history) const {
   s.cache_batches = state_.cache_batches;
   s.cycle_reductions = state_.cycle_reductions;
   s.transport_scratch_bytes = transport_ != nullptr ? transport_->scratch_bytes() : 0;
+  s.epoch = membership_.epoch;
+  s.last_recovery_seconds = state_.last_recovery_seconds;
   s.buckets = state_.table.Stats(with_history);
   return s;
 }

@@ -61,7 +61,9 @@ struct EngineState {
   // the next epoch's membership arrives (`next_membership`, with what
   // changed) or `recover_until`, then reconfigures (engine.cc).
   bool recovering ABSL_GUARDED_BY(mu) = false;
+  absl::Time recover_started ABSL_GUARDED_BY(mu);
   absl::Time recover_until ABSL_GUARDED_BY(mu);
+  double last_recovery_seconds ABSL_GUARDED_BY(mu) = 0;
   absl::Status recover_cause ABSL_GUARDED_BY(mu);
   std::vector<Work> held ABSL_GUARDED_BY(mu);
   std::optional<std::pair<control::Membership, std::string>> next_membership ABSL_GUARDED_BY(mu);

@@ -92,6 +92,12 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
   gauge("microd_processes", "training processes connected to this daemon", st.processes_size());
   gauge("microd_stalls", "buckets the stall inspector reports", st.stalls_size());
   gauge("microd_uptime_seconds", "seconds since the daemon started", st.uptime_seconds());
+  gauge("microd_membership_epoch",
+        "this node's membership epoch (elastic jobs: one more at each change)",
+        static_cast<double>(st.membership_epoch()));
+  gauge("microd_membership_last_recovery_seconds",
+        "the last change of membership, from its first sign to the new epoch running",
+        st.last_recovery_seconds());
   gauge("microd_transport_scratch_bytes",
         "the transport's working memory beside the buckets' state (allreduce scratch)",
         static_cast<double>(st.transport_scratch_bytes()));

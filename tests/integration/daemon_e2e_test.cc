@@ -336,6 +336,24 @@ void ElasticLostNodes(int n, const std::vector<int>& lost, bool response_cache) 
     EXPECT_EQ(codes[r], 0) << "node " << r << ": " << (lines.empty() ? "" : lines.back());
     EXPECT_EQ(epochs, 1) << "node " << r;
     EXPECT_EQ(results, steps * buckets.size()) << "node " << r;
+    // Seen from outside: the epoch, and how long the change took here.
+    auto status = cluster.Status(r);
+    ASSERT_TRUE(status.ok()) << status.status();
+    EXPECT_EQ(status->membership_epoch(), 1u) << "node " << r;
+    EXPECT_EQ(status->node_count(), m) << "node " << r;
+    EXPECT_GT(status->last_recovery_seconds(), 0) << "node " << r;
+    EXPECT_LT(status->last_recovery_seconds(), 20) << "node " << r;
+    if (r == 0) {
+      EXPECT_EQ(status->min_nodes(), 2);
+      ASSERT_EQ(status->membership_changes_size(), 1);
+      EXPECT_EQ(status->membership_changes(0).epoch(), 1u);
+      EXPECT_EQ(status->membership_changes(0).nodes(), m);
+      for (int l : lost) {
+        EXPECT_TRUE(absl::StrContains(status->membership_changes(0).cause(),
+                                      absl::StrCat("(node", l, ") silent")))
+            << status->membership_changes(0).cause();
+      }
+    }
   }
 }
 
