@@ -270,99 +270,28 @@ void KilledDaemon(bool response_cache) {
 TEST(DaemonFaults, KilledDaemonFailsEveryOtherNode) { KilledDaemon(false); }
 TEST(DaemonFaults, KilledDaemonWithTheResponseCache) { KilledDaemon(true); }
 
-// Elastic membership (--min_nodes): nodes `lost` of `n` are lost between
-// two steps (their processes stop before step 6, then their daemons are
-// killed). After the peer timeout the others go on as a job of their
-// number: their step 6 is answered MICROD_ERR_MEMBERSHIP, with the new
-// epoch, rank and world size read before it; they submit it again; every
-// step, before the change and after it, is bit for bit the reference of
-// such a job (the survivors' residuals kept, the partitions re-cut).
-void ElasticLostNodes(int n, const std::vector<int>& lost, bool response_cache) {
-  const std::vector<BucketSpec> buckets = {{"fc", 100003}, {"b", 1000}};
-  const long steps = 12, change_at = 6;
-  std::vector<std::string> flags = CacheFlags(response_cache);
-  flags.push_back("--min_nodes=2");
-  DaemonCluster cluster(n, 1, flags);
-  auto is_lost = [&](int r) { return std::find(lost.begin(), lost.end(), r) != lost.end(); };
-  cluster.StartClients(buckets, steps, -1, -1, -1, [&](int r, int) {
-    std::vector<std::string> a = {"elastic"};
-    if (is_lost(r)) a.push_back(absl::StrCat("pause_at=", change_at));
-    return a;
-  });
-  for (int r : lost) {
-    for (int i = 0; i < 1500 && ReadLines(cluster.outs()[r]).size() < change_at * buckets.size();
-         ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    ASSERT_EQ(ReadLines(cluster.outs()[r]).size(), change_at * buckets.size());
-  }
-  const auto start = std::chrono::steady_clock::now();
+// Killed daemons (SIGKILL), and their stopped processes.
+void KillNodes(DaemonCluster& cluster, const std::vector<int>& lost) {
   for (int r : lost) {
     cluster.Kill(r);
     kill(cluster.clients()[r], SIGKILL);
-  }
-  const std::vector<int> codes = cluster.WaitClients(std::chrono::seconds(90));
-  // The peer timeout (3 s), then the new data plane and the steps left.
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
-  const auto ref = Reference(n, 1, buckets, steps, {}, 1, false, lost, change_at);
-  const int m = n - static_cast<int>(lost.size());
-  int new_rank = 0;
-  for (int r = 0; r < n; ++r) {
-    const auto lines = ReadLines(cluster.outs()[r]);
-    int epochs = 0;
-    size_t results = 0;
-    for (const std::string& line : lines) {
-      std::vector<std::string> f = absl::StrSplit(line, ' ');
-      if (f[0] == "EPOCH") {
-        ++epochs;
-        // step, epoch, rank, world size, node rank, node count
-        EXPECT_EQ(line,
-                  absl::StrCat("EPOCH ", change_at, " 1 ", new_rank, " ", m, " ", new_rank, " ", m))
-            << "node " << r;
-        continue;
-      }
-      ASSERT_EQ(f.size(), 3u) << "node " << r << ": " << line;
-      const long t = std::stol(f[0]);
-      const int b = std::stoi(f[1]);
-      ASSERT_EQ(std::stoull(f[2], nullptr, 16), ref[r][t][b])
-          << "node " << r << " step " << t << " bucket " << buckets[b].name;
-      ++results;
-    }
-    if (is_lost(r)) {
-      EXPECT_EQ(results, change_at * buckets.size());
-      continue;
-    }
-    ++new_rank;
-    EXPECT_EQ(codes[r], 0) << "node " << r << ": " << (lines.empty() ? "" : lines.back());
-    EXPECT_EQ(epochs, 1) << "node " << r;
-    EXPECT_EQ(results, steps * buckets.size()) << "node " << r;
-    // Seen from outside: the epoch, and how long the change took here.
-    auto status = cluster.Status(r);
-    ASSERT_TRUE(status.ok()) << status.status();
-    EXPECT_EQ(status->membership_epoch(), 1u) << "node " << r;
-    EXPECT_EQ(status->node_count(), m) << "node " << r;
-    EXPECT_GT(status->last_recovery_seconds(), 0) << "node " << r;
-    EXPECT_LT(status->last_recovery_seconds(), 20) << "node " << r;
-    if (r == 0) {
-      EXPECT_EQ(status->min_nodes(), 2);
-      ASSERT_EQ(status->membership_changes_size(), 1);
-      EXPECT_EQ(status->membership_changes(0).epoch(), 1u);
-      EXPECT_EQ(status->membership_changes(0).nodes(), m);
-      for (int l : lost) {
-        EXPECT_TRUE(absl::StrContains(status->membership_changes(0).cause(),
-                                      absl::StrCat("(node", l, ") silent")))
-            << status->membership_changes(0).cause();
-      }
-    }
+    waitpid(cluster.clients()[r], nullptr, 0);
   }
 }
 
-TEST(DaemonElastic, ALostNodeLeavesAndTheOthersGoOn) { ElasticLostNodes(3, {2}, false); }
+TEST(DaemonElastic, ALostNodeLeavesAndTheOthersGoOn) {
+  ClusterOptions o{CacheFlags(false)};
+  ExpectElasticJobGoesOn(o, 3, {2}, KillNodes);
+}
 TEST(DaemonElastic, ALostNodeLeavesAndTheOthersGoOnWithTheResponseCache) {
-  ElasticLostNodes(3, {2}, true);
+  ClusterOptions o{CacheFlags(true)};
+  ExpectElasticJobGoesOn(o, 3, {2}, KillNodes);
 }
 // Two at once, one of them in the middle: ranks move down.
-TEST(DaemonElastic, TwoNodesLostAtOnce) { ElasticLostNodes(4, {1, 3}, true); }
+TEST(DaemonElastic, TwoNodesLostAtOnce) {
+  ClusterOptions o{CacheFlags(true)};
+  ExpectElasticJobGoesOn(o, 4, {1, 3}, KillNodes);
+}
 
 TEST(DaemonFaults, SizeMismatchBetweenNodesIsReportedEverywhere) {
   DaemonCluster cluster(2, 1);

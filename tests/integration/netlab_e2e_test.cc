@@ -185,6 +185,23 @@ TEST_F(NetLabTest, LinkCutLongerThanThePeerTimeoutFailsEveryProcessNamingTheNode
       [](int) { return std::vector<std::string>{"node 2"}; });
 }
 
+// An elastic job (--min_nodes=2): node 2 cut off between two steps (its
+// process stopped, then its links cut) leaves the job; the others go on as
+// a job of 2, bit for bit.
+TEST_F(NetLabTest, ElasticJobGoesOnWithoutANodeCutOff) {
+  auto lab = MakeLab(3, {"--rate=1gbit"});
+  ASSERT_NE(lab, nullptr);
+  ClusterOptions o;
+  o.lab = lab.get();
+  ExpectElasticJobGoesOn(o, 3, {2}, [&](DaemonCluster& cluster, const std::vector<int>& lost) {
+    for (int r : lost) {
+      ASSERT_TRUE(lab->Cut(r).ok());
+      kill(cluster.clients()[r], SIGKILL);
+      waitpid(cluster.clients()[r], nullptr, 0);
+    }
+  });
+}
+
 // An outage (nothing gets through) shorter than the peer timeout: the job
 // rides it out and every result is still exact.
 TEST_F(NetLabTest, OutageShorterThanThePeerTimeoutIsRiddenOutExactly) {
