@@ -250,13 +250,7 @@ bool Engine::Hold(const std::vector<Work>& works, const absl::Status& why) {
       if (it != in_flight.end()) in_flight.erase(it);
       state_.held.push_back(w);
     }
-    if (!state_.recovering) {
-      state_.recovering = true;
-      state_.recover_started = absl::Now();
-      state_.recover_until = state_.recover_started + options_.membership_wait;
-      state_.recover_cause = why;
-      first = true;
-    }
+    first = StartRecovering(why);
     t = transport_;
   }
   if (first) {
@@ -268,6 +262,15 @@ bool Engine::Hold(const std::vector<Work>& works, const absl::Status& why) {
     if (client_ != nullptr) (void)client_->ReportDataPlaneFailure(std::string(why.message()));
     t->Abort(why);  // the other steps on this data plane end too
   }
+  return true;
+}
+
+bool Engine::StartRecovering(const absl::Status& why) {
+  if (state_.recovering) return false;
+  state_.recovering = true;
+  state_.recover_started = absl::Now();
+  state_.recover_until = state_.recover_started + options_.membership_wait;
+  state_.recover_cause = why;
   return true;
 }
 
@@ -286,12 +289,7 @@ void Engine::OnMembership(const control::Membership& membership, const std::stri
     absl::MutexLock lock(&state_.mu);
     if (!state_.failed.ok() || state_.stop) return;
     state_.next_membership = {membership, change};
-    if (!state_.recovering) {
-      state_.recovering = true;
-      state_.recover_started = absl::Now();
-      state_.recover_until = state_.recover_started + options_.membership_wait;
-      state_.recover_cause = why;
-    }
+    StartRecovering(why);
     t = transport_;
   }
   t->Abort(why);  // what runs on the old data plane ends now

@@ -99,6 +99,8 @@ class Engine final : public local::LocalHandler, private JobControl {
   // afresh and completes every pending submission with
   // MICROD_ERR_MEMBERSHIP, each process told its place first.
   void Reconfigure();
+  // Enters recovery (once) for `why`; true if this call did.
+  bool StartRecovering(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu);
   // The negotiator of the current epoch's membership and data plane.
   std::unique_ptr<Negotiator> NewNegotiator();
   // The current epoch's data plane (kept alive until the engine goes).

@@ -338,6 +338,23 @@ void StepLikeTheReference(Cluster& cluster, Reference& ref, const std::vector<Ve
   }
 }
 
+// Every node's update (and residual, unless dense) against the reference's
+// `want`, and each node's step, selection and threshold as node 0's.
+void ExpectEveryNodeLikeTheReference(Cluster& cluster, const Reference& ref,
+                                     const std::vector<Vec>& updates,
+                                     const std::vector<StepStats>& stats, const Vec& want,
+                                     uint64_t K, uint64_t t, bool residuals) {
+  for (size_t r = 0; r < updates.size(); ++r) {
+    ExpectBitEqual(updates[r], want, "update of node " + std::to_string(r));
+    if (residuals) {
+      ExpectBitEqual(cluster.residual(r), ref.residual(r), "residual of node " + std::to_string(r));
+    }
+    ASSERT_EQ(stats[r].step, t);
+    ASSERT_EQ(stats[r].selected, K);
+    ASSERT_EQ(stats[r].threshold, stats[0].threshold);
+  }
+}
+
 struct Case {
   SparsifierKind sparsifier;
   ControllerKind controller;
@@ -394,16 +411,9 @@ TEST_P(StepTest, MatchesReferenceBitForBit) {
           for (const auto& st : stats) any_clipped = any_clipped || st.clipped;
           uint64_t K = 0;
           const Vec want = ref.Step(g, float(stats[0].threshold), &K);
-          for (int r = 0; r < n; ++r) {
-            ExpectBitEqual(updates[r], want, "update of node " + std::to_string(r));
-            if (c.sparsifier != SparsifierKind::kDense) {
-              ExpectBitEqual(cluster.residual(r), ref.residual(r),
-                             "residual of node " + std::to_string(r));
-            }
-            ASSERT_EQ(stats[r].step, t);
-            ASSERT_EQ(stats[r].selected, K);
-            ASSERT_EQ(stats[r].threshold, stats[0].threshold);
-          }
+          ExpectEveryNodeLikeTheReference(cluster, ref, updates, stats, want, K, t,
+                                          c.sparsifier != SparsifierKind::kDense);
+          if (HasFatalFailure()) return;
           if (c.sparsifier == SparsifierKind::kMicro) {
             // No build-up: the node sets are disjoint, K is the sum of the counts.
             ASSERT_EQ(stats[0].sum_of_counts, K);
@@ -449,15 +459,9 @@ TEST_P(StepTest, SurvivorsOfLostNodesGoOnAsAJobOfTheirNumber) {
     for (const auto& s : cluster.Step(g, updates, stats)) ASSERT_TRUE(s.ok()) << s;
     uint64_t K = 0;
     const Vec want = ref.Step(g, float(stats[0].threshold), &K);
-    for (int r = 0; r < n; ++r) {
-      ExpectBitEqual(updates[r], want, "update of node " + std::to_string(r));
-      if (c.sparsifier != SparsifierKind::kDense) {
-        ExpectBitEqual(cluster.residual(r), ref.residual(r),
-                       "residual of node " + std::to_string(r));
-      }
-      ASSERT_EQ(stats[r].step, t);
-      ASSERT_EQ(stats[r].selected, K);
-    }
+    ExpectEveryNodeLikeTheReference(cluster, ref, updates, stats, want, K, t,
+                                    c.sparsifier != SparsifierKind::kDense);
+    if (HasFatalFailure()) return;
   }
 }
 
