@@ -242,22 +242,29 @@ int main(int argc, char** argv) {
                   {"--momentum_correction=0.9", "--clip_norm=1.0"},
                   2.15,
                   steps});
-  // Past the default warm-up's dense steps (below 0.5 %: 50, then the
-  // density decays from 25 %), and without the warm-up.
+  // Past the DGC warm-up's dense steps (50, then the density decays from
+  // 25 %): with it (--remedies=warmup,min_k), with the defaults (no warm-up)
+  // and with no remedy.
   const int past = absl::GetFlag(FLAGS_past_warmup_steps);
   if (past > 0) {
     rows.push_back({absl::StrCat("defaults, ", past, " steps"), 1, {}, 1.15, past});
+    rows.push_back({absl::StrCat("--remedies=warmup,min_k, ", past, " steps"),
+                    1,
+                    {"--remedies=warmup,min_k"},
+                    1.15,
+                    past});
     rows.push_back(
         {absl::StrCat("--remedies=off, ", past, " steps"), 1, {"--remedies=off"}, 1.15, past});
   }
   // The decay's steps above 1 % run dense: the first sparse step is at 1 %.
   const int dense_above = absl::GetFlag(FLAGS_dense_above_steps);
   if (dense_above > 0) {
-    rows.push_back({absl::StrCat("--warmup_dense_above=0.01, ", dense_above, " steps"),
-                    1,
-                    {"--warmup_dense_above=0.01"},
-                    1.15,
-                    dense_above});
+    rows.push_back(
+        {absl::StrCat("the warm-up with --warmup_dense_above=0.01, ", dense_above, " steps"),
+         1,
+         {"--remedies=warmup,min_k", "--warmup_dense_above=0.01"},
+         1.15,
+         dense_above});
   }
   int daemon_missed = 0;
   for (const Row& row : rows) {

@@ -695,6 +695,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig c) {
   if (c.sparsify.sparsifier == sparsify::SparsifierKind::kDense) c.sparsify.momentum = 0.0;
   RETURN_IF_ERROR(c.Validate());
   std::vector<std::string> remedies = sparsify::ApplyRemedies(c.remedies, &c.sparsify);
+  if (c.sparsify.warmup_dense_above > 0 && c.sparsify.warmup_density == 0.0) {
+    return Bad("--warmup_dense_above",
+               absl::InvalidArgumentError(
+                   "marks which steps of the warm-up's density decay run dense, and there is no "
+                   "decay: give the warm-up's flags, or --remedies=warmup,min_k for the default "
+                   "one"));
+  }
   if (c.sparsify.momentum > 0) {
     remedies.push_back(absl::StrFormat(
         "momentum correction %g with momentum factor masking (the velocity is zeroed where "

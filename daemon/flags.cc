@@ -93,7 +93,8 @@ ABSL_FLAG(uint64_t, min_k, 0,
           "sets it)");
 ABSL_FLAG(std::string, remedies, "auto",
           "below a density of 0.5 %, the remedies the daemon fills in where their own flags are "
-          "unset: auto (warmup and min_k), off, or a comma-separated list of warmup, min_k");
+          "unset: auto (min_k), off, or a comma-separated list of warmup (a DGC warm-up), "
+          "min_k");
 ABSL_FLAG(std::string, nonfinite, "fail",
           "a NaN/Inf in a gradient: fail that step on every node, or skip it (zero update)");
 ABSL_FLAG(std::string, wire_dtype, "fp32",

@@ -98,7 +98,7 @@ SparsifyOptions SparsifyOptions::ForBucket(uint64_t d) const {
 }
 
 absl::StatusOr<RemedySet> ParseRemedies(absl::string_view text) {
-  if (text == "auto") return RemedySet{};
+  if (text == "auto") return RemedySet{};  // the floor on k only
   RemedySet set{false, false};
   if (text == "off") return set;
   for (absl::string_view item : absl::StrSplit(text, ',')) {

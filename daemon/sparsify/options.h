@@ -76,10 +76,14 @@ struct SparsifyOptions {
 // each only where its own flags are left at their defaults, so any of them
 // is tuned by its flag and switched off by leaving it out of the set.
 struct RemedySet {
-  bool warmup = true;  // dense steps, then an exponential decay of the density
-  bool min_k = true;   // a floor on each bucket's budget
+  // Dense steps, then an exponential decay of the density (Deep Gradient
+  // Compression's warm-up). Not in "auto": once k has its floor, the
+  // sweeps measured no gain from it (the demo's CNN, 5 seeds; the MLP) for
+  // 6-190x the bytes (docs/benchmarks.md, "Which densities train").
+  bool warmup = false;
+  bool min_k = true;  // a floor on each bucket's budget
 };
-// "auto" (all), "off" (none) or a comma-separated subset of warmup, min_k.
+// "auto" (min_k), "off" (none) or a comma-separated subset of warmup, min_k.
 absl::StatusOr<RemedySet> ParseRemedies(absl::string_view text);
 // The density below which the daemon's remedies apply (at and above it the
 // job runs as configured: measured in docs/benchmarks.md).

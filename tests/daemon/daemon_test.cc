@@ -83,11 +83,28 @@ TEST(DaemonConfigTest, CreateFillsInWhatTheConfigurationLeavesToTheDaemon) {
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_FALSE((*d)->config().node_name.empty());       // the host name
   EXPECT_EQ((*d)->config().state_secret, "secret");     // the token
-  EXPECT_GT((*d)->config().sparsify.warmup_steps, 0u);  // the warm-up remedy
+  EXPECT_EQ((*d)->config().sparsify.warmup_steps, 0u);  // no warm-up by default
   EXPECT_GT((*d)->config().sparsify.min_k, 0u);         // the floor on k
-  ASSERT_EQ((*d)->remedies().size(), 3u);               // warm-up, min_k, momentum
-  EXPECT_TRUE(absl::StrContains((*d)->remedies()[2], "momentum correction 0.9"));
+  ASSERT_EQ((*d)->remedies().size(), 2u);               // min_k, momentum
+  EXPECT_TRUE(absl::StrContains((*d)->remedies()[1], "momentum correction 0.9"));
   EXPECT_EQ((*d)->node_rank(), -1);  // not started
+  // The warm-up when asked for.
+  DaemonConfig warm = c;
+  warm.remedies = *sparsify::ParseRemedies("warmup,min_k");
+  auto w = Daemon::Create(warm);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_GT((*w)->config().sparsify.warmup_steps, 0u);
+  ASSERT_EQ((*w)->remedies().size(), 3u);  // warm-up, min_k, momentum
+  // --warmup_dense_above marks the decay's dense steps: without a decay it
+  // would do nothing, and is refused.
+  DaemonConfig above = c;
+  above.sparsify.warmup_dense_above = 0.01;
+  const auto refused = Daemon::Create(above);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(absl::StartsWith(refused.status().message(), "--warmup_dense_above"))
+      << refused.status();
+  above.remedies = warm.remedies;
+  EXPECT_TRUE(Daemon::Create(above).ok());
   // A dense job has no velocity to correct.
   c.sparsify.sparsifier = sparsify::SparsifierKind::kDense;
   auto dense = Daemon::Create(c);

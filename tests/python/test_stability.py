@@ -47,10 +47,9 @@ def test_trains_at_0_1_percent_with_the_defaults(make_cluster):
     cluster = make_cluster(4, 1, ["--density=0.001", "--momentum_correction=0.9"])
     assert_trains(cluster)
     # The CNN's one bucket (147,146 values, k = 147 at 0.1 %) gets the floor
-    # on k, and the daemon says what it applied (at step 156 the warm-up's
-    # density is still above the floor's).
+    # on k, and the daemon says what it applied: no warm-up by default.
     log = cluster.daemon_log(0)
-    assert "remedy at density 0.001: warm-up" in log, log[-2000:]
+    assert "remedy at density 0.001: warm-up" not in log, log[-2000:]
     assert "remedy at density 0.001: minimum k" in log, log[-2000:]
     assert "bucket 'grads.0' (147146 values): k = 147 at density 0.001 is below --min_k = 2000" \
         " (too few to train on); it steps at density 0.0136 (k = 2000)" in log, log[-2000:]

@@ -644,7 +644,7 @@ TEST(StepMinK, ASmallBucketGetsMinKValuesPerStep) {
 // prefix of the schedule; past the decay every step is sparse, whatever the
 // density; the room a bucket starts with is the first sparse step's.
 TEST(WarmUpDenseAbove, DecayStepsAboveTheMarkAreDense) {
-  auto all = ParseRemedies("auto");
+  auto all = ParseRemedies("warmup,min_k");
   ASSERT_TRUE(all.ok());
   SparsifyOptions o;
   o.density = 0.001;
@@ -697,11 +697,22 @@ TEST(WarmUpDenseAbove, DecayStepsAboveTheMarkAreDense) {
   }
 }
 
-// --remedies: below kRemedyDensity the daemon fills in the warm-up and the
-// floor on k where their flags are unset; a flag that is set wins; at 1 %
-// and with `off` nothing changes.
+// --remedies: below kRemedyDensity the daemon fills in the floor on k (auto)
+// and the warm-up (when asked for) where their flags are unset; a flag that
+// is set wins; at 1 % and with `off` nothing changes.
 TEST(Remedies, FillInOnlyWhatTheFlagsLeaveUnset) {
-  auto all = ParseRemedies("auto");
+  auto defaults = ParseRemedies("auto");
+  ASSERT_TRUE(defaults.ok());
+  SparsifyOptions d;
+  d.density = 0.001;
+  const std::vector<std::string> auto_lines = ApplyRemedies(*defaults, &d);
+  ASSERT_EQ(auto_lines.size(), 1u);
+  EXPECT_TRUE(absl::StrContains(auto_lines[0], "minimum k")) << auto_lines[0];
+  EXPECT_EQ(d.warmup_steps, 0u);
+  EXPECT_EQ(d.warmup_density, 0.0);
+  EXPECT_EQ(d.min_k, kMinK);
+
+  auto all = ParseRemedies("warmup,min_k");
   ASSERT_TRUE(all.ok());
   SparsifyOptions o;
   o.density = 0.001;
@@ -751,7 +762,7 @@ TEST(Remedies, FillInOnlyWhatTheFlagsLeaveUnset) {
   SparsifyOptions decay_only;
   decay_only.density = 0.001;
   decay_only.warmup_decay_steps = 200;
-  EXPECT_TRUE(ApplyRemedies(*all, &decay_only).size() == 1u);  // min_k only
+  EXPECT_TRUE(ApplyRemedies(*defaults, &decay_only).size() == 1u);  // min_k only
   const absl::Status refused = decay_only.Validate();
   EXPECT_FALSE(refused.ok());
   EXPECT_TRUE(absl::StrContains(refused.message(), "--warmup_density")) << refused;
