@@ -517,6 +517,8 @@ absl::StatusOr<std::unique_ptr<transport::Transport>> DaemonImpl::NextDataPlane(
   go.rank = m.node_rank;
   go.size = m.node_count;
   go.prefix = absl::StrCat("gloo/e", m.epoch);
+  // A member lost meanwhile is found within this: the next epoch's then.
+  go.connect_timeout = config_.peer_timeout + control::Coordinator::kDataPlaneGrace;
   if (const transport::LinkModel* model = transport_->link_model(); model != nullptr) {
     go.link_model = *model;  // no need to measure the same links again
     go.link_model->ranks = m.node_count;

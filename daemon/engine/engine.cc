@@ -322,11 +322,36 @@ void Engine::Reconfigure() {
   if (poll_thread_.joinable()) poll_thread_.join();
   if (negotiator_ != nullptr) negotiator_->Join();
   std::vector<Work> pending;
-  if (absl::Status s = Reconfigured(next->first, next->second, &pending); !s.ok()) {
-    Fail(absl::Status(s.code(), absl::StrCat("node ", membership_.node_rank,
-                                             ": the job's next membership epoch: ", s.message())),
-         /*report=*/true);
-    return;
+  for (;;) {
+    const absl::Status s = Reconfigured(next->first, next->second, &pending);
+    if (s.ok()) break;
+    // Another node lost meanwhile (two lost a few heartbeats apart): this
+    // epoch's data plane could not connect; the next epoch's may.
+    std::optional<std::pair<control::Membership, std::string>> newer;
+    {
+      absl::MutexLock lock(&state_.mu);
+      auto decided = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu) {
+        return state_.next_membership.has_value() || !state_.failed.ok() || state_.stop;
+      };
+      state_.mu.AwaitWithDeadline(absl::Condition(&decided), state_.recover_until);
+      if (!state_.failed.ok() || state_.stop) return;
+      if (state_.next_membership.has_value() &&
+          state_.next_membership->first.epoch > next->first.epoch) {
+        newer = std::move(state_.next_membership);
+        state_.next_membership.reset();
+      }
+    }
+    if (!newer.has_value()) {
+      Fail(absl::Status(s.code(), absl::StrCat("node ", membership_.node_rank,
+                                               ": the job's next membership epoch: ", s.message())),
+           /*report=*/true);
+      return;
+    }
+    MICROD_LOG(Warning, "node %d: epoch %llu did not connect (%s); epoch %llu instead",
+               membership_.node_rank, static_cast<unsigned long long>(next->first.epoch),
+               std::string(s.message()).c_str(),
+               static_cast<unsigned long long>(newer->first.epoch));
+    next = std::move(newer);
   }
   runner_.SetTransport(transport_);
   negotiator_ = NewNegotiator();

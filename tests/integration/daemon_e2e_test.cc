@@ -290,7 +290,21 @@ TEST(DaemonElastic, ALostNodeLeavesAndTheOthersGoOnWithTheResponseCache) {
 // Two at once, one of them in the middle: ranks move down.
 TEST(DaemonElastic, TwoNodesLostAtOnce) {
   ClusterOptions o{CacheFlags(true)};
-  ExpectElasticJobGoesOn(o, 4, {1, 3}, KillNodes);
+  ExpectElasticJobGoesOn(o, 4, {1, 3}, KillNodes, /*epochs=*/0);
+}
+// Two lost 1 s apart: the first change's data plane cannot connect (its
+// other lost node is in it); the second change's does, and the survivors go
+// on from there, once.
+TEST(DaemonElastic, TwoNodesLostOneSecondApart) {
+  ClusterOptions o{CacheFlags(true)};
+  ExpectElasticJobGoesOn(
+      o, 4, {1, 3},
+      [](DaemonCluster& cluster, const std::vector<int>& lost) {
+        KillNodes(cluster, {lost[0]});
+        std::this_thread::sleep_for(std::chrono::seconds(1));
+        KillNodes(cluster, {lost[1]});
+      },
+      /*epochs=*/2);
 }
 
 TEST(DaemonFaults, SizeMismatchBetweenNodesIsReportedEverywhere) {

@@ -1061,14 +1061,20 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGlooTransport(const GlooOptions
       IoNiceSetter setter(o.io_nice);
       if (absl::Status s = setter.Apply(*tcp); !s.ok()) return s;
     }
+    const absl::Duration connect = o.connect_timeout > absl::ZeroDuration()
+                                       ? std::min(o.connect_timeout, o.timeout)
+                                       : o.timeout;
+    auto millis = [](absl::Duration d) {
+      return std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
+    };
     auto context = std::make_shared<gloo::rendezvous::Context>(o.rank, o.size);
-    context->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(o.timeout)));
+    context->setTimeout(millis(connect));
     if (o.size > 1) {
-      GlooStoreAdapter store(o.store, o.prefix, o.timeout);
+      GlooStoreAdapter store(o.store, o.prefix, connect);
       context->connectFullMesh(store, device);
     }
     auto transport = std::make_unique<GlooTransport>(context, o.timeout);
-    if (absl::Status s = transport->MeasureLinks(absl::Now() + o.timeout, o.link_model); !s.ok()) {
+    if (absl::Status s = transport->MeasureLinks(absl::Now() + connect, o.link_model); !s.ok()) {
       return absl::UnavailableError(absl::StrCat("gloo: rank ", o.rank, " of ", o.size,
                                                  " could not measure its links: ", s.message()));
     }
@@ -1081,11 +1087,13 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGlooTransport(const GlooOptions
     std::vector<std::shared_ptr<gloo::Context>> extra;
     for (int i = 1; i < lanes && o.size > 1; ++i) {
       auto lane = std::make_shared<gloo::rendezvous::Context>(o.rank, o.size);
-      lane->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(o.timeout)));
-      GlooStoreAdapter store(o.store, absl::StrCat(o.prefix, "/lane", i), o.timeout);
+      lane->setTimeout(millis(connect));
+      GlooStoreAdapter store(o.store, absl::StrCat(o.prefix, "/lane", i), connect);
       lane->connectFullMesh(store, device);
+      lane->setTimeout(millis(o.timeout));
       extra.push_back(std::move(lane));
     }
+    context->setTimeout(millis(o.timeout));
     transport->AddLanes(std::move(extra));
     return std::unique_ptr<Transport>(std::move(transport));
   } catch (const std::exception& e) {

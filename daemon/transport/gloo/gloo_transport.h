@@ -41,6 +41,10 @@ struct GlooOptions {
   // The link model every rank's choices follow, given instead of measured
   // at creation (each rank still takes the slowest of all ranks' models).
   std::optional<LinkModel> link_model;
+  // How long connecting (the rendezvous, the links' measure) may take;
+  // zero: `timeout`. An elastic job's next data plane waits no longer than
+  // a lost member takes to be found (then the next epoch's is connected).
+  absl::Duration connect_timeout = absl::ZeroDuration();
 };
 
 // Connects the full mesh (blocking until every rank arrived or the timeout).
