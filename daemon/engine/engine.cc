@@ -101,8 +101,12 @@ absl::StatusOr<local::ProcessInfo> Engine::OnHello(uint64_t client, int requeste
   if (!state_.failed.ok()) return state_.failed;
   auto rank = state_.table.Hello(client, requested_local_rank, pid);
   if (!rank.ok()) return rank.status();
+  return InfoOf(*rank);
+}
+
+local::ProcessInfo Engine::InfoOf(int local_rank) const {
   local::ProcessInfo info;
-  info.local_rank = *rank;
+  info.local_rank = local_rank;
   info.local_size = options_.local_size;
   info.node_rank = membership_.node_rank;
   info.node_count = membership_.node_count;
@@ -110,7 +114,7 @@ absl::StatusOr<local::ProcessInfo> Engine::OnHello(uint64_t client, int requeste
   info.momentum_correction = static_cast<float>(options_.sparsify.momentum);
   info.rank = std::accumulate(membership_.local_sizes.begin(),
                               membership_.local_sizes.begin() + membership_.node_rank, 0) +
-              *rank;
+              local_rank;
   return info;
 }
 
@@ -295,16 +299,20 @@ void Engine::OnMembership(const control::Membership& membership, const std::stri
   t->Abort(why);  // what runs on the old data plane ends now
 }
 
+bool Engine::AwaitVerdict() {
+  auto decided = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu) {
+    return state_.next_membership.has_value() || !state_.failed.ok() || state_.stop;
+  };
+  state_.mu.AwaitWithDeadline(absl::Condition(&decided), state_.recover_until);
+  return state_.failed.ok() && !state_.stop;
+}
+
 void Engine::Reconfigure() {
   std::optional<std::pair<control::Membership, std::string>> next;
   absl::Status cause;
   {
     absl::MutexLock lock(&state_.mu);
-    auto decided = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu) {
-      return state_.next_membership.has_value() || !state_.failed.ok() || state_.stop;
-    };
-    state_.mu.AwaitWithDeadline(absl::Condition(&decided), state_.recover_until);
-    if (!state_.failed.ok() || state_.stop) return;
+    if (!AwaitVerdict()) return;
     next = std::move(state_.next_membership);
     state_.next_membership.reset();
     cause = state_.recover_cause;
@@ -330,11 +338,7 @@ void Engine::Reconfigure() {
     std::optional<std::pair<control::Membership, std::string>> newer;
     {
       absl::MutexLock lock(&state_.mu);
-      auto decided = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu) {
-        return state_.next_membership.has_value() || !state_.failed.ok() || state_.stop;
-      };
-      state_.mu.AwaitWithDeadline(absl::Condition(&decided), state_.recover_until);
-      if (!state_.failed.ok() || state_.stop) return;
+      if (!AwaitVerdict()) return;
       if (state_.next_membership.has_value() &&
           state_.next_membership->first.epoch > next->first.epoch) {
         newer = std::move(state_.next_membership);
@@ -357,25 +361,16 @@ void Engine::Reconfigure() {
   negotiator_ = NewNegotiator();
   poll_thread_ = std::thread([this, first = membership_.first_batch] { PollLoop(first); });
   // Every process learns its place first, then that its step was not applied.
-  std::vector<std::pair<uint64_t, int>> clients;
+  std::vector<std::pair<uint64_t, local::ProcessInfo>> told;
   {
     absl::MutexLock lock(&state_.mu);
-    clients = state_.table.Clients();
-  }
-  const int offset = std::accumulate(membership_.local_sizes.begin(),
-                                     membership_.local_sizes.begin() + membership_.node_rank, 0);
-  for (const auto& [client, local_rank] : clients) {
-    local::ProcessInfo info;
-    info.local_rank = local_rank;
-    info.local_size = options_.local_size;
-    info.node_rank = membership_.node_rank;
-    info.node_count = membership_.node_count;
-    info.world_size = membership_.world_size;
-    info.rank = offset + local_rank;
-    info.momentum_correction = static_cast<float>(options_.sparsify.momentum);
-    if (server_ != nullptr) {
-      server_->NotifyMembership(client, membership_.epoch, info, next->second);
+    for (const auto& [client, local_rank] : state_.table.Clients()) {
+      told.push_back({client, InfoOf(local_rank)});
     }
+  }
+  for (const auto& [client, info] : told) {
+    if (server_ != nullptr)
+      server_->NotifyMembership(client, membership_.epoch, info, next->second);
   }
   for (const Work& w : pending) {
     Complete(w, WithClientStatus(absl::AbortedError(absl::StrCat(

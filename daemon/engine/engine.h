@@ -101,6 +101,11 @@ class Engine final : public local::LocalHandler, private JobControl {
   void Reconfigure();
   // Enters recovery (once) for `why`; true if this call did.
   bool StartRecovering(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu);
+  // Waits until a membership arrives, the job fails or stops, or
+  // recover_until; false when it failed or stops (Fail answered the rest).
+  bool AwaitVerdict() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu);
+  // What a local process is told of its place in the current membership.
+  local::ProcessInfo InfoOf(int local_rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu);
   // The negotiator of the current epoch's membership and data plane.
   std::unique_ptr<Negotiator> NewNegotiator();
   // The current epoch's data plane (kept alive until the engine goes).
