@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -107,7 +108,7 @@ engine::EngineOptions EngineOptionsOf(const DaemonConfig& c, uint64_t memory_bud
   }
   eo.device_resident = c.transport == "nccl";
   eo.device = c.cuda_device;
-  eo.elastic = c.min_nodes > 0 && c.min_nodes < c.nodes;
+  eo.elastic = (c.min_nodes > 0 && c.min_nodes < c.nodes) || c.max_nodes > c.nodes;
   // Long enough for the coordinator's verdict: the peer timeout, its grace
   // for a reported data-plane failure, and a heartbeat to bring it.
   eo.membership_wait =
@@ -162,7 +163,8 @@ class DaemonImpl {
   // ring keeps), then answers with the trace.
   grpc::Status Timeline(grpc::ServerContext* ctx, const v1::GetTimelineRequest& req,
                         v1::GetTimelineResponse* resp);
-  absl::Status Join();
+  // `options`: what the coordinator checks when this node joins a running job.
+  absl::Status Join(const std::string& options);
   absl::Status StartDataPlane(const engine::EngineOptions& eo);
   // An elastic job's next epoch: the data plane among its nodes, under a
   // rendezvous prefix of its own, with the links' model of the first one.
@@ -213,6 +215,7 @@ absl::Status DaemonImpl::StartCoordinator() {
     co.token = config_.token;
     co.expected_nodes = config_.nodes;
     co.min_nodes = config_.min_nodes;
+    co.max_nodes = config_.max_nodes;
     co.peer_timeout = config_.peer_timeout;
     co.stall_warning = absl::Seconds(config_.stall_warning_s);
     co.stall_abort = absl::Seconds(config_.stall_abort_s);
@@ -428,7 +431,7 @@ grpc::Status DaemonImpl::Timeline(grpc::ServerContext* ctx, const v1::GetTimelin
   return grpc::Status::OK;
 }
 
-absl::Status DaemonImpl::Join() {
+absl::Status DaemonImpl::Join(const std::string& options) {
   control::CoordinatorClientOptions cco;
   cco.address = coordinator_address_;
   cco.job_id = config_.job_id;
@@ -437,6 +440,7 @@ absl::Status DaemonImpl::Join() {
   cco.local_size = config_.local_size;
   cco.requested_rank = config_.node_rank;
   cco.peer_timeout = config_.peer_timeout;
+  cco.options = options;
   // Node 0 dials the coordinator it serves like any node; over loopback
   // (a coordinator listening on every interface) with TLS the certificate
   // must name 127.0.0.1 too, or --tls_server_name.
@@ -454,8 +458,11 @@ absl::Status DaemonImpl::Join() {
     membership_ = *joined;
   }
   log::SetRank(membership_.node_rank);
-  MICROD_LOG(Info, "node '%s' is rank %d of %d (world size %d)", config_.node_name.c_str(),
-             membership_.node_rank, membership_.node_count, membership_.world_size);
+  MICROD_LOG(Info, "node '%s' is rank %d of %d (world size %d)%s", config_.node_name.c_str(),
+             membership_.node_rank, membership_.node_count, membership_.world_size,
+             membership_.epoch > 0
+                 ? absl::StrCat(", joining the running job at epoch ", membership_.epoch).c_str()
+                 : "");
   return absl::OkStatus();
 }
 
@@ -478,7 +485,20 @@ absl::Status DaemonImpl::StartDataPlane(const engine::EngineOptions& eo) {
     if (!config_.link_model.empty()) {
       ASSIGN_OR_RETURN(go.link_model, transport::ParseLinkModel(config_.link_model));
     }
-    auto created = transport::CreateGlooTransport(go);
+    transport::GlooOptions first = go;
+    if (membership_.epoch > 0) {
+      // Joined a running job: its epoch's data plane, whose other nodes
+      // bring the links' model they measured (the slowest of each wins).
+      first.prefix = absl::StrCat("gloo/e", membership_.epoch);
+      first.connect_timeout = config_.peer_timeout + control::Coordinator::kDataPlaneGrace;
+      if (!first.link_model.has_value()) {
+        first.link_model = transport::LinkModel{};
+        first.link_model->round_seconds = 0;
+        first.link_model->posted_round_seconds = 0;
+        first.link_model->bytes_per_second = std::numeric_limits<double>::max();
+      }
+    }
+    auto created = transport::CreateGlooTransport(first);
     if (!created.ok()) return Bad("transport", created.status());
     transport_ = std::move(created).value();
     ops_ = kernels::CreateCpuSparseOps();
@@ -583,13 +603,18 @@ absl::Status DaemonImpl::Start(const std::function<void()>& serving) {
   RETURN_IF_ERROR(StartAdmin());
   RETURN_IF_ERROR(StartMetrics());
   RETURN_IF_ERROR(StartTimeline());
-  RETURN_IF_ERROR(Join());
-  timeline_.SetNode(membership_.node_rank, config_.node_name);
   engine::EngineOptions eo = EngineOptionsOf(config_, memory_budget_, memory_budget_source_);
+  RETURN_IF_ERROR(Join(engine::OptionsText(eo)));
+  timeline_.SetNode(membership_.node_rank, config_.node_name);
   RETURN_IF_ERROR(StartDataPlane(eo));
   if (eo.elastic)
     eo.new_transport = [this](const control::Membership& m) { return NextDataPlane(m); };
-  if (absl::Status s = engine::CheckOptionsAgree(*transport_, eo, absl::Now() + config_.op_timeout);
+  // A node that joins a running job was checked by the coordinator (the
+  // others run no such round now).
+  if (absl::Status s =
+          membership_.epoch > 0
+              ? absl::OkStatus()
+              : engine::CheckOptionsAgree(*transport_, eo, absl::Now() + config_.op_timeout);
       !s.ok()) {
     return Bad("options", s);
   }
@@ -644,8 +669,13 @@ absl::Status DaemonConfig::Validate() const {
     return Bad("--min_nodes", absl::InvalidArgumentError(absl::StrCat(
                                   "must be in [0, --nodes=", nodes, "], not ", min_nodes)));
   }
-  if (min_nodes > 0 && min_nodes < nodes && transport == "nccl") {
-    return Bad("--min_nodes",
+  if (max_nodes != 0 && (max_nodes < nodes || max_nodes > control::kMaxNodes)) {
+    return Bad("--max_nodes",
+               absl::InvalidArgumentError(absl::StrCat("must be 0 or in [--nodes=", nodes, ", ",
+                                                       control::kMaxNodes, "], not ", max_nodes)));
+  }
+  if (((min_nodes > 0 && min_nodes < nodes) || max_nodes > nodes) && transport == "nccl") {
+    return Bad(max_nodes > nodes ? "--max_nodes" : "--min_nodes",
                absl::UnimplementedError("elastic membership needs --transport=gloo for now (a new "
                                         "NCCL communicator per epoch is not built yet)"));
   }

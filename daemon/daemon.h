@@ -28,6 +28,9 @@ struct DaemonConfig {
   // Elastic membership: while at least this many nodes remain, the job goes
   // on without a lost node (0, or `nodes`: not elastic).
   int min_nodes = 0;
+  // ...and while fewer than this many take part, a node may join the
+  // running job (0: --nodes).
+  int max_nodes = 0;
   int local_size = 1;
   std::string coordinator;         // host:port of the coordinator
   std::string coordinator_listen;  // serve the coordinator here (node 0)

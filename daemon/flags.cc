@@ -23,6 +23,10 @@ ABSL_FLAG(int, min_nodes, 0,
           "peer timeout leaves the job instead of failing it; the others go on as a job of "
           "their number, with MICROD_ERR_MEMBERSHIP for the step in flight (0, or --nodes: "
           "not elastic; every node must give the same)");
+ABSL_FLAG(int, max_nodes, 0,
+          "elastic membership: while fewer than this many nodes take part, a node started later "
+          "(a replacement) joins the running job at the next step; the others' step in flight "
+          "is answered MICROD_ERR_MEMBERSHIP (0: --nodes; every node must give the same)");
 ABSL_FLAG(std::string, coordinator, "", "address of the coordinator (host:port)");
 ABSL_FLAG(std::string, coordinator_listen, "",
           "serve the coordinator on this address (node 0 only)");
@@ -250,6 +254,7 @@ absl::StatusOr<DaemonConfig> DaemonConfigFromFlags() {
   c.node_rank = absl::GetFlag(FLAGS_node_rank);
   c.nodes = absl::GetFlag(FLAGS_nodes);
   c.min_nodes = absl::GetFlag(FLAGS_min_nodes);
+  c.max_nodes = absl::GetFlag(FLAGS_max_nodes);
   c.local_size = absl::GetFlag(FLAGS_local_size);
   c.coordinator = absl::GetFlag(FLAGS_coordinator);
   c.coordinator_listen = absl::GetFlag(FLAGS_coordinator_listen);

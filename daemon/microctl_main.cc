@@ -74,9 +74,10 @@ void PrintStatus(const microd::v1::GetStatusResponse& r) {
   std::printf("socket      %s\n", r.socket().c_str());
   std::printf("version     %s, up %.0f s, %llu schedule batches run\n", r.version().c_str(),
               r.uptime_seconds(), static_cast<unsigned long long>(r.batches()));
-  if (r.min_nodes() > 0 || r.membership_epoch() > 0) {
+  if (r.min_nodes() > 0 || r.max_nodes() > 0 || r.membership_epoch() > 0) {
     std::printf("membership  epoch %llu", static_cast<unsigned long long>(r.membership_epoch()));
     if (r.min_nodes() > 0) std::printf(", elastic: at least %d nodes", r.min_nodes());
+    if (r.max_nodes() > 0) std::printf(", at most %d", r.max_nodes());
     if (r.membership_epoch() > 0) {
       std::printf(", the last change took %.1f s here", r.last_recovery_seconds());
     }

@@ -27,7 +27,12 @@ absl::Status InProcessControlPlane::Report(const std::vector<BucketInfo>& ready)
 
 absl::StatusOr<std::vector<ScheduleBatch>> InProcessControlPlane::Poll(uint64_t next,
                                                                        absl::Time deadline) {
-  return coordinator_->Poll(membership_.session, membership_.node_rank, next, deadline);
+  auto batches = coordinator_->Poll(membership_.session, membership_.node_rank, next, deadline);
+  // The marker of a change: this node's membership in the next epoch.
+  if (batches.ok() && !batches->empty() && batches->back().membership.has_value()) {
+    membership_ = *batches->back().membership;
+  }
+  return batches;
 }
 
 absl::Status InProcessControlPlane::ReportFailure(const std::string& reason) {

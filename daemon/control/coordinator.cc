@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <random>
 #include <set>
 
@@ -9,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "daemon/common/log.h"
 
 namespace microd::control {
@@ -51,6 +53,34 @@ absl::Status ValidateName(const std::string& what, const std::string& name) {
   return absl::OkStatus();
 }
 
+// "--flag=value" lines, by flag.
+std::map<std::string, std::string> OptionLines(const std::string& text) {
+  std::map<std::string, std::string> out;
+  for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
+    const size_t eq = line.find('=');
+    out[std::string(line.substr(0, eq))] =
+        eq == absl::string_view::npos ? "" : std::string(line.substr(eq + 1));
+  }
+  return out;
+}
+
+// Each option that differs between a joining node's and the job's.
+std::vector<std::string> OptionsThatDiffer(const std::string& mine, const std::string& job) {
+  const auto a = OptionLines(mine), b = OptionLines(job);
+  std::vector<std::string> out;
+  for (const auto& [flag, value] : a) {
+    auto it = b.find(flag);
+    const std::string theirs = it == b.end() ? "not set" : it->second;
+    if (theirs != value)
+      out.push_back(absl::StrCat(flag, " is ", value, " there, ", theirs, " in the job"));
+  }
+  for (const auto& [flag, value] : b) {
+    if (a.count(flag) == 0)
+      out.push_back(absl::StrCat(flag, " is not set there, ", value, " in the job"));
+  }
+  return out;
+}
+
 std::string Describe(const BucketInfo& b) {
   const char* type = DataTypeName(b.dtype);
   return absl::StrCat(type != nullptr ? type : "dtype " + std::to_string(b.dtype), " x ", b.count,
@@ -91,6 +121,12 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(CoordinatorOpti
   }
   if (options.peer_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("coordinator: peer timeout must be positive");
+  }
+  if (options.max_nodes != 0 &&
+      (options.max_nodes < options.expected_nodes || options.max_nodes > kMaxNodes)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("coordinator: the maximum node count must be in [", options.expected_nodes,
+                     " (the node count), ", kMaxNodes, "], got ", options.max_nodes));
   }
   if (options.min_nodes < 0 || options.min_nodes > options.expected_nodes) {
     return absl::InvalidArgumentError(
@@ -249,7 +285,8 @@ absl::Status Coordinator::CheckToken(const std::string& token, const std::string
 absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
                                              const std::string& node_name, int local_size,
                                              const std::string& token, int requested_rank,
-                                             absl::Time deadline, const std::string& peer_host) {
+                                             absl::Time deadline, const std::string& peer_host,
+                                             const std::string& options) {
   // The token first: an unauthenticated caller learns nothing of the job
   // (not even the number of nodes, from a rank out of range).
   if (absl::Status s = CheckToken(token, node_name, peer_host); !s.ok()) {
@@ -262,10 +299,10 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
     return absl::InvalidArgumentError(
         absl::StrCat("local size must be in [1, ", kMaxLocalSize, "], got ", local_size));
   }
-  if (requested_rank < -1 || requested_rank >= options_.expected_nodes) {
-    return absl::InvalidArgumentError(absl::StrCat("requested rank ", requested_rank,
-                                                   " out of range [0, ", options_.expected_nodes,
-                                                   ") (or -1 for any)"));
+  if (requested_rank < -1 || requested_rank >= std::max(options_.expected_nodes, max_nodes())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("requested rank ", requested_rank, " out of range [0, ",
+                     std::max(options_.expected_nodes, max_nodes()), ") (or -1 for any)"));
   }
   if (job_id != options_.job_id) {
     return absl::FailedPreconditionError(absl::StrCat("node '", node_name, "' belongs to job '",
@@ -276,8 +313,47 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
   absl::MutexLock lock(&mu_);
   if (absl::Status s = JobError(); !s.ok()) return s;
   if (state_ != JobState::kForming) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("job already has its ", options_.expected_nodes, " nodes"));
+    if (!elastic()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job already has its ", options_.expected_nodes, " nodes"));
+    }
+    // A running elastic job: one change at a time.
+    auto settled = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return state_ != JobState::kRunning || !DrainingLocked();
+    };
+    mu_.AwaitWithDeadline(absl::Condition(&settled), deadline);
+    if (absl::Status s = JobError(); !s.ok()) return s;
+    if (DrainingLocked()) {
+      return absl::DeadlineExceededError(
+          "join: the job's last change of membership was still in progress at the deadline");
+    }
+    if (static_cast<int>(nodes_.size()) >= max_nodes()) {
+      return absl::FailedPreconditionError(absl::StrCat("the job runs with ", nodes_.size(),
+                                                        " nodes, the most it takes (", max_nodes(),
+                                                        ", --max_nodes)"));
+    }
+    for (const Node& n : nodes_) {
+      if (n.name == node_name) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "node name '", node_name, "' is node ", n.rank,
+            " of the running job (a replacement may take a lost node's name once it is "
+            "found lost, after the peer timeout)"));
+      }
+    }
+    if (const std::vector<std::string> differ = OptionsThatDiffer(options, nodes_[0].options);
+        !options.empty() && !nodes_[0].options.empty() && !differ.empty()) {
+      MICROD_LOG(Warning, "coordinator: refused node '%s' joining the running job: %s",
+                 node_name.c_str(), absl::StrJoin(differ, "; ").c_str());
+      return absl::InvalidArgumentError(absl::StrCat("node '", node_name,
+                                                     "' may not join: its options differ from "
+                                                     "the job's: ",
+                                                     absl::StrJoin(differ, "; ")));
+    }
+    Node self;
+    self.name = node_name;
+    self.local_size = local_size;
+    self.options = options;
+    return AdmitLocked(std::move(self));
   }
   for (const Node& n : nodes_) {
     if (n.name == node_name) {
@@ -292,6 +368,7 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
   self.name = node_name;
   self.local_size = local_size;
   self.requested_rank = requested_rank;
+  self.options = options;
   nodes_.push_back(self);
   if (static_cast<int>(nodes_.size()) == options_.expected_nodes) {
     AssignRanks();
@@ -324,7 +401,8 @@ Membership Coordinator::MembershipOf(int rank) const {
   m.node_count = static_cast<int>(nodes_.size());
   m.session = nodes_[rank].credential;
   m.epoch = epoch_;
-  m.first_batch = schedule_base_ + schedule_.size();
+  m.first_batch = epoch_first_batch_;
+  m.graceful = marker_batch_ != UINT64_MAX;
   for (const Node& n : nodes_) {
     m.local_sizes.push_back(n.local_size);
     m.node_names.push_back(n.name);
@@ -339,6 +417,7 @@ void Coordinator::FormEpochLocked(const std::vector<int>& lost, const std::strin
   std::set<uint64_t> given;  // no credential is ever given twice
   for (const Node& n : nodes_) {
     given.insert(n.credential);
+    given.insert(n.next_credential);
     given.insert(n.old_credentials.begin(), n.old_credentials.end());
   }
   for (Node& n : nodes_) {
@@ -346,6 +425,11 @@ void Coordinator::FormEpochLocked(const std::vector<int>& lost, const std::strin
     kept.push_back(absl::StrCat(n.name, " (node ", next.size(), ", was ", n.rank, ")"));
     n.rank = static_cast<int>(next.size());
     n.old_credentials.push_back(n.credential);
+    if (n.next_credential != 0) {
+      // Lost while a node joined: the joined epoch is skipped.
+      n.old_credentials.push_back(n.next_credential);
+      n.next_credential = 0;
+    }
     do {
       n.credential = RandomSession();
     } while (!given.insert(n.credential).second);
@@ -361,11 +445,65 @@ void Coordinator::FormEpochLocked(const std::vector<int>& lost, const std::strin
   for (Node& n : nodes_) n.polled = schedule_base_;
   stalls_.clear();
   stall_logged_.clear();
+  epoch_first_batch_ = schedule_base_;
+  marker_batch_ = UINT64_MAX;
   ++epoch_;
   changes_.push_back({epoch_, absl::Now(), cause, static_cast<int>(nodes_.size())});
   MICROD_LOG(Warning, "coordinator: membership epoch %llu: %s; %zu nodes go on: %s",
              static_cast<unsigned long long>(epoch_), cause.c_str(), nodes_.size(),
              absl::StrJoin(kept, ", ").c_str());
+}
+
+bool Coordinator::DrainingLocked() const {
+  for (const Node& n : nodes_) {
+    if (n.next_credential != 0) return true;
+  }
+  return false;
+}
+
+Membership Coordinator::AdmitLocked(Node joiner) {
+  std::set<uint64_t> given;  // no credential is ever given twice
+  for (const Node& n : nodes_) {
+    given.insert(n.credential);
+    given.insert(n.old_credentials.begin(), n.old_credentials.end());
+  }
+  auto fresh = [&given] {
+    uint64_t c;
+    do {
+      c = RandomSession();
+    } while (!given.insert(c).second);
+    return c;
+  };
+  for (Node& n : nodes_) {
+    n.next_credential = fresh();
+    n.waiting.clear();
+  }
+  // The old epoch ends after what is logged: the marker is its last batch.
+  ScheduleBatch marker;
+  marker.index = schedule_base_ + schedule_.size();
+  marker.change_epoch = epoch_ + 1;
+  schedule_.push_back(marker);
+  marker_batch_ = marker.index;
+  epoch_first_batch_ = marker.index + 1;
+  // What was reported and not scheduled is dropped: each node answers it
+  // MICROD_ERR_MEMBERSHIP at the change, and its processes submit it again.
+  pending_.clear();
+  stalls_.clear();
+  stall_logged_.clear();
+  ++epoch_;
+  joiner.rank = static_cast<int>(nodes_.size());
+  joiner.credential = fresh();
+  joiner.last_seen = absl::Now();
+  joiner.polled = epoch_first_batch_;
+  joiner.joined_epoch = epoch_;
+  const std::string cause = absl::StrCat("node '", joiner.name, "' joined as node ", joiner.rank);
+  nodes_.push_back(std::move(joiner));
+  changes_.push_back({epoch_, absl::Now(), cause, static_cast<int>(nodes_.size())});
+  MICROD_LOG(Warning,
+             "coordinator: membership epoch %llu: %s; %zu nodes from schedule batch %llu on",
+             static_cast<unsigned long long>(epoch_), cause.c_str(), nodes_.size(),
+             static_cast<unsigned long long>(epoch_first_batch_));
+  return MembershipOf(nodes_.back().rank);
 }
 
 void Coordinator::AssignRanks() {
@@ -453,6 +591,31 @@ absl::Status Coordinator::Report(uint64_t session, int rank, const std::vector<B
                                                      " after report ", nodes_[rank].report_seq));
     }
   }
+  if (nodes_[rank].next_credential != 0) {
+    // Of the epoch before a node joined: dropped (the node's engine answers
+    // these submissions MICROD_ERR_MEMBERSHIP at the change).
+    if (seq != 0) nodes_[rank].report_seq = seq;
+    return absl::OkStatus();
+  }
+  if (nodes_[rank].joined_epoch > 0) {
+    // A node that joined the running job must hold the job's buckets.
+    for (const BucketInfo& b : ready) {
+      auto it = layout_.find(b.name);
+      if (it == layout_.end()) continue;
+      const BucketInfo& job = it->second;
+      if (job.dtype == b.dtype && job.count == b.count && job.dense == b.dense) continue;
+      const std::string why = absl::StrCat(
+          "node ", rank, " ('", nodes_[rank].name, "'), which joined at epoch ",
+          nodes_[rank].joined_epoch, ", has bucket '", b.name, "' as ", Describe(b),
+          ", and the job has it as ", Describe(job), ": refused, and dropped from the job");
+      if (static_cast<int>(nodes_.size()) - 1 >= min_nodes()) {
+        FormEpochLocked({rank}, why);
+      } else {
+        FailLocked(why);
+      }
+      return absl::InvalidArgumentError(why);
+    }
+  }
   for (const BucketInfo& b : ready) {
     auto it = pending_.find(b.name);
     if (it != pending_.end() && it->second.by_rank.count(rank) != 0) {
@@ -483,6 +646,7 @@ absl::Status Coordinator::Report(uint64_t session, int rank, const std::vector<B
     }
     if (agree) {
       batch.scheduled.push_back(first);
+      layout_[name] = first;
     } else {
       std::vector<std::string> parts;
       for (const auto& [r, b] : p.by_rank) {
@@ -501,37 +665,74 @@ absl::StatusOr<std::vector<ScheduleBatch>> Coordinator::Poll(uint64_t session, i
                                                              uint64_t next, absl::Time deadline) {
   if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("node rank ", rank, " is negative"));
   absl::MutexLock lock(&mu_);
-  if (absl::Status s = CheckMember(session, rank); !s.ok()) return s;
-  if (next < nodes_[rank].polled) {
-    return absl::InvalidArgumentError(absl::StrCat("node ", rank, " asked for batch ", next,
-                                                   " after having seen up to ",
-                                                   nodes_[rank].polled));
+  int caller = -1;
+  bool stale = false;
+  if (absl::Status s = CheckMember(session, rank, &caller, &stale); !s.ok()) return s;
+  if (stale) {
+    // The answer that carried the node's new membership was lost: the node
+    // asks again with its old session, and is answered the same.
+    const Node& n = nodes_[caller];
+    const bool again = marker_batch_ != UINT64_MAX && marker_batch_ >= schedule_base_ &&
+                       next <= marker_batch_ && !n.old_credentials.empty() &&
+                       n.old_credentials.back() == session;
+    if (!again) return CheckMember(session, rank);  // "membership changed"
+  } else {
+    if (next < nodes_[rank].polled) {
+      return absl::InvalidArgumentError(absl::StrCat("node ", rank, " asked for batch ", next,
+                                                     " after having seen up to ",
+                                                     nodes_[rank].polled));
+    }
+    if (next > schedule_base_ + schedule_.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "batch ", next, " does not exist yet (next is ", schedule_base_ + schedule_.size(), ")"));
+    }
+    nodes_[rank].polled = next;
+    TrimSchedule();
   }
-  if (next > schedule_base_ + schedule_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("batch ", next, " does not exist yet (next is ",
-                                                   schedule_base_ + schedule_.size(), ")"));
-  }
-  nodes_[rank].polled = next;
-  TrimSchedule();
   const uint64_t epoch = epoch_;
   auto ready = [this, next, epoch]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return schedule_base_ + schedule_.size() > next || state_ == JobState::kFailed ||
            state_ == JobState::kFinished || epoch_ != epoch;
   };
   mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
-  if (epoch_ != epoch && state_ == JobState::kRunning) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("membership changed: the job is at epoch ", epoch_));
+  if (epoch_ != epoch && state_ == JobState::kRunning && !stale) {
+    // A node joined meanwhile: this session holds until the node polls the
+    // marker. A node lost: the session is of the old epoch now.
+    caller = -1;
+    for (const Node& n : nodes_) {
+      if (n.credential == session) caller = n.rank;
+    }
+    if (caller < 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("membership changed: the job is at epoch ", epoch_));
+    }
   }
   // Batches already in the log are delivered even after a failure, so that
   // every node sees the same errors (a mismatch) before the failure itself.
   if (schedule_base_ + schedule_.size() <= next) {
     if (absl::Status s = JobError(); !s.ok()) return s;
   }
+  // A node that has not taken its next epoch's session reads up to the
+  // marker only.
+  const bool before_change = stale || nodes_[caller].next_credential != 0;
+  const uint64_t end = before_change
+                           ? std::min(schedule_base_ + schedule_.size(), marker_batch_ + 1)
+                           : schedule_base_ + schedule_.size();
   std::vector<ScheduleBatch> out;
-  for (uint64_t i = next; i < schedule_base_ + schedule_.size() && out.size() < kMaxBatchesPerPoll;
+  for (uint64_t i = std::max(next, schedule_base_); i < end && out.size() < kMaxBatchesPerPoll;
        ++i) {
     out.push_back(schedule_[i - schedule_base_]);
+  }
+  if (before_change && !out.empty() && out.back().index == marker_batch_) {
+    // The marker: from here on the node speaks with its new session.
+    Node& n = nodes_[caller];
+    if (n.next_credential != 0) {
+      n.old_credentials.push_back(n.credential);
+      n.credential = n.next_credential;
+      n.next_credential = 0;
+    }
+    out.back().membership = MembershipOf(caller);
+    out.back().change = changes_.empty() ? "" : changes_.back().cause;
   }
   return out;
 }
@@ -685,7 +886,8 @@ JobSnapshot Coordinator::Snapshot() const {
   s.failure = failure_;
   s.expected_nodes = options_.expected_nodes;
   s.epoch = epoch_;
-  s.min_nodes = elastic() ? options_.min_nodes : options_.expected_nodes;
+  s.min_nodes = elastic() ? min_nodes() : options_.expected_nodes;
+  s.max_nodes = max_nodes();
   s.changes = changes_;
   const absl::Time now = absl::Now();
   for (const Node& n : nodes_) {
@@ -738,7 +940,7 @@ void Coordinator::Watchdog() {
     const std::string timeout =
         absl::StrCat(" (peer timeout ", absl::FormatDuration(options_.peer_timeout), ")");
     const int left = static_cast<int>(nodes_.size() - lost.size());
-    if (first != nullptr && elastic() && first->rank != 0 && left >= options_.min_nodes) {
+    if (first != nullptr && elastic() && first->rank != 0 && left >= min_nodes()) {
       // Node 0 serves this coordinator: silent, it is this process that
       // stalled, and it cannot be dropped.
       FormEpochLocked(lost, absl::StrCat(absl::StrJoin(lost_text, ", "), timeout));
@@ -755,7 +957,7 @@ void Coordinator::Watchdog() {
                                   : absl::StrCat("; ", left,
                                                  " node(s) would remain, fewer "
                                                  "than the minimum of ",
-                                                 options_.min_nodes, " (--min_nodes)"));
+                                                 min_nodes(), " (--min_nodes)"));
       }
       FailLocked(why);
       continue;

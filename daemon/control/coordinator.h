@@ -38,6 +38,11 @@ struct CoordinatorOptions {
   // elastic. Node 0, which serves the coordinator, is never dropped: its
   // silence fails the job.
   int min_nodes = 0;
+  // ...and while fewer than this many nodes take part, a node may join the
+  // running job (a replacement): it is admitted at once, as the last rank of
+  // the next epoch, which begins after the batches scheduled so far (the
+  // others cut nothing in flight). 0: expected_nodes.
+  int max_nodes = 0;
 };
 
 // One change of an elastic job's membership.
@@ -74,6 +79,7 @@ struct JobSnapshot {
   std::vector<NodeSnapshot> nodes;  // by rank once running, join order before
   uint64_t epoch = 0;
   int min_nodes = 0;                      // elastic when below expected_nodes
+  int max_nodes = 0;                      // ... or this above them (nodes may join)
   std::vector<MembershipChange> changes;  // oldest first
 };
 
@@ -82,6 +88,7 @@ constexpr size_t kMaxNameBytes = 256;
 constexpr int kMaxLocalSize = 4096;
 constexpr size_t kMaxBucketsPerReport = 65536;
 constexpr size_t kMaxBatchesPerPoll = 1024;
+constexpr int kMaxNodes = 65536;
 
 class Coordinator {
  public:
@@ -99,9 +106,14 @@ class Coordinator {
   // host: after kFreeTokenTries in a row, that host's joins are refused
   // (Unavailable) for 1 s, then 2 s, ... up to 64 s, without a look at the
   // token).
+  // An elastic job that runs with fewer than max_nodes admits the node at
+  // once (its membership has epoch > 0), if its `options` ("--flag=value"
+  // lines) are node 0's (else InvalidArgument naming each that differs); a
+  // change in progress is waited for, up to `deadline`.
   absl::StatusOr<Membership> Join(const std::string& job_id, const std::string& node_name,
                                   int local_size, const std::string& token, int requested_rank,
-                                  absl::Time deadline, const std::string& peer_host = "");
+                                  absl::Time deadline, const std::string& peer_host = "",
+                                  const std::string& options = "");
   absl::Status KeySet(uint64_t session, const std::string& key, const std::string& value);
   absl::StatusOr<std::vector<std::string>> KeyGet(uint64_t session,
                                                   const std::vector<std::string>& keys,
@@ -109,7 +121,12 @@ class Coordinator {
   // Node `rank` has these buckets ready. Buckets every node has now
   // reported are appended to the schedule as one batch. Never blocks.
   // `seq` > 0: the node's report number; one at or below the last taken is
-  // a resend after a lost answer, answered OK and not taken again.
+  // a resend after a lost answer, answered OK and not taken again. A node
+  // that joined a running job and reports a bucket the job has with
+  // another shape is refused (InvalidArgument, naming both) and dropped
+  // from the job. A report of the epoch before a node joined (sent before
+  // the node polled the change) is dropped: its submissions are answered
+  // MICROD_ERR_MEMBERSHIP by its engine.
   absl::Status Report(uint64_t session, int rank, const std::vector<BucketInfo>& ready,
                       uint64_t seq = 0);
   // The batches from index `next` on, waiting until there is one or
@@ -151,6 +168,11 @@ class Coordinator {
     // Its credentials of earlier epochs: a call with one is told that the
     // membership changed (a heartbeat gets the new one).
     std::vector<uint64_t> old_credentials;
+    // A node joined: this node's credential of the next epoch, taken once it
+    // polls the batch that marks the change (until then it is of the old).
+    uint64_t next_credential = 0;
+    std::string options;        // what it joined with ("--flag=value" lines)
+    uint64_t joined_epoch = 0;  // > 0: it joined the running job then
   };
   struct Pending {
     uint64_t order = 0;                 // first report, for a stable schedule
@@ -166,8 +188,21 @@ class Coordinator {
   absl::Status CheckMember(uint64_t session, int rank, int* caller = nullptr, bool* stale = nullptr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool elastic() const {
-    return options_.min_nodes > 0 && options_.min_nodes < options_.expected_nodes;
+    return (options_.min_nodes > 0 && options_.min_nodes < options_.expected_nodes) ||
+           max_nodes() > options_.expected_nodes;
   }
+  int max_nodes() const {
+    return options_.max_nodes > 0 ? options_.max_nodes : options_.expected_nodes;
+  }
+  int min_nodes() const {
+    return options_.min_nodes > 0 ? options_.min_nodes : options_.expected_nodes;
+  }
+  // A node joins the running job: the next epoch, of every node and it
+  // (the last rank), begins after the batches logged so far (a marker
+  // batch); each node takes its new credential when it polls the marker.
+  Membership AdmitLocked(Node joiner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Some node has not polled the marker of the last change yet.
+  bool DrainingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The membership of node `rank` in the current epoch.
   Membership MembershipOf(int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The next epoch, of every node but `lost` (ranks), renumbered in the
@@ -227,6 +262,13 @@ class Coordinator {
   uint64_t held_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time held_until_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
   std::map<std::string, absl::Time> stall_logged_ ABSL_GUARDED_BY(mu_);  // by bucket
+  // The log index of the batch that marks the last change, if a node joined
+  // (UINT64_MAX: the last change, if any, was a loss).
+  uint64_t marker_batch_ ABSL_GUARDED_BY(mu_) = UINT64_MAX;
+  uint64_t epoch_first_batch_ ABSL_GUARDED_BY(mu_) = 0;  // where this epoch's log begins
+  // Every bucket scheduled so far, as the job has it (what a node that
+  // joins later must report alike).
+  std::map<std::string, BucketInfo> layout_ ABSL_GUARDED_BY(mu_);
 
   absl::Notification stop_;
   std::thread watchdog_;

@@ -68,6 +68,7 @@ absl::StatusOr<Membership> FromProto(const microd::v1::JoinResponse& resp) {
   m.session = resp.session();
   m.epoch = resp.epoch();
   m.first_batch = resp.first_batch();
+  m.graceful = resp.graceful();
   if (m.node_rank < 0 || m.node_rank >= m.node_count ||
       static_cast<int>(m.local_sizes.size()) != m.node_count ||
       static_cast<int>(m.node_names.size()) != m.node_count) {
@@ -158,6 +159,7 @@ absl::StatusOr<Membership> CoordinatorClient::Join(absl::Time deadline) {
   req.set_token(options_.token);
   req.set_requested_rank(options_.requested_rank);
   req.set_timeout_ms(ServerTimeoutMs(deadline));
+  req.set_options(options_.options);
   microd::v1::JoinResponse resp;
   // The server answers by `deadline` with a precise error; the call itself
   // gets a little longer so that answer is not lost to the transport deadline.
@@ -224,26 +226,8 @@ grpc::Status CoordinatorClient::HeartbeatOnce(absl::Duration timeout) {
       absl::MutexLock lock(&mu_);
       stalls_.assign(resp.stalls().begin(), resp.stalls().end());
     }
-    if (resp.has_membership()) {
-      // A new epoch: this node survived a change of membership.
-      absl::StatusOr<Membership> m = FromProto(resp.membership());
-      if (!m.ok()) {
-        MarkFailed(absl::InternalError(absl::StrCat(
-            "job failed: a bad membership from the coordinator: ", m.status().message())));
-        return s;
-      }
-      MembershipCallback callback;
-      {
-        absl::MutexLock lock(&mu_);
-        m->observed_host = membership_.observed_host;
-        membership_ = *m;
-        callback = on_membership_;
-      }
-      MICROD_LOG(Warning, "node '%s': membership epoch %llu: node %d of %d (%s)",
-                 options_.node_name.c_str(), static_cast<unsigned long long>(m->epoch),
-                 m->node_rank, m->node_count, resp.change().c_str());
-      if (callback) callback(*m, resp.change());
-    }
+    // A new epoch: this node survived a change of membership.
+    if (resp.has_membership()) TakeMembership(resp.membership(), resp.change());
     if (resp.state() == microd::v1::JOB_STATE_FAILED) {
       MarkFailed(absl::AbortedError(absl::StrCat("job failed: ", resp.failure())));
     } else if (resp.state() == microd::v1::JOB_STATE_FINISHED) {
@@ -257,6 +241,27 @@ grpc::Status CoordinatorClient::HeartbeatOnce(absl::Duration timeout) {
         absl::StrCat("job failed: coordinator refused heartbeat: ", s.error_message())));
   }
   return s;
+}
+
+void CoordinatorClient::TakeMembership(const microd::v1::JoinResponse& resp,
+                                       const std::string& change) {
+  absl::StatusOr<Membership> m = FromProto(resp);
+  if (!m.ok()) {
+    MarkFailed(absl::InternalError(
+        absl::StrCat("job failed: a bad membership from the coordinator: ", m.status().message())));
+    return;
+  }
+  MembershipCallback callback;
+  {
+    absl::MutexLock lock(&mu_);
+    m->observed_host = membership_.observed_host;
+    membership_ = *m;
+    callback = on_membership_;
+  }
+  MICROD_LOG(Warning, "node '%s': membership epoch %llu: node %d of %d (%s)",
+             options_.node_name.c_str(), static_cast<unsigned long long>(m->epoch), m->node_rank,
+             m->node_count, change.c_str());
+  if (callback) callback(*m, change);
 }
 
 absl::Status CoordinatorClient::RefreshJobStatus() {
@@ -370,6 +375,15 @@ absl::StatusOr<std::vector<ScheduleBatch>> CoordinatorClient::Poll(uint64_t next
       batch.scheduled.push_back({r.name(), r.dtype(), r.count(), r.dense()});
     }
     for (const auto& e : b.errors()) batch.errors.push_back({e.name(), e.message()});
+    batch.change_epoch = b.change_epoch();
+    batch.change = b.change();
+    if (b.has_membership()) {
+      // The marker of a change: this node's membership in the next epoch.
+      absl::StatusOr<Membership> m = FromProto(b.membership());
+      if (!m.ok()) return absl::InternalError(absl::StrCat("poll: ", m.status().message()));
+      batch.membership = *m;
+      TakeMembership(b.membership(), b.change());
+    }
     out.push_back(std::move(batch));
     ++expect;
   }

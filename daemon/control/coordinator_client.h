@@ -33,6 +33,9 @@ struct CoordinatorClientOptions {
   std::string job_id = "microd";
   std::string node_name;
   std::string token;
+  // The options every node must share ("--flag=value" lines), which the
+  // coordinator checks when this node joins a running elastic job.
+  std::string options;
   int local_size = 1;
   int requested_rank = -1;
   absl::Duration call_timeout = absl::Seconds(30);  // calls that do not wait
@@ -91,6 +94,9 @@ class CoordinatorClient final : public KeyValueStore, public ControlPlane {
  private:
   explicit CoordinatorClient(CoordinatorClientOptions options);
   void MarkFailed(const absl::Status& status);
+  // This node's membership in a new epoch, as a heartbeat or the poll of a
+  // change's marker brought it: taken, and the callback told.
+  void TakeMembership(const microd::v1::JoinResponse& resp, const std::string& change);
   // The session and rank every call presents (the current epoch's).
   std::pair<uint64_t, int> Identity() const;
   absl::Status SendFailure(const std::string& reason, bool data_plane);

@@ -54,6 +54,7 @@ static void ToProto(const Membership& m, microd::v1::JoinResponse* resp) {
   resp->set_session(m.session);
   resp->set_epoch(m.epoch);
   resp->set_first_batch(m.first_batch);
+  resp->set_graceful(m.graceful);
 }
 
 grpc::Status CoordinatorService::Join(grpc::ServerContext* ctx, const microd::v1::JoinRequest* req,
@@ -63,7 +64,7 @@ grpc::Status CoordinatorService::Join(grpc::ServerContext* ctx, const microd::v1
   }
   auto m = coordinator_->Join(req->job_id(), req->node_name(), req->local_size(), req->token(),
                               req->requested_rank(), Deadline(ctx, req->timeout_ms()),
-                              HostOfGrpcPeer(ctx->peer()));
+                              HostOfGrpcPeer(ctx->peer()), req->options());
   if (!m.ok()) return ToGrpcStatus(m.status());
   ToProto(*m, resp);
   resp->set_observed_host(HostOfGrpcPeer(ctx->peer()));
@@ -122,6 +123,9 @@ grpc::Status CoordinatorService::Poll(grpc::ServerContext* ctx, const microd::v1
       e->set_name(name);
       e->set_message(message);
     }
+    out->set_change_epoch(b.change_epoch);
+    if (b.membership.has_value()) ToProto(*b.membership, out->mutable_membership());
+    out->set_change(b.change);
     next = b.index + 1;
   }
   resp->set_next(next);
@@ -189,6 +193,8 @@ void FillJobStatus(const JobSnapshot& job, microd::v1::GetStatusResponse* resp) 
     s->set_left(n.left);
   }
   resp->set_min_nodes(job.min_nodes < job.expected_nodes ? job.min_nodes : 0);
+  resp->set_max_nodes(
+      job.max_nodes > job.expected_nodes || job.min_nodes < job.expected_nodes ? job.max_nodes : 0);
   const absl::Time now = absl::Now();
   for (const MembershipChange& c : job.changes) {
     auto* m = resp->add_membership_changes();

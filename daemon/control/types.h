@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -39,6 +40,11 @@ struct Membership {
   // first schedule batch of this epoch (where the node polls from).
   uint64_t epoch = 0;
   uint64_t first_batch = 0;
+  // The epoch began at a batch of the log (a node joined: nothing in flight
+  // is cut): the node runs every batch before first_batch on the old data
+  // plane (the last one marks the change), then changes. Else (a node
+  // lost) the old epoch's steps end where they are.
+  bool graceful = false;
 };
 
 struct BucketInfo {
@@ -53,6 +59,12 @@ struct ScheduleBatch {
   uint64_t index = 0;
   std::vector<BucketInfo> scheduled;  // ready on every node, in execution order
   std::vector<std::pair<std::string, std::string>> errors;  // bucket, message
+  // Nonzero: the last batch of an epoch (no buckets), after which the job
+  // runs in epoch `change_epoch` (a node joined); the node that polled it
+  // finds its membership there, and what changed.
+  uint64_t change_epoch = 0;
+  std::optional<Membership> membership;
+  std::string change;
 };
 
 }  // namespace microd::control

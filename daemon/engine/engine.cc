@@ -4,8 +4,12 @@
 #include <cstdio>
 #include <numeric>
 
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "daemon/common/log.h"
 #include "daemon/common/status_macros.h"
@@ -29,6 +33,7 @@ Engine::Engine(EngineOptions options, control::Membership membership, control::C
       client_(client),
       transport_(transport),
       ops_(ops),
+      joining_(membership_.epoch > 0 && membership_.graceful),
       state_(options_.local_size, options_.dense_floor),
       memory_(MakeStepMemory(options_.device_resident, options_.device, ops)),
       runner_(options_, membership_, transport, ops, memory_.get(), &state_, this) {
@@ -221,8 +226,14 @@ void Engine::PollLoop(uint64_t next) {
     // Polled with a new epoch's session while the engine recovers: the next
     // epoch's poll reads them again, from its first batch.
     if (state_.recovering) return;
-    for (auto& b : *batches) state_.schedule.push_back(std::move(b));
+    bool marker = false;
+    for (auto& b : *batches) {
+      marker = marker || b.change_epoch != 0;
+      state_.schedule.push_back(std::move(b));
+    }
     state_.changed = true;
+    // The old epoch's last batch: the next epoch's poll starts after it.
+    if (marker) return;
   }
 }
 
@@ -241,7 +252,8 @@ transport::Transport* Engine::CurrentTransport() const {
 }
 
 bool Engine::Hold(const std::vector<Work>& works, const absl::Status& why) {
-  if (!options_.elastic) return false;
+  // A refusal (this node's buckets or options are not the job's) is no lost peer.
+  if (!options_.elastic || absl::IsInvalidArgument(why)) return false;
   bool first = false;
   transport::Transport* t = nullptr;
   {
@@ -292,7 +304,14 @@ void Engine::OnMembership(const control::Membership& membership, const std::stri
   {
     absl::MutexLock lock(&state_.mu);
     if (!state_.failed.ok() || state_.stop) return;
+    if (state_.next_membership.has_value() &&
+        state_.next_membership->first.epoch > membership.epoch) {
+      return;  // a later one came first
+    }
     state_.next_membership = {membership, change};
+    // A node joined: the change comes after the old epoch's last batch
+    // (RunBatch); nothing in flight is cut.
+    if (membership.graceful && !state_.recovering) return;
     StartRecovering(why);
     t = transport_;
   }
@@ -403,29 +422,7 @@ absl::Status Engine::Reconfigured(const control::Membership& next, const std::st
              membership_.node_rank, static_cast<unsigned long long>(next.epoch), next.node_rank,
              next.node_count, change.c_str());
   ASSIGN_OR_RETURN(std::unique_ptr<transport::Transport> t, options_.new_transport(next));
-  // Every node must hold its buckets at the same step: a step the lost
-  // node's data reached on some nodes only (its last round) cannot be
-  // undone, and the job fails, naming it.
-  std::string mine;
-  {
-    absl::MutexLock lock(&state_.mu);
-    for (Bucket* b : state_.table.WithState()) {
-      if (b->state != nullptr) absl::StrAppend(&mine, b->name, "=", b->state->step(), "\n");
-    }
-  }
-  std::vector<std::string> from;
-  transport::CollectiveOptions o;
-  o.tag = transport::MakeTag(1, transport::TagKind::kControl);
-  o.deadline = absl::Now() + options_.op_timeout;
-  RETURN_IF_ERROR(t->ExchangeRound(mine, &from, o));
-  for (size_t r = 0; r < from.size(); ++r) {
-    if (from[r] == mine) continue;
-    return absl::DataLossError(absl::StrCat(
-        "node ", r, " of the new epoch holds its buckets at other steps than this node (node ",
-        next.node_rank, "): the lost node's last step reached only some nodes; here: ",
-        mine.empty() ? "none" : absl::StrReplaceAll(mine, {{"\n", " "}}),
-        "; there: ", from[r].empty() ? "none" : absl::StrReplaceAll(from[r], {{"\n", " "}})));
-  }
+  RETURN_IF_ERROR(AgreeOnState(*t, next, /*joining=*/joining_ && !adopted_));
   const sparsify::JobShape shape{next.node_count, next.node_rank, next.world_size};
   absl::MutexLock lock(&state_.mu);
   for (Bucket* b : state_.table.WithState()) {
@@ -451,7 +448,81 @@ absl::Status Engine::Reconfigured(const control::Membership& next, const std::st
   return absl::OkStatus();
 }
 
+absl::Status Engine::AgreeOnState(transport::Transport& t, const control::Membership& m,
+                                  bool joining) {
+  // Each bucket's name, step and controller state, one line each, sorted;
+  // "S" first (a node of the job), or "J" alone (a node that joins it).
+  std::string mine = joining ? "J" : "S";
+  if (!joining) {
+    std::vector<std::string> lines;
+    absl::MutexLock lock(&state_.mu);
+    for (Bucket* b : state_.table.WithState()) {
+      if (b->state == nullptr) continue;
+      lines.push_back(absl::StrCat(absl::CEscape(b->name), "\t", b->state->step(), "\t",
+                                   absl::BytesToHexString(b->state->controller_state())));
+    }
+    std::sort(lines.begin(), lines.end());
+    absl::StrAppend(&mine, absl::StrJoin(lines, "\n"));
+  }
+  std::vector<std::string> from;
+  transport::CollectiveOptions o;
+  o.tag = transport::MakeTag(1, transport::TagKind::kControl);
+  o.deadline = absl::Now() + options_.op_timeout;
+  RETURN_IF_ERROR(t.ExchangeRound(mine, &from, o));
+  auto shown = [](const std::string& s) {
+    return s.size() <= 1 ? std::string("none") : absl::StrReplaceAll(s.substr(1), {{"\n", "; "}});
+  };
+  // Every node that was in the job must hold the same; a step the lost
+  // node's data reached on some nodes only (its last round) cannot be
+  // undone, and the job fails, naming it.
+  int source = -1;
+  for (size_t r = 0; r < from.size(); ++r) {
+    if (from[r].empty() || from[r][0] != 'S') continue;
+    if (source < 0) source = static_cast<int>(r);
+    const std::string& ours = joining ? from[source] : mine;
+    if (from[r] == ours) continue;
+    return absl::DataLossError(absl::StrCat(
+        "node ", r, " of epoch ", m.epoch, " holds its buckets at other steps than node ",
+        joining ? source : m.node_rank,
+        " (the lost node's last step reached only some nodes); there: ", shown(from[r]),
+        "; here: ", shown(ours)));
+  }
+  if (!joining) return absl::OkStatus();
+  if (source < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no node of epoch ", m.epoch, " holds the job's state"));
+  }
+  std::map<std::string, StepRunner::Adopted> adopted;
+  for (absl::string_view line :
+       absl::StrSplit(absl::string_view(from[source]).substr(1), '\n', absl::SkipEmpty())) {
+    std::vector<absl::string_view> f = absl::StrSplit(line, '\t');
+    std::string name;
+    StepRunner::Adopted a;
+    if (f.size() != 3 || !absl::CUnescape(f[0], &name) || !absl::SimpleAtoi(f[1], &a.step)) {
+      return absl::DataLossError(
+          absl::StrCat("node ", source, " sent a bad line of the job's state: '", line, "'"));
+    }
+    a.controller = absl::HexStringToBytes(f[2]);
+    adopted[name] = std::move(a);
+  }
+  MICROD_LOG(Info, "node %d of %d: joined at epoch %llu with the job's state of %zu bucket(s)",
+             m.node_rank, m.node_count, static_cast<unsigned long long>(m.epoch), adopted.size());
+  runner_.Adopt(std::move(adopted));
+  adopted_ = true;
+  return absl::OkStatus();
+}
+
 void Engine::Loop() {
+  if (joining_) {
+    // Joined the running job: the job's state first, before any step. A
+    // node lost meanwhile: the next epoch's data plane, as for the others.
+    if (absl::Status s = AgreeOnState(*CurrentTransport(), membership_, /*joining=*/true);
+        !s.ok() && !Hold({}, s)) {
+      Fail(absl::Status(s.code(), absl::StrCat("node ", membership_.node_rank,
+                                               ": joining the running job: ", s.message())),
+           /*report=*/true);
+    }
+  }
   for (;;) {
     bool recovering;
     {
@@ -466,6 +537,14 @@ void Engine::Loop() {
     std::optional<Plan> plan = negotiator_->Next();
     if (!plan.has_value()) return;
     Run(*plan);
+    absl::MutexLock lock(&state_.mu);
+    if (state_.change_due) {
+      // The plan that held the old epoch's last batch ended on every node.
+      state_.change_due = false;
+      if (state_.failed.ok() && !state_.stop) {
+        StartRecovering(absl::UnavailableError("the job's membership changed: a node joined"));
+      }
+    }
   }
 }
 
@@ -505,6 +584,7 @@ void Engine::RunBatch(const control::ScheduleBatch& batch, bool cached,
     absl::MutexLock lock(&state_.mu);
     ++(cached ? state_.cache_batches : state_.batches);
     if (!state_.failed.ok()) return;
+    if (batch.change_epoch != 0) state_.change_due = true;
     for (const auto& [name, message] : batch.errors) {
       Bucket& b = state_.table.bucket(name);
       ++b.stats.failures;

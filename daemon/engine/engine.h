@@ -112,6 +112,11 @@ class Engine final : public local::LocalHandler, private JobControl {
   transport::Transport* CurrentTransport() const;
   absl::Status Reconfigured(const control::Membership& next, const std::string& change,
                             std::vector<Work>* pending);
+  // The first round on a new epoch's data plane `t`: every node that was in
+  // the job must hold each bucket at the same step and threshold (else
+  // DataLoss naming both); a node that `joining` takes that state (its
+  // residual zero: StepRunner::Adopt).
+  absl::Status AgreeOnState(transport::Transport& t, const control::Membership& m, bool joining);
 
   // Answers the work's submissions (once).
   void Complete(const Work& w, const absl::Status& status);
@@ -147,6 +152,10 @@ class Engine final : public local::LocalHandler, private JobControl {
   std::vector<std::unique_ptr<transport::Transport>> transports_;
   kernels::SparseOps* const ops_;
   local::LocalServer* server_ = nullptr;
+  // This node joined the running job: its first data plane is its epoch's,
+  // where it takes the job's state before any step.
+  const bool joining_;
+  bool adopted_ = false;  // ...and took it (engine thread only)
 
   EngineState state_;
   const std::unique_ptr<StepMemory> memory_;

@@ -67,6 +67,9 @@ struct EngineState {
   absl::Status recover_cause ABSL_GUARDED_BY(mu);
   std::vector<Work> held ABSL_GUARDED_BY(mu);
   std::optional<std::pair<control::Membership, std::string>> next_membership ABSL_GUARDED_BY(mu);
+  // A node joined: the batch that marks the change ran (the engine
+  // reconfigures once the plan that held it ends).
+  bool change_due ABSL_GUARDED_BY(mu) = false;
 };
 
 // The engine, as its parts see it.

@@ -74,5 +74,8 @@ struct EngineOptions {
 // uses the control tag), on every node.
 absl::Status CheckOptionsAgree(transport::Transport& transport, const EngineOptions& options,
                                absl::Time deadline);
+// The same options as "--flag=value" lines (what a node that joins a running
+// job presents to the coordinator; enumerations by their number).
+std::string OptionsText(const EngineOptions& options);
 
 }  // namespace microd::engine

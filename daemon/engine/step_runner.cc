@@ -179,6 +179,18 @@ absl::Status StepRunner::EnsureState(Bucket& b) {
       spec, {membership_.node_count, membership_.node_rank, membership_.world_size},
       options_.sparsify, ops_);
   if (!state.ok()) return state.status();
+  if (auto it = adopted_.find(b.name); it != adopted_.end()) {
+    // Joined a running job: the job's step and threshold, a zero residual.
+    ASSIGN_OR_RETURN(sparsify::BucketCheckpoint c, (*state)->Save());
+    c.step = it->second.step;
+    c.controller = it->second.controller;
+    if (absl::Status s = (*state)->Load(c); !s.ok()) {
+      return absl::Status(
+          s.code(), absl::StrCat("bucket '", b.name,
+                                 "': the job's state, as this node joined it: ", s.message()));
+    }
+    adopted_.erase(it);
+  }
   b.state = std::move(state).value();
   const sparsify::SparsifyOptions& o = options_.sparsify;
   if (const double raised = o.ForBucket(b.count).density; raised != o.density) {

@@ -9,6 +9,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -42,6 +44,14 @@ class StepRunner {
   // thread, between plans; the membership is read through the reference
   // given at construction, which the engine updates).
   void SetTransport(transport::Transport* transport) { transport_ = transport; }
+  // A node that joined a running job: the job's state of each bucket by
+  // name (its step and threshold controller), which EnsureState gives the
+  // bucket's state it makes, with a zero residual. Engine thread only.
+  struct Adopted {
+    uint64_t step = 0;
+    std::string controller;
+  };
+  void Adopt(std::map<std::string, Adopted> adopted) { adopted_ = std::move(adopted); }
   // The bucket's sparsifier state, made at its first step (or when a saved
   // state is loaded into it). Engine thread only.
   absl::Status EnsureState(Bucket& bucket);
@@ -116,6 +126,7 @@ class StepRunner {
   const EngineOptions& options_;
   const control::Membership& membership_;
   transport::Transport* transport_;  // the current epoch's (SetTransport)
+  std::map<std::string, Adopted> adopted_;
   kernels::SparseOps* const ops_;
   StepMemory* const memory_;
   EngineState* const state_;

@@ -115,6 +115,9 @@ class BucketState {
   absl::Status CheckCheckpoint(const BucketCheckpoint& checkpoint) const;
   // Threshold the next `micro` step's pass will use.
   double pass_threshold() const { return controller_ ? controller_->PassThreshold() : 0.0; }
+  // The threshold controller's state (Save's `controller`), without the
+  // residual's copy.
+  std::string controller_state() const { return controller_ ? controller_->Save() : ""; }
 
  private:
   friend class BatchStep;  // the batched step (batch_step.h) runs the same phases
