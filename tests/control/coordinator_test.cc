@@ -587,11 +587,13 @@ std::vector<Membership> JoinDirect(Coordinator& c, const std::vector<std::string
 }
 
 std::unique_ptr<Coordinator> ElasticCoordinator(int nodes, int min_nodes,
-                                                absl::Duration timeout = absl::Milliseconds(500)) {
+                                                absl::Duration timeout = absl::Milliseconds(500),
+                                                int max_nodes = 0) {
   CoordinatorOptions o;
   o.job_id = "job";
   o.expected_nodes = nodes;
   o.min_nodes = min_nodes;
+  o.max_nodes = max_nodes;
   o.peer_timeout = timeout;
   return *Coordinator::Create(o);
 }
@@ -728,6 +730,175 @@ TEST(CoordinatorElastic, ADataPlaneFailureWaitsForThePeerTimeout) {
     ASSERT_TRUE(c->ReportFailure(m[1].session, 1, "gloo: connection reset", true).ok());
     EXPECT_EQ(c->Snapshot().state, JobState::kFailed);
   }
+}
+
+constexpr char kOptions[] = "--density=0.01\n--sparsifier=micro\n";
+
+// A node that joins the running job (up to --max_nodes): it is the last
+// rank of the next epoch, which begins after the batches logged so far; a
+// marker batch ends the old epoch, and each node takes its new session when
+// it polls it; what was reported and not scheduled is dropped; the next
+// epoch schedules what its 3 nodes report.
+TEST(CoordinatorElastic, ANodeJoinsTheRunningJobAfterAMarkerBatch) {
+  auto c = ElasticCoordinator(2, 0, absl::Seconds(10), /*max_nodes=*/3);
+  std::vector<Membership> m = JoinDirect(*c, {"a", "b"});
+  const std::vector<BucketInfo> w = {{"w", 1, 10}};
+  ASSERT_TRUE(c->Report(m[0].session, 0, w).ok());
+  ASSERT_TRUE(c->Report(m[1].session, 1, w).ok());  // batch 0
+  ASSERT_TRUE(c->Report(m[0].session, 0, w).ok());  // pending, dropped by the change
+  auto joined = c->Join("job", "c", 2, "", -1, absl::Now() + absl::Seconds(1), "", kOptions);
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  EXPECT_EQ(joined->epoch, 1u);
+  EXPECT_TRUE(joined->graceful);
+  EXPECT_EQ(joined->node_rank, 2);
+  EXPECT_EQ(joined->node_count, 3);
+  EXPECT_EQ(joined->world_size, 4);
+  EXPECT_EQ(joined->first_batch, 2u);  // batch 1 marks the change
+  EXPECT_EQ(joined->node_names, (std::vector<std::string>{"a", "b", "c"}));
+  // Before it polls the marker, b still speaks with its old session (what
+  // it reports now is of the old epoch: dropped).
+  ASSERT_TRUE(c->Report(m[1].session, 1, w).ok());
+  const std::vector<Membership> before = m;
+  for (int r = 0; r < 2; ++r) {
+    auto batches = c->Poll(m[r].session, r, 0, absl::Now() + absl::Seconds(1));
+    ASSERT_TRUE(batches.ok()) << batches.status();
+    ASSERT_EQ(batches->size(), 2u) << "node " << r;
+    EXPECT_EQ((*batches)[0].scheduled.size(), 1u);
+    const ScheduleBatch& marker = (*batches)[1];
+    EXPECT_EQ(marker.index, 1u);
+    EXPECT_EQ(marker.change_epoch, 1u);
+    EXPECT_TRUE(marker.scheduled.empty());
+    ASSERT_TRUE(marker.membership.has_value());
+    EXPECT_EQ(marker.membership->node_rank, r);
+    EXPECT_EQ(marker.membership->node_count, 3);
+    EXPECT_EQ(marker.membership->epoch, 1u);
+    EXPECT_EQ(marker.membership->first_batch, 2u);
+    EXPECT_NE(marker.membership->session, m[r].session);
+    EXPECT_TRUE(absl::StrContains(marker.change, "'c' joined as node 2")) << marker.change;
+    // The answer lost: the old session asks again, and is answered the same.
+    auto again = c->Poll(m[r].session, r, 1, absl::Now() + absl::Seconds(1));
+    ASSERT_TRUE(again.ok()) << again.status();
+    ASSERT_EQ(again->size(), 1u);
+    ASSERT_TRUE((*again)[0].membership.has_value());
+    EXPECT_EQ((*again)[0].membership->session, marker.membership->session);
+    m[r] = *marker.membership;
+  }
+  // The old sessions are of the old epoch now.
+  const absl::Status stale = c->Report(before[0].session, 0, w);
+  EXPECT_EQ(stale.code(), absl::StatusCode::kFailedPrecondition) << stale;
+  EXPECT_TRUE(absl::StrContains(stale.message(), "epoch 1")) << stale;
+  // The new epoch: batch 2 is what all three report.
+  m.push_back(*joined);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(c->Report(m[r].session, r, w).ok());
+  }
+  auto none = c->Poll(m[2].session, 2, 2, absl::Now() + absl::Milliseconds(100));
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_TRUE(none->empty()) << "scheduled before the new node reported";
+  ASSERT_TRUE(c->Report(m[2].session, 2, w).ok());
+  for (int r = 0; r < 3; ++r) {
+    auto batches = c->Poll(m[r].session, r, 2, absl::Now() + absl::Seconds(1));
+    ASSERT_TRUE(batches.ok()) << batches.status();
+    ASSERT_EQ(batches->size(), 1u) << "node " << r;
+    EXPECT_EQ((*batches)[0].index, 2u);
+    EXPECT_EQ((*batches)[0].scheduled[0].name, "w");
+  }
+  const JobSnapshot snap = c->Snapshot();
+  EXPECT_EQ(snap.epoch, 1u);
+  EXPECT_EQ(snap.max_nodes, 3);
+  ASSERT_EQ(snap.changes.size(), 1u);
+  EXPECT_EQ(snap.changes[0].nodes, 3);
+  // The job is full now.
+  auto full = c->Join("job", "d", 1, "", -1, absl::Now() + absl::Seconds(1), "", kOptions);
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kFailedPrecondition) << full.status();
+  EXPECT_TRUE(absl::StrContains(full.status().message(), "the most it takes (3, --max_nodes)"))
+      << full.status();
+}
+
+// What a running job refuses: a node whose options differ from the job's
+// (each named), a name a member has, any node when the job is not elastic
+// upward; a second node waits for the first one's change to be taken by
+// every member, up to its deadline.
+TEST(CoordinatorElastic, WhatAJoiningNodeIsRefused) {
+  {
+    auto c = ElasticCoordinator(2, 0, absl::Seconds(10), /*max_nodes=*/4);
+    std::vector<absl::StatusOr<Membership>> m(2, absl::UnknownError(""));
+    std::thread t0([&] {
+      m[0] = c->Join("job", "a", 1, "", 0, absl::Now() + absl::Seconds(10), "", kOptions);
+    });
+    std::thread t1([&] {
+      m[1] = c->Join("job", "b", 1, "", 1, absl::Now() + absl::Seconds(10), "", kOptions);
+    });
+    t0.join();
+    t1.join();
+    ASSERT_TRUE(m[0].ok() && m[1].ok());
+    auto differs = c->Join("job", "c", 1, "", -1, absl::Now() + absl::Seconds(1), "",
+                           "--density=0.001\n--sparsifier=micro\n--clip_norm=1\n");
+    ASSERT_EQ(differs.status().code(), absl::StatusCode::kInvalidArgument) << differs.status();
+    EXPECT_TRUE(
+        absl::StrContains(differs.status().message(), "--density is 0.001 there, 0.01 in the job"))
+        << differs.status();
+    EXPECT_TRUE(
+        absl::StrContains(differs.status().message(), "--clip_norm is 1 there, not set in the job"))
+        << differs.status();
+    auto clash = c->Join("job", "b", 1, "", -1, absl::Now() + absl::Seconds(1), "", kOptions);
+    EXPECT_EQ(clash.status().code(), absl::StatusCode::kAlreadyExists) << clash.status();
+    EXPECT_EQ(c->Snapshot().epoch, 0u) << "nothing refused changed the job";
+    // One change at a time: d waits until a and b took c's.
+    ASSERT_TRUE(c->Join("job", "c", 1, "", -1, absl::Now() + absl::Seconds(1), "", kOptions).ok());
+    auto early =
+        c->Join("job", "d", 1, "", -1, absl::Now() + absl::Milliseconds(200), "", kOptions);
+    EXPECT_EQ(early.status().code(), absl::StatusCode::kDeadlineExceeded) << early.status();
+    absl::StatusOr<Membership> d = absl::UnknownError("");
+    std::thread joiner(
+        [&] { d = c->Join("job", "d", 1, "", -1, absl::Now() + absl::Seconds(10), "", kOptions); });
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(c->Poll(m[r]->session, r, 0, absl::Now() + absl::Seconds(1)).ok());
+    }
+    joiner.join();
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(d->epoch, 2u);
+    EXPECT_EQ(d->node_rank, 3);
+  }
+  {
+    auto c = ElasticCoordinator(2, 0, absl::Seconds(10));  // not elastic
+    JoinDirect(*c, {"a", "b"});
+    auto late = c->Join("job", "c", 1, "", -1, absl::Now() + absl::Seconds(1));
+    EXPECT_EQ(late.status().code(), absl::StatusCode::kFailedPrecondition) << late.status();
+    EXPECT_TRUE(absl::StrContains(late.status().message(), "already has its 2 nodes"))
+        << late.status();
+  }
+}
+
+// A node that joined and reports a bucket the job has with another shape
+// is refused, naming both, and dropped: the others go on in the next epoch.
+TEST(CoordinatorElastic, AJoinedNodeWithAnotherBucketLayoutIsDropped) {
+  auto c = ElasticCoordinator(2, 0, absl::Seconds(10), /*max_nodes=*/3);
+  std::vector<Membership> m = JoinDirect(*c, {"a", "b"});
+  const std::vector<BucketInfo> w = {{"w", 1, 10}};
+  ASSERT_TRUE(c->Report(m[0].session, 0, w).ok());
+  ASSERT_TRUE(c->Report(m[1].session, 1, w).ok());
+  auto joined = c->Join("job", "c", 1, "", -1, absl::Now() + absl::Seconds(1));
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  const absl::Status refused = c->Report(joined->session, 2, {{"w", 1, 11}});
+  ASSERT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(),
+                                "node 2 ('c'), which joined at epoch 1, has "
+                                "bucket 'w' as float32 x 11"))
+      << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "the job has it as float32 x 10")) << refused;
+  const JobSnapshot snap = c->Snapshot();
+  EXPECT_EQ(snap.state, JobState::kRunning);
+  EXPECT_EQ(snap.epoch, 2u);
+  EXPECT_EQ(snap.nodes.size(), 2u);
+  EXPECT_EQ(c->Heartbeat(joined->session, 2).status().code(), absl::StatusCode::kPermissionDenied);
+  // a and b: told by their heartbeats, a change that cut the job (not graceful).
+  auto beat = c->Heartbeat(m[0].session, 0);
+  ASSERT_TRUE(beat.ok()) << beat.status();
+  ASSERT_TRUE(beat->membership.has_value());
+  EXPECT_EQ(beat->membership->epoch, 2u);
+  EXPECT_EQ(beat->membership->node_count, 2);
+  EXPECT_FALSE(beat->membership->graceful);
 }
 
 TEST(CoordinatorElastic, AMinimumAboveTheNodeCountIsRefused) {

@@ -78,49 +78,18 @@ class DaemonCluster {
       : DaemonCluster(nodes, local, ClusterOptions{std::move(extra), env}) {}
 
   DaemonCluster(int nodes, int local, const ClusterOptions& o)
-      : n_(nodes), L_(local), dir_(MakeTempDir("e2e")), lab_(o.lab) {
-    const std::string token_file = dir_ + "/token";
+      : n_(nodes), L_(local), dir_(MakeTempDir("e2e")), lab_(o.lab), options_(o) {
     if (o.token.value_or(lab_ != nullptr)) {
-      std::ofstream(token_file) << "the job's token " << dir_ << "\n";
+      std::ofstream(dir_ + "/token") << "the job's token " << dir_ << "\n";
     }
-    for (int r = 0; r < nodes; ++r) {
-      const std::string admin =
-          lab_ != nullptr ? absl::StrCat("unix:", dir_, "/admin", r, ".sock") : "127.0.0.1:0";
-      std::vector<std::string> args = {HelperPath(MICROD_DAEMON),
-                                       "--socket=" + socket(r),
-                                       absl::StrCat("--local_size=", local),
-                                       absl::StrCat("--nodes=", nodes),
-                                       absl::StrCat("--node_rank=", r),
-                                       absl::StrCat("--node_name=node", r),
-                                       "--admin=" + admin,
-                                       absl::StrCat("--peer_timeout_ms=", o.peer_timeout_ms),
-                                       "--timeout_ms=20000",
-                                       absl::StrCat("--dense_floor=", kDenseFloor)};
-      if (lab_ == nullptr) {
-        args.push_back(absl::StrCat("--admin_port_file=", dir_, "/admin", r));
-      }
-      const std::string host = lab_ != nullptr ? lab_->addr(0) : "127.0.0.1";
-      if (r == 0) {
-        args.push_back(absl::StrCat(
-            "--coordinator_listen=",
-            o.coordinator_listen_host.empty() ? host : o.coordinator_listen_host, ":0"));
-        args.push_back(absl::StrCat("--coordinator_port_file=", dir_, "/coordinator"));
-      } else {
-        args.push_back(absl::StrCat("--coordinator=", host, ":", coordinator_port_));
-      }
-      if (o.token.value_or(lab_ != nullptr)) args.push_back("--token_file=" + token_file);
-      for (const auto& e : o.extra) args.push_back(e);
-      if (lab_ != nullptr) args = lab_->InNode(r, args);
-      pids_.push_back(Spawn(args, absl::StrCat(dir_, "/daemon", r, ".log"),
-                            o.env ? o.env(r) : std::vector<std::string>{}));
-      if (r == 0) coordinator_port_ = ReadPortFile(dir_ + "/coordinator", std::chrono::seconds(20));
-      if (lab_ == nullptr) {
-        admin_targets_.push_back(absl::StrCat(
-            "127.0.0.1:", ReadPortFile(absl::StrCat(dir_, "/admin", r), std::chrono::seconds(20))));
-      } else {
-        admin_targets_.push_back(admin);
-      }
-    }
+    for (int r = 0; r < nodes; ++r) SpawnDaemon(r, r);
+  }
+  // Starts one more daemon, node `r` of this cluster (its socket, logs and
+  // outputs), which dials the running job's coordinator and takes any rank
+  // (a replacement, or a node that joins an elastic job). `r` is the next
+  // node not started yet; `extra`: more flags for it alone.
+  void AddNode(const std::vector<std::string>& extra = {}) {
+    SpawnDaemon(static_cast<int>(pids_.size()), -1, extra);
   }
   pid_t pid(int r) const { return pids_[r]; }
   int coordinator_port() const { return coordinator_port_; }
@@ -181,24 +150,30 @@ class DaemonCluster {
                     int die_node = -1, int die_local = -1,
                     const std::function<std::vector<std::string>(int, int)>& extra = nullptr) {
     for (int r = 0; r < n_; ++r) {
-      for (int l = 0; l < L_; ++l) {
-        const std::string out = absl::StrCat(dir_, "/client", r, "_", l);
-        outs_.push_back(out);
-        const bool dies = r == die_node && l == die_local;
-        std::vector<std::string> args = {HelperPath(MICROD_TEST_CLIENT),
-                                         socket(r),
-                                         SpecString(buckets),
-                                         std::to_string(steps),
-                                         out,
-                                         std::to_string(dies ? die_at : -1),
-                                         "20000",
-                                         std::to_string(l)};
-        if (extra) {
-          for (auto& a : extra(r, l)) args.push_back(std::move(a));
-        }
-        if (lab_ != nullptr) args = lab_->InNode(r, args);
-        clients_.push_back(Spawn(args, out + ".log"));
+      StartNodeClients(r, buckets, steps, extra, r == die_node ? die_at : -1, die_local);
+    }
+  }
+  // Node r's processes alone (one started by AddNode); local rank `die_local`
+  // dies at step `die_at`.
+  void StartNodeClients(int r, const std::vector<BucketSpec>& buckets, long steps,
+                        const std::function<std::vector<std::string>(int, int)>& extra = nullptr,
+                        long die_at = -1, int die_local = -1) {
+    for (int l = 0; l < L_; ++l) {
+      const std::string out = absl::StrCat(dir_, "/client", r, "_", l);
+      outs_.push_back(out);
+      std::vector<std::string> args = {HelperPath(MICROD_TEST_CLIENT),
+                                       socket(r),
+                                       SpecString(buckets),
+                                       std::to_string(steps),
+                                       out,
+                                       std::to_string(l == die_local ? die_at : -1),
+                                       "20000",
+                                       std::to_string(l)};
+      if (extra) {
+        for (auto& a : extra(r, l)) args.push_back(std::move(a));
       }
+      if (lab_ != nullptr) args = lab_->InNode(r, args);
+      clients_.push_back(Spawn(args, out + ".log"));
     }
   }
   std::vector<int> WaitClients(std::chrono::seconds limit) { return WaitAll(clients_, limit); }
@@ -206,9 +181,52 @@ class DaemonCluster {
   const std::vector<pid_t>& clients() const { return clients_; }
 
  private:
+  // Node r's daemon, asking for node rank `rank` (-1: any).
+  void SpawnDaemon(int r, int rank, const std::vector<std::string>& extra = {}) {
+    const ClusterOptions& o = options_;
+    const std::string admin =
+        lab_ != nullptr ? absl::StrCat("unix:", dir_, "/admin", r, ".sock") : "127.0.0.1:0";
+    std::vector<std::string> args = {HelperPath(MICROD_DAEMON),
+                                     "--socket=" + socket(r),
+                                     absl::StrCat("--local_size=", L_),
+                                     absl::StrCat("--nodes=", n_),
+                                     absl::StrCat("--node_rank=", rank),
+                                     absl::StrCat("--node_name=node", r),
+                                     "--admin=" + admin,
+                                     absl::StrCat("--peer_timeout_ms=", o.peer_timeout_ms),
+                                     "--timeout_ms=20000",
+                                     absl::StrCat("--dense_floor=", kDenseFloor)};
+    if (lab_ == nullptr) {
+      args.push_back(absl::StrCat("--admin_port_file=", dir_, "/admin", r));
+    }
+    const std::string host = lab_ != nullptr ? lab_->addr(0) : "127.0.0.1";
+    if (r == 0) {
+      args.push_back(
+          absl::StrCat("--coordinator_listen=",
+                       o.coordinator_listen_host.empty() ? host : o.coordinator_listen_host, ":0"));
+      args.push_back(absl::StrCat("--coordinator_port_file=", dir_, "/coordinator"));
+    } else {
+      args.push_back(absl::StrCat("--coordinator=", host, ":", coordinator_port_));
+    }
+    if (o.token.value_or(lab_ != nullptr)) args.push_back("--token_file=" + dir_ + "/token");
+    for (const auto& e : o.extra) args.push_back(e);
+    for (const auto& e : extra) args.push_back(e);
+    if (lab_ != nullptr) args = lab_->InNode(r, args);
+    pids_.push_back(Spawn(args, absl::StrCat(dir_, "/daemon", r, ".log"),
+                          o.env ? o.env(r) : std::vector<std::string>{}));
+    if (r == 0) coordinator_port_ = ReadPortFile(dir_ + "/coordinator", std::chrono::seconds(20));
+    if (lab_ == nullptr) {
+      admin_targets_.push_back(absl::StrCat(
+          "127.0.0.1:", ReadPortFile(absl::StrCat(dir_, "/admin", r), std::chrono::seconds(20))));
+    } else {
+      admin_targets_.push_back(admin);
+    }
+  }
+
   const int n_, L_;
   const std::string dir_;
   NetLab* const lab_;
+  const ClusterOptions options_;
   int coordinator_port_ = 0;
   std::vector<pid_t> pids_;
   std::vector<std::string> admin_targets_;  // gRPC targets of the Admin services
@@ -226,49 +244,95 @@ class DaemonCluster {
 // hashed as 2-byte elements. `wire_bucket` (--wire_dtype=bucket): the sparse
 // buckets' selected values travel in `dtype`.
 using ReferenceHashes = std::vector<std::vector<std::vector<uint64_t>>>;
-// `lost` not empty (an elastic job): those nodes leave before step
-// `change_at`; from that step on the others go on as a job of their number
-// (renumbered in order, their state kept: BucketState::SetJob), each
-// process's gradient still seeded by the global rank it started with; the
-// lost nodes' hashes stop there.
-inline ReferenceHashes Reference(int n, int L, const std::vector<BucketSpec>& buckets, long steps,
-                                 const sparsify::SparsifyOptions& base = {}, int dtype = 1,
-                                 bool wire_bucket = false, const std::vector<int>& lost = {},
-                                 long change_at = -1) {
+// An elastic job's membership from a step on: `nodes` (indices into the
+// reference's nodes) in the order of their ranks, from step `from[b]` of
+// bucket b on (one step for all if `from` has one entry). A node not in the
+// phase before joins with a zero residual and the step and threshold state
+// of the phase's first node that was there.
+struct ReferencePhase {
+  std::vector<int> nodes;
+  std::vector<long> from;
+};
+
+// The reference of a job whose membership changes: `phases` in order (the
+// first from step 0). Each process's gradient is seeded by `seeds[node]`
+// (default: the node's index) times L plus its local rank: the global rank
+// it started with.
+inline ReferenceHashes PhasedReference(int n, int L, const std::vector<BucketSpec>& buckets,
+                                       long steps, const std::vector<ReferencePhase>& phases,
+                                       const sparsify::SparsifyOptions& base = {}, int dtype = 1,
+                                       bool wire_bucket = false, std::vector<int> seeds = {}) {
   auto ops = kernels::CreateCpuSparseOps();
+  if (seeds.empty()) {
+    for (int r = 0; r < n; ++r) seeds.push_back(r);
+  }
   std::vector<std::vector<std::vector<uint64_t>>> ref(
       n, std::vector<std::vector<uint64_t>>(steps, std::vector<uint64_t>(buckets.size())));
   std::vector<std::vector<std::unique_ptr<sparsify::BucketState>>> state(n);
   std::vector<std::vector<std::vector<float>>> velocity(
       n, std::vector<std::vector<float>>(buckets.size()));
+  const int n0 = static_cast<int>(phases[0].nodes.size());
   for (int r = 0; r < n; ++r) {
     for (size_t b = 0; b < buckets.size(); ++b) {
       sparsify::SparsifyOptions o = base;
       if (buckets[b].count < kDenseFloor) o.sparsifier = sparsify::SparsifierKind::kDense;
       sparsify::BucketSpec spec{buckets[b].name, buckets[b].count, static_cast<uint32_t>(b + 1)};
       if (wire_bucket) spec.wire = static_cast<kernels::ElementType>(dtype);
-      state[r].push_back(*sparsify::BucketState::Create(spec, {n, r, n * L}, o, ops.get()));
+      state[r].push_back(*sparsify::BucketState::Create(spec, {n0, 0, n0 * L}, o, ops.get()));
     }
   }
-  // Steps [from, to) of the nodes `nodes` (old ranks), as a job of their number.
-  auto run = [&](const std::vector<int>& nodes, long from, long to) {
+  auto from_of = [&](size_t p, size_t b) -> long {
+    if (p >= phases.size()) return steps;
+    if (p == 0) return 0;
+    const auto& f = phases[p].from;
+    return f.size() == 1 ? f[0] : f[b];
+  };
+  std::vector<bool> in(n, false);
+  for (size_t p = 0; p < phases.size(); ++p) {
+    const std::vector<int>& nodes = phases[p].nodes;
     const int m = static_cast<int>(nodes.size());
+    // Joiners: a zero residual, the job's step and threshold state.
+    for (int r : nodes) {
+      if (p == 0 || in[r]) continue;
+      int source = -1;
+      for (int q : nodes) {
+        if (in[q] && source < 0) source = q;
+      }
+      EXPECT_GE(source, 0) << "phase " << p << " has no node of the one before";
+      if (source < 0) return ref;
+      for (size_t b = 0; b < buckets.size(); ++b) {
+        auto mine = state[r][b]->Save();
+        auto theirs = state[source][b]->Save();
+        EXPECT_TRUE(mine.ok() && theirs.ok());
+        if (!mine.ok() || !theirs.ok()) return ref;
+        mine->step = theirs->step;
+        mine->controller = theirs->controller;
+        const absl::Status loaded = state[r][b]->Load(*mine);
+        EXPECT_TRUE(loaded.ok()) << loaded;
+      }
+    }
+    std::fill(in.begin(), in.end(), false);
+    for (int r : nodes) in[r] = true;
+    long lo = steps, hi = 0;
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      lo = std::min(lo, from_of(p, b));
+      hi = std::max(hi, from_of(p + 1, b));
+    }
     auto group = transport::CreateInprocGroup(m);
     std::vector<std::thread> threads;
     for (int i = 0; i < m; ++i) {
       threads.emplace_back([&, i] {
         const int r = nodes[i];
-        if (m != n) {
-          for (auto& st : state[r]) ASSERT_TRUE(st->SetJob({m, i, m * L}).ok());
-        }
-        for (long t = from; t < to; ++t) {
+        for (auto& st : state[r]) ASSERT_TRUE(st->SetJob({m, i, m * L}).ok());
+        for (long t = lo; t < hi; ++t) {
           for (size_t b = 0; b < buckets.size(); ++b) {
+            if (t < from_of(p, b) || t >= from_of(p + 1, b)) continue;
             const uint64_t d = buckets[b].count;
             std::vector<std::vector<float>> local(L, std::vector<float>(d));
             std::vector<const float*> ptr;
             std::vector<uint16_t> half(dtype == 1 ? 0 : d);
             for (int l = 0; l < L; ++l) {
-              e2e_fill(local[l].data(), d, r * L + l, static_cast<int>(b), t);
+              e2e_fill(local[l].data(), d, seeds[r] * L + l, static_cast<int>(b), t);
               if (dtype != 1) {
                 e2e_narrow(local[l].data(), d, dtype, half.data());
                 e2e_widen(half.data(), d, dtype, local[l].data());
@@ -299,19 +363,27 @@ inline ReferenceHashes Reference(int n, int L, const std::vector<BucketSpec>& bu
       });
     }
     for (auto& t : threads) t.join();
-  };
-  std::vector<int> all(n), survivors;
-  for (int r = 0; r < n; ++r) {
-    all[r] = r;
-    if (std::find(lost.begin(), lost.end(), r) == lost.end()) survivors.push_back(r);
-  }
-  if (lost.empty()) {
-    run(all, 0, steps);
-  } else {
-    run(all, 0, change_at);
-    run(survivors, change_at, steps);
   }
   return ref;
+}
+
+// `lost` not empty (an elastic job): those nodes leave before step
+// `change_at`; from that step on the others go on as a job of their number
+// (renumbered in order, their state kept: BucketState::SetJob), each
+// process's gradient still seeded by the global rank it started with; the
+// lost nodes' hashes stop there.
+inline ReferenceHashes Reference(int n, int L, const std::vector<BucketSpec>& buckets, long steps,
+                                 const sparsify::SparsifyOptions& base = {}, int dtype = 1,
+                                 bool wire_bucket = false, const std::vector<int>& lost = {},
+                                 long change_at = -1) {
+  std::vector<ReferencePhase> phases(1);
+  std::vector<int> survivors;
+  for (int r = 0; r < n; ++r) {
+    phases[0].nodes.push_back(r);
+    if (std::find(lost.begin(), lost.end(), r) == lost.end()) survivors.push_back(r);
+  }
+  if (!lost.empty()) phases.push_back({survivors, {change_at}});
+  return PhasedReference(n, L, buckets, steps, phases, base, dtype, wire_bucket);
 }
 
 // Elastic membership (--min_nodes=2): nodes `lost` of `n` are lost between

@@ -307,6 +307,220 @@ TEST(DaemonElastic, TwoNodesLostOneSecondApart) {
       /*epochs=*/2);
 }
 
+// Each node's processes' output against an elastic job's reference: every
+// result bit for bit; `results[r]` of them on node r, and `epochs[r]` steps
+// answered MICROD_ERR_MEMBERSHIP.
+void ExpectElasticOutputs(const DaemonCluster& cluster, const ReferenceHashes& ref,
+                          const std::vector<BucketSpec>& buckets, const std::vector<int>& codes,
+                          const std::vector<size_t>& results, const std::vector<int>& epochs) {
+  for (size_t r = 0; r < results.size(); ++r) {
+    const auto lines = ReadLines(cluster.outs()[r]);
+    EXPECT_EQ(codes[r], 0) << "node " << r << ": " << (lines.empty() ? "" : lines.back());
+    size_t seen = 0;
+    int epoch_lines = 0;
+    for (const std::string& line : lines) {
+      std::vector<std::string> f = absl::StrSplit(line, ' ');
+      if (f[0] == "EPOCH") {
+        ++epoch_lines;
+        continue;
+      }
+      ASSERT_EQ(f.size(), 3u) << "node " << r << ": " << line;
+      const long t = std::stol(f[0]);
+      const int b = std::stoi(f[1]);
+      ASSERT_EQ(std::stoull(f[2], nullptr, 16), ref[r][t][b])
+          << "node " << r << " step " << t << " bucket " << buckets[b].name;
+      ++seen;
+    }
+    EXPECT_EQ(seen, results[r]) << "node " << r;
+    EXPECT_EQ(epoch_lines, epochs[r]) << "node " << r;
+  }
+}
+
+// Waits (20 s at most) until node r's engine runs in membership epoch `epoch`.
+void AwaitEpoch(DaemonCluster& cluster, int r, uint64_t epoch) {
+  for (int i = 0; i < 1000; ++i) {
+    auto status = cluster.Status(r);
+    if (status.ok() && status->membership_epoch() >= epoch) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ADD_FAILURE() << "node " << r << " did not reach membership epoch " << epoch;
+}
+
+// Waits (30 s at most) until node r's processes wrote `lines` lines.
+void AwaitLines(const DaemonCluster& cluster, int r, size_t lines) {
+  for (int i = 0; i < 1500 && ReadLines(cluster.outs()[r]).size() < lines; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_EQ(ReadLines(cluster.outs()[r]).size(), lines) << "node " << r;
+}
+
+// A job of 2 nodes that takes up to 3 (--max_nodes=3): a third daemon,
+// started while node 1's processes wait before step 6, joins the running job
+// and takes part from that step on, with a zero residual and the job's step
+// and threshold state; every step on every node is bit for bit the
+// reference of a job of 2 and then of 3 such nodes. `in_flight`: node 0's
+// processes have submitted step 6 already (it waits for node 1): that step
+// is answered MICROD_ERR_MEMBERSHIP with the new rank and world size, and
+// done again; else node 0 waits too, and no process sees the change.
+void ExpectANodeJoins(bool in_flight) {
+  const std::vector<BucketSpec> buckets = {{"fc", 100003}, {"b", 1000}};
+  const long steps = 12, join_at = 6;
+  ClusterOptions o{CacheFlags(true)};
+  o.extra.push_back("--max_nodes=3");
+  DaemonCluster cluster(2, 1, o);
+  const std::string go = cluster.dir() + "/go";
+  cluster.StartClients(buckets, steps, -1, -1, -1, [&](int r, int) {
+    std::vector<std::string> a = {"elastic"};
+    if (r == 1 || !in_flight) a.push_back(absl::StrCat("hold_at=", join_at, ":", go));
+    return a;
+  });
+  AwaitLines(cluster, 1, join_at * buckets.size());
+  // Node 0's step 6 submitted (in_flight), or node 0 waiting too.
+  AwaitLines(cluster, 0, join_at * buckets.size());
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const auto start = std::chrono::steady_clock::now();
+  cluster.AddNode();
+  cluster.StartNodeClients(2, buckets, steps - join_at, [&](int, int) {
+    return std::vector<std::string>{"elastic", absl::StrCat("first=", join_at)};
+  });
+  for (int r = 0; r < 3; ++r) AwaitEpoch(cluster, r, 1);
+  std::printf("the third node took part %.2f s after its daemon's start\n",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  std::ofstream(go) << "go\n";
+  const std::vector<int> codes = cluster.WaitClients(std::chrono::seconds(90));
+  const auto ref = PhasedReference(3, 1, buckets, steps, {{{0, 1}, {0}}, {{0, 1, 2}, {join_at}}});
+  ExpectElasticOutputs(
+      cluster, ref, buckets, codes,
+      {steps * buckets.size(), steps * buckets.size(), (steps - join_at) * buckets.size()},
+      {in_flight ? 1 : 0, 0, 0});
+  if (in_flight) {
+    // step, epoch, rank, world size, node rank, node count
+    EXPECT_EQ(ReadLines(cluster.outs()[0])[join_at * buckets.size()], "EPOCH 6 1 0 3 0 3");
+  }
+  for (int r = 0; r < 3; ++r) {
+    auto status = cluster.Status(r);
+    ASSERT_TRUE(status.ok()) << status.status();
+    EXPECT_EQ(status->membership_epoch(), 1u) << "node " << r;
+    EXPECT_EQ(status->node_count(), 3) << "node " << r;
+    EXPECT_EQ(status->node_rank(), r) << "node " << r;
+  }
+  auto status = cluster.Status(0);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->max_nodes(), 3);
+  ASSERT_EQ(status->membership_changes_size(), 1);
+  EXPECT_TRUE(absl::StrContains(status->membership_changes(0).cause(), "'node2' joined as node 2"))
+      << status->membership_changes(0).cause();
+}
+
+TEST(DaemonElastic, ANodeStartedLaterJoinsTheRunningJob) { ExpectANodeJoins(false); }
+TEST(DaemonElastic, ANodeJoinsWhileAStepIsInFlight) { ExpectANodeJoins(true); }
+
+// What a running job refuses, and is not changed by: a node started with
+// other options (its daemon exits naming each), and a node whose buckets
+// are not the job's (its processes fail naming the bucket and both shapes,
+// and it is dropped); the two nodes of the job go on, every step bit for bit
+// a job of 2.
+TEST(DaemonElastic, ANodeThatDiffersIsRefusedAndTheJobGoesOn) {
+  const std::vector<BucketSpec> buckets = {{"fc", 100003}, {"b", 1000}};
+  const long steps = 12, join_at = 6;
+  ClusterOptions o{CacheFlags(true)};
+  o.extra.push_back("--max_nodes=3");
+  DaemonCluster cluster(2, 1, o);
+  const std::string go = cluster.dir() + "/go";
+  cluster.StartClients(buckets, steps, -1, -1, -1, [&](int, int) {
+    return std::vector<std::string>{"elastic", absl::StrCat("hold_at=", join_at, ":", go)};
+  });
+  for (int r = 0; r < 2; ++r) AwaitLines(cluster, r, join_at * buckets.size());
+  cluster.AddNode({"--density=0.02"});
+  const std::vector<int> refused = WaitAll({cluster.pid(2)}, std::chrono::seconds(30));
+  cluster.Forget(2);
+  EXPECT_NE(refused[0], 0);
+  const std::string log = ReadFile(cluster.dir() + "/daemon2.log");
+  EXPECT_TRUE(absl::StrContains(log, "--density is 0.02 there, 0.01 in the job")) << log;
+  // Its buckets another shape: admitted, refused at its first report.
+  cluster.AddNode();
+  cluster.StartNodeClients(3, {{"fc", 100004}, {"b", 1000}}, steps - join_at, [&](int, int) {
+    return std::vector<std::string>{absl::StrCat("first=", join_at)};
+  });
+  for (int r = 0; r < 2; ++r) AwaitEpoch(cluster, r, 2);
+  std::ofstream(go) << "go\n";
+  std::vector<pid_t> job = {cluster.clients()[0], cluster.clients()[1]};
+  std::vector<int> codes = WaitAll(job, std::chrono::seconds(90));
+  const std::vector<int> joiner = WaitAll({cluster.clients()[2]}, std::chrono::seconds(30));
+  std::string line;
+  FailedStatus(cluster.outs()[2], &line);
+  EXPECT_EQ(joiner[0], 3) << line;
+  EXPECT_TRUE(absl::StrContains(line,
+                                "has bucket 'fc' as float32 x 100004, and the job has it "
+                                "as float32 x 100003"))
+      << line;
+  const auto ref = Reference(2, 1, buckets, steps);
+  ExpectElasticOutputs(cluster, ref, buckets, codes,
+                       {steps * buckets.size(), steps * buckets.size()}, {0, 0});
+  auto status = cluster.Status(0);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->node_count(), 2);
+  ASSERT_EQ(status->membership_changes_size(), 2);
+  EXPECT_TRUE(absl::StrContains(status->membership_changes(1).cause(), "refused, and dropped"))
+      << status->membership_changes(1).cause();
+}
+
+// A replacement: a job of 3 (--min_nodes=2 --max_nodes=3) loses node 2
+// (killed) before step 6, goes on with 2, and a new node started while they
+// wait before step 10 joins as node 2; every step bit for bit the reference
+// of 3, then 2, then 3 nodes (the new one with a zero residual).
+TEST(DaemonElastic, AReplacementJoinsAfterALoss) {
+  const std::vector<BucketSpec> buckets = {{"fc", 100003}, {"b", 1000}};
+  const long steps = 14, lost_at = 6, join_at = 10;
+  ClusterOptions o{CacheFlags(true)};
+  o.extra = {"--min_nodes=2", "--max_nodes=3"};
+  DaemonCluster cluster(3, 1, o);
+  const std::string go = cluster.dir() + "/go";
+  cluster.StartClients(buckets, steps, -1, -1, -1, [&](int r, int) {
+    std::vector<std::string> a = {"elastic"};
+    a.push_back(r == 2 ? absl::StrCat("pause_at=", lost_at)
+                       : absl::StrCat("hold_at=", join_at, ":", go));
+    return a;
+  });
+  AwaitLines(cluster, 2, lost_at * buckets.size());
+  KillNodes(cluster, {2});
+  // The survivors: step 6 answered MICROD_ERR_MEMBERSHIP, then on to step 10.
+  for (int r = 0; r < 2; ++r) AwaitLines(cluster, r, join_at * buckets.size() + 1);
+  const auto start = std::chrono::steady_clock::now();
+  cluster.AddNode();
+  cluster.StartNodeClients(3, buckets, steps - join_at, [&](int, int) {
+    return std::vector<std::string>{"elastic", absl::StrCat("first=", join_at)};
+  });
+  for (int r : {0, 1, 3}) AwaitEpoch(cluster, r, 2);
+  std::printf("the replacement took part %.2f s after its daemon's start\n",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  std::ofstream(go) << "go\n";
+  std::vector<pid_t> live = {cluster.clients()[0], cluster.clients()[1], cluster.clients()[3]};
+  std::vector<int> codes = WaitAll(live, std::chrono::seconds(90));
+  codes.insert(codes.begin() + 2, 0);  // node 2's, killed
+  const auto ref = PhasedReference(4, 1, buckets, steps,
+                                   {{{0, 1, 2}, {0}}, {{0, 1}, {lost_at}}, {{0, 1, 3}, {join_at}}},
+                                   {}, 1, false, /*seeds=*/{0, 1, 2, 2});
+  ExpectElasticOutputs(cluster, ref, buckets, codes,
+                       {steps * buckets.size(), steps * buckets.size(), lost_at * buckets.size(),
+                        (steps - join_at) * buckets.size()},
+                       {1, 1, 0, 0});
+  for (int r : {0, 1, 3}) {
+    auto status = cluster.Status(r);
+    ASSERT_TRUE(status.ok()) << status.status();
+    EXPECT_EQ(status->membership_epoch(), 2u) << "node " << r;
+    EXPECT_EQ(status->node_count(), 3) << "node " << r;
+    EXPECT_EQ(status->node_rank(), r == 3 ? 2 : r) << "node " << r;
+  }
+  auto status = cluster.Status(0);
+  ASSERT_TRUE(status.ok()) << status.status();
+  ASSERT_EQ(status->membership_changes_size(), 2);
+  EXPECT_TRUE(absl::StrContains(status->membership_changes(0).cause(), "(node2) silent"))
+      << status->membership_changes(0).cause();
+  EXPECT_TRUE(absl::StrContains(status->membership_changes(1).cause(), "'node3' joined as node 2"))
+      << status->membership_changes(1).cause();
+}
+
 TEST(DaemonFaults, SizeMismatchBetweenNodesIsReportedEverywhere) {
   DaemonCluster cluster(2, 1);
   // Different counts for the same bucket name on the two nodes.

@@ -11,7 +11,9 @@
  * the first step; "save=DIR": microd_state_save(DIR) after the last;
  * "dtype=bf16" or "dtype=fp16": the buckets hold that type (the gradient
  * rounded to it, the hash over its 2-byte elements); "pause_at=N": stop
- * before step N's submissions and sleep until killed; "elastic": on
+ * before step N's submissions and sleep until killed; "hold_at=N:PATH":
+ * before step N's submissions wait until the file PATH exists (60 s at
+ * most, then FAILED); "elastic": on
  * MICROD_ERR_MEMBERSHIP write "EPOCH step epoch rank world_size node_rank
  * node_count" and do the step again (the same gradients: a process keeps
  * the rank it connected with as its gradients' seed). */
@@ -97,6 +99,8 @@ int main(int argc, char** argv) {
   int reverse = 0;
   int elastic = 0;
   long pause_at = -1;
+  long hold_at = -1;
+  const char* hold_file = NULL;
   long first = 0;
   const char* load_dir = NULL;
   const char* save_dir = NULL;
@@ -105,6 +109,12 @@ int main(int argc, char** argv) {
     if (strcmp(argv[i], "elastic") == 0) elastic = 1;
     if (strncmp(argv[i], "pause_at=", 9) == 0) pause_at = atol(argv[i] + 9);
     if (strncmp(argv[i], "first=", 6) == 0) first = atol(argv[i] + 6);
+    if (strncmp(argv[i], "hold_at=", 8) == 0) {
+      hold_at = atol(argv[i] + 8);
+      hold_file = strchr(argv[i], ':');
+      if (hold_file == NULL) return 2;
+      ++hold_file;
+    }
     if (strncmp(argv[i], "load=", 5) == 0) load_dir = argv[i] + 5;
     if (strncmp(argv[i], "save=", 5) == 0) save_dir = argv[i] + 5;
   }
@@ -121,6 +131,20 @@ int main(int argc, char** argv) {
     if (t == pause_at) {
       fflush(out);
       for (;;) pause(); /* until killed */
+    }
+    if (t == hold_at) {
+      fflush(out);
+      const struct timespec tick = {0, 20000000};
+      int waited = 0;
+      while (access(hold_file, F_OK) != 0) {
+        if (++waited > 3000) {
+          fprintf(out, "FAILED 0 step %ld: %s did not appear within 60 s\n", t, hold_file);
+          fclose(out);
+          microd_close(c);
+          return 3;
+        }
+        nanosleep(&tick, NULL);
+      }
     }
   again:
     for (int i = 0; i < nb; ++i) {
