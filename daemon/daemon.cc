@@ -216,6 +216,7 @@ absl::Status DaemonImpl::StartCoordinator() {
     co.expected_nodes = config_.nodes;
     co.min_nodes = config_.min_nodes;
     co.max_nodes = config_.max_nodes;
+    co.elastic_timeout = absl::Seconds(config_.elastic_timeout_s);
     co.peer_timeout = config_.peer_timeout;
     co.stall_warning = absl::Seconds(config_.stall_warning_s);
     co.stall_abort = absl::Seconds(config_.stall_abort_s);
@@ -668,6 +669,10 @@ absl::Status DaemonConfig::Validate() const {
   if (min_nodes < 0 || min_nodes > nodes) {
     return Bad("--min_nodes", absl::InvalidArgumentError(absl::StrCat(
                                   "must be in [0, --nodes=", nodes, "], not ", min_nodes)));
+  }
+  if (elastic_timeout_s < 0 || elastic_timeout_s > 86400) {
+    return Bad("--elastic_timeout_s", absl::InvalidArgumentError(absl::StrCat(
+                                          "must be in [0, 86400], not ", elastic_timeout_s)));
   }
   if (max_nodes != 0 && (max_nodes < nodes || max_nodes > control::kMaxNodes)) {
     return Bad("--max_nodes",

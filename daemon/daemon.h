@@ -31,6 +31,8 @@ struct DaemonConfig {
   // ...and while fewer than this many take part, a node may join the
   // running job (0: --nodes).
   int max_nodes = 0;
+  // Below min_nodes, how long the job waits for nodes to join (0: it fails).
+  int elastic_timeout_s = 600;
   int local_size = 1;
   std::string coordinator;         // host:port of the coordinator
   std::string coordinator_listen;  // serve the coordinator here (node 0)

@@ -27,6 +27,10 @@ ABSL_FLAG(int, max_nodes, 0,
           "elastic membership: while fewer than this many nodes take part, a node started later "
           "(a replacement) joins the running job at the next step; the others' step in flight "
           "is answered MICROD_ERR_MEMBERSHIP (0: --nodes; every node must give the same)");
+ABSL_FLAG(int, elastic_timeout_s, 600,
+          "elastic membership: a job left with fewer than --min_nodes nodes runs nothing and "
+          "waits this long for nodes to join, then fails naming what it waited for (0: it fails "
+          "at once; read by the coordinator, node 0)");
 ABSL_FLAG(std::string, coordinator, "", "address of the coordinator (host:port)");
 ABSL_FLAG(std::string, coordinator_listen, "",
           "serve the coordinator on this address (node 0 only)");
@@ -255,6 +259,7 @@ absl::StatusOr<DaemonConfig> DaemonConfigFromFlags() {
   c.nodes = absl::GetFlag(FLAGS_nodes);
   c.min_nodes = absl::GetFlag(FLAGS_min_nodes);
   c.max_nodes = absl::GetFlag(FLAGS_max_nodes);
+  c.elastic_timeout_s = absl::GetFlag(FLAGS_elastic_timeout_s);
   c.local_size = absl::GetFlag(FLAGS_local_size);
   c.coordinator = absl::GetFlag(FLAGS_coordinator);
   c.coordinator_listen = absl::GetFlag(FLAGS_coordinator_listen);

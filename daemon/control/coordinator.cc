@@ -128,6 +128,9 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(CoordinatorOpti
         absl::StrCat("coordinator: the maximum node count must be in [", options.expected_nodes,
                      " (the node count), ", kMaxNodes, "], got ", options.max_nodes));
   }
+  if (options.elastic_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("coordinator: the elastic timeout must not be negative");
+  }
   if (options.min_nodes < 0 || options.min_nodes > options.expected_nodes) {
     return absl::InvalidArgumentError(
         absl::StrCat("coordinator: the minimum node count must be in [0, ", options.expected_nodes,
@@ -454,6 +457,16 @@ void Coordinator::FormEpochLocked(const std::vector<int>& lost, const std::strin
              absl::StrJoin(kept, ", ").c_str());
 }
 
+void Coordinator::NoteShortLocked(const std::string& cause) {
+  if (ShortLocked() || static_cast<int>(nodes_.size()) >= min_nodes()) return;
+  short_since_ = absl::Now();
+  short_cause_ = cause;
+  MICROD_LOG(Warning,
+             "coordinator: the job has %zu node(s), fewer than its minimum of %d (--min_nodes): "
+             "nothing runs until nodes join, for up to %s (--elastic_timeout_s)",
+             nodes_.size(), min_nodes(), absl::FormatDuration(options_.elastic_timeout).c_str());
+}
+
 bool Coordinator::DrainingLocked() const {
   for (const Node& n : nodes_) {
     if (n.next_credential != 0) return true;
@@ -498,6 +511,13 @@ Membership Coordinator::AdmitLocked(Node joiner) {
   joiner.joined_epoch = epoch_;
   const std::string cause = absl::StrCat("node '", joiner.name, "' joined as node ", joiner.rank);
   nodes_.push_back(std::move(joiner));
+  if (ShortLocked() && static_cast<int>(nodes_.size()) >= min_nodes()) {
+    MICROD_LOG(Warning, "coordinator: the job has its minimum of %d nodes again, after %s",
+               min_nodes(),
+               absl::FormatDuration(absl::Trunc(absl::Now() - short_since_, absl::Milliseconds(1)))
+                   .c_str());
+    short_since_ = absl::InfiniteFuture();
+  }
   changes_.push_back({epoch_, absl::Now(), cause, static_cast<int>(nodes_.size())});
   MICROD_LOG(Warning,
              "coordinator: membership epoch %llu: %s; %zu nodes from schedule batch %llu on",
@@ -608,8 +628,10 @@ absl::Status Coordinator::Report(uint64_t session, int rank, const std::vector<B
           "node ", rank, " ('", nodes_[rank].name, "'), which joined at epoch ",
           nodes_[rank].joined_epoch, ", has bucket '", b.name, "' as ", Describe(b),
           ", and the job has it as ", Describe(job), ": refused, and dropped from the job");
-      if (static_cast<int>(nodes_.size()) - 1 >= min_nodes()) {
+      if (static_cast<int>(nodes_.size()) - 1 >= min_nodes() ||
+          options_.elastic_timeout > absl::ZeroDuration()) {
         FormEpochLocked({rank}, why);
+        NoteShortLocked(why);
       } else {
         FailLocked(why);
       }
@@ -632,7 +654,9 @@ absl::Status Coordinator::Report(uint64_t session, int rank, const std::vector<B
     p.by_rank[rank] = b;
     if (static_cast<int>(p.by_rank.size()) == n) complete.push_back({p.order, b.name});
   }
-  if (complete.empty()) return absl::OkStatus();
+  // Below the job's minimum, nothing runs until nodes join (which drops
+  // what is pending: each node submits it again in the next epoch).
+  if (complete.empty() || ShortLocked()) return absl::OkStatus();
   // Everything this report completed is one batch, in first-report order.
   std::sort(complete.begin(), complete.end());
   ScheduleBatch batch;
@@ -776,6 +800,17 @@ absl::StatusOr<HeartbeatAnswer> Coordinator::Heartbeat(uint64_t session, int ran
 }
 
 void Coordinator::InspectStalls(absl::Time now) {
+  if (ShortLocked()) {
+    // Nothing runs: what every node waits for is nodes.
+    stalls_ = {absl::StrCat("the job has ", nodes_.size(), " node(s), fewer than its minimum of ",
+                            min_nodes(),
+                            " (--min_nodes): nothing runs until nodes join, for up to ",
+                            absl::FormatDuration(absl::Trunc(
+                                options_.elastic_timeout - (now - short_since_), absl::Seconds(1))),
+                            " more (--elastic_timeout_s)")};
+    stall_logged_.clear();
+    return;
+  }
   // By bucket: the longest wait any node reports, and what each node says.
   struct Seen {
     double seconds = 0;
@@ -940,10 +975,20 @@ void Coordinator::Watchdog() {
     const std::string timeout =
         absl::StrCat(" (peer timeout ", absl::FormatDuration(options_.peer_timeout), ")");
     const int left = static_cast<int>(nodes_.size() - lost.size());
-    if (first != nullptr && elastic() && first->rank != 0 && left >= min_nodes()) {
+    if (first != nullptr && elastic() && first->rank != 0 &&
+        (left >= min_nodes() || options_.elastic_timeout > absl::ZeroDuration())) {
       // Node 0 serves this coordinator: silent, it is this process that
       // stalled, and it cannot be dropped.
-      FormEpochLocked(lost, absl::StrCat(absl::StrJoin(lost_text, ", "), timeout));
+      const std::string cause = absl::StrCat(absl::StrJoin(lost_text, ", "), timeout);
+      FormEpochLocked(lost, cause);
+      NoteShortLocked(cause);
+      continue;
+    }
+    if (first == nullptr && ShortLocked() && now - short_since_ > options_.elastic_timeout) {
+      FailLocked(absl::StrCat("the job waited ", absl::FormatDuration(options_.elastic_timeout),
+                              " (--elastic_timeout_s) for nodes to join and has ", nodes_.size(),
+                              " node(s), fewer than its minimum of ", min_nodes(),
+                              " (--min_nodes), since ", short_cause_));
       continue;
     }
     if (first != nullptr) {

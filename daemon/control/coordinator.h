@@ -43,6 +43,11 @@ struct CoordinatorOptions {
   // the next epoch, which begins after the batches scheduled so far (the
   // others cut nothing in flight). 0: expected_nodes.
   int max_nodes = 0;
+  // An elastic job that loses nodes below min_nodes forms the epoch of the
+  // survivors anyway and schedules nothing until nodes join it back up to
+  // min_nodes; after this long without, the job fails, naming what it waited
+  // for. Zero: it fails at once.
+  absl::Duration elastic_timeout = absl::Minutes(10);
 };
 
 // One change of an elastic job's membership.
@@ -254,6 +259,16 @@ class Coordinator {
   std::deque<ScheduleBatch> schedule_ ABSL_GUARDED_BY(mu_);
   uint64_t schedule_base_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::string> stalls_ ABSL_GUARDED_BY(mu_);
+  // Since when the job has had fewer than min_nodes (InfiniteFuture: not),
+  // and the change that made it so.
+  absl::Time short_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  std::string short_cause_ ABSL_GUARDED_BY(mu_);
+  // Fewer nodes than the job's minimum: nothing is scheduled.
+  bool ShortLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return short_since_ != absl::InfiniteFuture();
+  }
+  // After a loss (`cause`): below min_nodes, the job waits for nodes from now.
+  void NoteShortLocked(const std::string& cause) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<MembershipChange> changes_ ABSL_GUARDED_BY(mu_);
   // A data-plane failure held for the watchdog (elastic jobs): its reason,

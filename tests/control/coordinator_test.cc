@@ -586,14 +586,15 @@ std::vector<Membership> JoinDirect(Coordinator& c, const std::vector<std::string
   return out;
 }
 
-std::unique_ptr<Coordinator> ElasticCoordinator(int nodes, int min_nodes,
-                                                absl::Duration timeout = absl::Milliseconds(500),
-                                                int max_nodes = 0) {
+std::unique_ptr<Coordinator> ElasticCoordinator(
+    int nodes, int min_nodes, absl::Duration timeout = absl::Milliseconds(500), int max_nodes = 0,
+    absl::Duration elastic_timeout = absl::ZeroDuration()) {
   CoordinatorOptions o;
   o.job_id = "job";
   o.expected_nodes = nodes;
   o.min_nodes = min_nodes;
   o.max_nodes = max_nodes;
+  o.elastic_timeout = elastic_timeout;
   o.peer_timeout = timeout;
   return *Coordinator::Create(o);
 }
@@ -899,6 +900,70 @@ TEST(CoordinatorElastic, AJoinedNodeWithAnotherBucketLayoutIsDropped) {
   EXPECT_EQ(beat->membership->epoch, 2u);
   EXPECT_EQ(beat->membership->node_count, 2);
   EXPECT_FALSE(beat->membership->graceful);
+}
+
+// Fewer nodes left than --min_nodes, with an elastic timeout: the epoch of
+// the survivors forms, nothing is scheduled (what every node waits for is
+// nodes, it says), and a node that joins within the timeout brings the job
+// back to its minimum and the schedule goes on; without one, the job fails
+// once the timeout has passed, naming what it waited for and why.
+TEST(CoordinatorElastic, BelowTheMinimumTheJobWaitsForNodesToJoin) {
+  const std::vector<BucketInfo> w = {{"w", 1, 10}};
+  for (const bool join : {true, false}) {
+    SCOPED_TRACE(join ? "a node joins" : "none joins");
+    auto c = ElasticCoordinator(3, 2, absl::Milliseconds(500), 0, absl::Seconds(2));
+    std::vector<Membership> m = JoinDirect(*c, {"a", "b", "c"});
+    const absl::Time start = absl::Now();
+    BeatUntil(*c, {&m[0]}, start + absl::Seconds(10), [&] { return m[0].epoch == 1; });
+    ASSERT_EQ(m[0].epoch, 1u);
+    EXPECT_EQ(m[0].node_count, 1);
+    ASSERT_TRUE(c->Report(m[0].session, 0, w).ok());
+    auto none = c->Poll(m[0].session, 0, m[0].first_batch, absl::Now() + absl::Milliseconds(200));
+    ASSERT_TRUE(none.ok()) << none.status();
+    EXPECT_TRUE(none->empty()) << "scheduled below the minimum";
+    auto beat = c->Heartbeat(m[0].session, 0);
+    ASSERT_TRUE(beat.ok()) << beat.status();
+    EXPECT_EQ(beat->state, JobState::kRunning);
+    ASSERT_EQ(beat->stalls.size(), 1u);
+    EXPECT_TRUE(absl::StrContains(beat->stalls[0],
+                                  "fewer than its minimum of 2 (--min_nodes): "
+                                  "nothing runs until nodes join"))
+        << beat->stalls[0];
+    if (join) {
+      auto d = c->Join("job", "d", 1, "", -1, absl::Now() + absl::Seconds(1));
+      ASSERT_TRUE(d.ok()) << d.status();
+      EXPECT_EQ(d->epoch, 2u);
+      EXPECT_EQ(d->node_rank, 1);
+      auto marker = c->Poll(m[0].session, 0, m[0].first_batch, absl::Now() + absl::Seconds(1));
+      ASSERT_TRUE(marker.ok()) << marker.status();
+      ASSERT_EQ(marker->size(), 1u);
+      ASSERT_TRUE((*marker)[0].membership.has_value());
+      m[0] = *(*marker)[0].membership;
+      ASSERT_TRUE(c->Report(m[0].session, 0, w).ok());
+      ASSERT_TRUE(c->Report(d->session, 1, w).ok());
+      auto batches = c->Poll(d->session, 1, d->first_batch, absl::Now() + absl::Seconds(1));
+      ASSERT_TRUE(batches.ok()) << batches.status();
+      ASSERT_EQ(batches->size(), 1u);
+      EXPECT_EQ((*batches)[0].scheduled[0].name, "w");
+      // Past the timeout, the job runs on.
+      Membership& joined = *d;
+      BeatUntil(*c, {&m[0], &joined}, start + absl::Seconds(3), [] { return false; });
+      EXPECT_EQ(c->Snapshot().state, JobState::kRunning) << c->Snapshot().failure;
+      EXPECT_TRUE(c->Heartbeat(m[0].session, 0)->stalls.empty());
+    } else {
+      BeatUntil(*c, {&m[0]}, start + absl::Seconds(10),
+                [&] { return c->Snapshot().state != JobState::kRunning; });
+      const JobSnapshot snap = c->Snapshot();
+      EXPECT_EQ(snap.state, JobState::kFailed);
+      EXPECT_TRUE(absl::StrContains(snap.failure,
+                                    "the job waited 2s (--elastic_timeout_s) for nodes to join "
+                                    "and has 1 node(s), fewer than its minimum of 2"))
+          << snap.failure;
+      EXPECT_TRUE(absl::StrContains(snap.failure, "node 1 (b) silent")) << snap.failure;
+      EXPECT_GE(absl::Now() - start, absl::Seconds(2));
+      EXPECT_LT(absl::Now() - start, absl::Seconds(4));
+    }
+  }
 }
 
 TEST(CoordinatorElastic, AMinimumAboveTheNodeCountIsRefused) {

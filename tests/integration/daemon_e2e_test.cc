@@ -521,6 +521,66 @@ TEST(DaemonElastic, AReplacementJoinsAfterALoss) {
       << status->membership_changes(1).cause();
 }
 
+// Below --min_nodes: a job of 3 (--min_nodes=2, --elastic_timeout_s=3)
+// loses nodes 1 and 2 before step 6; node 0 goes on alone and runs nothing.
+// `join`: a replacement started then joins as node 1, and the job runs as
+// a job of 2 from step 6 (node 0's step 6 answered MICROD_ERR_MEMBERSHIP
+// twice, once per change), bit for bit; else node 0's process fails with the
+// reason within the peer timeout, the elastic timeout and 5 s.
+void ExpectBelowTheMinimum(bool join) {
+  const std::vector<BucketSpec> buckets = {{"fc", 100003}, {"b", 1000}};
+  const long steps = 10, lost_at = 6;
+  ClusterOptions o{CacheFlags(true)};
+  o.extra = {"--min_nodes=2", "--elastic_timeout_s=3"};
+  DaemonCluster cluster(3, 1, o);
+  cluster.StartClients(buckets, steps, -1, -1, -1, [&](int r, int) {
+    std::vector<std::string> a = {"elastic"};
+    if (r > 0) a.push_back(absl::StrCat("pause_at=", lost_at));
+    return a;
+  });
+  for (int r = 1; r < 3; ++r) AwaitLines(cluster, r, lost_at * buckets.size());
+  const auto start = std::chrono::steady_clock::now();
+  KillNodes(cluster, {1, 2});
+  if (!join) {
+    const std::vector<int> codes = WaitAll({cluster.clients()[0]}, std::chrono::seconds(60));
+    const double took =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::string line;
+    FailedStatus(cluster.outs()[0], &line);
+    EXPECT_EQ(codes[0], 3) << line;
+    EXPECT_TRUE(absl::StrContains(line, "waited 3s (--elastic_timeout_s) for nodes to join"))
+        << line;
+    EXPECT_TRUE(absl::StrContains(line, "fewer than its minimum of 2 (--min_nodes)")) << line;
+    EXPECT_LT(took, 3 + 3 + 5) << line;
+    std::printf("node 0's process failed %.2f s after the loss\n", took);
+    return;
+  }
+  // Node 0 alone: its step 6 answered once, and waiting.
+  AwaitLines(cluster, 0, lost_at * buckets.size() + 1);
+  cluster.AddNode();
+  cluster.StartNodeClients(3, buckets, steps - lost_at, [&](int, int) {
+    return std::vector<std::string>{"elastic", absl::StrCat("first=", lost_at)};
+  });
+  std::vector<pid_t> live = {cluster.clients()[0], cluster.clients()[3]};
+  std::vector<int> codes = WaitAll(live, std::chrono::seconds(60));
+  const auto ref = PhasedReference(4, 1, buckets, steps, {{{0, 1, 2}, {0}}, {{0, 3}, {lost_at}}},
+                                   {}, 1, false, /*seeds=*/{0, 1, 2, 1});
+  ExpectElasticOutputs(cluster, ref, buckets, {codes[0], 0, 0, codes[1]},
+                       {steps * buckets.size(), lost_at * buckets.size(), lost_at * buckets.size(),
+                        (steps - lost_at) * buckets.size()},
+                       {2, 0, 0, 0});
+  auto status = cluster.Status(0);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->membership_epoch(), 2u);
+  EXPECT_EQ(status->node_count(), 2);
+  EXPECT_EQ(status->job_state(), microd::v1::JOB_STATE_RUNNING) << status->failure();
+}
+
+TEST(DaemonElastic, BelowTheMinimumAReplacementBringsTheJobBack) { ExpectBelowTheMinimum(true); }
+TEST(DaemonElastic, BelowTheMinimumTheJobFailsAfterTheElasticTimeout) {
+  ExpectBelowTheMinimum(false);
+}
+
 TEST(DaemonFaults, SizeMismatchBetweenNodesIsReportedEverywhere) {
   DaemonCluster cluster(2, 1);
   // Different counts for the same bucket name on the two nodes.
