@@ -50,7 +50,8 @@ struct microd_client {
   pthread_mutex_t mu;      /* guards everything below */
   pthread_mutex_t read_mu; /* one thread reads the socket at a time */
   microd_job_info info;
-  uint64_t epoch; /* the membership epoch of `info` */
+  uint64_t epoch;        /* the membership epoch of `info` */
+  uint32_t changes_seen; /* MEMBERSHIP messages read (sent with each SUBMIT) */
   float momentum_correction;
   uint32_t daemon_caps; /* MICROD_WIRE_CAP_* of the hello answer */
   buffer* buffers;
@@ -150,6 +151,7 @@ static void read_one(microd_client* c, int timeout_ms) {
       break_connection(c, MICROD_ERR_PROTOCOL, "malformed membership message from the daemon");
     } else {
       c->epoch = mm->epoch;
+      ++c->changes_seen;
       c->info.rank = mm->rank;
       c->info.world_size = mm->world_size;
       c->info.local_rank = mm->local_rank;
@@ -324,7 +326,8 @@ static microd_status say_hello(int fd, const microd_options* o, int64_t deadline
   microd_wire_hello hello;
   memset(&hello, 0, sizeof hello);
   microd_wire_header_init(&hello.h, MICROD_MSG_HELLO, sizeof hello);
-  hello.h.reserved = MICROD_WIRE_CAP_MEMBERSHIP; /* this library follows membership changes */
+  /* This library follows membership changes, and says how many it has read. */
+  hello.h.reserved = MICROD_WIRE_CAP_MEMBERSHIP | MICROD_WIRE_CAP_FENCE;
   hello.local_rank = o->local_rank;
   hello.pid = (uint32_t)getpid();
   /* A daemon that refuses this process answers with an ERROR and closes at
@@ -743,6 +746,7 @@ static microd_status submit(microd_client* c, int32_t buffer_id, void* stream, u
     memset(&sub, 0, sizeof sub);
     microd_wire_header_init(&sub.h, MICROD_MSG_SUBMIT, sizeof sub);
     sub.buffer_id = (uint32_t)buffer_id;
+    sub.reserved = c->changes_seen;
     sub.ticket = ++c->next_ticket;
     if (microd_wire_send(c->fd, &sub, sizeof sub, -1) != 0) {
       break_connection(c, MICROD_ERR_UNAVAILABLE, "sending to the daemon failed");

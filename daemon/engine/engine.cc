@@ -106,7 +106,18 @@ absl::StatusOr<local::ProcessInfo> Engine::OnHello(uint64_t client, int requeste
   if (!state_.failed.ok()) return state_.failed;
   auto rank = state_.table.Hello(client, requested_local_rank, pid);
   if (!rank.ok()) return rank.status();
+  state_.fence[client] = 0;
   return InfoOf(*rank);
+}
+
+absl::Status Engine::FencedStatus(const std::string& bucket) const {
+  return WithClientStatus(
+      absl::AbortedError(absl::StrCat(
+          "bucket '", bucket,
+          "': submitted before this process read the change of the job's membership to epoch ",
+          membership_.epoch, " (node ", membership_.node_rank, " of ", membership_.node_count,
+          ", world size ", membership_.world_size, "): not applied; submit it again")),
+      ClientStatus::kMembership);
 }
 
 local::ProcessInfo Engine::InfoOf(int local_rank) const {
@@ -117,6 +128,7 @@ local::ProcessInfo Engine::InfoOf(int local_rank) const {
   info.node_count = membership_.node_count;
   info.world_size = membership_.world_size;
   info.momentum_correction = static_cast<float>(options_.sparsify.momentum);
+  info.epoch = membership_.epoch;
   info.rank = std::accumulate(membership_.local_sizes.begin(),
                               membership_.local_sizes.begin() + membership_.node_rank, 0) +
               local_rank;
@@ -137,9 +149,19 @@ absl::Status Engine::OnRegister(uint64_t client, uint32_t buffer_id, const std::
   return result;
 }
 
-absl::Status Engine::OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket) {
+absl::Status Engine::OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket,
+                              std::optional<uint32_t> changes_seen) {
   absl::MutexLock lock(&state_.mu);
   if (!state_.failed.ok()) return state_.failed;
+  if (changes_seen.has_value() && *changes_seen < state_.fence[client]) {
+    // Made before the process heard of a change: not for the new epoch.
+    const std::string bucket = state_.table.BufferName(client, buffer_id);
+    if (state_.changes > state_.notified) {
+      state_.fenced.push_back({client, buffer_id, ticket, bucket});  // told first, then answered
+      return absl::OkStatus();
+    }
+    return FencedStatus(bucket);
+  }
   auto ready = state_.table.Submit(client, buffer_id, ticket);
   if (!ready.ok()) return ready.status();
   if (*ready == ProcessTable::Ready::kCached) state_.changed = true;  // the next cycle's
@@ -161,6 +183,7 @@ void Engine::OnDisconnect(uint64_t client, bool clean, const std::string& why) {
       }
     }
     reason = state_.table.Disconnect(client, clean, why, membership_.node_rank);
+    state_.fence.erase(client);
   }
   if (abandoned.asked > 0) {
     AnswerStateRequest(
@@ -391,6 +414,16 @@ void Engine::Reconfigure() {
     if (server_ != nullptr)
       server_->NotifyMembership(client, membership_.epoch, info, next->second);
   }
+  std::vector<EngineState::Fenced> fenced;
+  {
+    absl::MutexLock lock(&state_.mu);
+    state_.notified = state_.changes;
+    fenced.swap(state_.fenced);
+  }
+  for (const EngineState::Fenced& f : fenced) {
+    if (server_ != nullptr)
+      server_->Complete(f.client, f.ticket, f.buffer_id, FencedStatus(f.bucket));
+  }
   for (const Work& w : pending) {
     Complete(w, WithClientStatus(absl::AbortedError(absl::StrCat(
                                      "bucket '", w.bucket->name,
@@ -431,6 +464,8 @@ absl::Status Engine::Reconfigured(const control::Membership& next, const std::st
   // The new epoch: every pending submission is answered, nothing is cached,
   // the schedule starts at the epoch's first batch.
   *pending = state_.table.TakeAllSubmitted();
+  ++state_.changes;
+  for (auto& [client, changes] : state_.fence) ++changes;
   for (Work& w : state_.in_flight) pending->push_back(std::move(w));
   state_.in_flight.clear();
   for (Work& w : state_.held) pending->push_back(std::move(w));

@@ -72,7 +72,8 @@ class Engine final : public local::LocalHandler, private JobControl {
                                              pid_t pid) override;
   absl::Status OnRegister(uint64_t client, uint32_t buffer_id, const std::string& name, bool dense,
                           std::shared_ptr<local::ProcessBuffer> buffer) override;
-  absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket) override;
+  absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket,
+                        std::optional<uint32_t> changes_seen) override;
   void OnDisconnect(uint64_t client, bool clean, const std::string& why) override;
   // microd_state_save / microd_state_load: answered once every local
   // process asked the same, after the node's file is written or read
@@ -105,6 +106,8 @@ class Engine final : public local::LocalHandler, private JobControl {
   // recover_until; false when it failed or stops (Fail answered the rest).
   bool AwaitVerdict() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu);
   // What a local process is told of its place in the current membership.
+  // A submission refused by the fence (MICROD_WIRE_CAP_FENCE).
+  absl::Status FencedStatus(const std::string& bucket) const;
   local::ProcessInfo InfoOf(int local_rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu);
   // The negotiator of the current epoch's membership and data plane.
   std::unique_ptr<Negotiator> NewNegotiator();

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -51,6 +52,20 @@ struct EngineState {
   absl::Time last_submit ABSL_GUARDED_BY(mu) = absl::InfinitePast();
   // The running batch's work not yet answered (Fail() answers it).
   std::vector<Work> in_flight ABSL_GUARDED_BY(mu);
+  // The fence (MICROD_WIRE_CAP_FENCE): per connected process, the changes of
+  // membership it must have read before it submits. `changes` made,
+  // `notified` told to the processes; a submission refused by the fence
+  // while a change is being told is answered once it is (`fenced`).
+  struct Fenced {
+    uint64_t client = 0;
+    uint32_t buffer_id = 0;
+    uint64_t ticket = 0;
+    std::string bucket;
+  };
+  std::map<uint64_t, uint32_t> fence ABSL_GUARDED_BY(mu);
+  uint64_t changes ABSL_GUARDED_BY(mu) = 0;
+  uint64_t notified ABSL_GUARDED_BY(mu) = 0;
+  std::vector<Fenced> fenced ABSL_GUARDED_BY(mu);
   StateRequest state_request ABSL_GUARDED_BY(mu);
   bool state_request_ready ABSL_GUARDED_BY(mu) = false;  // every local process asked
   uint64_t batches ABSL_GUARDED_BY(mu) = 0;

@@ -222,6 +222,13 @@ absl::StatusOr<int> ProcessTable::LocalRankOf(uint64_t client) const {
   return it->second.local_rank;
 }
 
+std::string ProcessTable::BufferName(uint64_t client, uint32_t buffer_id) const {
+  auto it = processes_.find(client);
+  if (it == processes_.end()) return "";
+  auto b = it->second.buffers.find(buffer_id);
+  return b == it->second.buffers.end() ? "" : b->second;
+}
+
 void ProcessTable::Cache(Bucket& b) {
   if (b.cache_id >= 0) return;
   b.cache_id = static_cast<int64_t>(cached_.size());

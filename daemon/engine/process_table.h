@@ -130,6 +130,8 @@ class ProcessTable {
   uint64_t total_elements() const;
   // The local rank of a connected process.
   absl::StatusOr<int> LocalRankOf(uint64_t client) const;
+  // The name of a process's buffer ("" if unknown).
+  std::string BufferName(uint64_t client, uint32_t buffer_id) const;
   // Local ranks whose process registered buffers and left, and no process
   // took the rank again since: they will not take part in what comes.
   const std::set<int>& departed() const { return departed_; }

@@ -289,8 +289,10 @@ void LocalServer::Complete(uint64_t client, uint64_t ticket, uint32_t buffer_id,
   Send(it->second, &m, sizeof m);  // a failure: the server thread drops it
 }
 
-void LocalServer::NotifyMembership(uint64_t client, uint64_t epoch, const ProcessInfo& info,
-                                   const std::string& what) {
+namespace {
+
+microd_wire_membership MembershipMessage(uint64_t epoch, const ProcessInfo& info,
+                                         const std::string& what) {
   microd_wire_membership m{};
   microd_wire_header_init(&m.h, MICROD_MSG_MEMBERSHIP, sizeof m);
   m.epoch = epoch;
@@ -301,6 +303,14 @@ void LocalServer::NotifyMembership(uint64_t client, uint64_t epoch, const Proces
   m.node_rank = info.node_rank;
   m.node_count = info.node_count;
   CopyMessage(m.message, what);
+  return m;
+}
+
+}  // namespace
+
+void LocalServer::NotifyMembership(uint64_t client, uint64_t epoch, const ProcessInfo& info,
+                                   const std::string& what) {
+  microd_wire_membership m = MembershipMessage(epoch, info, what);
   absl::MutexLock lock(&mu_);
   auto it = clients_.find(client);
   if (it == clients_.end() || (it->second.caps & MICROD_WIRE_CAP_MEMBERSHIP) == 0) return;
@@ -581,6 +591,12 @@ bool LocalServer::HandleHello(uint64_t id, Client& c, const ::microd_wire_hello&
   ack.momentum_correction = info->momentum_correction;
   absl::MutexLock lock(&mu_);
   Send(c, &ack, sizeof ack);  // a failure: Reap() drops it
+  if (info->epoch > 0 && (c.caps & MICROD_WIRE_CAP_FENCE) != 0) {
+    // Its epoch (the job's membership changed before it connected).
+    microd_wire_membership m = MembershipMessage(
+        info->epoch, *info, absl::StrCat("the job is at membership epoch ", info->epoch));
+    Send(c, &m, sizeof m);
+  }
   return true;
 }
 
@@ -668,7 +684,8 @@ bool LocalServer::HandleRegister(uint64_t id, Client& c, const ::microd_wire_reg
 bool LocalServer::HandleSubmit(uint64_t id, Client& c, const ::microd_wire_submit& submit) {
   const int kProtocol = static_cast<int>(ClientStatus::kProtocol);
   // Ticket 0 means "none" to the engine; tickets start at 1.
-  if (submit.ticket == 0 || submit.reserved != 0) {
+  const bool fenced = (c.caps & MICROD_WIRE_CAP_FENCE) != 0;
+  if (submit.ticket == 0 || (!fenced && submit.reserved != 0)) {
     Refuse(id, kProtocol,
            absl::StrCat("submit of buffer id ", submit.buffer_id, " with ticket ", submit.ticket,
                         " and reserved field ", submit.reserved,
@@ -680,7 +697,9 @@ bool LocalServer::HandleSubmit(uint64_t id, Client& c, const ::microd_wire_submi
            absl::StrCat("submit of unknown buffer id ", submit.buffer_id));
     return false;
   }
-  absl::Status s = handler_->OnSubmit(id, submit.buffer_id, submit.ticket);
+  absl::Status s =
+      handler_->OnSubmit(id, submit.buffer_id, submit.ticket,
+                         fenced ? std::optional<uint32_t>(submit.reserved) : std::nullopt);
   if (!s.ok()) Complete(id, submit.ticket, submit.buffer_id, s);
   return true;
 }

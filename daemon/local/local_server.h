@@ -20,6 +20,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -126,6 +127,7 @@ struct ProcessInfo {
   int rank = 0;
   int world_size = 1;
   float momentum_correction = 0.0f;
+  uint64_t epoch = 0;  // the job's membership epoch
 };
 
 // The directory of a state request. The process that asks opens it and
@@ -150,8 +152,11 @@ class LocalHandler {
   // `dense`: the process asked for this buffer to be reduced without sparsification.
   virtual absl::Status OnRegister(uint64_t client, uint32_t buffer_id, const std::string& name,
                                   bool dense, std::shared_ptr<ProcessBuffer> buffer) = 0;
-  // An error completes the ticket at once with that status.
-  virtual absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket) = 0;
+  // An error completes the ticket at once with that status. `changes_seen`:
+  // the changes of membership the process had read when it submitted (a
+  // client with MICROD_WIRE_CAP_FENCE), or none.
+  virtual absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket,
+                                std::optional<uint32_t> changes_seen) = 0;
   // `clean`: the process said goodbye; otherwise it vanished or misbehaved.
   virtual void OnDisconnect(uint64_t client, bool clean, const std::string& why) = 0;
   // Save (or load) the compression state in `dir`, answered later through

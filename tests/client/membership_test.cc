@@ -42,7 +42,8 @@ class Handler final : public local::LocalHandler {
                           std::shared_ptr<local::ProcessBuffer>) override {
     return absl::OkStatus();
   }
-  absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket) override {
+  absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket,
+                        std::optional<uint32_t>) override {
     absl::MutexLock lock(&mu);
     last = {client, buffer_id, ticket};
     ++submits;

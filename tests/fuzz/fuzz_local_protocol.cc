@@ -57,7 +57,8 @@ class AcceptingHandler final : public LocalHandler {
     buffer->data()[buffer->count() - 1] = sum;
     return name == "refused" ? absl::InvalidArgumentError("refused") : absl::OkStatus();
   }
-  absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket) override {
+  absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket,
+                        std::optional<uint32_t>) override {
     server->Complete(client, ticket, buffer_id, absl::OkStatus());
     return absl::OkStatus();
   }

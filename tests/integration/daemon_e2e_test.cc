@@ -358,10 +358,11 @@ void AwaitLines(const DaemonCluster& cluster, int r, size_t lines) {
 // started while node 1's processes wait before step 6, joins the running job
 // and takes part from that step on, with a zero residual and the job's step
 // and threshold state; every step on every node is bit for bit the
-// reference of a job of 2 and then of 3 such nodes. `in_flight`: node 0's
-// processes have submitted step 6 already (it waits for node 1): that step
-// is answered MICROD_ERR_MEMBERSHIP with the new rank and world size, and
-// done again; else node 0 waits too, and no process sees the change.
+// reference of a job of 2 and then of 3 such nodes. Each process of the two
+// sees the change once: its step 6 is answered MICROD_ERR_MEMBERSHIP with
+// the new rank and world size, and done again; `in_flight`: node 0's
+// processes had submitted it before the join (it was pending, and dropped),
+// else they submit it after, not having read the change yet (the fence).
 void ExpectANodeJoins(bool in_flight) {
   const std::vector<BucketSpec> buckets = {{"fc", 100003}, {"b", 1000}};
   const long steps = 12, join_at = 6;
@@ -392,10 +393,11 @@ void ExpectANodeJoins(bool in_flight) {
   ExpectElasticOutputs(
       cluster, ref, buckets, codes,
       {steps * buckets.size(), steps * buckets.size(), (steps - join_at) * buckets.size()},
-      {in_flight ? 1 : 0, 0, 0});
-  if (in_flight) {
+      {1, 1, 0});
+  for (int r = 0; r < 2; ++r) {
     // step, epoch, rank, world size, node rank, node count
-    EXPECT_EQ(ReadLines(cluster.outs()[0])[join_at * buckets.size()], "EPOCH 6 1 0 3 0 3");
+    EXPECT_EQ(ReadLines(cluster.outs()[r])[join_at * buckets.size()],
+              absl::StrCat("EPOCH 6 1 ", r, " 3 ", r, " 3"));
   }
   for (int r = 0; r < 3; ++r) {
     auto status = cluster.Status(r);
@@ -455,8 +457,14 @@ TEST(DaemonElastic, ANodeThatDiffersIsRefusedAndTheJobGoesOn) {
                                 "as float32 x 100003"))
       << line;
   const auto ref = Reference(2, 1, buckets, steps);
+  // Each process read both changes (the join, then the drop) before its
+  // step 6 was answered MICROD_ERR_MEMBERSHIP once.
   ExpectElasticOutputs(cluster, ref, buckets, codes,
-                       {steps * buckets.size(), steps * buckets.size()}, {0, 0});
+                       {steps * buckets.size(), steps * buckets.size()}, {1, 1});
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(ReadLines(cluster.outs()[r])[join_at * buckets.size()],
+              absl::StrCat("EPOCH 6 2 ", r, " 2 ", r, " 2"));
+  }
   auto status = cluster.Status(0);
   ASSERT_TRUE(status.ok()) << status.status();
   EXPECT_EQ(status->node_count(), 2);
@@ -504,7 +512,7 @@ TEST(DaemonElastic, AReplacementJoinsAfterALoss) {
   ExpectElasticOutputs(cluster, ref, buckets, codes,
                        {steps * buckets.size(), steps * buckets.size(), lost_at * buckets.size(),
                         (steps - join_at) * buckets.size()},
-                       {1, 1, 0, 0});
+                       {2, 2, 0, 0});
   for (int r : {0, 1, 3}) {
     auto status = cluster.Status(r);
     ASSERT_TRUE(status.ok()) << status.status();

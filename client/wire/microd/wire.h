@@ -48,6 +48,15 @@ enum microd_wire_type {
  * its pending submissions with MICROD_ERR_MEMBERSHIP; a client without the
  * bit gets MICROD_ERR_JOB_FAILED for them instead (it could not follow). */
 #define MICROD_WIRE_CAP_MEMBERSHIP 2u
+/* With MICROD_WIRE_CAP_FENCE too (in HELLO), the client puts in each SUBMIT's
+ * `reserved` the number of MEMBERSHIP messages it has read. The daemon
+ * answers a submission made before the client read every change of
+ * membership it had at the time MICROD_ERR_MEMBERSHIP (after the MEMBERSHIP
+ * message): no gradient of a process that has not heard of a change goes
+ * into a step of the new epoch. A daemon whose job is past epoch 0 sends
+ * such a client a MEMBERSHIP right after the HELLO_ACK, which it need not
+ * count as a change (the client reads it as its epoch). */
+#define MICROD_WIRE_CAP_FENCE 4u
 
 enum microd_wire_buffer_kind { MICROD_BUFFER_HOST = 1, MICROD_BUFFER_CUDA = 2 };
 /* The values of microd.h's MICROD_DTYPE_* (there: the buffer options). */
@@ -131,7 +140,7 @@ typedef struct microd_wire_register_ack {
 typedef struct microd_wire_submit {
   microd_wire_header h;
   uint32_t buffer_id;
-  uint32_t reserved;
+  uint32_t reserved; /* 0; with MICROD_WIRE_CAP_FENCE: MEMBERSHIP messages read */
   uint64_t ticket;
 } microd_wire_submit;
 
