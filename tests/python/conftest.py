@@ -32,32 +32,48 @@ class Cluster:
     `args`, "{r}" is the node's rank and "{dir}" the cluster's directory."""
 
     def __init__(self, nodes, local=1, args=()):
-        self.nodes, self.local = nodes, local
+        self.nodes, self.local, self.args = nodes, local, args
         self.dir = tempfile.mkdtemp(prefix="microd-py-")
         self.procs = []
-        coordinator = None
+        self.coordinator = None
         for r in range(nodes):
-            cmd = [MICROD, f"--socket={self.socket(r)}", f"--local_size={local}",
-                   f"--nodes={nodes}", f"--node_rank={r}", f"--node_name=node{r}",
-                   "--admin=127.0.0.1:0", f"--admin_port_file={self.dir}/admin{r}",
-                   "--peer_timeout_ms=3000", "--timeout_ms=30000",
-                   *[a.format(r=r, dir=self.dir) for a in args]]
-            if r == 0:
-                cmd += ["--coordinator_listen=127.0.0.1:0",
-                        f"--coordinator_port_file={self.dir}/coordinator"]
-            else:
-                cmd += [f"--coordinator=127.0.0.1:{coordinator}"]
-            log = open(os.path.join(self.dir, f"microd{r}.log"), "w")
-            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
-            if r == 0:
-                coordinator = _wait_file(f"{self.dir}/coordinator", self.procs[0])
+            self._spawn(r, r)
         for r in range(nodes):
             _wait_file(f"{self.dir}/admin{r}", self.procs[r])
+        self._await_sockets(range(nodes))
+
+    def _spawn(self, r, rank):
+        """Node r's daemon, asking for node rank `rank` (-1: any)."""
+        cmd = [MICROD, f"--socket={self.socket(r)}", f"--local_size={self.local}",
+               f"--nodes={self.nodes}", f"--node_rank={rank}", f"--node_name=node{r}",
+               "--admin=127.0.0.1:0", f"--admin_port_file={self.dir}/admin{r}",
+               "--peer_timeout_ms=3000", "--timeout_ms=30000",
+               *[a.format(r=r, dir=self.dir) for a in self.args]]
+        if r == 0:
+            cmd += ["--coordinator_listen=127.0.0.1:0",
+                    f"--coordinator_port_file={self.dir}/coordinator"]
+        else:
+            cmd += [f"--coordinator=127.0.0.1:{self.coordinator}"]
+        log = open(os.path.join(self.dir, f"microd{r}.log"), "w")
+        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+        if r == 0:
+            self.coordinator = _wait_file(f"{self.dir}/coordinator", self.procs[0])
+
+    def _await_sockets(self, nodes):
         deadline = time.time() + 30
-        while not all(os.path.exists(self.socket(r)) for r in range(nodes)):
+        while not all(os.path.exists(self.socket(r)) for r in nodes):
             if time.time() > deadline:
                 raise RuntimeError("daemons did not open their sockets")
             time.sleep(0.02)
+
+    def add_node(self):
+        """One more daemon (node r, the next index), which dials the running
+        job's coordinator for any rank: a node joining an elastic job."""
+        r = len(self.procs)
+        self._spawn(r, -1)
+        _wait_file(f"{self.dir}/admin{r}", self.procs[r])
+        self._await_sockets([r])
+        return r
 
     def socket(self, r):
         return os.path.join(self.dir, f"node{r}", "microd.sock")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import microd
-from conftest import BUILD
+from conftest import BUILD, PYTHON
 
 
 def test_every_status_has_its_exception_class():
@@ -273,3 +273,72 @@ def test_timeout_error_is_microds_and_the_builtin():
     assert issubclass(microd.MicrodTimeoutError, builtins.TimeoutError)
     assert microd.TimeoutError is microd.MicrodTimeoutError
     assert "TimeoutError" not in microd.__all__
+
+
+ELASTIC_WORKER = os.path.join(os.path.dirname(__file__), "elastic_worker.py")
+
+
+def _lines(text, word):
+    return [line.split()[1:] for line in text.splitlines() if line.startswith(word + " ")]
+
+
+def test_elastic_run_goes_on_without_a_lost_node_and_takes_in_a_new_one(make_cluster, tmp_path):
+    """microd.torch.elastic: 3 nodes (at least 2, at most 3) train with
+    elastic.run; node 2 is lost before step 4 (its trainer stops, its daemon
+    is killed), and the others go on with 2; a replacement started while they
+    wait before step 8 joins and gets the model, the optimizer's state and the
+    step from rank 0. Every process started from other values; from the first
+    sync on, every process holds the same parameters after every step, and
+    the reset callbacks were told 2, then 3."""
+    cluster = make_cluster(3, args=("--min_nodes=2", "--max_nodes=3"))
+    go = tmp_path / "go"
+    steps, lost_at, join_at = 12, 4, 8
+
+    def start(node, *extra):
+        return subprocess.Popen([PYTHON, ELASTIC_WORKER, str(steps), *extra],
+                                env=cluster.env(node, 0), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    def read_until(p, prefix):
+        """p's output up to the line that starts with `prefix` (the
+        process's own deadlines bound the wait)."""
+        lines = []
+        while not lines or not lines[-1].startswith(prefix):
+            line = p.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        return "".join(lines)
+
+    procs = [start(0, f"hold_at={join_at}:{go}"), start(1, f"hold_at={join_at}:{go}"),
+             start(2, f"pause_at={lost_at}")]
+    read_until(procs[2], "PAUSED")
+    cluster.procs[2].kill()
+    procs[2].kill()
+    procs[2].wait()
+    # The survivors go on with 2 up to the hold.
+    heads = [read_until(p, f"STEP {join_at - 1} ") for p in procs[:2]]
+    node = cluster.add_node()
+    procs.append(start(node))
+    heads.append(read_until(procs[3], "START"))
+    go.write_text("go\n")
+    outs = []
+    for head, p in zip(heads, (procs[0], procs[1], procs[3])):
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, head + out
+        outs.append(head + out)
+    survivors, joiner = outs[:2], outs[2]
+    # Their place: the joiner's process connected in epoch 2, as rank 2 of 3.
+    assert _lines(joiner, "START") == [["2", "2", "3"]], joiner
+    for out in survivors:
+        assert [w for (w,) in _lines(out, "RESET")] == ["2", "3"], out
+        assert _lines(out, "DONE") == [[str(steps), "2"]], out
+    assert _lines(joiner, "RESET") == [] and _lines(joiner, "DONE") == [[str(steps), "0"]]
+    # Every committed step once per process, the same parameters everywhere.
+    by_step = [{int(t): (w, h) for t, w, h in _lines(out, "STEP")} for out in outs]
+    for t in range(steps):
+        assert by_step[0][t] == by_step[1][t], (t, survivors)
+        expected_world = "3" if t < lost_at else "2" if t < join_at else "3"
+        assert by_step[0][t][0] == expected_world, (t, survivors[0])
+    assert sorted(by_step[2]) == list(range(join_at, steps)), joiner
+    for t in range(join_at, steps):
+        assert by_step[2][t] == by_step[0][t], (t, joiner, survivors[0])

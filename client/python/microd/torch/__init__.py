@@ -12,6 +12,8 @@ broadcast, and a communication hook for DistributedDataParallel.
     ddp = DistributedDataParallel(model)
     ddp.register_comm_hook(mt.MicrodHookState(), mt.comm_hook)
     mt.apply_momentum_correction(optimizer)   # if the daemon corrects momentum
+
+Elastic jobs (nodes lost and joining): microd.torch.elastic.
 """
 import concurrent.futures
 import sys
@@ -160,13 +162,21 @@ class DistributedOptimizer:
                         if i not in b.ready:
                             b.slice(i).zero_()
                     b.ticket = self.client.allreduce_async(b.buffer)
+        # Every ticket is waited for, even after one failed (a change of
+        # membership answers each of them): none is left in flight.
+        first_error = None
         try:
             for b in self.buckets:
-                self.client.wait(b.ticket, self.timeout_ms)
+                try:
+                    self.client.wait(b.ticket, self.timeout_ms)
+                except microd.MembershipChangedError as e:
+                    first_error = first_error or e
         finally:
             for b in self.buckets:
                 b.ticket = None
                 b.ready.clear()
+        if first_error is not None:
+            raise first_error
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 if p.grad is None:
