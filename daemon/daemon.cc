@@ -108,7 +108,7 @@ engine::EngineOptions EngineOptionsOf(const DaemonConfig& c, uint64_t memory_bud
   }
   eo.device_resident = c.transport == "nccl";
   eo.device = c.cuda_device;
-  eo.elastic = (c.min_nodes > 0 && c.min_nodes < c.nodes) || c.max_nodes > c.nodes;
+  eo.elastic = c.elastic();
   // Long enough for the coordinator's verdict: the peer timeout, its grace
   // for a reported data-plane failure, and a heartbeat to bring it.
   eo.membership_wait =
@@ -635,13 +635,18 @@ void DaemonImpl::Stop(const std::string& why) {
   MICROD_LOG(Info, "%s: shutting down", why.c_str());
   // Whatever Start brought up (all of it, unless it failed half-way).
   if (admin_ != nullptr) admin_->SetServing(kHealthService, false);
+  // An elastic job goes on without this node: it leaves first, so that what
+  // its stop breaks (its processes' connections, its data plane) is not the
+  // job's failure.
+  const bool leave_first = config_.elastic() && client_ != nullptr && membership_.session != 0;
+  if (leave_first) (void)client_->Leave();
   if (local_server_ != nullptr) local_server_->Stop();  // no new work; removes the socket
   if (engine_ != nullptr) {
     engine_->Stop(absl::CancelledError(
         absl::StrCat("microd on node ", membership_.node_rank, " is shutting down")));
   }
   timeline_file_.reset();  // its last write, with every step run
-  if (client_ != nullptr && membership_.session != 0) (void)client_->Leave();
+  if (!leave_first && client_ != nullptr && membership_.session != 0) (void)client_->Leave();
   if (admin_ != nullptr) admin_->Shutdown(absl::Now() + absl::Seconds(1));
   if (const std::string& a = config_.admin; absl::StartsWith(a, "unix:") && admin_ != nullptr) {
     unlink(a.c_str() + 5);
@@ -679,7 +684,7 @@ absl::Status DaemonConfig::Validate() const {
                absl::InvalidArgumentError(absl::StrCat("must be 0 or in [--nodes=", nodes, ", ",
                                                        control::kMaxNodes, "], not ", max_nodes)));
   }
-  if (((min_nodes > 0 && min_nodes < nodes) || max_nodes > nodes) && transport == "nccl") {
+  if (elastic() && transport == "nccl") {
     return Bad(max_nodes > nodes ? "--max_nodes" : "--min_nodes",
                absl::UnimplementedError("elastic membership needs --transport=gloo for now (a new "
                                         "NCCL communicator per epoch is not built yet)"));

@@ -33,6 +33,7 @@ struct DaemonConfig {
   int max_nodes = 0;
   // Below min_nodes, how long the job waits for nodes to join (0: it fails).
   int elastic_timeout_s = 600;
+  bool elastic() const { return (min_nodes > 0 && min_nodes < nodes) || max_nodes > nodes; }
   int local_size = 1;
   std::string coordinator;         // host:port of the coordinator
   std::string coordinator_listen;  // serve the coordinator here (node 0)

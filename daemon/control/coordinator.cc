@@ -881,6 +881,16 @@ absl::Status Coordinator::Leave(uint64_t session, int rank) {
   if (absl::Status s = CheckMember(session, rank); !s.ok()) return s;
   Node& node = nodes_[rank];
   node.left = true;
+  if (state_ == JobState::kRunning && elastic() && rank != 0 &&
+      (static_cast<int>(nodes_.size()) - 1 >= min_nodes() ||
+       options_.elastic_timeout > absl::ZeroDuration())) {
+    // An elastic job goes on without it at once (a preempted node's daemon
+    // gets SIGTERM first): no peer timeout to wait for.
+    const std::string cause = absl::StrCat("node ", rank, " (", node.name, ") left the job");
+    FormEpochLocked({rank}, cause);
+    NoteShortLocked(cause);
+    return absl::OkStatus();
+  }
   if (state_ == JobState::kRunning) {
     state_ = JobState::kFinished;
     failure_ = absl::StrCat("node ", rank, " (", node.name, ") left the job");

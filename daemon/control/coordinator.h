@@ -142,6 +142,8 @@ class Coordinator {
   // `waiting`: the node's long-waiting buckets, replacing what it sent before.
   absl::StatusOr<HeartbeatAnswer> Heartbeat(uint64_t session, int rank,
                                             std::vector<BucketWait> waiting = {});
+  // An elastic job goes on without a node that leaves (but node 0): the
+  // next epoch forms at once, as for a lost node. Otherwise the job ends.
   absl::Status Leave(uint64_t session, int rank);
   // A node reports that the job failed; the reason is kept with its name.
   // `data_plane`: a collective failed, which is how a lost peer looks to the

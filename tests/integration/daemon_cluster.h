@@ -396,13 +396,15 @@ inline ReferenceHashes Reference(int n, int L, const std::vector<BucketSpec>& bu
 // `epochs`: the changes of membership that loss makes (nodes found lost
 // apart make one each); 0: one or two, as the coordinator found them (nodes
 // lost at once may be found a watchdog tick apart), the same everywhere.
+// `cause`: what the coordinator says of each lost node ("(nodeN) <cause>").
+// `took`: the seconds from the loss to the survivors' last step.
 inline void ExpectElasticJobGoesOn(
     ClusterOptions o, int n, const std::vector<int>& lost,
-    const std::function<void(DaemonCluster&, const std::vector<int>&)>& lose, int epochs = 1) {
+    const std::function<void(DaemonCluster&, const std::vector<int>&)>& lose, int epochs = 1,
+    const std::string& cause = "silent", double* took = nullptr) {
   const std::vector<BucketSpec> buckets = {{"fc", 100003}, {"b", 1000}};
   const long steps = 12, change_at = 6;
   o.extra.push_back("--min_nodes=2");
-  o.peer_timeout_ms = 3000;
   DaemonCluster cluster(n, 1, o);
   auto is_lost = [&](int r) { return std::find(lost.begin(), lost.end(), r) != lost.end(); };
   cluster.StartClients(buckets, steps, -1, -1, -1, [&](int r, int) {
@@ -425,6 +427,9 @@ inline void ExpectElasticJobGoesOn(
     if (!is_lost(r)) others.push_back(cluster.clients()[r]);
   }
   const std::vector<int> survivors_codes = WaitAll(others, std::chrono::seconds(90));
+  if (took != nullptr) {
+    *took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
   std::vector<int> codes(n, -1);
   for (int r = 0, i = 0; r < n; ++r) {
     if (!is_lost(r)) codes[r] = survivors_codes[i++];
@@ -484,7 +489,7 @@ inline void ExpectElasticJobGoesOn(
       std::string causes;
       for (const auto& c : status->membership_changes()) causes += c.cause();
       for (int l : lost) {
-        EXPECT_TRUE(absl::StrContains(causes, absl::StrCat("(node", l, ") silent"))) << causes;
+        EXPECT_TRUE(absl::StrContains(causes, absl::StrCat("(node", l, ") ", cause))) << causes;
       }
     }
   }

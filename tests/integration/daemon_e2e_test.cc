@@ -292,6 +292,27 @@ TEST(DaemonElastic, TwoNodesLostAtOnce) {
   ClusterOptions o{CacheFlags(true)};
   ExpectElasticJobGoesOn(o, 4, {1, 3}, KillNodes, /*epochs=*/0);
 }
+// A node whose daemon is stopped (SIGTERM, as a preempted pod's is) leaves
+// at once: the others go on without waiting for the peer timeout (20 s here).
+TEST(DaemonElastic, ANodeThatLeavesIsLetGoAtOnce) {
+  ClusterOptions o{CacheFlags(true)};
+  o.peer_timeout_ms = 20000;
+  double took = 0;
+  ExpectElasticJobGoesOn(
+      o, 3, {2},
+      [](DaemonCluster& cluster, const std::vector<int>& lost) {
+        for (int r : lost) {
+          kill(cluster.pid(r), SIGTERM);
+          EXPECT_EQ(WaitAll({cluster.pid(r)}, std::chrono::seconds(20))[0], 0);
+          cluster.Forget(r);
+          kill(cluster.clients()[r], SIGKILL);
+          waitpid(cluster.clients()[r], nullptr, 0);
+        }
+      },
+      1, "left the job", &took);
+  EXPECT_LT(took, 10) << "waited for the peer timeout";
+  std::printf("the survivors finished %.2f s after node 2's daemon was stopped\n", took);
+}
 // Two lost 1 s apart: the first change's data plane cannot connect (its
 // other lost node is in it); the second change's does, and the survivors go
 // on from there, once.
