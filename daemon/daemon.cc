@@ -220,6 +220,7 @@ absl::Status DaemonImpl::StartCoordinator() {
     co.peer_timeout = config_.peer_timeout;
     co.stall_warning = absl::Seconds(config_.stall_warning_s);
     co.stall_abort = absl::Seconds(config_.stall_abort_s);
+    co.served_by_node0 = !config_.coordinator_only;
     auto c = control::Coordinator::Create(co);
     if (!c.ok()) return Bad("coordinator", c.status());
     coordinator_ = std::move(c).value();
@@ -238,8 +239,9 @@ absl::Status DaemonImpl::StartCoordinator() {
       if (!self.ok()) return Bad("--coordinator_listen", self.status());
       coordinator_address_ = *self;
     }
-    MICROD_LOG(Info, "coordinator listening on %s for %d nodes",
-               coordinator_server_->address().c_str(), co.expected_nodes);
+    MICROD_LOG(Info, "coordinator listening on %s for %d nodes%s",
+               coordinator_server_->address().c_str(), co.expected_nodes,
+               config_.coordinator_only ? " (this daemon serves it alone: no training)" : "");
     if (const std::string f = config_.coordinator_port_file; !f.empty()) {
       std::ofstream(f) << coordinator_server_->port() << "\n";
     }
@@ -603,6 +605,11 @@ absl::Status DaemonImpl::Start(const std::function<void()>& serving) {
   RETURN_IF_ERROR(StartCoordinator());
   RETURN_IF_ERROR(StartAdmin());
   RETURN_IF_ERROR(StartMetrics());
+  if (config_.coordinator_only) {
+    if (serving) serving();
+    admin_->SetServing(kHealthService, true);
+    return absl::OkStatus();
+  }
   RETURN_IF_ERROR(StartTimeline());
   engine::EngineOptions eo = EngineOptionsOf(config_, memory_budget_, memory_budget_source_);
   RETURN_IF_ERROR(Join(engine::OptionsText(eo)));
@@ -720,6 +727,11 @@ absl::Status DaemonConfig::Validate() const {
                absl::InvalidArgumentError("--timeline_steps must be in [1, 100000000], "
                                           "--timeline_every at least 1 and --timeline_flush_s "
                                           "positive"));
+  }
+  if (coordinator_only && (coordinator_listen.empty() || !coordinator.empty())) {
+    return Bad("--coordinator_only",
+               absl::InvalidArgumentError(
+                   "serves the coordinator: give --coordinator_listen, and no --coordinator"));
   }
   if (max_processes < 1 || max_buffers_per_process < 1) {
     return Bad("limits", absl::InvalidArgumentError(

@@ -33,6 +33,9 @@ struct DaemonConfig {
   int max_nodes = 0;
   // Below min_nodes, how long the job waits for nodes to join (0: it fails).
   int elastic_timeout_s = 600;
+  // Serve the coordinator (and the Admin service) only: no training, no
+  // data plane; every training node dials it (--coordinator).
+  bool coordinator_only = false;
   bool elastic() const { return (min_nodes > 0 && min_nodes < nodes) || max_nodes > nodes; }
   int local_size = 1;
   std::string coordinator;         // host:port of the coordinator

@@ -32,6 +32,10 @@ ABSL_FLAG(int, elastic_timeout_s, 600,
           "waits this long for nodes to join, then fails naming what it waited for (0: it fails "
           "at once; read by the coordinator, node 0)");
 ABSL_FLAG(std::string, coordinator, "", "address of the coordinator (host:port)");
+ABSL_FLAG(bool, coordinator_only, false,
+          "serve the coordinator (--coordinator_listen) and the Admin service only, for "
+          "--nodes training nodes that all dial it: an elastic job may then lose any of them, "
+          "node 0 included");
 ABSL_FLAG(std::string, coordinator_listen, "",
           "serve the coordinator on this address (node 0 only)");
 ABSL_FLAG(std::string, coordinator_port_file, "",
@@ -263,6 +267,7 @@ absl::StatusOr<DaemonConfig> DaemonConfigFromFlags() {
   c.local_size = absl::GetFlag(FLAGS_local_size);
   c.coordinator = absl::GetFlag(FLAGS_coordinator);
   c.coordinator_listen = absl::GetFlag(FLAGS_coordinator_listen);
+  c.coordinator_only = absl::GetFlag(FLAGS_coordinator_only);
   c.coordinator_port_file = absl::GetFlag(FLAGS_coordinator_port_file);
   c.socket = absl::GetFlag(FLAGS_socket);
   c.admin = absl::GetFlag(FLAGS_admin);

@@ -881,7 +881,7 @@ absl::Status Coordinator::Leave(uint64_t session, int rank) {
   if (absl::Status s = CheckMember(session, rank); !s.ok()) return s;
   Node& node = nodes_[rank];
   node.left = true;
-  if (state_ == JobState::kRunning && elastic() && rank != 0 &&
+  if (state_ == JobState::kRunning && elastic() && (rank != 0 || !options_.served_by_node0) &&
       (static_cast<int>(nodes_.size()) - 1 >= min_nodes() ||
        options_.elastic_timeout > absl::ZeroDuration())) {
     // An elastic job goes on without it at once (a preempted node's daemon
@@ -985,7 +985,7 @@ void Coordinator::Watchdog() {
     const std::string timeout =
         absl::StrCat(" (peer timeout ", absl::FormatDuration(options_.peer_timeout), ")");
     const int left = static_cast<int>(nodes_.size() - lost.size());
-    if (first != nullptr && elastic() && first->rank != 0 &&
+    if (first != nullptr && elastic() && (first->rank != 0 || !options_.served_by_node0) &&
         (left >= min_nodes() || options_.elastic_timeout > absl::ZeroDuration())) {
       // Node 0 serves this coordinator: silent, it is this process that
       // stalled, and it cannot be dropped.
@@ -1007,8 +1007,9 @@ void Coordinator::Watchdog() {
           absl::FormatDuration(absl::Trunc(now - first->last_seen, absl::Milliseconds(1))), timeout,
           also);
       if (elastic()) {
-        absl::StrAppend(&why, first->rank == 0
-                                  ? "; node 0 serves the coordinator and cannot be dropped"
+        absl::StrAppend(&why, first->rank == 0 && options_.served_by_node0
+                                  ? "; node 0 serves the coordinator and cannot be dropped "
+                                    "(microd --coordinator_only serves one of its own)"
                                   : absl::StrCat("; ", left,
                                                  " node(s) would remain, fewer "
                                                  "than the minimum of ",

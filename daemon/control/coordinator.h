@@ -48,6 +48,10 @@ struct CoordinatorOptions {
   // min_nodes; after this long without, the job fails, naming what it waited
   // for. Zero: it fails at once.
   absl::Duration elastic_timeout = absl::Minutes(10);
+  // Node 0's daemon serves this coordinator (its silence is this process's,
+  // and it is never dropped). False: a coordinator of its own
+  // (--coordinator_only), and an elastic job may lose any node.
+  bool served_by_node0 = true;
 };
 
 // One change of an elastic job's membership.
@@ -142,7 +146,8 @@ class Coordinator {
   // `waiting`: the node's long-waiting buckets, replacing what it sent before.
   absl::StatusOr<HeartbeatAnswer> Heartbeat(uint64_t session, int rank,
                                             std::vector<BucketWait> waiting = {});
-  // An elastic job goes on without a node that leaves (but node 0): the
+  // An elastic job goes on without a node that leaves (but node 0, when it
+  // serves the coordinator): the
   // next epoch forms at once, as for a lost node. Otherwise the job ends.
   absl::Status Leave(uint64_t session, int rank);
   // A node reports that the job failed; the reason is kept with its name.

@@ -142,11 +142,12 @@ def test_overlays_create_the_token_secret():
 
 def test_coordinator_reached_through_the_headless_service(rendered):
     objs, job, pod, sidecar, trainer = rendered
-    svc = _one(objs, "Service")
+    svc = _named(objs, "Service", pod["subdomain"])
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
     labels = job["spec"]["template"]["metadata"]["labels"]
     assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
-    assert pod["subdomain"] == svc["metadata"]["name"]
+    if any(o["kind"] == "Deployment" for o in objs):
+        return  # a coordinator of its own (test_elastic_overlay_...)
     host, port = _env(objs, sidecar)["MICROD_COORDINATOR"].rsplit(":", 1)
     assert host == f"{job['metadata']['name']}-0.{svc['metadata']['name']}"
     (sp,) = [p for p in svc["spec"]["ports"] if p["name"] == "coordinator"]
@@ -213,7 +214,7 @@ def test_network_policy_admits_only_the_jobs_pods(rendered):
     """Only pods of the job reach its pods, on TCP: the coordinator port and
     Gloo's ephemeral ports (no port given: all of them); nothing else."""
     objs, job, pod, sidecar, trainer = rendered
-    (np,) = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    np = _named(objs, "NetworkPolicy", job["metadata"]["name"])
     labels = job["spec"]["template"]["metadata"]["labels"]
     assert np["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
     assert "Ingress" in np["spec"]["policyTypes"]
@@ -244,7 +245,8 @@ def test_metrics_port_annotations_and_flag_agree(rendered):
     assert int(ann["prometheus.io/port"]) == port
     assert ann["prometheus.io/path"] == "/metrics"
     # The Service lists the coordinator only.
-    assert port not in [p["port"] for p in _one(objs, "Service")["spec"]["ports"]]
+    svc = _named(objs, "Service", pod["subdomain"])
+    assert port not in [p["port"] for p in svc["spec"]["ports"]]
 
 
 def test_monitoring_overlay_podmonitor_selects_the_jobs_pods():
@@ -286,3 +288,61 @@ def test_mtls_overlay_mounts_its_certificate_into_the_sidecar_only():
     assert ca and ca[0]["spec"]["isCA"] is True
     assert secret not in [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v
                           and v["name"] in [m["name"] for m in trainer.get("volumeMounts", [])]]
+
+
+def test_elastic_overlay_serves_the_coordinator_alone_and_replaces_failed_pods():
+    """overlays/elastic: a Deployment runs `microd --coordinator_only` behind
+    its own Service, on the port every training node dials; no training node
+    serves it; the job is elastic (--min_nodes below --nodes) and the Indexed
+    Job replaces a failed pod (after it terminated), not counting preemptions;
+    only the job's pods reach the coordinator."""
+    objs = d.kustomize(os.path.join(K8S, "overlays", "elastic"))
+    job = _one(objs, "Job")
+    pod = job["spec"]["template"]["spec"]
+    (sidecar,) = pod["initContainers"]
+    env = _env(objs, sidecar)
+    assert int(env["MICROD_MIN_NODES"]) < int(env["MICROD_NODES"]) == job["spec"]["completions"]
+    assert int(env["MICROD_MAX_NODES"]) >= int(env["MICROD_NODES"])
+    assert sidecar["args"] == ["exec microd"], "no training node serves the coordinator"
+    assert job["spec"]["backoffLimitPerIndex"] >= 1
+    assert job["spec"]["podReplacementPolicy"] == "Failed"
+    assert pod["restartPolicy"] == "Never"
+    (rule,) = job["spec"]["podFailurePolicy"]["rules"]
+    assert rule["action"] == "Ignore" and rule["onPodConditions"] == [{"type": "DisruptionTarget"}]
+    host, port = env["MICROD_COORDINATOR"].rsplit(":", 1)
+    deployment = _named(objs, "Deployment", "microd-coordinator")
+    assert deployment["spec"]["replicas"] == 1
+    cpod = deployment["spec"]["template"]["spec"]
+    (coordinator,) = cpod["containers"]
+    script = coordinator["args"][0]
+    assert "exec microd --coordinator_only" in script
+    assert 'MICROD_COORDINATOR_LISTEN="0.0.0.0:${MICROD_COORDINATOR##*:}"' in script
+    assert "unset MICROD_COORDINATOR" in script
+    svc = _named(objs, "Service", host)
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (sp,) = [p for p in svc["spec"]["ports"] if p["name"] == "coordinator"]
+    (cp,) = [p for p in coordinator["ports"] if p["name"] == "coordinator"]
+    assert int(port) == sp["port"] == cp["containerPort"]
+    # Every variable it reads is a flag; its token from the job's Secret.
+    flags = {"MICROD_" + f.upper() for f in FLAGS}
+    cenv = _env(objs, coordinator)
+    assert all(name in flags for name in cenv), cenv
+    path = cenv["MICROD_TOKEN_FILE"]
+    vol = _volume_at(cpod, coordinator, os.path.dirname(path))
+    assert vol["secret"]["secretName"] == "microd-token"
+    assert cenv["MICROD_ADMIN"].startswith("unix:/")
+    _volume_at(cpod, coordinator, os.path.dirname(cenv["MICROD_ADMIN"][len("unix:"):]))
+    for probe in ("startupProbe", "livenessProbe"):
+        assert coordinator[probe]["exec"]["command"][0] == "microd-health"
+    assert coordinator["securityContext"]["allowPrivilegeEscalation"] is False
+    assert cpod["securityContext"]["runAsNonRoot"] is True
+    # Only the job's pods reach the coordinator's port.
+    np = _named(objs, "NetworkPolicy", "microd-coordinator")
+    assert np["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    job_rule = np["spec"]["ingress"][0]
+    (peer,) = job_rule["from"]
+    assert peer["podSelector"]["matchLabels"].items() <= \
+        job["spec"]["template"]["metadata"]["labels"].items()
+    assert job_rule["ports"] == [{"protocol": "TCP", "port": "coordinator"}]

@@ -278,14 +278,16 @@ FILE_SUFFIXES = {"h", "pc", "sock", "so", "c"}  # microd.h, microd.pc: files, no
 def test_python_names_exist():
     package = os.path.join(d.ROOT, "client", "python", "microd")
     defined = {}
-    for module, file in (("microd", "__init__.py"), ("mt", "torch.py")):
+    for module, file in (("microd", "__init__.py"), ("mt", "torch/__init__.py"),
+                         ("elastic", "torch/elastic.py")):
         src = _read(os.path.join(package, file))
         defined[module] = set(re.findall(r"^(?:def|class) (\w+)|^(\w+) = ", src, flags=re.M))
         defined[module] = {a or b for a, b in defined[module]}
     defined["microd"].add("torch")
+    defined["mt"].add("elastic")
     for path in [README, os.path.join(d.ROOT, "docs", "python.md")]:
         text = "\n".join(_code(_read(path)))
-        found = re.findall(r"(?<![\w/.-])(microd|mt)\.(\w+)", text)
+        found = re.findall(r"(?<![\w/.-])(microd|mt|elastic)\.(\w+)", text)
         missing = sorted({f"{m}.{n}" for m, n in found
                           if n not in defined[m] and n not in FILE_SUFFIXES})
         assert not missing, f"{_rel(path)} names Python names the package lacks: {missing}"

@@ -69,6 +69,9 @@ struct ClusterOptions {
   // A job token for every node (a coordinator other hosts reach needs TLS
   // or one): on by default in a lab, where node 0 listens on its address.
   std::optional<bool> token;
+  // A daemon of its own serves the coordinator (--coordinator_only, on
+  // loopback); every node dials it, node 0 too.
+  bool coordinator_only = false;
 };
 
 class DaemonCluster {
@@ -82,6 +85,7 @@ class DaemonCluster {
     if (o.token.value_or(lab_ != nullptr)) {
       std::ofstream(dir_ + "/token") << "the job's token " << dir_ << "\n";
     }
+    if (o.coordinator_only) SpawnCoordinator();
     for (int r = 0; r < nodes; ++r) SpawnDaemon(r, r);
   }
   // Starts one more daemon, node `r` of this cluster (its socket, logs and
@@ -113,6 +117,10 @@ class DaemonCluster {
     for (pid_t p : pids_) {
       if (p > 0) live.push_back(p);
     }
+    if (coordinator_pid_ > 0) {
+      kill(coordinator_pid_, SIGTERM);
+      live.push_back(coordinator_pid_);
+    }
     WaitAll(live, std::chrono::seconds(20));
     // MICROD_TEST_KEEP=1 keeps the daemons' logs and the outputs.
     if (const char* keep = std::getenv("MICROD_TEST_KEEP"); keep != nullptr && *keep == '1') {
@@ -132,8 +140,8 @@ class DaemonCluster {
   }
 
   absl::StatusOr<microd::v1::GetStatusResponse> Status(int r, bool history = false) {
-    auto stub = microd::v1::Admin::NewStub(
-        grpc::CreateChannel(admin_targets_[r], grpc::InsecureChannelCredentials()));
+    auto stub = microd::v1::Admin::NewStub(grpc::CreateChannel(
+        r < 0 ? coordinator_admin_ : admin_targets_[r], grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     microd::v1::GetStatusResponse resp;
@@ -181,6 +189,26 @@ class DaemonCluster {
   const std::vector<pid_t>& clients() const { return clients_; }
 
  private:
+  // The daemon that serves the coordinator alone (its log: coordinator.log;
+  // Status(-1) asks it).
+  void SpawnCoordinator() {
+    std::vector<std::string> args = {HelperPath(MICROD_DAEMON),
+                                     "--coordinator_only",
+                                     "--coordinator_listen=127.0.0.1:0",
+                                     absl::StrCat("--coordinator_port_file=", dir_, "/coordinator"),
+                                     absl::StrCat("--nodes=", n_),
+                                     "--node_name=coordinator",
+                                     "--admin=127.0.0.1:0",
+                                     absl::StrCat("--admin_port_file=", dir_, "/admin_coordinator"),
+                                     absl::StrCat("--peer_timeout_ms=", options_.peer_timeout_ms)};
+    if (options_.token.value_or(lab_ != nullptr)) args.push_back("--token_file=" + dir_ + "/token");
+    for (const auto& e : options_.extra) args.push_back(e);
+    coordinator_pid_ = Spawn(args, dir_ + "/coordinator.log");
+    coordinator_port_ = ReadPortFile(dir_ + "/coordinator", std::chrono::seconds(20));
+    coordinator_admin_ = absl::StrCat(
+        "127.0.0.1:", ReadPortFile(dir_ + "/admin_coordinator", std::chrono::seconds(20)));
+  }
+
   // Node r's daemon, asking for node rank `rank` (-1: any).
   void SpawnDaemon(int r, int rank, const std::vector<std::string>& extra = {}) {
     const ClusterOptions& o = options_;
@@ -200,7 +228,7 @@ class DaemonCluster {
       args.push_back(absl::StrCat("--admin_port_file=", dir_, "/admin", r));
     }
     const std::string host = lab_ != nullptr ? lab_->addr(0) : "127.0.0.1";
-    if (r == 0) {
+    if (r == 0 && !o.coordinator_only) {
       args.push_back(
           absl::StrCat("--coordinator_listen=",
                        o.coordinator_listen_host.empty() ? host : o.coordinator_listen_host, ":0"));
@@ -214,7 +242,9 @@ class DaemonCluster {
     if (lab_ != nullptr) args = lab_->InNode(r, args);
     pids_.push_back(Spawn(args, absl::StrCat(dir_, "/daemon", r, ".log"),
                           o.env ? o.env(r) : std::vector<std::string>{}));
-    if (r == 0) coordinator_port_ = ReadPortFile(dir_ + "/coordinator", std::chrono::seconds(20));
+    if (r == 0 && !o.coordinator_only) {
+      coordinator_port_ = ReadPortFile(dir_ + "/coordinator", std::chrono::seconds(20));
+    }
     if (lab_ == nullptr) {
       admin_targets_.push_back(absl::StrCat(
           "127.0.0.1:", ReadPortFile(absl::StrCat(dir_, "/admin", r), std::chrono::seconds(20))));
@@ -227,6 +257,8 @@ class DaemonCluster {
   const std::string dir_;
   NetLab* const lab_;
   const ClusterOptions options_;
+  pid_t coordinator_pid_ = -1;  // --coordinator_only's daemon, if any
+  std::string coordinator_admin_;
   int coordinator_port_ = 0;
   std::vector<pid_t> pids_;
   std::vector<std::string> admin_targets_;  // gRPC targets of the Admin services
@@ -445,6 +477,8 @@ inline void ExpectElasticJobGoesOn(
     EXPECT_TRUE(epochs == 1 || epochs == 2) << epochs;
   }
   int new_rank = 0;
+  int m_first_survivor = 0;  // the coordinator's account is checked once, with it
+  while (is_lost(m_first_survivor)) ++m_first_survivor;
   for (int r = 0; r < n; ++r) {
     const auto lines = ReadLines(cluster.outs()[r]);
     int epoch_lines = 0;
@@ -481,7 +515,11 @@ inline void ExpectElasticJobGoesOn(
     EXPECT_EQ(status->node_count(), m) << "node " << r;
     EXPECT_GT(status->last_recovery_seconds(), 0) << "node " << r;
     EXPECT_LT(status->last_recovery_seconds(), 20) << "node " << r;
-    if (r == 0) {
+    if (o.coordinator_only ? r == m_first_survivor : r == 0) {
+      if (o.coordinator_only) {
+        status = cluster.Status(-1);  // the coordinator's own daemon
+        ASSERT_TRUE(status.ok()) << status.status();
+      }
       EXPECT_EQ(status->min_nodes(), 2);
       ASSERT_EQ(status->membership_changes_size(), epochs);
       EXPECT_EQ(status->membership_changes(epochs - 1).epoch(), static_cast<uint64_t>(epochs));

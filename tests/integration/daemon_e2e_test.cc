@@ -313,6 +313,14 @@ TEST(DaemonElastic, ANodeThatLeavesIsLetGoAtOnce) {
   EXPECT_LT(took, 10) << "waited for the peer timeout";
   std::printf("the survivors finished %.2f s after node 2's daemon was stopped\n", took);
 }
+// A coordinator of its own (--coordinator_only): node 0 is a training node
+// like the others, and an elastic job goes on without it, the others
+// renumbered 0 and 1.
+TEST(DaemonElastic, WithACoordinatorOfItsOwnNodeZeroCanBeLost) {
+  ClusterOptions o{CacheFlags(true)};
+  o.coordinator_only = true;
+  ExpectElasticJobGoesOn(o, 3, {0}, KillNodes);
+}
 // Two lost 1 s apart: the first change's data plane cannot connect (its
 // other lost node is in it); the second change's does, and the survivors go
 // on from there, once.
