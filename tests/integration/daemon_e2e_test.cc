@@ -618,6 +618,82 @@ TEST(DaemonElastic, BelowTheMinimumTheJobFailsAfterTheElasticTimeout) {
   ExpectBelowTheMinimum(false);
 }
 
+// A node lost in a given phase of a step: node 2's daemon exits (as a
+// SIGKILL would: MICROD_TEST_EXIT_AT) when it enters its 7th collective of
+// `kind`, a few steps in. The others end that step the same way (every
+// bucket it had not completed is answered MICROD_ERR_MEMBERSHIP on both,
+// none applied anywhere), go on as a job of 2, and every step is bit for bit
+// the reference of 3 nodes, then 2 from where each bucket changed.
+void ExpectLossInPhase(transport::TagKind kind) {
+  const std::vector<BucketSpec> buckets = {{"fc", 100003}, {"b", 1000}};
+  const long steps = 12;
+  ClusterOptions o{CacheFlags(true)};
+  o.extra.push_back("--min_nodes=2");
+  o.env = [kind](int r) {
+    return r == 2 ? std::vector<std::string>{absl::StrCat(
+                        "MICROD_TEST_EXIT_AT=", static_cast<int>(kind), ":7")}
+                  : std::vector<std::string>{};
+  };
+  DaemonCluster cluster(3, 1, o);
+  cluster.StartClients(buckets, steps, -1, -1, -1,
+                       [](int, int) { return std::vector<std::string>{"elastic"}; });
+  const std::vector<int> codes =
+      WaitAll({cluster.clients()[0], cluster.clients()[1]}, std::chrono::seconds(90));
+  const std::vector<int> lost = WaitAll({cluster.clients()[2]}, std::chrono::seconds(30));
+  EXPECT_EQ(lost[0], 3) << "node 2's process: its daemon is gone";
+  EXPECT_TRUE(absl::StrContains(ReadFile(cluster.dir() + "/daemon2.log"), "MICROD_TEST_EXIT_AT"));
+  cluster.Forget(2);
+  // Where each bucket changed: its first result after the survivors' EPOCH
+  // line (the same on both).
+  std::vector<long> from(buckets.size(), steps);
+  for (int r = 0; r < 2; ++r) {
+    const auto lines = ReadLines(cluster.outs()[r]);
+    bool after = false;
+    std::vector<long> mine(buckets.size(), steps);
+    for (const std::string& line : lines) {
+      std::vector<std::string> f = absl::StrSplit(line, ' ');
+      if (f[0] == "EPOCH") {
+        after = true;
+        continue;
+      }
+      if (f.size() != 3 || !after) continue;
+      const size_t b = std::stoul(f[1]);
+      mine[b] = std::min(mine[b], std::stol(f[0]));
+    }
+    if (r == 0) from = mine;
+    EXPECT_EQ(mine, from) << "node " << r << " ended the step in flight otherwise";
+  }
+  // Lost in the middle of the job (which step the 7th such collective is
+  // in depends on how the first steps were batched).
+  const long at = *std::min_element(from.begin(), from.end());
+  EXPECT_GE(at, 1);
+  EXPECT_LT(at, steps - 1);
+  std::printf("node 2 lost in step %ld (buckets changed at %s)\n", at,
+              absl::StrJoin(from, ", ").c_str());
+  const auto ref = PhasedReference(3, 1, buckets, steps, {{{0, 1, 2}, {0}}, {{0, 1}, from}});
+  std::vector<size_t> results = {steps * buckets.size(), steps * buckets.size()};
+  ExpectElasticOutputs(cluster, ref, buckets, codes, results, {1, 1});
+  // What node 2 had completed is the job's too.
+  for (const std::string& line : ReadLines(cluster.outs()[2])) {
+    std::vector<std::string> f = absl::StrSplit(line, ' ');
+    if (f.size() != 3 || f[0] == "FAILED") continue;
+    const long t = std::stol(f[0]);
+    const int b = std::stoi(f[1]);
+    EXPECT_LT(t, from[b]);
+    EXPECT_EQ(std::stoull(f[2], nullptr, 16), ref[2][t][b]) << "node 2 step " << t;
+  }
+}
+
+TEST(DaemonElastic, ANodeLostBeforeTheFirstExchangeOfAStep) {
+  ExpectLossInPhase(transport::TagKind::kRound1);
+}
+TEST(DaemonElastic, ANodeLostDuringTheIndexExchange) {
+  ExpectLossInPhase(transport::TagKind::kRound2);
+}
+TEST(DaemonElastic, ANodeLostDuringTheValueExchange) {
+  ExpectLossInPhase(transport::TagKind::kRound3);
+}
+
 TEST(DaemonFaults, SizeMismatchBetweenNodesIsReportedEverywhere) {
   DaemonCluster cluster(2, 1);
   // Different counts for the same bucket name on the two nodes.

@@ -28,6 +28,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <exception>
@@ -120,6 +121,28 @@ enum class GlooKind : uint32_t {
   kBarrier = 4
 };
 uint32_t GlooTag(uint32_t tag, GlooKind kind) { return tag * 8 + static_cast<uint32_t>(kind); }
+
+// A test hook: MICROD_TEST_EXIT_AT="KIND:N" ends this process at once, as a
+// SIGKILL would (no goodbye; the kernel closes its connections), when it
+// enters its N-th collective with a tag of kind KIND (TagKind's values), in
+// any epoch's data plane: the end-to-end tests lose a node in a given phase
+// of a step. Not a flag, and unset in production.
+void MaybeExitForTest(uint32_t tag) {
+  static const std::pair<long, long> at = [] {
+    long kind = -1, n = 0;
+    if (const char* v = std::getenv("MICROD_TEST_EXIT_AT"); v != nullptr) {
+      if (std::sscanf(v, "%ld:%ld", &kind, &n) != 2 || n < 1) kind = -1;
+    }
+    return std::make_pair(kind, n);
+  }();
+  static std::atomic<long> seen{0};
+  if (at.first < 0 || static_cast<long>(tag & 0xffu) != at.first) return;
+  if (seen.fetch_add(1) + 1 != at.second) return;
+  std::fprintf(stderr, "MICROD_TEST_EXIT_AT=%ld:%ld: exiting in the collective of tag %u\n",
+               at.first, at.second, tag);
+  std::fflush(stderr);
+  std::_Exit(137);
+}
 
 class GlooTransport final : public Transport {
  public:
@@ -351,6 +374,7 @@ class GlooTransport final : public Transport {
  private:
   template <typename Body>
   absl::Status Run(const char* op, const CollectiveOptions& o, Body body) {
+    MaybeExitForTest(o.tag);
     {
       absl::MutexLock lock(&mu_);
       if (!broken_.ok()) return broken_;
