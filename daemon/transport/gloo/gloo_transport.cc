@@ -1108,15 +1108,30 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGlooTransport(const GlooOptions
     // alike, so every rank makes as many.
     int lanes = o.connections;
     if (lanes == 0) lanes = transport->link_model()->round_seconds >= kLongLinkSeconds ? 4 : 1;
-    std::vector<std::shared_ptr<gloo::Context>> extra;
+    // The lanes connect at once, each through keys of its own: on a long
+    // link their rendezvous (a few round trips each) would add up.
+    std::vector<std::future<std::shared_ptr<gloo::Context>>> connecting;
     for (int i = 1; i < lanes && o.size > 1; ++i) {
-      auto lane = std::make_shared<gloo::rendezvous::Context>(o.rank, o.size);
-      lane->setTimeout(millis(connect));
-      GlooStoreAdapter store(o.store, absl::StrCat(o.prefix, "/lane", i), connect);
-      lane->connectFullMesh(store, device);
-      lane->setTimeout(millis(o.timeout));
-      extra.push_back(std::move(lane));
+      connecting.push_back(
+          std::async(std::launch::async, [&, i]() -> std::shared_ptr<gloo::Context> {
+            auto lane = std::make_shared<gloo::rendezvous::Context>(o.rank, o.size);
+            lane->setTimeout(millis(connect));
+            GlooStoreAdapter store(o.store, absl::StrCat(o.prefix, "/lane", i), connect);
+            lane->connectFullMesh(store, device);
+            lane->setTimeout(millis(o.timeout));
+            return lane;
+          }));
     }
+    std::vector<std::shared_ptr<gloo::Context>> extra;
+    std::exception_ptr failed;
+    for (auto& f : connecting) {
+      try {
+        extra.push_back(f.get());  // every one waited for, even after a failure
+      } catch (...) {
+        if (!failed) failed = std::current_exception();
+      }
+    }
+    if (failed) std::rethrow_exception(failed);
     context->setTimeout(millis(o.timeout));
     transport->AddLanes(std::move(extra));
     return std::unique_ptr<Transport>(std::move(transport));
