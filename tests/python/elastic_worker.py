@@ -1,7 +1,7 @@
 """One training process of the elastic tests: microd.torch.elastic.run with
 DistributedOptimizer (SGD with momentum, so the optimizer's state matters).
 
-    elastic_worker.py STEPS [model=mlp|cnn] [pause_at=N] [hold_at=N:FILE] [seed=S]
+    elastic_worker.py STEPS [model=mlp|cnn] [pause_at=N] [hold_at=N:FILE] [save_at=N:DIR] [seed=S]
 
 model=mlp (default): a small MLP on random data, its initial values
 different on every process (the sync must hand rank 0's to all);
@@ -10,7 +10,8 @@ training set (rank::world_size, cut again at each change, each step's
 batch drawn from the step and the rank), the learning rate decaying
 linearly to 0, and rank 0 prints "ACCURACY a" on the test set at the end.
 pause_at: stop before step N and sleep until killed (a node to lose);
-hold_at: wait before step N until FILE exists (60 s at most).
+hold_at: wait before step N until FILE exists (60 s at most);
+save_at: microd.torch.save_state(DIR) before step N (prints "SAVED N").
 Prints "START epoch rank world_size" once the optimizer is made, "STEP t
 world_size hash" after each committed step (hash: the parameters' bytes),
 "RESET world_size" from the reset callback, and "DONE step resets" at
@@ -34,6 +35,10 @@ hold_at, hold_file = -1, None
 if "hold_at" in options:
     at, hold_file = options["hold_at"].split(":", 1)
     hold_at = int(at)
+save_at, save_dir = -1, None
+if "save_at" in options:
+    at, save_dir = options["save_at"].split(":", 1)
+    save_at = int(at)
 cnn = options.get("model", "mlp") == "cnn"
 seed = int(options.get("seed", 0))
 torch.set_num_threads(1)
@@ -78,6 +83,9 @@ def batch_of(step, rank, world):
 @elastic.run
 def train(state):
     while state.step < steps:
+        if state.step == save_at:
+            mt.save_state(save_dir)
+            print("SAVED", state.step, flush=True)
         if state.step == pause_at:
             print("PAUSED", flush=True)
             time.sleep(600)

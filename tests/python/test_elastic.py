@@ -92,6 +92,40 @@ def test_elastic_run_goes_on_without_a_lost_node_and_takes_in_a_new_one(make_clu
         assert by_step[2][t] == by_step[0][t], (t, joiner, survivors[0])
 
 
+def test_a_node_lost_while_the_others_save_their_state(make_cluster, tmp_path):
+    """microd.torch.save_state is each node's own (no exchange between
+    nodes): while node 2 is lost, the others save at step 4 and finish,
+    each with its file written whole (and again in the new epoch, once
+    elastic.run rolled step 4 back); the job goes on with 2 nodes."""
+    cluster = make_cluster(3, args=("--min_nodes=2",))
+    saved = tmp_path / "state"
+    saved.mkdir()
+    steps = 8
+    procs = []
+    for r in range(3):
+        extra = [f"save_at=4:{saved}"] if r < 2 else ["pause_at=4"]
+        procs.append(subprocess.Popen([PYTHON, ELASTIC_WORKER, str(steps), *extra],
+                                      env=cluster.env(r, 0), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    _read_until(procs[2], "PAUSED")
+    cluster.procs[2].kill()
+    procs[2].kill()
+    procs[2].wait()
+    outs = []
+    for p in procs[:2]:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out
+        outs.append(out)
+        # Saved at step 4, and again when the change rolled step 4 back.
+        assert _lines(out, "SAVED") == [["4"], ["4"]], out
+        assert _lines(out, "DONE") == [[str(steps), "1"]], out
+    files = sorted(f.name for f in saved.iterdir())
+    assert len(files) == 2 and not any(".tmp" in f for f in files), files
+    by_step = [{int(t): (w, h) for t, w, h in _lines(out, "STEP")} for out in outs]
+    assert by_step[0] == by_step[1]
+    assert [by_step[0][t][0] for t in range(steps)] == ["3"] * 4 + ["2"] * 4
+
+
 def accuracy_of(outs):
     found = [float(a) for out in outs for (a,) in _lines(out, "ACCURACY")]
     assert len(found) == 1, outs
