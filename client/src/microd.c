@@ -147,7 +147,7 @@ static void read_one(microd_client* c, int timeout_ms) {
     const microd_wire_membership* mm = &m.membership;
     if (mm->node_count < 1 || mm->node_rank < 0 || mm->node_rank >= mm->node_count ||
         mm->local_rank < 0 || mm->local_rank >= mm->local_size || mm->rank < 0 ||
-        mm->rank >= mm->world_size || mm->world_size < mm->node_count || mm->epoch <= c->epoch) {
+        mm->rank >= mm->world_size || mm->world_size < mm->node_count || mm->epoch < c->epoch) {
       break_connection(c, MICROD_ERR_PROTOCOL, "malformed membership message from the daemon");
     } else {
       c->epoch = mm->epoch;

@@ -71,10 +71,12 @@ void Engine::Stop(const absl::Status& reason) {
 
 void Engine::Fail(const absl::Status& reason, bool report) {
   std::vector<Work> pending;
+  std::vector<EngineState::Fenced> fenced;  // refused by the fence, not answered yet
   {
     absl::MutexLock lock(&state_.mu);
     if (!state_.failed.ok()) return;
     state_.failed = JobFailed(reason);
+    fenced.swap(state_.fenced);
     pending = state_.table.TakeAllSubmitted();
     for (Work& w : state_.in_flight) pending.push_back(std::move(w));
     state_.in_flight.clear();
@@ -98,6 +100,9 @@ void Engine::Fail(const absl::Status& reason, bool report) {
   CurrentTransport()->Abort(reason);
   const absl::Status status = JobFailed(reason);
   for (const Work& w : pending) Complete(w, status);
+  for (const EngineState::Fenced& f : fenced) {
+    if (server_ != nullptr) server_->Complete(f.client, f.ticket, f.buffer_id, status);
+  }
 }
 
 absl::StatusOr<local::ProcessInfo> Engine::OnHello(uint64_t client, int requested_local_rank,

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -43,9 +44,9 @@ class Handler final : public local::LocalHandler {
     return absl::OkStatus();
   }
   absl::Status OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t ticket,
-                        std::optional<uint32_t>) override {
+                        std::optional<uint32_t> changes_seen) override {
     absl::MutexLock lock(&mu);
-    last = {client, buffer_id, ticket};
+    last = {client, buffer_id, ticket, changes_seen};
     ++submits;
     return absl::OkStatus();
   }
@@ -55,6 +56,7 @@ class Handler final : public local::LocalHandler {
     uint64_t client = 0;
     uint32_t buffer_id = 0;
     uint64_t ticket = 0;
+    std::optional<uint32_t> changes_seen;  // what the library said it had read
   };
   absl::Mutex mu;
   Submission last;
@@ -119,6 +121,7 @@ TEST_F(MembershipTest, TheLibraryFollowsTheNewMembership) {
   ASSERT_EQ(microd_allreduce_async(c, id, &ticket), MICROD_OK) << microd_last_error(c);
   const Handler::Submission s = handler_.WaitForSubmit(1);
   ASSERT_EQ(s.ticket, ticket);
+  EXPECT_EQ(s.changes_seen, std::optional<uint32_t>(0)) << "the fence: no change read yet";
   server_->NotifyMembership(s.client, 1, Survivor(), "node 2 (c) lost");
   server_->Complete(s.client, s.ticket, s.buffer_id,
                     WithClientStatus(absl::AbortedError("bucket 'grads.0': step 7 not applied"),
@@ -133,11 +136,22 @@ TEST_F(MembershipTest, TheLibraryFollowsTheNewMembership) {
   EXPECT_EQ(info.world_size, 3);
   EXPECT_EQ(info.node_rank, 1);
   EXPECT_EQ(info.node_count, 3);
-  // The connection goes on: the step is submitted again.
+  // The connection goes on: the step is submitted again, saying it read
+  // the change.
   ASSERT_EQ(microd_allreduce_async(c, id, &ticket), MICROD_OK) << microd_last_error(c);
   const Handler::Submission again = handler_.WaitForSubmit(2);
+  EXPECT_EQ(again.changes_seen, std::optional<uint32_t>(1));
+  // The same epoch told twice (a process that connected while the change
+  // was being told hears it at its hello and again): not an error.
+  server_->NotifyMembership(again.client, 1, Survivor(), "node 2 (c) lost");
   server_->Complete(again.client, again.ticket, again.buffer_id, absl::OkStatus());
   EXPECT_EQ(microd_wait(c, ticket, 5000), MICROD_OK) << microd_last_error(c);
+  ASSERT_EQ(microd_allreduce_async(c, id, &ticket), MICROD_OK) << microd_last_error(c);
+  const Handler::Submission third = handler_.WaitForSubmit(3);
+  server_->Complete(third.client, third.ticket, third.buffer_id, absl::OkStatus());
+  EXPECT_EQ(microd_wait(c, ticket, 5000), MICROD_OK) << microd_last_error(c);
+  ASSERT_EQ(microd_job_epoch(c, &epoch), MICROD_OK);
+  EXPECT_EQ(epoch, 1u);
   EXPECT_EQ(microd_close(c), MICROD_OK);
 }
 

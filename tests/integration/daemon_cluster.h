@@ -418,6 +418,47 @@ inline ReferenceHashes Reference(int n, int L, const std::vector<BucketSpec>& bu
   return PhasedReference(n, L, buckets, steps, phases, base, dtype, wire_bucket);
 }
 
+// A process's output in an elastic job ("step bucket hash" lines, and an
+// "EPOCH ..." line for each step answered MICROD_ERR_MEMBERSHIP) against
+// the reference of its node r: every result bit for bit. `results` and
+// `epochs` get the results and the EPOCH lines.
+inline void CheckElasticOutput(const std::vector<std::string>& lines, const ReferenceHashes& ref,
+                               const std::vector<BucketSpec>& buckets, int r, size_t* results,
+                               std::vector<std::string>* epochs) {
+  for (const std::string& line : lines) {
+    std::vector<std::string> f = absl::StrSplit(line, ' ');
+    if (f[0] == "EPOCH") {
+      epochs->push_back(line);
+      continue;
+    }
+    ASSERT_EQ(f.size(), 3u) << "node " << r << ": " << line;
+    const long t = std::stol(f[0]);
+    const int b = std::stoi(f[1]);
+    ASSERT_EQ(std::stoull(f[2], nullptr, 16), ref[r][t][b])
+        << "node " << r << " step " << t << " bucket " << buckets[b].name;
+    ++*results;
+  }
+}
+
+// Each node's processes' output against an elastic job's reference (node r
+// the r-th process started): every result bit for bit; `results[r]` of
+// them on node r, and `epochs[r]` steps answered MICROD_ERR_MEMBERSHIP;
+// `codes[r]` its exit code, 0.
+inline void ExpectElasticOutputs(const DaemonCluster& cluster, const ReferenceHashes& ref,
+                                 const std::vector<BucketSpec>& buckets,
+                                 const std::vector<int>& codes, const std::vector<size_t>& results,
+                                 const std::vector<int>& epochs) {
+  for (size_t r = 0; r < results.size(); ++r) {
+    const auto lines = ReadLines(cluster.outs()[r]);
+    EXPECT_EQ(codes[r], 0) << "node " << r << ": " << (lines.empty() ? "" : lines.back());
+    size_t seen = 0;
+    std::vector<std::string> epoch_lines;
+    CheckElasticOutput(lines, ref, buckets, static_cast<int>(r), &seen, &epoch_lines);
+    EXPECT_EQ(seen, results[r]) << "node " << r;
+    EXPECT_EQ(static_cast<int>(epoch_lines.size()), epochs[r]) << "node " << r;
+  }
+}
+
 // Elastic membership (--min_nodes=2): nodes `lost` of `n` are lost between
 // two steps (their processes stop before step 6, then `lose` takes their
 // daemons: killed, or their links cut). After the peer timeout the others go on as a job of their
@@ -481,24 +522,14 @@ inline void ExpectElasticJobGoesOn(
   while (is_lost(m_first_survivor)) ++m_first_survivor;
   for (int r = 0; r < n; ++r) {
     const auto lines = ReadLines(cluster.outs()[r]);
-    int epoch_lines = 0;
+    std::vector<std::string> epoch_lines;
     size_t results = 0;
-    for (const std::string& line : lines) {
-      std::vector<std::string> f = absl::StrSplit(line, ' ');
-      if (f[0] == "EPOCH") {
-        ++epoch_lines;
-        // step, epoch, rank, world size, node rank, node count
-        EXPECT_EQ(line, absl::StrCat("EPOCH ", change_at, " ", epochs, " ", new_rank, " ", m, " ",
-                                     new_rank, " ", m))
-            << "node " << r;
-        continue;
-      }
-      ASSERT_EQ(f.size(), 3u) << "node " << r << ": " << line;
-      const long t = std::stol(f[0]);
-      const int b = std::stoi(f[1]);
-      ASSERT_EQ(std::stoull(f[2], nullptr, 16), ref[r][t][b])
-          << "node " << r << " step " << t << " bucket " << buckets[b].name;
-      ++results;
+    CheckElasticOutput(lines, ref, buckets, r, &results, &epoch_lines);
+    for (const std::string& line : epoch_lines) {
+      // step, epoch, rank, world size, node rank, node count
+      EXPECT_EQ(line, absl::StrCat("EPOCH ", change_at, " ", epochs, " ", new_rank, " ", m, " ",
+                                   new_rank, " ", m))
+          << "node " << r;
     }
     if (is_lost(r)) {
       EXPECT_EQ(results, change_at * buckets.size());
@@ -506,7 +537,7 @@ inline void ExpectElasticJobGoesOn(
     }
     ++new_rank;
     EXPECT_EQ(codes[r], 0) << "node " << r << ": " << (lines.empty() ? "" : lines.back());
-    EXPECT_EQ(epoch_lines, 1) << "node " << r;  // one MICROD_ERR_MEMBERSHIP
+    EXPECT_EQ(epoch_lines.size(), 1u) << "node " << r;  // one MICROD_ERR_MEMBERSHIP
     EXPECT_EQ(results, steps * buckets.size()) << "node " << r;
     // Seen from outside: the epoch, and how long the change took here.
     auto status = cluster.Status(r);
