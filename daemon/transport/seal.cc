@@ -1,0 +1,174 @@
+#include "daemon/transport/seal.h"
+
+#include <openssl/core_names.h>
+#include <openssl/evp.h>
+#include <openssl/kdf.h>
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace microd::transport {
+namespace {
+
+constexpr size_t kKeyBytes = 32;
+constexpr size_t kNonceBytes = 12;
+constexpr size_t kMinSecretBytes = 32;
+
+// HKDF-SHA256 (OpenSSL 3's EVP_KDF) of `key` with `salt` and `info`.
+absl::StatusOr<std::string> Hkdf(absl::string_view key, absl::string_view salt,
+                                 absl::string_view info) {
+  EVP_KDF* kdf = EVP_KDF_fetch(nullptr, "HKDF", nullptr);
+  EVP_KDF_CTX* ctx = kdf != nullptr ? EVP_KDF_CTX_new(kdf) : nullptr;
+  EVP_KDF_free(kdf);
+  if (ctx == nullptr) return absl::InternalError("seal: OpenSSL has no HKDF");
+  char digest[] = "SHA256";
+  OSSL_PARAM params[] = {
+      OSSL_PARAM_construct_utf8_string(OSSL_KDF_PARAM_DIGEST, digest, 0),
+      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_KEY, const_cast<char*>(key.data()),
+                                        key.size()),
+      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_SALT, const_cast<char*>(salt.data()),
+                                        salt.size()),
+      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_INFO, const_cast<char*>(info.data()),
+                                        info.size()),
+      OSSL_PARAM_construct_end()};
+  std::string out(kKeyBytes, '\0');
+  const bool ok = EVP_KDF_derive(ctx, reinterpret_cast<unsigned char*>(out.data()), out.size(),
+                                 params) == 1;
+  EVP_KDF_CTX_free(ctx);
+  if (!ok) return absl::InternalError("seal: HKDF failed");
+  return out;
+}
+
+void PutLe(uint64_t v, size_t bytes, unsigned char* out) {
+  for (size_t i = 0; i < bytes; ++i) out[i] = static_cast<unsigned char>(v >> (8 * i));
+}
+
+// The nonce: the collective's tag and the direction's transfer number
+// (unique per direction key as long as the sequence never repeats).
+void Nonce(uint32_t tag, uint64_t sequence, unsigned char out[kNonceBytes]) {
+  PutLe(tag, 4, out);
+  PutLe(sequence, 8, out + 4);
+}
+
+struct CipherCtx {
+  EVP_CIPHER_CTX* ctx = EVP_CIPHER_CTX_new();
+  ~CipherCtx() { EVP_CIPHER_CTX_free(ctx); }
+};
+
+std::string LinkName(int sender, int receiver) {
+  return absl::StrCat("node ", sender, " to ",
+                      receiver == SealKeys::kAll ? std::string("every node")
+                                                 : absl::StrCat("node ", receiver));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SealKeys>> SealKeys::Derive(absl::string_view secret,
+                                                           absl::string_view job_id,
+                                                           uint64_t epoch, int nodes) {
+  if (secret.size() < kMinSecretBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("seal: the secret has ", secret.size(),
+                                                   " bytes, fewer than ", kMinSecretBytes));
+  }
+  if (nodes < 1) return absl::InvalidArgumentError("seal: no nodes");
+  std::unique_ptr<SealKeys> k(new SealKeys(std::string(job_id), epoch, nodes));
+  auto master = Hkdf(secret, absl::StrCat("microd seal v1\n", job_id, "\n", epoch), "master");
+  if (!master.ok()) return master.status();
+  k->master_ = std::move(master).value();
+  return k;
+}
+
+absl::Status SealKeys::CheckLink(int sender, int receiver) const {
+  if (sender < 0 || sender >= nodes_ || receiver < kAll || receiver >= nodes_ ||
+      sender == receiver) {
+    return absl::InvalidArgumentError(absl::StrCat("seal: no link from node ", sender,
+                                                   " to node ", receiver, " in a job of ",
+                                                   nodes_));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> SealKeys::DirectionKey(int sender, int receiver) const {
+  absl::MutexLock lock(&mu_);
+  auto it = keys_.find({sender, receiver});
+  if (it != keys_.end()) return it->second;
+  auto key = Hkdf(master_, "", absl::StrCat("direction\n", sender, "\n", receiver));
+  if (!key.ok()) return key.status();
+  keys_[{sender, receiver}] = *key;
+  return key;
+}
+
+std::string SealKeys::Aad(int sender, int receiver, uint32_t tag, uint64_t sequence) const {
+  return absl::StrCat("microd seal v1\n", job_id_, "\n", epoch_, "\n", sender, "\n", receiver,
+                      "\n", tag, "\n", sequence);
+}
+
+absl::Status SealKeys::Seal(int sender, int receiver, uint32_t tag, uint64_t sequence,
+                            const void* plain, size_t size, void* out) const {
+  if (absl::Status s = CheckLink(sender, receiver); !s.ok()) return s;
+  auto key = DirectionKey(sender, receiver);
+  if (!key.ok()) return key.status();
+  unsigned char nonce[kNonceBytes];
+  Nonce(tag, sequence, nonce);
+  const std::string aad = Aad(sender, receiver, tag, sequence);
+  CipherCtx c;
+  int len = 0;
+  auto* dst = static_cast<unsigned char*>(out);
+  const bool ok =
+      c.ctx != nullptr &&
+      EVP_EncryptInit_ex(c.ctx, EVP_aes_256_gcm(), nullptr,
+                         reinterpret_cast<const unsigned char*>(key->data()), nonce) == 1 &&
+      EVP_EncryptUpdate(c.ctx, nullptr, &len, reinterpret_cast<const unsigned char*>(aad.data()),
+                        static_cast<int>(aad.size())) == 1 &&
+      (size == 0 || EVP_EncryptUpdate(c.ctx, dst, &len, static_cast<const unsigned char*>(plain),
+                                      static_cast<int>(size)) == 1) &&
+      EVP_EncryptFinal_ex(c.ctx, dst + size, &len) == 1 &&
+      EVP_CIPHER_CTX_ctrl(c.ctx, EVP_CTRL_GCM_GET_TAG, kOverhead, dst + size) == 1;
+  if (!ok) {
+    return absl::InternalError(absl::StrCat("seal: sealing a transfer from ",
+                                            LinkName(sender, receiver), " failed"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SealKeys::Open(int sender, int receiver, uint32_t tag, uint64_t sequence,
+                            const void* sealed, size_t sealed_size, void* out) const {
+  if (absl::Status s = CheckLink(sender, receiver); !s.ok()) return s;
+  auto refused = [&](const std::string& why) {
+    return absl::DataLossError(absl::StrCat(
+        "the sealed transfer from ", LinkName(sender, receiver), " (tag ", tag, ", transfer ",
+        sequence, ", epoch ", epoch_, ") ", why, ": nothing of it was used"));
+  };
+  if (sealed_size < kOverhead) return refused("is shorter than its tag");
+  auto key = DirectionKey(sender, receiver);
+  if (!key.ok()) return key.status();
+  const size_t size = sealed_size - kOverhead;
+  const auto* src = static_cast<const unsigned char*>(sealed);
+  unsigned char nonce[kNonceBytes];
+  Nonce(tag, sequence, nonce);
+  const std::string aad = Aad(sender, receiver, tag, sequence);
+  // Decrypted aside, and written out only once the tag verified.
+  std::vector<unsigned char> plain(size);
+  unsigned char expected[kOverhead];
+  std::memcpy(expected, src + size, kOverhead);
+  CipherCtx c;
+  int len = 0;
+  const bool ok =
+      c.ctx != nullptr &&
+      EVP_DecryptInit_ex(c.ctx, EVP_aes_256_gcm(), nullptr,
+                         reinterpret_cast<const unsigned char*>(key->data()), nonce) == 1 &&
+      EVP_DecryptUpdate(c.ctx, nullptr, &len, reinterpret_cast<const unsigned char*>(aad.data()),
+                        static_cast<int>(aad.size())) == 1 &&
+      (size == 0 ||
+       EVP_DecryptUpdate(c.ctx, plain.data(), &len, src, static_cast<int>(size)) == 1) &&
+      EVP_CIPHER_CTX_ctrl(c.ctx, EVP_CTRL_GCM_SET_TAG, kOverhead, expected) == 1 &&
+      EVP_DecryptFinal_ex(c.ctx, plain.data() + size, &len) == 1;
+  if (!ok) return refused("failed verification (altered, replayed, reordered, or not sealed by "
+                          "that node for this epoch)");
+  if (size > 0) std::memcpy(out, plain.data(), size);
+  return absl::OkStatus();
+}
+
+}  // namespace microd::transport
