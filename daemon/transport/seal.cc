@@ -5,7 +5,7 @@
 #include <openssl/kdf.h>
 
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 
@@ -24,18 +24,17 @@ absl::StatusOr<std::string> Hkdf(absl::string_view key, absl::string_view salt,
   EVP_KDF_free(kdf);
   if (ctx == nullptr) return absl::InternalError("seal: OpenSSL has no HKDF");
   char digest[] = "SHA256";
-  OSSL_PARAM params[] = {
-      OSSL_PARAM_construct_utf8_string(OSSL_KDF_PARAM_DIGEST, digest, 0),
-      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_KEY, const_cast<char*>(key.data()),
-                                        key.size()),
-      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_SALT, const_cast<char*>(salt.data()),
-                                        salt.size()),
-      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_INFO, const_cast<char*>(info.data()),
-                                        info.size()),
-      OSSL_PARAM_construct_end()};
+  OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string(OSSL_KDF_PARAM_DIGEST, digest, 0),
+                         OSSL_PARAM_construct_octet_string(
+                             OSSL_KDF_PARAM_KEY, const_cast<char*>(key.data()), key.size()),
+                         OSSL_PARAM_construct_octet_string(
+                             OSSL_KDF_PARAM_SALT, const_cast<char*>(salt.data()), salt.size()),
+                         OSSL_PARAM_construct_octet_string(
+                             OSSL_KDF_PARAM_INFO, const_cast<char*>(info.data()), info.size()),
+                         OSSL_PARAM_construct_end()};
   std::string out(kKeyBytes, '\0');
-  const bool ok = EVP_KDF_derive(ctx, reinterpret_cast<unsigned char*>(out.data()), out.size(),
-                                 params) == 1;
+  const bool ok =
+      EVP_KDF_derive(ctx, reinterpret_cast<unsigned char*>(out.data()), out.size(), params) == 1;
   EVP_KDF_CTX_free(ctx);
   if (!ok) return absl::InternalError("seal: HKDF failed");
   return out;
@@ -58,16 +57,16 @@ struct CipherCtx {
 };
 
 std::string LinkName(int sender, int receiver) {
-  return absl::StrCat("node ", sender, " to ",
-                      receiver == SealKeys::kAll ? std::string("every node")
-                                                 : absl::StrCat("node ", receiver));
+  return absl::StrCat(
+      "node ", sender, " to ",
+      receiver == SealKeys::kAll ? std::string("every node") : absl::StrCat("node ", receiver));
 }
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<SealKeys>> SealKeys::Derive(absl::string_view secret,
-                                                           absl::string_view job_id,
-                                                           uint64_t epoch, int nodes) {
+                                                           absl::string_view job_id, uint64_t epoch,
+                                                           int nodes) {
   if (secret.size() < kMinSecretBytes) {
     return absl::InvalidArgumentError(absl::StrCat("seal: the secret has ", secret.size(),
                                                    " bytes, fewer than ", kMinSecretBytes));
@@ -83,9 +82,8 @@ absl::StatusOr<std::unique_ptr<SealKeys>> SealKeys::Derive(absl::string_view sec
 absl::Status SealKeys::CheckLink(int sender, int receiver) const {
   if (sender < 0 || sender >= nodes_ || receiver < kAll || receiver >= nodes_ ||
       sender == receiver) {
-    return absl::InvalidArgumentError(absl::StrCat("seal: no link from node ", sender,
-                                                   " to node ", receiver, " in a job of ",
-                                                   nodes_));
+    return absl::InvalidArgumentError(absl::StrCat("seal: no link from node ", sender, " to node ",
+                                                   receiver, " in a job of ", nodes_));
   }
   return absl::OkStatus();
 }
@@ -101,8 +99,8 @@ absl::StatusOr<std::string> SealKeys::DirectionKey(int sender, int receiver) con
 }
 
 std::string SealKeys::Aad(int sender, int receiver, uint32_t tag, uint64_t sequence) const {
-  return absl::StrCat("microd seal v1\n", job_id_, "\n", epoch_, "\n", sender, "\n", receiver,
-                      "\n", tag, "\n", sequence);
+  return absl::StrCat("microd seal v1\n", job_id_, "\n", epoch_, "\n", sender, "\n", receiver, "\n",
+                      tag, "\n", sequence);
 }
 
 absl::Status SealKeys::Seal(int sender, int receiver, uint32_t tag, uint64_t sequence,
@@ -127,8 +125,8 @@ absl::Status SealKeys::Seal(int sender, int receiver, uint32_t tag, uint64_t seq
       EVP_EncryptFinal_ex(c.ctx, dst + size, &len) == 1 &&
       EVP_CIPHER_CTX_ctrl(c.ctx, EVP_CTRL_GCM_GET_TAG, kOverhead, dst + size) == 1;
   if (!ok) {
-    return absl::InternalError(absl::StrCat("seal: sealing a transfer from ",
-                                            LinkName(sender, receiver), " failed"));
+    return absl::InternalError(
+        absl::StrCat("seal: sealing a transfer from ", LinkName(sender, receiver), " failed"));
   }
   return absl::OkStatus();
 }
@@ -137,9 +135,9 @@ absl::Status SealKeys::Open(int sender, int receiver, uint32_t tag, uint64_t seq
                             const void* sealed, size_t sealed_size, void* out) const {
   if (absl::Status s = CheckLink(sender, receiver); !s.ok()) return s;
   auto refused = [&](const std::string& why) {
-    return absl::DataLossError(absl::StrCat(
-        "the sealed transfer from ", LinkName(sender, receiver), " (tag ", tag, ", transfer ",
-        sequence, ", epoch ", epoch_, ") ", why, ": nothing of it was used"));
+    return absl::DataLossError(absl::StrCat("the sealed transfer from ", LinkName(sender, receiver),
+                                            " (tag ", tag, ", transfer ", sequence, ", epoch ",
+                                            epoch_, ") ", why, ": nothing of it was used"));
   };
   if (sealed_size < kOverhead) return refused("is shorter than its tag");
   auto key = DirectionKey(sender, receiver);
@@ -149,8 +147,15 @@ absl::Status SealKeys::Open(int sender, int receiver, uint32_t tag, uint64_t seq
   unsigned char nonce[kNonceBytes];
   Nonce(tag, sequence, nonce);
   const std::string aad = Aad(sender, receiver, tag, sequence);
-  // Decrypted aside, and written out only once the tag verified.
-  std::vector<unsigned char> plain(size);
+  // Decrypted aside (this thread's buffer, kept: no zeroing or faulting in
+  // pages each time), and written out only once the tag verified.
+  thread_local std::unique_ptr<unsigned char[]> aside;
+  thread_local size_t aside_size = 0;
+  if (aside_size < size) {
+    aside.reset(new unsigned char[size]);
+    aside_size = size;
+  }
+  unsigned char* plain = aside.get();
   unsigned char expected[kOverhead];
   std::memcpy(expected, src + size, kOverhead);
   CipherCtx c;
@@ -161,13 +166,14 @@ absl::Status SealKeys::Open(int sender, int receiver, uint32_t tag, uint64_t seq
                          reinterpret_cast<const unsigned char*>(key->data()), nonce) == 1 &&
       EVP_DecryptUpdate(c.ctx, nullptr, &len, reinterpret_cast<const unsigned char*>(aad.data()),
                         static_cast<int>(aad.size())) == 1 &&
-      (size == 0 ||
-       EVP_DecryptUpdate(c.ctx, plain.data(), &len, src, static_cast<int>(size)) == 1) &&
+      (size == 0 || EVP_DecryptUpdate(c.ctx, plain, &len, src, static_cast<int>(size)) == 1) &&
       EVP_CIPHER_CTX_ctrl(c.ctx, EVP_CTRL_GCM_SET_TAG, kOverhead, expected) == 1 &&
-      EVP_DecryptFinal_ex(c.ctx, plain.data() + size, &len) == 1;
-  if (!ok) return refused("failed verification (altered, replayed, reordered, or not sealed by "
-                          "that node for this epoch)");
-  if (size > 0) std::memcpy(out, plain.data(), size);
+      EVP_DecryptFinal_ex(c.ctx, plain + size, &len) == 1;
+  if (!ok)
+    return refused(
+        "failed verification (altered, replayed, reordered, or not sealed by "
+        "that node for this epoch)");
+  if (size > 0) std::memcpy(out, plain, size);
   return absl::OkStatus();
 }
 

@@ -22,11 +22,11 @@
 #include <map>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 
 namespace microd::transport {
@@ -57,8 +57,8 @@ class SealKeys {
   uint64_t epoch() const { return epoch_; }
 
  private:
-  SealKeys(std::string job_id, uint64_t epoch, int nodes) : job_id_(std::move(job_id)),
-                                                            epoch_(epoch), nodes_(nodes) {}
+  SealKeys(std::string job_id, uint64_t epoch, int nodes)
+      : job_id_(std::move(job_id)), epoch_(epoch), nodes_(nodes) {}
   // The direction's key (made on first use).
   absl::StatusOr<std::string> DirectionKey(int sender, int receiver) const;
   absl::Status CheckLink(int sender, int receiver) const;

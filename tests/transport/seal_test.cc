@@ -69,8 +69,9 @@ TEST(SealTest, AnAlteredByteFailsNamingTheLinkAndWritesNothing) {
     std::vector<float> got(v.size(), -1.0f);
     const absl::Status s = k->Open(1, 2, 77, 5, bad.data(), bad.size(), got.data());
     ASSERT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
-    EXPECT_TRUE(absl::StrContains(s.message(), "from node 1 to node 2 (tag 77, transfer 5, "
-                                               "epoch 1) failed verification"))
+    EXPECT_TRUE(absl::StrContains(s.message(),
+                                  "from node 1 to node 2 (tag 77, transfer 5, "
+                                  "epoch 1) failed verification"))
         << s;
     EXPECT_EQ(got, std::vector<float>(v.size(), -1.0f)) << "byte " << at << ": written anyway";
   }
@@ -94,8 +95,8 @@ TEST(SealTest, AReplayedReorderedOrRedirectedTransferDoesNotOpen) {
   EXPECT_FALSE(opens(3, 2, 77, 5)) << "claimed by another sender";
   EXPECT_FALSE(opens(2, 1, 77, 5)) << "the other direction";
   // Another epoch, job or secret: other keys.
-  for (const auto& other : {Keys(2), Keys(1, kSecret, "other job"),
-                            Keys(1, std::string(32, 't'))}) {
+  for (const auto& other :
+       {Keys(2), Keys(1, kSecret, "other job"), Keys(1, std::string(32, 't'))}) {
     EXPECT_FALSE(other->Open(1, 2, 77, 5, sealed.data(), sealed.size(), got.data()).ok());
   }
 }
