@@ -14,8 +14,8 @@
 #include "absl/flags/parse.h"
 #include "daemon/transport/seal.h"
 
-ABSL_FLAG(std::vector<std::string>, sizes, std::vector<std::string>({"51114", "511140", "25557032"}),
-          "transfer sizes in floats");
+ABSL_FLAG(std::vector<std::string>, sizes,
+          std::vector<std::string>({"51114", "511140", "25557032"}), "transfer sizes in floats");
 ABSL_FLAG(double, seconds, 1.0, "time per measurement");
 
 namespace {
@@ -44,12 +44,14 @@ int main(int argc, char** argv) {
     return 1;
   }
   const double seconds = absl::GetFlag(FLAGS_seconds);
-  std::printf("| transfer | copy GB/s | seal GB/s | open GB/s | 1 Gbit/s link | 10 Gbit/s link |\n");
+  std::printf(
+      "| transfer | copy GB/s | seal GB/s | open GB/s | 1 Gbit/s link | 10 Gbit/s link |\n");
   std::printf("|---:|---:|---:|---:|---:|---:|\n");
   for (const std::string& s : absl::GetFlag(FLAGS_sizes)) {
     const size_t bytes = std::stoull(s) * sizeof(float);
     std::vector<unsigned char> plain(bytes, 7), sealed(bytes + 16), back(bytes);
-    const double copy = Rate(bytes, seconds, [&] { std::memcpy(back.data(), plain.data(), bytes); });
+    const double copy =
+        Rate(bytes, seconds, [&] { std::memcpy(back.data(), plain.data(), bytes); });
     uint64_t seq = 0;
     const double seal = Rate(bytes, seconds, [&] {
       (void)(*keys)->Seal(0, 1, 42, seq++, plain.data(), bytes, sealed.data());
