@@ -414,15 +414,28 @@ Membership Coordinator::MembershipOf(int rank) const {
   return m;
 }
 
-void Coordinator::FormEpochLocked(const std::vector<int>& lost, const std::string& cause) {
-  std::vector<Node> next;
-  std::vector<std::string> kept;
-  std::set<uint64_t> given;  // no credential is ever given twice
+std::set<uint64_t> Coordinator::CredentialsGivenLocked() const {
+  std::set<uint64_t> given;
   for (const Node& n : nodes_) {
     given.insert(n.credential);
     given.insert(n.next_credential);
     given.insert(n.old_credentials.begin(), n.old_credentials.end());
   }
+  return given;
+}
+
+uint64_t Coordinator::FreshCredential(std::set<uint64_t>* given) {
+  uint64_t c;
+  do {
+    c = RandomSession();
+  } while (!given->insert(c).second);
+  return c;
+}
+
+void Coordinator::FormEpochLocked(const std::vector<int>& lost, const std::string& cause) {
+  std::vector<Node> next;
+  std::vector<std::string> kept;
+  std::set<uint64_t> given = CredentialsGivenLocked();  // no credential is ever given twice
   for (Node& n : nodes_) {
     if (std::find(lost.begin(), lost.end(), n.rank) != lost.end()) continue;
     kept.push_back(absl::StrCat(n.name, " (node ", next.size(), ", was ", n.rank, ")"));
@@ -433,9 +446,7 @@ void Coordinator::FormEpochLocked(const std::vector<int>& lost, const std::strin
       n.old_credentials.push_back(n.next_credential);
       n.next_credential = 0;
     }
-    do {
-      n.credential = RandomSession();
-    } while (!given.insert(n.credential).second);
+    n.credential = FreshCredential(&given);
     n.waiting.clear();
     next.push_back(std::move(n));
   }
@@ -475,20 +486,9 @@ bool Coordinator::DrainingLocked() const {
 }
 
 Membership Coordinator::AdmitLocked(Node joiner) {
-  std::set<uint64_t> given;  // no credential is ever given twice
-  for (const Node& n : nodes_) {
-    given.insert(n.credential);
-    given.insert(n.old_credentials.begin(), n.old_credentials.end());
-  }
-  auto fresh = [&given] {
-    uint64_t c;
-    do {
-      c = RandomSession();
-    } while (!given.insert(c).second);
-    return c;
-  };
+  std::set<uint64_t> given = CredentialsGivenLocked();  // no credential is ever given twice
   for (Node& n : nodes_) {
-    n.next_credential = fresh();
+    n.next_credential = FreshCredential(&given);
     n.waiting.clear();
   }
   // The old epoch ends after what is logged: the marker is its last batch.
@@ -505,7 +505,7 @@ Membership Coordinator::AdmitLocked(Node joiner) {
   stall_logged_.clear();
   ++epoch_;
   joiner.rank = static_cast<int>(nodes_.size());
-  joiner.credential = fresh();
+  joiner.credential = FreshCredential(&given);
   joiner.last_seen = absl::Now();
   joiner.polled = epoch_first_batch_;
   joiner.joined_epoch = epoch_;
@@ -547,9 +547,7 @@ void Coordinator::AssignRanks() {
   std::set<uint64_t> given;
   for (Node& n : nodes_) {
     n.last_seen = now;
-    do {
-      n.credential = RandomSession();
-    } while (!given.insert(n.credential).second);
+    n.credential = FreshCredential(&given);
   }
 }
 

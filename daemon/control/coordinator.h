@@ -8,6 +8,7 @@
 #include <deque>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -213,6 +214,10 @@ class Coordinator {
   // (the last rank), begins after the batches logged so far (a marker
   // batch); each node takes its new credential when it polls the marker.
   Membership AdmitLocked(Node joiner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every credential any node holds or held (none is ever given twice), and
+  // a random one not among `given` (added to it).
+  std::set<uint64_t> CredentialsGivenLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static uint64_t FreshCredential(std::set<uint64_t>* given);
   // Some node has not polled the marker of the last change yet.
   bool DrainingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The membership of node `rank` in the current epoch.
