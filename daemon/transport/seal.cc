@@ -4,6 +4,7 @@
 #include <openssl/evp.h>
 #include <openssl/kdf.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 
@@ -56,10 +57,23 @@ struct CipherCtx {
   ~CipherCtx() { EVP_CIPHER_CTX_free(ctx); }
 };
 
-std::string LinkName(int sender, int receiver) {
-  return absl::StrCat(
-      "node ", sender, " to ",
-      receiver == SealKeys::kAll ? std::string("every node") : absl::StrCat("node ", receiver));
+std::string LinkName(int sender, int receiver, int reader = SealKeys::kAll) {
+  if (receiver != SealKeys::kAll) return absl::StrCat("node ", sender, " to node ", receiver);
+  if (reader == SealKeys::kAll) return absl::StrCat("node ", sender, " to every node");
+  return absl::StrCat("node ", sender, " to node ", reader, " (sealed for every node)");
+}
+
+// EVP updates take an int: longer transfers go through in pieces.
+constexpr size_t kPieceBytes = size_t{1} << 30;
+template <typename Update>
+bool InPieces(Update update, unsigned char* out, const unsigned char* in, size_t size) {
+  for (size_t at = 0; at < size; at += kPieceBytes) {
+    int len = 0;
+    if (update(out + at, &len, in + at, static_cast<int>(std::min(kPieceBytes, size - at))) != 1) {
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace
@@ -120,8 +134,9 @@ absl::Status SealKeys::Seal(int sender, int receiver, uint32_t tag, uint64_t seq
                          reinterpret_cast<const unsigned char*>(key->data()), nonce) == 1 &&
       EVP_EncryptUpdate(c.ctx, nullptr, &len, reinterpret_cast<const unsigned char*>(aad.data()),
                         static_cast<int>(aad.size())) == 1 &&
-      (size == 0 || EVP_EncryptUpdate(c.ctx, dst, &len, static_cast<const unsigned char*>(plain),
-                                      static_cast<int>(size)) == 1) &&
+      InPieces([&](unsigned char* o, int* l, const unsigned char* i,
+                   int n) { return EVP_EncryptUpdate(c.ctx, o, l, i, n); },
+               dst, static_cast<const unsigned char*>(plain), size) &&
       EVP_EncryptFinal_ex(c.ctx, dst + size, &len) == 1 &&
       EVP_CIPHER_CTX_ctrl(c.ctx, EVP_CTRL_GCM_GET_TAG, kOverhead, dst + size) == 1;
   if (!ok) {
@@ -132,12 +147,12 @@ absl::Status SealKeys::Seal(int sender, int receiver, uint32_t tag, uint64_t seq
 }
 
 absl::Status SealKeys::Open(int sender, int receiver, uint32_t tag, uint64_t sequence,
-                            const void* sealed, size_t sealed_size, void* out) const {
+                            const void* sealed, size_t sealed_size, void* out, int reader) const {
   if (absl::Status s = CheckLink(sender, receiver); !s.ok()) return s;
   auto refused = [&](const std::string& why) {
-    return absl::DataLossError(absl::StrCat("the sealed transfer from ", LinkName(sender, receiver),
-                                            " (tag ", tag, ", transfer ", sequence, ", epoch ",
-                                            epoch_, ") ", why, ": nothing of it was used"));
+    return absl::DataLossError(absl::StrCat(
+        "the sealed transfer from ", LinkName(sender, receiver, reader), " (tag ", tag,
+        ", transfer ", sequence, ", epoch ", epoch_, ") ", why, ": nothing of it was used"));
   };
   if (sealed_size < kOverhead) return refused("is shorter than its tag");
   auto key = DirectionKey(sender, receiver);
@@ -166,7 +181,9 @@ absl::Status SealKeys::Open(int sender, int receiver, uint32_t tag, uint64_t seq
                          reinterpret_cast<const unsigned char*>(key->data()), nonce) == 1 &&
       EVP_DecryptUpdate(c.ctx, nullptr, &len, reinterpret_cast<const unsigned char*>(aad.data()),
                         static_cast<int>(aad.size())) == 1 &&
-      (size == 0 || EVP_DecryptUpdate(c.ctx, plain, &len, src, static_cast<int>(size)) == 1) &&
+      InPieces([&](unsigned char* o, int* l, const unsigned char* i,
+                   int n) { return EVP_DecryptUpdate(c.ctx, o, l, i, n); },
+               plain, src, size) &&
       EVP_CIPHER_CTX_ctrl(c.ctx, EVP_CTRL_GCM_SET_TAG, kOverhead, expected) == 1 &&
       EVP_DecryptFinal_ex(c.ctx, plain + size, &len) == 1;
   if (!ok)

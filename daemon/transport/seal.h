@@ -50,9 +50,10 @@ class SealKeys {
                     size_t size, void* out) const;
   // Opens what Seal made (`sealed_size` bytes, its tag last) into `out`
   // (sealed_size - kOverhead bytes; may be `sealed`). A transfer that does
-  // not verify: DataLoss naming the link, and `out` left as it was.
+  // not verify: DataLoss naming the link (`reader`: the node that read it,
+  // named where `receiver` is kAll), and `out` left as it was.
   absl::Status Open(int sender, int receiver, uint32_t tag, uint64_t sequence, const void* sealed,
-                    size_t sealed_size, void* out) const;
+                    size_t sealed_size, void* out, int reader = kAll) const;
 
   uint64_t epoch() const { return epoch_; }
 

@@ -95,6 +95,11 @@ class Transport {
   // Working memory the backend keeps between calls, in bytes (the Gloo
   // backend's allreduce scratch); safe to read from any thread.
   virtual uint64_t scratch_bytes() const { return 0; }
+  // Whether every transfer between ranks is sealed (authenticated and
+  // encrypted), and how many transfers so far failed verification (each
+  // failed its call with DataLoss naming the link); safe from any thread.
+  virtual bool sealed() const { return false; }
+  virtual uint64_t refused_transfers() const { return 0; }
 
   // Every rank contributes `bytes` bytes; `out` (size() * bytes) receives rank
   // r's contribution at offset r * bytes.

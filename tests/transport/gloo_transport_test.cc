@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -21,9 +22,28 @@
 namespace microd::transport::testing {
 namespace {
 
+// Keys of a sealed data plane, from a test secret (`secret_of` by rank:
+// a rank with another secret cannot open what the others seal).
+std::shared_ptr<const SealKeys> TestKeys(int size, char secret_byte = 's') {
+  auto keys = SealKeys::Derive(std::string(32, secret_byte), "test-job", 0, size);
+  EXPECT_TRUE(keys.ok()) << keys.status();
+  return keys.ok() ? std::shared_ptr<const SealKeys>(std::move(keys).value()) : nullptr;
+}
+
+// A long link's model (rounds of 5 ms): the large allreduce posts its
+// receives ahead, as across zones.
+LinkModel LongLink() {
+  LinkModel m;
+  m.round_seconds = 5e-3;
+  m.posted_round_seconds = 2.5e-3;
+  m.bytes_per_second = 1.25e8;
+  return m;
+}
+
 std::vector<std::unique_ptr<Transport>> CreateGlooGroup(
     int size, int io_nice = 0, int connections = 0,
-    std::optional<LinkModel> link_model = std::nullopt) {
+    std::optional<LinkModel> link_model = std::nullopt,
+    std::function<std::shared_ptr<const SealKeys>(int rank)> seal = nullptr) {
   static control::InMemoryKeyValueStore store;
   static std::atomic<int> group_id{0};
   const std::string prefix = "group" + std::to_string(group_id++);
@@ -40,6 +60,7 @@ std::vector<std::unique_ptr<Transport>> CreateGlooGroup(
       o.io_nice = io_nice;
       o.connections = connections;
       o.link_model = link_model;
+      if (seal) o.seal = seal(r);
       auto t = CreateGlooTransport(o);
       EXPECT_TRUE(t.ok()) << t.status();
       if (t.ok()) group[r] = std::move(t).value();
@@ -228,13 +249,79 @@ TEST(GlooTransportTest, IoNiceOutOfRangeIsRefused) {
   }
 }
 
+// A rank whose keys are not the group's (another job's or epoch's secret)
+// cannot take part: the first transfer it sends fails verification on a
+// peer, naming the link, and nothing connects.
+TEST(GlooTransportTest, ARankWithOtherKeysIsRefusedNamingTheLink) {
+  static control::InMemoryKeyValueStore store;
+  std::vector<absl::Status> status(3);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      GlooOptions o;
+      o.rank = r;
+      o.size = 3;
+      o.store = &store;
+      o.prefix = "other-keys";
+      o.timeout = absl::Seconds(10);
+      o.seal = TestKeys(3, r == 2 ? 'x' : 's');
+      auto t = CreateGlooTransport(o);
+      status[r] = t.status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  // Every rank fails; the first to read node 2's transfer names the link
+  // (the others may find their connections closed first).
+  int named = 0;
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_FALSE(status[r].ok()) << "rank " << r;
+    const std::string text(status[r].message());
+    if (text.find("from node 2 to node " + std::to_string(r)) != std::string::npos) {
+      EXPECT_NE(text.find("failed verification"), std::string::npos) << text;
+      ++named;
+    }
+  }
+  EXPECT_GE(named, 1) << status[0] << "\n" << status[1];
+}
+
+// Sealed transfers: every transfer counted, none refused, and the group
+// says it is sealed.
+TEST(GlooTransportTest, SealedGroupSaysSoAndRefusesNothing) {
+  auto group = CreateGlooGroup(3, 0, 0, std::nullopt, [](int) { return TestKeys(3); });
+  ASSERT_EQ(group.size(), 3u);
+  RunRanks(group, [&](int r, Transport& t) {
+    std::vector<float> v(100000, static_cast<float>(r + 1));
+    CollectiveOptions o;
+    o.tag = 7;
+    ASSERT_TRUE(t.AllreduceSum(v.data(), v.size(), DataType::kFloat32, o).ok());
+    EXPECT_EQ(v[0], 6.0f);
+    EXPECT_EQ(v.back(), 6.0f);
+    EXPECT_TRUE(t.sealed());
+    EXPECT_EQ(t.refused_transfers(), 0u);
+  });
+}
+
 // Three connections per pair: large allreduces go in parts over all of
-// them, with the same bits (the contract suite's rank-order sums).
+// them, with the same bits (the contract suite's rank-order sums). Sealed:
+// the whole suite again with every transfer sealed, on a short link (in
+// step) and a long one (receives posted ahead, several connections).
 INSTANTIATE_TEST_SUITE_P(
     Gloo, TransportContractTest,
     ::testing::Values(TransportBackend{"gloo", [](int size) { return CreateGlooGroup(size); }},
                       TransportBackend{"gloo_3_connections",
-                                       [](int size) { return CreateGlooGroup(size, 0, 3); }}),
+                                       [](int size) { return CreateGlooGroup(size, 0, 3); }},
+                      TransportBackend{"gloo_sealed",
+                                       [](int size) {
+                                         return CreateGlooGroup(
+                                             size, 0, 0, std::nullopt,
+                                             [size](int) { return TestKeys(size); });
+                                       }},
+                      TransportBackend{"gloo_sealed_long_link_3_connections",
+                                       [](int size) {
+                                         return CreateGlooGroup(
+                                             size, 0, 3, LongLink(),
+                                             [size](int) { return TestKeys(size); });
+                                       }}),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace microd::transport::testing

@@ -110,6 +110,29 @@ constexpr size_t kLaneBytes = 4 << 20;
 // sends each phase's transfers all at once (ReduceBurst).
 constexpr size_t kBurstIncastBytes = 128 << 10;
 
+// Sealed transfers (GlooOptions::seal): each transfer's number for its
+// direction's key is the call's ordinal (every rank makes the same calls in
+// the same order) and what the transfer is within the call: its kind, its
+// lane and an item (a segment, a block), so no number repeats for a key and
+// a transfer replayed into another call, phase or segment does not open.
+enum class SealKind : uint64_t {
+  kDirect = 1,       // a direct allgather's block (every reader alike)
+  kRoundHeader = 2,  // a round message's length
+  kRoundBody = 3,    // a round message's bytes
+  kRing = 4,         // a block of Gloo's ring allgather (forwarded unchanged)
+  kScatter = 5,      // a contribution to a chunk's owner (reduce-scatter)
+  kGather = 6,       // a summed segment sent to every rank (allgather)
+};
+// A round message's sealed length, before its sealed bytes.
+constexpr size_t kSealedHeaderBytes = sizeof(uint64_t) + SealKeys::kOverhead;
+
+// A transfer that failed verification, or could not be sealed: its status
+// fails the call (a DataLoss naming the link).
+struct SealFailure : std::runtime_error {
+  explicit SealFailure(absl::Status s) : std::runtime_error("seal"), status(std::move(s)) {}
+  absl::Status status;
+};
+
 // Gloo matches operations by tag alone and aborts the process when two
 // ranks use one tag for buffers of different sizes. The kind of collective
 // is folded into the Gloo tag, so that ranks calling different collectives
@@ -146,13 +169,20 @@ void MaybeExitForTest(uint32_t tag) {
 
 class GlooTransport final : public Transport {
  public:
-  GlooTransport(std::shared_ptr<gloo::Context> context, absl::Duration default_timeout)
-      : lanes_{std::move(context)}, default_timeout_(default_timeout), scratch_(1) {}
+  GlooTransport(std::shared_ptr<gloo::Context> context, absl::Duration default_timeout,
+                std::shared_ptr<const SealKeys> seal)
+      : lanes_{std::move(context)},
+        default_timeout_(default_timeout),
+        seal_(std::move(seal)),
+        scratch_(1),
+        seal_scratch_(1) {}
 
   int rank() const override { return lanes_[0]->rank; }
   int size() const override { return lanes_[0]->size; }
   const char* name() const override { return "gloo"; }
   uint64_t scratch_bytes() const override { return scratch_bytes_.load(); }
+  bool sealed() const override { return seal_ != nullptr; }
+  uint64_t refused_transfers() const override { return refused_.load(); }
 
   absl::Status Allgather(const void* in, size_t bytes, void* out,
                          const CollectiveOptions& o) override {
@@ -367,6 +397,7 @@ class GlooTransport final : public Transport {
   void AddLanes(std::vector<std::shared_ptr<gloo::Context>> lanes) {
     for (auto& l : lanes) lanes_.push_back(std::move(l));
     scratch_.resize(lanes_.size());
+    seal_scratch_.resize(lanes_.size());
     model_.connections = static_cast<int>(lanes_.size());
   }
   size_t lanes() const { return lanes_.size(); }
@@ -375,6 +406,7 @@ class GlooTransport final : public Transport {
   template <typename Body>
   absl::Status Run(const char* op, const CollectiveOptions& o, Body body) {
     MaybeExitForTest(o.tag);
+    call_ = ++calls_;  // counted on every rank alike, whatever happens next
     {
       absl::MutexLock lock(&mu_);
       if (!broken_.ok()) return broken_;
@@ -390,6 +422,8 @@ class GlooTransport final : public Transport {
         std::chrono::milliseconds(std::max<int64_t>(1, absl::ToInt64Milliseconds(deadline - now)));
     try {
       body(timeout);
+    } catch (const SealFailure& e) {
+      return Break(e.status);
     } catch (const std::exception& e) {
       return Break(FromException(e, op, o.tag));
     }
@@ -434,10 +468,39 @@ class GlooTransport final : public Transport {
     return b;
   }
 
+  // The number of a call's transfer (see SealKind).
+  uint64_t Sequence(SealKind kind, size_t item, size_t lane = 0) const {
+    return (call_ << 24) | (static_cast<uint64_t>(lane) << 20) |
+           (static_cast<uint64_t>(kind) << 16) | (item & 0xffff);
+  }
+  // Seals `size` bytes for `receiver` (SealKeys::kAll: every peer reads the
+  // same bytes) into `out` (size + SealKeys::kOverhead bytes).
+  void SealFor(int receiver, uint32_t tag, uint64_t sequence, const void* plain, size_t size,
+               void* out) const {
+    if (absl::Status s = seal_->Seal(rank(), receiver, tag, sequence, plain, size, out); !s.ok()) {
+      throw SealFailure(std::move(s));
+    }
+  }
+  // Opens what `sender` sealed for `receiver` (this rank or kAll) into
+  // `out`, which is written only once the transfer verified.
+  void OpenFrom(int sender, int receiver, uint32_t tag, uint64_t sequence, const void* sealed,
+                size_t sealed_size, void* out) {
+    if (absl::Status s =
+            seal_->Open(sender, receiver, tag, sequence, sealed, sealed_size, out, rank());
+        !s.ok()) {
+      if (absl::IsDataLoss(s)) ++refused_;
+      throw SealFailure(std::move(s));
+    }
+  }
+
   void GatherFixed(void* in, size_t bytes, void* out, uint32_t tag,
                    std::chrono::milliseconds timeout) {
     if (bytes * size() <= kDirectAllgatherBytes) {
       GatherDirect(in, bytes, out, tag, timeout);
+      return;
+    }
+    if (seal_ != nullptr) {
+      GatherRingSealed(in, std::vector<size_t>(size(), bytes), out, tag, timeout);
       return;
     }
     CountRounds(size() - 1);  // Gloo's ring
@@ -461,8 +524,40 @@ class GlooTransport final : public Transport {
   // the collective), so ranks that disagree on a size never match each
   // other's transfers: Gloo would abort the process on a message longer than
   // the receive posted for it; this way the call fails by its deadline.
+  // Sealed: each rank's block is sealed once for every reader (the same
+  // bytes go to every peer), and each block received is opened into place
+  // once it verified.
   void GatherDirectV(const void* in, const std::vector<size_t>& bytes, void* out, uint32_t tag,
                      std::chrono::milliseconds timeout) {
+    if (seal_ == nullptr) {
+      GatherDirectRaw(in, bytes, out, tag, timeout);
+      return;
+    }
+    const int n = size();
+    const int r = rank();
+    std::vector<size_t> sealed(n), at(n, 0), sealed_at(n, 0);
+    for (int q = 0; q < n; ++q) {
+      sealed[q] = bytes[q] > 0 ? bytes[q] + SealKeys::kOverhead : 0;
+      if (q > 0) {
+        at[q] = at[q - 1] + bytes[q - 1];
+        sealed_at[q] = sealed_at[q - 1] + sealed[q - 1];
+      }
+    }
+    std::vector<char> mine(sealed[r]), stage(sealed_at[n - 1] + sealed[n - 1]);
+    const uint64_t sequence = Sequence(SealKind::kDirect, 0);
+    if (bytes[r] > 0) SealFor(SealKeys::kAll, tag, sequence, in, bytes[r], mine.data());
+    GatherDirectRaw(mine.data(), sealed, stage.data(), tag, timeout);
+    char* const dst = static_cast<char*>(out);
+    if (bytes[r] > 0) std::memmove(dst + at[r], in, bytes[r]);
+    for (int q = 0; q < n; ++q) {
+      if (q == r || bytes[q] == 0) continue;
+      OpenFrom(q, SealKeys::kAll, tag, sequence, stage.data() + sealed_at[q], sealed[q],
+               dst + at[q]);
+    }
+  }
+
+  void GatherDirectRaw(const void* in, const std::vector<size_t>& bytes, void* out, uint32_t tag,
+                       std::chrono::milliseconds timeout) {
     const int n = size();
     const int r = rank();
     std::vector<size_t> at(n, 0);
@@ -523,6 +618,8 @@ class GlooTransport final : public Transport {
     auto round = std::make_unique<PostedRound>();
     // At least the model's, rounded up to 4 KiB, at most kMaxInlineBytes.
     inline_bytes = std::max(inline_bytes, model_.InlineBytes());
+    // What sealing adds: the length's tag and the bytes' tag.
+    if (seal_ != nullptr) inline_bytes += kSealedHeaderBytes + SealKeys::kOverhead;
     inline_bytes = std::min<size_t>((inline_bytes + 4095) / 4096 * 4096, kMaxInlineBytes);
     round->inline_bytes = inline_bytes;
     const int n = size();
@@ -541,7 +638,9 @@ class GlooTransport final : public Transport {
   // the first inline_bytes of it go in one transfer, the rest (if any) in a
   // second, which the receiver posts once it read the length. Receives
   // posted ahead (Expect) make the first transfer leave at once: Gloo sends
-  // only once the receiver has posted.
+  // only once the receiver has posted. Sealed: the length and the bytes are
+  // sealed apiece (the same for every peer), so that the length is verified
+  // before a receive of the rest is posted for it.
   void Exchange(std::string_view mine, std::vector<std::string>* from, uint32_t tag,
                 std::chrono::milliseconds timeout) {
     const int n = size();
@@ -561,10 +660,20 @@ class GlooTransport final : public Transport {
       round = PostRound(tag);
     }
     const size_t inline_bytes = round->inline_bytes;
-    std::string out(kRoundLengthBytes + mine.size(), '\0');
+    const bool sealed = seal_ != nullptr;
+    const size_t head = sealed ? kSealedHeaderBytes : kRoundLengthBytes;
+    const size_t trailer = sealed ? SealKeys::kOverhead : 0;
+    std::string out(head + mine.size() + trailer, '\0');
     const uint64_t length = mine.size();
-    std::memcpy(out.data(), &length, sizeof length);
-    if (!mine.empty()) std::memcpy(out.data() + kRoundLengthBytes, mine.data(), mine.size());
+    if (sealed) {
+      SealFor(SealKeys::kAll, tag, Sequence(SealKind::kRoundHeader, 0), &length, sizeof length,
+              out.data());
+      SealFor(SealKeys::kAll, tag, Sequence(SealKind::kRoundBody, 0), mine.data(), mine.size(),
+              out.data() + head);
+    } else {
+      std::memcpy(out.data(), &length, sizeof length);
+      if (!mine.empty()) std::memcpy(out.data() + kRoundLengthBytes, mine.data(), mine.size());
+    }
     const size_t first = std::min(out.size(), inline_bytes);
     const size_t rest = out.size() - first;
     const uint64_t rest_slot = gloo::Slot::build(kRoundRestSlotPrefix, tag);
@@ -593,19 +702,26 @@ class GlooTransport final : public Transport {
       if (p == r) continue;
       if (!round->recv[p]->waitRecv(deadline)) throw std::runtime_error("transport aborted");
       uint64_t len = 0;
-      std::memcpy(&len, round->inbox[p].get(), sizeof len);
+      if (sealed) {
+        OpenFrom(p, SealKeys::kAll, tag, Sequence(SealKind::kRoundHeader, 0), round->inbox[p].get(),
+                 kSealedHeaderBytes, &len);
+      } else {
+        std::memcpy(&len, round->inbox[p].get(), sizeof len);
+      }
       if (len > kMaxRoundBytes) {
         throw std::runtime_error(
             absl::StrCat("rank ", p, " sent a round message of ", len, " bytes; a bad peer"));
       }
+      // The message's bytes as they travel (sealed: their tag after them).
+      const size_t wire = len + trailer;
       std::string& msg = (*from)[p];
-      msg.resize(len);
-      const size_t here = std::min<size_t>(len, inline_bytes - kRoundLengthBytes);
-      if (here > 0) std::memcpy(msg.data(), round->inbox[p].get() + kRoundLengthBytes, here);
-      if (len > here) {
+      msg.resize(wire);
+      const size_t here = std::min<size_t>(wire, inline_bytes - head);
+      if (here > 0) std::memcpy(msg.data(), round->inbox[p].get() + head, here);
+      if (wire > here) {
         spilled = true;
-        rest_recv[p] = Track(msg.data() + here, len - here);
-        rest_recv[p]->recv(p, rest_slot, 0, len - here);
+        rest_recv[p] = Track(msg.data() + here, wire - here);
+        rest_recv[p]->recv(p, rest_slot, 0, wire - here);
         ++rest_recvs;
       }
     }
@@ -617,10 +733,21 @@ class GlooTransport final : public Transport {
     for (int i = 0; i < sends; ++i) {
       if (!send->waitSend(deadline)) throw std::runtime_error("transport aborted");
     }
-    // This rank's own message: the one sent, less its length (no second
-    // copy of a message that can be tens of MB).
-    out.erase(0, kRoundLengthBytes);
-    (*from)[r] = std::move(out);
+    if (sealed) {
+      for (int p = 0; p < n; ++p) {
+        if (p == r) continue;
+        std::string& msg = (*from)[p];
+        OpenFrom(p, SealKeys::kAll, tag, Sequence(SealKind::kRoundBody, 0), msg.data(), msg.size(),
+                 msg.data());
+        msg.resize(msg.size() - SealKeys::kOverhead);
+      }
+      (*from)[r] = std::string(mine);
+    } else {
+      // This rank's own message: the one sent, less its length (no second
+      // copy of a message that can be tens of MB).
+      out.erase(0, kRoundLengthBytes);
+      (*from)[r] = std::move(out);
+    }
     CountRounds(spilled ? 2 : 1);
   }
 
@@ -643,6 +770,10 @@ class GlooTransport final : public Transport {
       GatherDirectV(in, bytes, out, tag, timeout);
       return;
     }
+    if (seal_ != nullptr) {
+      GatherRingSealed(in, bytes, out, tag, timeout);
+      return;
+    }
     CountRounds(size() - 1);  // Gloo's ring
     gloo::AllgathervOptions opts(lanes_[0]);
     ActiveScope scope{this};
@@ -652,6 +783,44 @@ class GlooTransport final : public Transport {
     opts.setTag(tag);
     opts.setTimeout(timeout);
     gloo::allgatherv(opts);
+  }
+
+  // Gloo's ring allgather of sealed blocks: each rank seals its block once
+  // for every reader (the ring forwards blocks unchanged), and opens every
+  // other rank's block into place once it verified.
+  void GatherRingSealed(const void* in, const std::vector<size_t>& bytes, void* out, uint32_t tag,
+                        std::chrono::milliseconds timeout) {
+    const int n = size();
+    const int r = rank();
+    std::vector<size_t> sealed(n), at(n, 0), sealed_at(n, 0);
+    for (int q = 0; q < n; ++q) {
+      sealed[q] = bytes[q] + SealKeys::kOverhead;
+      if (q > 0) {
+        at[q] = at[q - 1] + bytes[q - 1];
+        sealed_at[q] = sealed_at[q - 1] + sealed[q - 1];
+      }
+    }
+    std::vector<char> stage(sealed_at[n - 1] + sealed[n - 1]);
+    std::vector<char> mine(sealed[r]);
+    const uint64_t sequence = Sequence(SealKind::kRing, 0);
+    SealFor(SealKeys::kAll, tag, sequence, in, bytes[r], mine.data());
+    CountRounds(n - 1);  // Gloo's ring
+    {
+      gloo::AllgathervOptions opts(lanes_[0]);
+      ActiveScope scope{this};
+      opts.setInput<char>(Track(mine.data(), mine.size()));
+      opts.setOutput<char>(Track(stage.data(), stage.size()), sealed);
+      opts.setTag(tag);
+      opts.setTimeout(timeout);
+      gloo::allgatherv(opts);
+    }
+    char* const dst = static_cast<char*>(out);
+    if (bytes[r] > 0) std::memmove(dst + at[r], in, bytes[r]);
+    for (int q = 0; q < n; ++q) {
+      if (q == r) continue;
+      OpenFrom(q, SealKeys::kAll, tag, sequence, stage.data() + sealed_at[q], sealed[q],
+               dst + at[q]);
+    }
   }
 
   // `divisor` (floats only; 0: none) divides every sum.
@@ -694,6 +863,10 @@ class GlooTransport final : public Transport {
   template <typename T>
   void ReduceBurst(T* data, size_t count, uint32_t tag, std::chrono::milliseconds timeout,
                    float divisor) {
+    if (seal_ != nullptr) {
+      ReduceBurstSealed(data, count, tag, timeout, divisor);
+      return;
+    }
     const int n = size();
     const int r = rank();
     std::vector<size_t> chunk, offset;
@@ -751,6 +924,72 @@ class GlooTransport final : public Transport {
     for (; sends > 0; --sends) {
       if (!whole->waitSend(deadline)) throw std::runtime_error("transport aborted");
     }
+  }
+
+  // ReduceBurst with sealed transfers: each contribution sealed for its
+  // chunk's owner (one round, all at once), opened there before it is
+  // summed; then the sums go to every rank by a sealed direct allgather.
+  template <typename T>
+  void ReduceBurstSealed(T* data, size_t count, uint32_t tag, std::chrono::milliseconds timeout,
+                         float divisor) {
+    const int n = size();
+    const int r = rank();
+    std::vector<size_t> chunk, offset;
+    Chunks(count, n, &chunk, &offset);
+    const size_t len = chunk[r];
+    const size_t piece = len * sizeof(T) + SealKeys::kOverhead;  // a sealed contribution
+    const uint64_t sequence = Sequence(SealKind::kScatter, 0);
+    std::vector<size_t> send_at(n, 0);
+    size_t send_bytes = 0;
+    for (int q = 0; q < n; ++q) {
+      send_at[q] = send_bytes;
+      if (q != r && chunk[q] > 0) send_bytes += chunk[q] * sizeof(T) + SealKeys::kOverhead;
+    }
+    std::vector<char> outbox(send_bytes + 1), inbox((n - 1) * piece + 1);
+    for (int q = 0; q < n; ++q) {
+      if (q == r || chunk[q] == 0) continue;
+      SealFor(q, tag, sequence, data + offset[q], chunk[q] * sizeof(T), outbox.data() + send_at[q]);
+    }
+    auto room = [&](int q) { return static_cast<size_t>(q < r ? q : q - 1) * piece; };
+    CountRounds(1);
+    {
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      ActiveScope scope{this};
+      std::unique_ptr<gloo::transport::UnboundBuffer> send = Track(outbox.data(), outbox.size());
+      std::unique_ptr<gloo::transport::UnboundBuffer> recv = Track(inbox.data(), inbox.size());
+      const uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
+      int recvs = 0, sends = 0;
+      for (int q = 0; q < n; ++q) {
+        if (q == r || len == 0) continue;
+        recv->recv(q, slot, room(q), piece);
+        ++recvs;
+      }
+      for (int s = 1; s < n; ++s) {
+        const int to = (r + s) % n;
+        if (chunk[to] == 0) continue;
+        send->send(to, slot, send_at[to], chunk[to] * sizeof(T) + SealKeys::kOverhead);
+        ++sends;
+      }
+      for (int i = 0; i < recvs; ++i) {
+        if (!recv->waitRecv(deadline)) throw std::runtime_error("transport aborted");
+      }
+      for (int i = 0; i < sends; ++i) {
+        if (!send->waitSend(deadline)) throw std::runtime_error("transport aborted");
+      }
+    }
+    T* const out = data + offset[r];
+    if (len > 0) {
+      T* c = static_cast<T*>(Scratch(len * n * sizeof(T)));
+      std::memcpy(c + r * len, out, len * sizeof(T));
+      for (int q = 0; q < n; ++q) {
+        if (q != r) OpenFrom(q, r, tag, sequence, inbox.data() + room(q), piece, c + q * len);
+      }
+      SumInRankOrder(c, len, n, len, out);
+      Divide(out, len, divisor);
+    }
+    std::vector<size_t> bytes(n);
+    for (int q = 0; q < n; ++q) bytes[q] = chunk[q] * sizeof(T);
+    GatherDirectV(out, bytes, data, GlooTag(tag, GlooKind::kAllgather), timeout);
   }
 
   template <typename T>
@@ -846,15 +1085,39 @@ class GlooTransport final : public Transport {
       return static_cast<size_t>(q < r ? q : q - 1) * seg_len(r, k);
     };
 
+    // Sealed, every transfer goes through the transport's own pad: a
+    // sealed segment (its bytes and its tag) takes a `piece` of it. Sends:
+    // this round's contribution, then the summed segment being shared
+    // (sealed once for every reader); receives: the contributions of the
+    // `window` segments in turn, each opened into its slot just before it
+    // is summed, and every summed segment from every peer, opened into
+    // place once the last of its rounds is done.
+    const bool sealed = seal_ != nullptr;
+    size_t longest = 0;
+    for (int j = 0; j < n && sealed; ++j) {
+      for (int k = 0; k < segments; ++k) longest = std::max(longest, seg_len(j, k));
+    }
+    const size_t piece = longest * sizeof(T) + SealKeys::kOverhead;
+    const size_t peers = static_cast<size_t>(n - 1);
+    char* const pad =
+        sealed ? static_cast<char*>(SealScratch(piece * (2 + peers * (window + segments)), lane))
+               : nullptr;
+    char* const rs_inbox = sealed ? pad + 2 * piece : nullptr;
+    char* const ag_inbox = sealed ? rs_inbox + peers * window * piece : nullptr;
+    auto room = [&](int q) { return static_cast<size_t>(q < r ? q : q - 1) * piece; };
+
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     ActiveScope scope{this};
     T dummy{};
     std::unique_ptr<gloo::transport::UnboundBuffer> whole =
-        Track(count > 0 ? static_cast<void*>(data) : &dummy, count * sizeof(T), lane);
-    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> parts(segments);
+        sealed ? Track(pad, 2 * piece, lane)
+               : Track(count > 0 ? static_cast<void*>(data) : &dummy, count * sizeof(T), lane);
+    std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> parts(segments), shared;
     for (int k = 0; k < segments; ++k) {
       const size_t len = seg_len(r, k);
-      parts[k] = Track(len > 0 ? contributions(k) : &dummy, len * (n - 1) * sizeof(T), lane);
+      parts[k] = sealed ? Track(rs_inbox + (k % window) * peers * piece, peers * piece, lane)
+                        : Track(len > 0 ? contributions(k) : &dummy, len * peers * sizeof(T), lane);
+      if (sealed) shared.push_back(Track(ag_inbox + k * peers * piece, peers * piece, lane));
     }
     const gloo::Slot rs_slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
     const gloo::Slot ag_slot = gloo::Slot::build(kAllgatherSlotPrefix, tag);
@@ -889,16 +1152,45 @@ class GlooTransport final : public Transport {
     auto post_rs = [&](const Round& x) {
       const int from = (r - x.s + n) % n;
       if (x.rs >= 0 && seg_len(r, x.rs) > 0) {
-        parts[x.rs]->recv(from, rs_slot + static_cast<uint8_t>(x.rs), place(from, x.rs) * sizeof(T),
-                          seg_len(r, x.rs) * sizeof(T));
+        if (sealed) {
+          parts[x.rs]->recv(from, rs_slot + static_cast<uint8_t>(x.rs), room(from),
+                            seg_len(r, x.rs) * sizeof(T) + SealKeys::kOverhead);
+        } else {
+          parts[x.rs]->recv(from, rs_slot + static_cast<uint8_t>(x.rs),
+                            place(from, x.rs) * sizeof(T), seg_len(r, x.rs) * sizeof(T));
+        }
       }
     };
     auto post_ag = [&](const Round& x) {
       const int from = (r - x.s + n) % n;
       if (x.ag >= 0 && seg_len(from, x.ag) > 0) {
-        whole->recv(from, ag_slot + static_cast<uint8_t>(x.ag),
-                    (offset[from] + seg_begin(from, x.ag)) * sizeof(T),
-                    seg_len(from, x.ag) * sizeof(T));
+        if (sealed) {
+          shared[x.ag]->recv(from, ag_slot + static_cast<uint8_t>(x.ag), room(from),
+                             seg_len(from, x.ag) * sizeof(T) + SealKeys::kOverhead);
+        } else {
+          whole->recv(from, ag_slot + static_cast<uint8_t>(x.ag),
+                      (offset[from] + seg_begin(from, x.ag)) * sizeof(T),
+                      seg_len(from, x.ag) * sizeof(T));
+        }
+      }
+    };
+    // Sealed: the contributions to segment k, opened into its slot.
+    auto open_rs = [&](int k) {
+      for (int q = 0; q < n; ++q) {
+        if (q == r || seg_len(r, k) == 0) continue;
+        OpenFrom(q, r, tag, Sequence(SealKind::kScatter, k, lane),
+                 rs_inbox + (k % window) * peers * piece + room(q),
+                 seg_len(r, k) * sizeof(T) + SealKeys::kOverhead, contributions(k) + place(q, k));
+      }
+    };
+    // Sealed: every peer's summed segment k, opened into place.
+    auto open_ag = [&](int k) {
+      for (int q = 0; q < n; ++q) {
+        if (q == r || seg_len(q, k) == 0) continue;
+        OpenFrom(q, SealKeys::kAll, tag, Sequence(SealKind::kGather, k, lane),
+                 ag_inbox + k * peers * piece + room(q),
+                 seg_len(q, k) * sizeof(T) + SealKeys::kOverhead,
+                 data + offset[q] + seg_begin(q, k));
       }
     };
     // Ahead: the reduce-scatter receives of segment k, posted once segment
@@ -914,6 +1206,7 @@ class GlooTransport final : public Transport {
     // slot then takes segment k + window's.
     auto sum = [&](int k) {
       const size_t len = seg_len(r, k);
+      if (sealed) open_rs(k);
       if (len > 0) {
         T* out = data + offset[r] + seg_begin(r, k);
         SumInRankOrderInPlace(contributions(k), len, n, r, len, out);
@@ -937,10 +1230,15 @@ class GlooTransport final : public Transport {
       if (x.rs >= 0) {
         const size_t len = seg_len(r, x.rs);
         if (len > 0) ++recvs_rs;
-        if (seg_len(to, x.rs) > 0) {
+        const size_t bytes = seg_len(to, x.rs) * sizeof(T);
+        T* const part = data + offset[to] + seg_begin(to, x.rs);
+        if (bytes > 0 && sealed) {
+          SealFor(to, tag, Sequence(SealKind::kScatter, x.rs, lane), part, bytes, pad);
+          whole->send(to, rs_slot + static_cast<uint8_t>(x.rs), 0, bytes + SealKeys::kOverhead);
+          ++sends;
+        } else if (bytes > 0) {
           whole->send(to, rs_slot + static_cast<uint8_t>(x.rs),
-                      (offset[to] + seg_begin(to, x.rs)) * sizeof(T),
-                      seg_len(to, x.rs) * sizeof(T));
+                      (offset[to] + seg_begin(to, x.rs)) * sizeof(T), bytes);
           ++sends;
         }
       }
@@ -948,9 +1246,19 @@ class GlooTransport final : public Transport {
         if (seg_len(from, x.ag) > 0) ++recvs_ag;
         // Summed while this round's reduce-scatter part is on the wire.
         if (summed <= x.ag) sum(summed++);
-        if (seg_len(r, x.ag) > 0) {
+        const size_t bytes = seg_len(r, x.ag) * sizeof(T);
+        T* const mine = data + offset[r] + seg_begin(r, x.ag);
+        if (bytes > 0 && sealed) {
+          // Sealed once, in the first of the segment's rounds.
+          if (x.s == 1) {
+            SealFor(SealKeys::kAll, tag, Sequence(SealKind::kGather, x.ag, lane), mine, bytes,
+                    pad + piece);
+          }
+          whole->send(to, ag_slot + static_cast<uint8_t>(x.ag), piece, bytes + SealKeys::kOverhead);
+          ++sends;
+        } else if (bytes > 0) {
           whole->send(to, ag_slot + static_cast<uint8_t>(x.ag),
-                      (offset[r] + seg_begin(r, x.ag)) * sizeof(T), seg_len(r, x.ag) * sizeof(T));
+                      (offset[r] + seg_begin(r, x.ag)) * sizeof(T), bytes);
           ++sends;
         }
       }
@@ -958,11 +1266,14 @@ class GlooTransport final : public Transport {
         if (!parts[x.rs]->waitRecv(deadline)) throw std::runtime_error("transport aborted");
       }
       for (int i = 0; i < recvs_ag; ++i) {
-        if (!whole->waitRecv(deadline)) throw std::runtime_error("transport aborted");
+        gloo::transport::UnboundBuffer* into = sealed ? shared[x.ag].get() : whole.get();
+        if (!into->waitRecv(deadline)) throw std::runtime_error("transport aborted");
       }
       for (int i = 0; i < sends; ++i) {
         if (!whole->waitSend(deadline)) throw std::runtime_error("transport aborted");
       }
+      // The segment's last round: every peer's sum of it is in.
+      if (sealed && x.ag >= 0 && x.s == n - 1) open_ag(x.ag);
     }
   }
 
@@ -977,8 +1288,10 @@ class GlooTransport final : public Transport {
   // Far larger than asked (over 4x, and over 16 MiB: a dense warm-up's
   // buckets, then sparse steps' values), it is given back: kept, it would
   // hold the largest bucket's size for good.
-  void* Scratch(size_t bytes, size_t lane = 0) {
-    Scratchpad& s = scratch_[lane];
+  void* Scratch(size_t bytes, size_t lane = 0) { return Pad(scratch_[lane], bytes); }
+  // The sealed transfers' staging of the large allreduce, one per lane.
+  void* SealScratch(size_t bytes, size_t lane) { return Pad(seal_scratch_[lane], bytes); }
+  void* Pad(Scratchpad& s, size_t bytes) {
     if (bytes > s.size || (s.size > (size_t{16} << 20) && bytes <= s.size / 4)) {
       s.bytes.reset();
       scratch_bytes_ -= s.size;
@@ -993,10 +1306,17 @@ class GlooTransport final : public Transport {
   // parts of large allreduces.
   std::vector<std::shared_ptr<gloo::Context>> lanes_;
   const absl::Duration default_timeout_;
-  LinkModel model_;  // the same on every rank (MeasureLinks)
+  const std::shared_ptr<const SealKeys> seal_;  // null: transfers go as they are
+  LinkModel model_;                             // the same on every rank (MeasureLinks)
   // Rounds whose receives Expect posted, by tag (engine thread only).
   std::map<uint32_t, std::deque<std::unique_ptr<PostedRound>>> posted_;
   std::vector<Scratchpad> scratch_;
+  std::vector<Scratchpad> seal_scratch_;
+  // Collectives begun (the same on every rank), and the one in flight: the
+  // sealed transfers' numbers (Sequence).
+  uint64_t calls_ = 0;
+  uint64_t call_ = 0;
+  std::atomic<uint64_t> refused_{0};        // transfers that failed verification
   std::atomic<uint64_t> scratch_bytes_{0};  // over every lane's scratch
   absl::Mutex mu_;
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
@@ -1097,7 +1417,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGlooTransport(const GlooOptions
       GlooStoreAdapter store(o.store, o.prefix, connect);
       context->connectFullMesh(store, device);
     }
-    auto transport = std::make_unique<GlooTransport>(context, o.timeout);
+    auto transport = std::make_unique<GlooTransport>(context, o.timeout, o.seal);
     if (absl::Status s = transport->MeasureLinks(absl::Now() + connect, o.link_model); !s.ok()) {
       return absl::UnavailableError(absl::StrCat("gloo: rank ", o.rank, " of ", o.size,
                                                  " could not measure its links: ", s.message()));

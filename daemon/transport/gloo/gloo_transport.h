@@ -9,6 +9,7 @@
 #include "absl/time/time.h"
 #include "daemon/control/kv_store.h"
 #include "daemon/transport/link_model.h"
+#include "daemon/transport/seal.h"
 #include "daemon/transport/transport.h"
 
 namespace microd::transport {
@@ -45,6 +46,11 @@ struct GlooOptions {
   // zero: `timeout`. An elastic job's next data plane waits no longer than
   // a lost member takes to be found (then the next epoch's is connected).
   absl::Duration connect_timeout = absl::ZeroDuration();
+  // Keys of this epoch's data plane (every rank's from the same secret):
+  // every transfer, from the links' measure on, is sealed with them, and
+  // one that fails verification fails its call with DataLoss naming the
+  // link (and breaks the transport). Null: transfers go as they are.
+  std::shared_ptr<const SealKeys> seal;
 };
 
 // Connects the full mesh (blocking until every rank arrived or the timeout).
