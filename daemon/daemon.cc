@@ -169,6 +169,9 @@ class DaemonImpl {
   // An elastic job's next epoch: the data plane among its nodes, under a
   // rendezvous prefix of its own, with the links' model of the first one.
   absl::StatusOr<std::unique_ptr<transport::Transport>> NextDataPlane(const control::Membership& m);
+  // This epoch's data-plane keys (null where the node does not seal).
+  absl::StatusOr<std::shared_ptr<const transport::SealKeys>> SealKeysOf(
+      const control::Membership& m) const;
   absl::Status Serve(const engine::EngineOptions& eo);
   // `buckets` (optional): the engine's per-bucket statistics of the same
   // snapshot (the metrics' histograms).
@@ -501,6 +504,18 @@ absl::Status DaemonImpl::StartDataPlane(const engine::EngineOptions& eo) {
         first.link_model->bytes_per_second = std::numeric_limits<double>::max();
       }
     }
+    ASSIGN_OR_RETURN(first.seal, SealKeysOf(membership_));
+    if (first.seal != nullptr) {
+      MICROD_LOG(Info,
+                 "data plane sealed: every transfer authenticated and encrypted (AES-256-GCM, "
+                 "keys fresh per epoch and direction)");
+    } else {
+      MICROD_LOG(
+          Warning,
+          "data plane NOT sealed (%s): anyone who reaches its ports can read and alter "
+          "gradients",
+          config_.seal == "off" ? "--seal=off" : "no TLS and no --token_file to key it from");
+    }
     auto created = transport::CreateGlooTransport(first);
     if (!created.ok()) return Bad("transport", created.status());
     transport_ = std::move(created).value();
@@ -546,7 +561,23 @@ absl::StatusOr<std::unique_ptr<transport::Transport>> DaemonImpl::NextDataPlane(
     go.link_model = *model;  // no need to measure the same links again
     go.link_model->ranks = m.node_count;
   }
+  ASSIGN_OR_RETURN(go.seal, SealKeysOf(m));
   return transport::CreateGlooTransport(go);
+}
+
+absl::StatusOr<std::shared_ptr<const transport::SealKeys>> DaemonImpl::SealKeysOf(
+    const control::Membership& m) const {
+  if (!config_.SealsDataPlane()) return nullptr;
+  // The epoch's salt (a secret of its own over TLS) and the job token.
+  auto keys = transport::SealKeys::Derive(absl::StrCat(m.seal_salt, config_.token), config_.job_id,
+                                          m.epoch, m.node_count);
+  if (!keys.ok()) {
+    return Bad("--seal",
+               absl::FailedPreconditionError(absl::StrCat(
+                   "no keys for epoch ", m.epoch, " of the data plane (", keys.status().message(),
+                   "): is the coordinator older than this node?")));
+  }
+  return std::shared_ptr<const transport::SealKeys>(std::move(keys).value());
 }
 
 absl::Status DaemonImpl::Serve(const engine::EngineOptions& eo) {
@@ -612,7 +643,10 @@ absl::Status DaemonImpl::Start(const std::function<void()>& serving) {
   }
   RETURN_IF_ERROR(StartTimeline());
   engine::EngineOptions eo = EngineOptionsOf(config_, memory_budget_, memory_budget_source_);
-  RETURN_IF_ERROR(Join(engine::OptionsText(eo)));
+  // Not an engine option, but every node must agree on it before the data
+  // plane connects: the coordinator checks it at the join.
+  RETURN_IF_ERROR(Join(absl::StrCat(engine::OptionsText(eo),
+                                    "--seal=", config_.SealsDataPlane() ? "on" : "off", "\n")));
   timeline_.SetNode(membership_.node_rank, config_.node_name);
   RETURN_IF_ERROR(StartDataPlane(eo));
   if (eo.elastic)
@@ -661,6 +695,12 @@ void DaemonImpl::Stop(const std::string& why) {
   if (coordinator_server_ != nullptr) coordinator_server_->Shutdown(absl::Now() + absl::Seconds(1));
 }
 
+bool DaemonConfig::SealsDataPlane() const {
+  if (seal == "on") return true;
+  if (seal == "off") return false;
+  return transport != "nccl" && (tls.enabled() || !token.empty());
+}
+
 absl::Status DaemonConfig::Validate() const {
   if (transport != "gloo" && !(MICROD_HAVE_NCCL && transport == "nccl")) {
     return Bad("--transport",
@@ -690,6 +730,21 @@ absl::Status DaemonConfig::Validate() const {
     return Bad("--max_nodes",
                absl::InvalidArgumentError(absl::StrCat("must be 0 or in [--nodes=", nodes, ", ",
                                                        control::kMaxNodes, "], not ", max_nodes)));
+  }
+  if (seal != "auto" && seal != "on" && seal != "off") {
+    return Bad("--seal", absl::InvalidArgumentError(
+                             absl::StrCat("must be auto, on or off, not '", seal, "'")));
+  }
+  if (seal == "on" && transport == "nccl") {
+    return Bad("--seal", absl::UnimplementedError(
+                             "the NCCL data plane cannot be sealed (its transfers run on the GPU "
+                             "and NCCL has no cipher): use --transport=gloo, or --seal=off"));
+  }
+  if (seal == "on" && !tls.enabled() && token.empty()) {
+    return Bad("--seal", absl::InvalidArgumentError(
+                             "needs a secret to key the data plane from: TLS on the control "
+                             "plane (--tls_ca, --tls_cert, --tls_key) or a job token "
+                             "(--token_file)"));
   }
   if (elastic() && transport == "nccl") {
     return Bad(max_nodes > nodes ? "--max_nodes" : "--min_nodes",

@@ -55,6 +55,9 @@ struct DaemonConfig {
 
   // The data plane.
   std::string transport = "gloo";  // or nccl (CUDA builds)
+  // Sealed transfers between daemons: "auto" (on where the control plane
+  // has TLS or a job token to key them from), "on", "off".
+  std::string seal = "auto";
   int cuda_device = 0;
   std::string hostname;  // "": chosen (control::ChooseDataPlaneAddress)
   int gloo_io_nice = 0;
@@ -95,6 +98,8 @@ struct DaemonConfig {
 
   // Each setting in its range; the error names the flag.
   absl::Status Validate() const;
+  // Whether this node seals its data plane (--seal, resolved).
+  bool SealsDataPlane() const;
 };
 
 class DaemonImpl;

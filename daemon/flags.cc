@@ -72,6 +72,9 @@ ABSL_FLAG(int, gloo_io_nice, 0,
           "sharing a few cores (tests, one-machine runs), where that thread's busy-waiting "
           "otherwise costs a scheduler time slice per small collective; leave 0 where training "
           "keeps every core busy");
+ABSL_FLAG(std::string, seal, "auto",
+          "authenticate and encrypt every transfer between daemons (AES-256-GCM, keys fresh per "
+          "epoch from the control plane): auto (on with TLS or --token_file), on, or off");
 ABSL_FLAG(int, data_connections, 0,
           "Gloo connections per pair of nodes; large allreduces go in parts over all of them "
           "(0: 4 where a round on the data plane takes 2 ms or more, measured at start, else 1)");
@@ -283,6 +286,7 @@ absl::StatusOr<DaemonConfig> DaemonConfigFromFlags() {
   c.hostname = absl::GetFlag(FLAGS_hostname);
   c.gloo_io_nice = absl::GetFlag(FLAGS_gloo_io_nice);
   c.data_connections = absl::GetFlag(FLAGS_data_connections);
+  c.seal = absl::GetFlag(FLAGS_seal);
   c.link_model = absl::GetFlag(FLAGS_link_model);
   c.op_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
   c.peer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_peer_timeout_ms));

@@ -88,8 +88,12 @@ void PrintStatus(const microd::v1::GetStatusResponse& r) {
                 static_cast<unsigned long long>(c.epoch()), c.seconds_ago(), c.nodes(),
                 c.cause().c_str());
   }
-  std::printf("transport   %s of scratch beside the buckets' state\n",
-              Bytes(static_cast<double>(r.transport_scratch_bytes())).c_str());
+  const std::string sealed =
+      r.data_plane_sealed()
+          ? absl::StrFormat("sealed, %d transfer(s) refused", r.refused_transfers())
+          : std::string("not sealed");
+  std::printf("transport   %s of scratch beside the buckets' state; data plane %s\n",
+              Bytes(static_cast<double>(r.transport_scratch_bytes())).c_str(), sealed.c_str());
   if (r.response_cache()) {
     std::printf(
         "cache       on, %llu batches agreed between the daemons, %llu bucket steps "

@@ -1,7 +1,12 @@
 #include "daemon/control/coordinator.h"
 
+#include <sys/random.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <random>
 #include <set>
@@ -64,6 +69,28 @@ std::map<std::string, std::string> OptionLines(const std::string& text) {
   return out;
 }
 
+// 32 bytes from the kernel's random source: an epoch's seal salt.
+std::string FreshSealSalt() {
+  std::string salt(32, '\0');
+  size_t got = 0;
+  // Bounded: getrandom blocks only before the kernel's pool is seeded.
+  for (int tries = 0; got < salt.size() && tries < 100; ++tries) {
+    const ssize_t n = getrandom(salt.data() + got, salt.size() - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  if (got < salt.size()) {
+    MICROD_LOG(Error, "coordinator: getrandom failed: %s", strerror(errno));
+    std::abort();  // no key may come from a salt that is not random
+  }
+  return salt;
+}
+
+// Whether a node seals its data plane, from its options ("--seal=on").
+bool SealsDataPlane(const std::map<std::string, std::string>& options) {
+  auto it = options.find("--seal");
+  return it != options.end() && it->second == "on";
+}
+
 // Each option that differs between a joining node's and the job's.
 std::vector<std::string> OptionsThatDiffer(const std::string& mine, const std::string& job) {
   const auto a = OptionLines(mine), b = OptionLines(job);
@@ -103,7 +130,8 @@ const char* JobStateName(JobState state) {
   return "?";
 }
 
-Coordinator::Coordinator(CoordinatorOptions options) : options_(std::move(options)) {
+Coordinator::Coordinator(CoordinatorOptions options)
+    : options_(std::move(options)), seal_salt_(FreshSealSalt()) {
   watchdog_ = std::thread([this] { Watchdog(); });
 }
 
@@ -358,6 +386,16 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
     self.options = options;
     return AdmitLocked(std::move(self));
   }
+  // Every node seals its data plane or none does (else nothing of it
+  // would connect): said here, naming both.
+  if (!nodes_.empty() && !options.empty() && !nodes_[0].options.empty() &&
+      SealsDataPlane(OptionLines(options)) != SealsDataPlane(OptionLines(nodes_[0].options))) {
+    const bool mine = SealsDataPlane(OptionLines(options));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "node '", node_name, "' may not join: it ", mine ? "seals" : "does not seal",
+        " its data plane and node '", nodes_[0].name, "' ", mine ? "does not" : "does",
+        ": give every node the same --seal (with --seal=auto, the same TLS and --token_file)"));
+  }
   for (const Node& n : nodes_) {
     if (n.name == node_name) {
       return absl::AlreadyExistsError(absl::StrCat("node name '", node_name, "' already joined"));
@@ -406,6 +444,7 @@ Membership Coordinator::MembershipOf(int rank) const {
   m.epoch = epoch_;
   m.first_batch = epoch_first_batch_;
   m.graceful = marker_batch_ != UINT64_MAX;
+  m.seal_salt = seal_salt_;
   for (const Node& n : nodes_) {
     m.local_sizes.push_back(n.local_size);
     m.node_names.push_back(n.name);
@@ -462,6 +501,7 @@ void Coordinator::FormEpochLocked(const std::vector<int>& lost, const std::strin
   epoch_first_batch_ = schedule_base_;
   marker_batch_ = UINT64_MAX;
   ++epoch_;
+  seal_salt_ = FreshSealSalt();
   changes_.push_back({epoch_, absl::Now(), cause, static_cast<int>(nodes_.size())});
   MICROD_LOG(Warning, "coordinator: membership epoch %llu: %s; %zu nodes go on: %s",
              static_cast<unsigned long long>(epoch_), cause.c_str(), nodes_.size(),
@@ -504,6 +544,7 @@ Membership Coordinator::AdmitLocked(Node joiner) {
   stalls_.clear();
   stall_logged_.clear();
   ++epoch_;
+  seal_salt_ = FreshSealSalt();
   joiner.rank = static_cast<int>(nodes_.size());
   joiner.credential = FreshCredential(&given);
   joiner.last_seen = absl::Now();

@@ -282,6 +282,7 @@ class Coordinator {
   // After a loss (`cause`): below min_nodes, the job waits for nodes from now.
   void NoteShortLocked(const std::string& cause) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string seal_salt_ ABSL_GUARDED_BY(mu_);  // this epoch's (Membership::seal_salt)
   std::vector<MembershipChange> changes_ ABSL_GUARDED_BY(mu_);
   // A data-plane failure held for the watchdog (elastic jobs): its reason,
   // its epoch, and when it becomes the job's failure.

@@ -69,6 +69,7 @@ absl::StatusOr<Membership> FromProto(const microd::v1::JoinResponse& resp) {
   m.epoch = resp.epoch();
   m.first_batch = resp.first_batch();
   m.graceful = resp.graceful();
+  m.seal_salt = resp.seal_salt();
   if (m.node_rank < 0 || m.node_rank >= m.node_count ||
       static_cast<int>(m.local_sizes.size()) != m.node_count ||
       static_cast<int>(m.node_names.size()) != m.node_count) {

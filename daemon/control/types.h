@@ -45,6 +45,10 @@ struct Membership {
   // plane (the last one marks the change), then changes. Else (a node
   // lost) the old epoch's steps end where they are.
   bool graceful = false;
+  // Fresh per epoch (32 random bytes): with the job token, what the epoch's
+  // data-plane keys come from (transport::SealKeys). Over TLS a secret of
+  // its own; never logged or written.
+  std::string seal_salt;
 };
 
 struct BucketInfo {

@@ -480,6 +480,7 @@ absl::Status Engine::Reconfigured(const control::Membership& next, const std::st
   state_.log_run = 0;
   state_.changed = false;
   membership_ = next;
+  state_.refused_before += transport_->refused_transfers();
   transports_.push_back(std::move(t));
   transport_ = transports_.back().get();
   state_.recovering = false;
@@ -666,6 +667,9 @@ EngineSnapshot Engine::Snapshot(bool with_history) const {
   s.cache_batches = state_.cache_batches;
   s.cycle_reductions = state_.cycle_reductions;
   s.transport_scratch_bytes = transport_ != nullptr ? transport_->scratch_bytes() : 0;
+  s.sealed = transport_ != nullptr && transport_->sealed();
+  s.refused_transfers =
+      state_.refused_before + (transport_ != nullptr ? transport_->refused_transfers() : 0);
   s.epoch = membership_.epoch;
   s.last_recovery_seconds = state_.last_recovery_seconds;
   s.buckets = state_.table.Stats(with_history);

@@ -79,6 +79,8 @@ struct EngineState {
   absl::Time recover_started ABSL_GUARDED_BY(mu);
   absl::Time recover_until ABSL_GUARDED_BY(mu);
   double last_recovery_seconds ABSL_GUARDED_BY(mu) = 0;
+  // Sealed transfers refused on the data planes of earlier epochs.
+  uint64_t refused_before ABSL_GUARDED_BY(mu) = 0;
   absl::Status recover_cause ABSL_GUARDED_BY(mu);
   std::vector<Work> held ABSL_GUARDED_BY(mu);
   std::optional<std::pair<control::Membership, std::string>> next_membership ABSL_GUARDED_BY(mu);

@@ -7,6 +7,8 @@ void FillEngineStatus(const EngineSnapshot& snap, microd::v1::GetStatusResponse*
   r->set_cache_batches(snap.cache_batches);
   r->set_cycle_reductions(snap.cycle_reductions);
   r->set_transport_scratch_bytes(snap.transport_scratch_bytes);
+  r->set_data_plane_sealed(snap.sealed);
+  r->set_refused_transfers(snap.refused_transfers);
   r->set_membership_epoch(snap.epoch);
   r->set_last_recovery_seconds(snap.last_recovery_seconds);
   if (!snap.failure.empty()) {

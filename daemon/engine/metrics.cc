@@ -98,6 +98,17 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
   gauge("microd_membership_last_recovery_seconds",
         "the last change of membership, from its first sign to the new epoch running",
         st.last_recovery_seconds());
+  gauge("microd_data_plane_sealed",
+        "1 when every transfer between daemons is authenticated and encrypted (--seal)",
+        st.data_plane_sealed() ? 1 : 0);
+  {
+    MetricFamily f = Family("microd_sealed_transfers_refused_total",
+                            "transfers from peers that failed verification (altered, replayed or "
+                            "not sealed with this job's keys); each failed its step",
+                            MetricType::Counter);
+    f.metric.push_back(Value(MetricType::Counter, static_cast<double>(st.refused_transfers())));
+    out.push_back(std::move(f));
+  }
   gauge("microd_transport_scratch_bytes",
         "the transport's working memory beside the buckets' state (allreduce scratch)",
         static_cast<double>(st.transport_scratch_bytes()));

@@ -95,6 +95,8 @@ struct EngineSnapshot {
   uint64_t cache_batches = 0;            // batches of cached buckets agreed over the data plane
   uint64_t cycle_reductions = 0;         // bucket steps reduced by the cycle itself
   uint64_t transport_scratch_bytes = 0;  // the transport's working memory (not a bucket's)
+  bool sealed = false;                   // the data plane's transfers are sealed
+  uint64_t refused_transfers = 0;        // sealed transfers that failed verification
   uint64_t epoch = 0;                    // this node's membership epoch
   double last_recovery_seconds = 0;      // the last change of membership, start to running
 };

@@ -537,6 +537,40 @@ namespace {
 
 // A report sent again after a lost answer (same number) is taken once: the
 // bucket is not pending twice, and the next step's report schedules again.
+// Every node seals its data plane or none does: a node that differs from
+// the first is refused at the join, naming both (its data plane would not
+// connect). Each job has a salt of its own.
+TEST(CoordinatorSeal, ANodeThatDiffersOnSealingIsRefusedAtTheJoin) {
+  CoordinatorOptions o;
+  o.job_id = "job";
+  o.expected_nodes = 2;
+  auto c = *Coordinator::Create(o);
+  std::vector<absl::StatusOr<Membership>> m(2, absl::UnknownError(""));
+  std::thread t0([&] {
+    m[0] = c->Join("job", "a", 1, "", 0, absl::Now() + absl::Seconds(5), "", "--seal=on\n");
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  auto refused = c->Join("job", "b", 1, "", 1, absl::Now() + absl::Seconds(1), "", "--seal=off\n");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(),
+                                "node 'b' may not join: it does not seal its data plane and node "
+                                "'a' does"))
+      << refused.status();
+  m[1] = c->Join("job", "b", 1, "", 1, absl::Now() + absl::Seconds(5), "", "--seal=on\n");
+  t0.join();
+  ASSERT_TRUE(m[0].ok()) << m[0].status();
+  ASSERT_TRUE(m[1].ok()) << m[1].status();
+  EXPECT_EQ(m[0]->seal_salt.size(), 32u);
+  EXPECT_EQ(m[0]->seal_salt, m[1]->seal_salt);
+  o.expected_nodes = 1;
+  auto other = *Coordinator::Create(o);
+  auto lone = other->Join("job", "a", 1, "", 0, absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(lone.ok()) << lone.status();
+  EXPECT_EQ(lone->seal_salt.size(), 32u);
+  EXPECT_NE(lone->seal_salt, m[0]->seal_salt);
+}
+
 TEST(CoordinatorReports, AResentReportIsTakenOnce) {
   CoordinatorOptions o;
   o.job_id = "job";
@@ -643,7 +677,12 @@ TEST(CoordinatorElastic, ALostNodeFormsTheNextEpochOfTheSurvivors) {
     EXPECT_EQ(s.world_size, 3);
     EXPECT_EQ(s.node_names, (std::vector<std::string>{"a", "b", "d"}));
     EXPECT_NE(s.session, before[&s - &m[0]].session);
+    // The epoch's seal salt: fresh, the same for every member.
+    EXPECT_EQ(s.seal_salt.size(), 32u);
+    EXPECT_EQ(s.seal_salt, m[0].seal_salt);
+    EXPECT_NE(s.seal_salt, before[0].seal_salt);
   }
+  for (const Membership& b : before) EXPECT_EQ(b.seal_salt, before[0].seal_salt);
   const JobSnapshot snap = c->Snapshot();
   EXPECT_EQ(snap.state, JobState::kRunning);
   EXPECT_EQ(snap.epoch, 1u);

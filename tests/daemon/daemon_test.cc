@@ -31,6 +31,27 @@ void ExpectRefused(const DaemonConfig& c, const std::string& flag) {
 
 TEST(DaemonConfigTest, TheDefaultsAreValid) { EXPECT_TRUE(DaemonConfig().Validate().ok()); }
 
+// --seal=auto seals wherever the control plane has a secret to key the
+// data plane from (TLS or a job token), and never the NCCL data plane.
+TEST(DaemonConfigTest, SealAutoSealsWithTlsOrAToken) {
+  DaemonConfig c;
+  EXPECT_FALSE(c.SealsDataPlane());
+  c.token = "the job's token";
+  EXPECT_TRUE(c.SealsDataPlane());
+  c.seal = "off";
+  EXPECT_FALSE(c.SealsDataPlane());
+  c = {};
+  c.tls.ca = "/ca.pem";
+  EXPECT_TRUE(c.SealsDataPlane());
+  c.transport = "nccl";
+  EXPECT_FALSE(c.SealsDataPlane());
+  c = {};
+  c.seal = "on";
+  c.token = "the job's token";
+  EXPECT_TRUE(c.SealsDataPlane());
+  EXPECT_TRUE(c.Validate().ok()) << c.Validate();
+}
+
 TEST(DaemonConfigTest, EachBadSettingIsRefusedNamingItsFlag) {
   DaemonConfig c;
   c.local_size = 0;
@@ -44,6 +65,12 @@ TEST(DaemonConfigTest, EachBadSettingIsRefusedNamingItsFlag) {
   c = {};
   c.gloo_io_nice = 20;
   ExpectRefused(c, "--gloo_io_nice");
+  c = {};
+  c.seal = "yes";
+  ExpectRefused(c, "--seal");
+  c = {};
+  c.seal = "on";  // nothing to key the data plane from
+  ExpectRefused(c, "--seal");
   for (const char* bad : {"round_ms=1", "round_ms=1,mb_per_s=0", "round_ms=1,mb_per_s=x",
                           "round_ms=1,posted_ms=2,mb_per_s=100", "fast"}) {
     c = {};

@@ -64,7 +64,8 @@ class NetLabEverySparsifier : public NetLabTest,
                               public ::testing::WithParamInterface<SparsifierCase> {};
 
 // 4 nodes x 2 processes on 1 Gbit/s links with 0.1 ms of delay each way, the
-// coordinator on node 0's own address: the same bits as the reference.
+// coordinator on node 0's own address, the data plane sealed (the default
+// with a job token): the same bits as the reference.
 TEST_P(NetLabEverySparsifier, FourNodesTwoProcessesEqualTheReference) {
   const SparsifierCase& c = GetParam();
   const int n = 4, L = 2;
@@ -92,6 +93,9 @@ TEST_P(NetLabEverySparsifier, FourNodesTwoProcessesEqualTheReference) {
     ASSERT_TRUE(status.ok()) << "node " << r << ": " << status.status();
     EXPECT_EQ(status->job_state(), microd::v1::JOB_STATE_RUNNING) << "node " << r;
     EXPECT_EQ(status->sparsifier(), sparsify::SparsifierName(c.options.sparsifier));
+    // Sealed by default (the job has a token): every transfer verified.
+    EXPECT_TRUE(status->data_plane_sealed()) << "node " << r;
+    EXPECT_EQ(status->refused_transfers(), 0u) << "node " << r;
   }
 }
 
