@@ -30,9 +30,10 @@ TEST_PACKAGES=(
   dataset-fashion-mnist
   # Packaging tests: pip-installing client/python, linting the deployment files.
   python3-pip python3-setuptools python3-yaml yamllint
-  # The emulated cluster (deploy/netlab): namespaces, veth, tc, iptables, and
-  # the delay helper's NFQUEUE library.
-  iproute2 iptables libnetfilter-queue-dev
+  # The emulated cluster (deploy/netlab): namespaces, veth, tc, iptables,
+  # the delay and tamper helpers' NFQUEUE library, and tcpdump (the sealed
+  # data plane's capture test).
+  iproute2 iptables libnetfilter-queue-dev tcpdump
   # make format-check (the CI): the C/C++ formatter .clang-format is for.
   clang-format
 )

@@ -280,8 +280,10 @@ transport::Transport* Engine::CurrentTransport() const {
 }
 
 bool Engine::Hold(const std::vector<Work>& works, const absl::Status& why) {
-  // A refusal (this node's buckets or options are not the job's) is no lost peer.
-  if (!options_.elastic || absl::IsInvalidArgument(why)) return false;
+  // A refusal (this node's buckets or options are not the job's), or a
+  // sealed transfer that failed verification (an attacker on a link, not a
+  // lost peer: the job fails, naming the link), is no lost peer.
+  if (!options_.elastic || absl::IsInvalidArgument(why) || absl::IsDataLoss(why)) return false;
   bool first = false;
   transport::Transport* t = nullptr;
   {

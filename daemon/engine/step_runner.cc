@@ -82,8 +82,10 @@ void StepRunner::MemoryFailed(const std::vector<const Work*>& works, const absl:
 void StepRunner::StepFailed(const std::vector<Work>& works, absl::Status s) {
   if (job_->Hold(works, s)) return;  // an elastic job: perhaps a lost peer
   s = job_->WithRootCause(s);
-  for (const Work& w : works) job_->Finish(w, JobFailed(s));
+  // The job first (the cause reported to the coordinator), then the
+  // answers: a process that exits on its answer is no cause of its own.
   job_->Fail(s, /*report=*/true);
+  for (const Work& w : works) job_->Finish(w, JobFailed(s));
 }
 
 void StepRunner::NonFinite(const Work& w, const absl::Status& status) {

@@ -21,6 +21,10 @@
 #   netlab.sh exec NAME NODE -- CMD...     runs CMD in the node's namespace
 #   netlab.sh list                         labs on this machine
 #   netlab.sh show NAME                    nodes, addresses, shaping, cuts
+#   netlab.sh tamper NAME NODE --log FILE -- OPTIONS...
+#                                          an attacker on the path into NODE
+#                                          (microd-netlab-tamper: flips or replays)
+#   netlab.sh capture NAME FILE|--stop     tcpdump of the switch's TCP packets
 #
 # SHAPE: --rate R (tc units: 100mbit, 1gbit, 10gbit; "none": unshaped),
 #        --delay D and --jitter J (one way, per link: 100us, 0.1ms, 20ms),
@@ -48,13 +52,19 @@ iptables_cmd() {
   else return 1; fi
 }
 
-delay_bin() {
-  local candidates=("${NETLAB_DELAY_BIN:-}" "$NETLAB_DIR/../../build/deploy/netlab/microd-netlab-delay"
-                    "$(command -v microd-netlab-delay 2>/dev/null || true)")
+helper_bin() {  # helper_bin NAME ENV_OVERRIDE: a helper built beside this script
+  local candidates=("$2" "$NETLAB_DIR/../../build/deploy/netlab/$1"
+                    "$(command -v "$1" 2>/dev/null || true)")
   for c in "${candidates[@]}"; do
     [[ -n "$c" && -x "$c" ]] && { echo "$c"; return 0; }
   done
   return 1
+}
+delay_bin() { helper_bin microd-netlab-delay "${NETLAB_DELAY_BIN:-}"; }
+# The tamper helper's directory is the delay helper's unless told otherwise.
+tamper_bin() {
+  helper_bin microd-netlab-tamper \
+    "${NETLAB_TAMPER_BIN:-${NETLAB_DELAY_BIN:+$(dirname "$NETLAB_DELAY_BIN")/microd-netlab-tamper}}"
 }
 
 # Why labs cannot be made here, or nothing.
@@ -416,6 +426,63 @@ cmd_heal() {
   done
 }
 
+# tamper NAME NODE --log FILE -- HELPER_OPTIONS...: an attacker on the path of
+# the packets entering NODE (microd-netlab-tamper on NFQUEUE queue 1, ahead
+# of the shaping chain); what it did goes to FILE. Stays until `down`.
+cmd_tamper() {
+  local lab=$1 r=$2 log=""
+  shift 2
+  [[ "${1:-}" == "--log" && $# -ge 3 && "$3" == "--" ]] || die "usage: tamper NAME NODE --log FILE -- OPTIONS..."
+  log=$2
+  shift 3
+  require_lab "$lab"; check_node "$lab" "$r"
+  local ns bin ipt state pid
+  ns=$(ns_of "$lab" "$r") ipt=$(iptables_cmd) state=$STATE_ROOT/$lab/node$r
+  bin=$(tamper_bin) || die "tamper needs microd-netlab-tamper (build it: make build)"
+  [[ ! -f "$state/tamper.pid" ]] || die "node $r already has a tamper helper"
+  ip netns exec "$ns" "$bin" --queue 1 "$@" > "$log" 2>&1 &
+  pid=$!
+  echo "$pid" > "$state/tamper.pid"
+  local bound=0
+  for _ in $(seq 50); do
+    ip netns exec "$ns" grep -qs '^ *1 ' /proc/net/netfilter/nfnetlink_queue && { bound=1; break; }
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.05
+  done
+  [[ $bound -eq 1 ]] || die "microd-netlab-tamper did not start on node $r: $(cat "$log")"
+  ip netns exec "$ns" "$ipt" -t mangle -I PREROUTING 1 -i eth0 -p tcp \
+    -j NFQUEUE --queue-num 1 --queue-bypass
+}
+
+# capture NAME FILE: every TCP packet crossing the lab's switch (tcpdump on
+# its bridge, in the bridge's namespace) into FILE (pcap); capture NAME
+# --stop ends it, the file complete.
+cmd_capture() {
+  local lab=$1 what=$2
+  require_lab "$lab"
+  local dir=$STATE_ROOT/$lab
+  if [[ "$what" == "--stop" ]]; then
+    [[ -f "$dir/capture.pid" ]] || die "no capture running in $lab"
+    local pid; pid=$(cat "$dir/capture.pid")
+    kill -INT "$pid" 2>/dev/null || true
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    rm -f "$dir/capture.pid"
+    return 0
+  fi
+  command -v tcpdump >/dev/null || die "capture needs tcpdump (scripts/install-deps.sh)"
+  [[ ! -f "$dir/capture.pid" ]] || die "a capture already runs in $lab"
+  ip netns exec "$(br_of "$lab")" tcpdump -i br0 -U -n -s 0 -w "$what" tcp \
+    > "$dir/capture.log" 2>&1 &
+  echo $! > "$dir/capture.pid"
+  # Listening once it said so (at most 5 s).
+  for _ in $(seq 50); do
+    grep -qs "listening on" "$dir/capture.log" && return 0
+    kill -0 "$(cat "$dir/capture.pid")" 2>/dev/null || break
+    sleep 0.1
+  done
+  die "tcpdump did not start: $(cat "$dir/capture.log")"
+}
+
 cmd_show() {
   local lab=$1
   require_lab "$lab"
@@ -431,7 +498,7 @@ cmd_show() {
   done
 }
 
-[[ $# -gt 0 ]] || { sed -n '2,32p' "$0"; exit 2; }
+[[ $# -gt 0 ]] || { sed -n '2,40p' "$0"; exit 2; }
 cmd=$1
 shift
 case "$cmd" in
@@ -459,6 +526,8 @@ case "$cmd" in
     ;;
   list) ls "$STATE_ROOT" 2>/dev/null | grep -E '^mdl[0-9a-f]{6}$' || true ;;
   show) [[ $# -eq 1 ]] || die "usage: show NAME"; cmd_show "$1" ;;
-  -h|--help|help) sed -n '2,32p' "$0" ;;
+  tamper) [[ $# -ge 5 ]] || die "usage: tamper NAME NODE --log FILE -- OPTIONS..."; cmd_tamper "$@" ;;
+  capture) [[ $# -eq 2 ]] || die "usage: capture NAME FILE|--stop"; cmd_capture "$@" ;;
+  -h|--help|help) sed -n '2,40p' "$0" ;;
   *) die "unknown command '$cmd' (netlab.sh --help)" ;;
 esac

@@ -79,6 +79,19 @@ class NetLab {
     return Netlab(args).status();
   }
   absl::Status Heal() { return Netlab({"heal", name_}).status(); }
+  // An attacker on the path into `node` (microd-netlab-tamper `options`);
+  // what it did goes to `log`.
+  absl::Status Tamper(int node, const std::string& log, const std::vector<std::string>& options) {
+    std::vector<std::string> args = {"tamper", name_, std::to_string(node), "--log", log, "--"};
+    args.insert(args.end(), options.begin(), options.end());
+    return Netlab(args).status();
+  }
+  // tcpdump of every TCP packet crossing the switch into `pcap`, until
+  // StopCapture.
+  absl::Status Capture(const std::string& pcap) {
+    return Netlab({"capture", name_, pcap}).status();
+  }
+  absl::Status StopCapture() { return Netlab({"capture", name_, "--stop"}).status(); }
 
  private:
   NetLab(std::string name, int nodes) : name_(std::move(name)), nodes_(nodes) {

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <fstream>
 #include <functional>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -263,6 +264,187 @@ TEST_F(NetLabTest, CoordinatorPartitionedFailsEveryProcess) {
         for (int q = 1; q < n; ++q) others.push_back(absl::StrCat("node ", q));
         return others;
       });
+}
+
+// The sealed data plane (a job token: sealed by default) against an
+// attacker on the path into node 2 (microd-netlab-tamper): `mode` "flip"
+// inverts one byte of one data-plane packet, "replay" puts a whole transfer
+// of an earlier step in place of a later one of the same connection. The
+// step fails on every node, each process's error naming the link (the
+// node that sent the transfer, the node that refused it); no process got a
+// wrong update (every result before is the reference's); node 2 counted
+// the refusal; nothing hangs, and the daemons stop cleanly.
+void ExpectTamperingRefused(const std::string& mode) {
+  const int n = 3, L = 1;
+  auto lab = MakeLab(n, {"--rate=1gbit"});
+  ASSERT_NE(lab, nullptr);
+  ClusterOptions o;
+  o.lab = lab.get();
+  o.peer_timeout_ms = 3000;
+  DaemonCluster cluster(n, L, o);
+  const std::vector<BucketSpec> buckets = {{"fc", 100003}, {"b", 1000}};
+  cluster.StartClients(buckets, 100000);
+  WaitForProgress(cluster, 6);
+  if (::testing::Test::HasFatalFailure()) return;
+  const std::string log = cluster.dir() + "/tamper.log";
+  // A flip: one byte of a packet full of a transfer's bytes. A replay: a
+  // whole transfer (header and all) sent before, put in place of a later
+  // one of the same connection and size.
+  std::vector<std::string> options = {"--mode", mode, "--skip-port",
+                                      std::to_string(cluster.coordinator_port())};
+  if (mode == "flip") {
+    options.insert(options.end(), {"--min-payload", "1000"});
+  } else {
+    options.insert(options.end(), {"--min-payload", "64", "--whole-messages"});
+  }
+  ASSERT_TRUE(lab->Tamper(2, log, options).ok());
+  const auto codes = cluster.WaitClients(seconds(60));
+  const std::string did = ReadFile(log);
+  int sender = -1;
+  for (int r = 0; r < 2; ++r) {
+    if (absl::StrContains(did, absl::StrCat(" ", lab->addr(r), ":"))) sender = r;
+  }
+  ASSERT_GE(sender, 0) << "the attacker did nothing: " << did;
+  const std::string link = absl::StrCat("sealed transfer from node ", sender, " to node 2");
+  long last = -1;
+  std::vector<std::vector<std::string>> lines(n);
+  for (int r = 0; r < n; ++r) {
+    std::string line;
+    const int status = FailedStatus(cluster.outs()[r], &line);
+    EXPECT_EQ(codes[r], 3) << "node " << r << ": " << line;
+    EXPECT_NE(status, -1) << "node " << r << ": " << line;
+    EXPECT_TRUE(absl::StrContains(line, link)) << "node " << r << ": " << line << "\n" << did;
+    EXPECT_TRUE(absl::StrContains(line, "failed verification")) << "node " << r << ": " << line;
+    lines[r] = ReadLines(cluster.outs()[r]);
+    lines[r].pop_back();  // the FAILED line
+    for (const std::string& l : lines[r]) last = std::max(last, std::stol(l));
+  }
+  const ReferenceHashes ref = Reference(n, L, buckets, last + 1);
+  for (int r = 0; r < n; ++r) {
+    size_t results = 0;
+    std::vector<std::string> epochs;
+    CheckElasticOutput(lines[r], ref, buckets, r, &results, &epochs);
+    EXPECT_GE(results, 6u) << "node " << r;
+  }
+  auto status = cluster.Status(2);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_TRUE(status->data_plane_sealed());
+  EXPECT_EQ(status->refused_transfers(), 1u);
+  const auto exits = cluster.Terminate(seconds(15));
+  for (int r = 0; r < n; ++r) EXPECT_EQ(exits[r], 0) << "node " << r << "'s daemon";
+}
+
+TEST_F(NetLabTest, SealedTransferFlippedOnThePathFailsTheStepNamingTheLink) {
+  ExpectTamperingRefused("flip");
+}
+
+TEST_F(NetLabTest, SealedTransferReplayedFromAnEarlierStepIsRefused) {
+  ExpectTamperingRefused("replay");
+}
+
+// The gradients a job of `n` nodes (one process each, `buckets`, `steps`)
+// sends, as a passive observer would look for them: every run of 4
+// consecutive floats of each dense bucket's gradient of every process and
+// step (a dense bucket's contribution goes out as it is).
+std::set<std::string> GradientRuns(int n, const std::vector<BucketSpec>& buckets, long steps) {
+  std::set<std::string> runs;
+  for (int r = 0; r < n; ++r) {
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      if (buckets[b].count >= 65536) continue;  // sparse: its values are residuals
+      std::vector<float> g(buckets[b].count);
+      for (long t = 0; t < steps; ++t) {
+        e2e_fill(g.data(), g.size(), r, static_cast<int>(b), static_cast<uint64_t>(t));
+        for (size_t i = 0; i + 4 <= g.size(); i += 4) {
+          runs.insert(std::string(reinterpret_cast<const char*>(&g[i]), 16));
+        }
+      }
+    }
+  }
+  return runs;
+}
+
+// How many of `runs` appear anywhere in `bytes`.
+size_t RunsFound(const std::string& bytes, const std::set<std::string>& runs) {
+  std::set<std::string> found;
+  for (size_t at = 0; at + 16 <= bytes.size(); ++at) {
+    auto it = runs.find(bytes.substr(at, 16));
+    if (it != runs.end()) found.insert(*it);
+  }
+  return found.size();
+}
+
+// A passive observer on the switch (tcpdump on the lab's bridge) through a
+// whole job whose gradients are known: sealed (the default with a token),
+// the capture holds none of them; the same job with --seal=off shows them
+// (the search can fail).
+TEST_F(NetLabTest, ACaptureOfASealedJobHoldsNoneOfItsGradients) {
+  const int n = 3, L = 1;
+  const long steps = 8;
+  const std::vector<BucketSpec> buckets = {{"fc", 100003}, {"b", 1000}};
+  auto lab = MakeLab(n, {"--rate=1gbit"});
+  ASSERT_NE(lab, nullptr);
+  const std::set<std::string> runs = GradientRuns(n, buckets, steps);
+  std::vector<size_t> found;
+  for (const bool sealed : {true, false}) {
+    ClusterOptions o;
+    o.lab = lab.get();
+    if (!sealed) o.extra = {"--seal=off"};
+    const std::string pcap =
+        absl::StrCat(MakeTempDir("microd-capture"), sealed ? "/sealed" : "/open", ".pcap");
+    ASSERT_TRUE(lab->Capture(pcap).ok());
+    {
+      DaemonCluster cluster(n, L, o);
+      cluster.StartClients(buckets, steps);
+      const auto codes = cluster.WaitClients(seconds(120));
+      ExpectMatchesReference(cluster, codes, Reference(n, L, buckets, steps), n, L, buckets, steps);
+      auto status = cluster.Status(0);
+      ASSERT_TRUE(status.ok()) << status.status();
+      EXPECT_EQ(status->data_plane_sealed(), sealed);
+    }
+    ASSERT_TRUE(lab->StopCapture().ok());
+    const std::string bytes = ReadFile(pcap);
+    EXPECT_GT(bytes.size(), size_t{1} << 20) << "the capture missed the job";
+    found.push_back(RunsFound(bytes, runs));
+  }
+  EXPECT_EQ(found[0], 0u) << "a sealed job's gradients on the wire";
+  EXPECT_GT(found[1], runs.size() / 2) << "the search finds an open job's gradients";
+}
+
+// A stranger (a host on the switch with no part in the job) connects to
+// every port node 0 listens on during a sealed job (the coordinator's and
+// the data plane's) and sends bytes: the job goes on, every result the
+// reference's.
+TEST_F(NetLabTest, AStrangerSendingBytesToTheDaemonsPortsChangesNothing) {
+  const int n = 3, L = 1;
+  const long steps = 40;
+  auto lab = MakeLab(n + 1, {"--rate=1gbit"});  // node 3: the stranger
+  ASSERT_NE(lab, nullptr);
+  ClusterOptions o;
+  o.lab = lab.get();
+  DaemonCluster cluster(n, L, o);
+  cluster.StartClients(kBuckets, steps);
+  WaitForProgress(cluster, 3 * kBuckets.size());
+  if (HasFatalFailure()) return;
+  const std::string ports_file = cluster.dir() + "/ports";
+  const std::string script =
+      absl::StrCat("ss -Htln | awk '{print $4}' | sed 's/.*://' | sort -u > ", ports_file);
+  ASSERT_EQ(WaitAll({Spawn(lab->InNode(0, {"/bin/bash", "-c", script}))}, seconds(10))[0], 0);
+  const std::vector<std::string> ports = ReadLines(ports_file);
+  // The coordinator's, and the data plane's (Gloo's listener).
+  ASSERT_GE(ports.size(), 2u) << absl::StrJoin(ports, " ");
+  std::string send = "for i in 1 2 3; do for p in";
+  for (const std::string& p : ports) absl::StrAppend(&send, " ", p);
+  absl::StrAppend(&send, "; do timeout 2 bash -c 'head -c 65536 /dev/urandom > /dev/tcp/",
+                  lab->addr(0), "/'$p 2>/dev/null; done; sleep 0.2; done; exit 0");
+  ASSERT_EQ(WaitAll({Spawn(lab->InNode(3, {"/bin/bash", "-c", send}))}, seconds(60))[0], 0);
+  const auto codes = cluster.WaitClients(seconds(120));
+  ExpectMatchesReference(cluster, codes, Reference(n, L, kBuckets, steps), n, L, kBuckets, steps);
+  for (int r = 0; r < n; ++r) {
+    auto status = cluster.Status(r);
+    ASSERT_TRUE(status.ok()) << status.status();
+    EXPECT_EQ(status->job_state(), microd::v1::JOB_STATE_RUNNING) << "node " << r;
+    EXPECT_EQ(status->refused_transfers(), 0u) << "node " << r;
+  }
 }
 
 }  // namespace
