@@ -109,6 +109,7 @@ engine::EngineOptions EngineOptionsOf(const DaemonConfig& c, uint64_t memory_bud
   eo.device_resident = c.transport == "nccl";
   eo.device = c.cuda_device;
   eo.elastic = c.elastic();
+  eo.seal_failure_step = c.seal_failure == "step";
   // Long enough for the coordinator's verdict: the peer timeout, its grace
   // for a reported data-plane failure, and a heartbeat to bring it.
   eo.membership_wait =
@@ -488,6 +489,7 @@ absl::Status DaemonImpl::StartDataPlane(const engine::EngineOptions& eo) {
     go.timeout = config_.op_timeout;
     go.io_nice = config_.gloo_io_nice;
     go.connections = config_.data_connections;
+    go.confirm = config_.seal_failure == "step";
     if (!config_.link_model.empty()) {
       ASSIGN_OR_RETURN(go.link_model, transport::ParseLinkModel(config_.link_model));
     }
@@ -745,6 +747,16 @@ absl::Status DaemonConfig::Validate() const {
                              "needs a secret to key the data plane from: TLS on the control "
                              "plane (--tls_ca, --tls_cert, --tls_key) or a job token "
                              "(--token_file)"));
+  }
+  if (seal_failure != "job" && seal_failure != "step") {
+    return Bad("--seal_failure", absl::InvalidArgumentError(absl::StrCat(
+                                     "must be job or step, not '", seal_failure, "'")));
+  }
+  if (seal_failure == "step" && (!elastic() || !SealsDataPlane())) {
+    return Bad("--seal_failure",
+               absl::InvalidArgumentError(
+                   "step needs an elastic job (--min_nodes: its processes take the failed step "
+                   "again in the next epoch) with a sealed data plane (--seal)"));
   }
   if (elastic() && transport == "nccl") {
     return Bad(max_nodes > nodes ? "--max_nodes" : "--min_nodes",

@@ -58,6 +58,10 @@ struct DaemonConfig {
   // Sealed transfers between daemons: "auto" (on where the control plane
   // has TLS or a job token to key them from), "on", "off".
   std::string seal = "auto";
+  // A sealed transfer that fails verification fails the job ("job"), or
+  // the step on every node ("step": elastic jobs; the next epoch has the
+  // same members, fresh keys and connections).
+  std::string seal_failure = "job";
   int cuda_device = 0;
   std::string hostname;  // "": chosen (control::ChooseDataPlaneAddress)
   int gloo_io_nice = 0;

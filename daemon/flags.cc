@@ -75,6 +75,10 @@ ABSL_FLAG(int, gloo_io_nice, 0,
 ABSL_FLAG(std::string, seal, "auto",
           "authenticate and encrypt every transfer between daemons (AES-256-GCM, keys fresh per "
           "epoch from the control plane): auto (on with TLS or --token_file), on, or off");
+ABSL_FLAG(std::string, seal_failure, "job",
+          "a sealed transfer that fails verification fails the job (job), or the step on every "
+          "node (step: an elastic job goes on in its next epoch, keyed afresh; one round a step "
+          "more)");
 ABSL_FLAG(int, data_connections, 0,
           "Gloo connections per pair of nodes; large allreduces go in parts over all of them "
           "(0: 4 where a round on the data plane takes 2 ms or more, measured at start, else 1)");
@@ -287,6 +291,7 @@ absl::StatusOr<DaemonConfig> DaemonConfigFromFlags() {
   c.gloo_io_nice = absl::GetFlag(FLAGS_gloo_io_nice);
   c.data_connections = absl::GetFlag(FLAGS_data_connections);
   c.seal = absl::GetFlag(FLAGS_seal);
+  c.seal_failure = absl::GetFlag(FLAGS_seal_failure);
   c.link_model = absl::GetFlag(FLAGS_link_model);
   c.op_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_timeout_ms));
   c.peer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_peer_timeout_ms));

@@ -5,10 +5,13 @@ torch.distributed's Gloo dense allreduce (the baseline), microd dense, micro
 1 % and micro 0.1 % (one training process per node, microd-bench-step-client)
 and the local floor (`e += g` plus one dense write of the bucket, every node
 at once). Every step is timed; the first one is reported apart (it maps the
-bucket's state), the rest as a median. Needs root.
+bucket's state), the rest as a median. microd's data plane is sealed (the
+job has a token); --seal-cost measures what that costs: each microd method
+with and without --seal=off, side by side, in turns. Needs root.
 
     /usr/bin/python3 bench/network/run.py --build build --out results/bench/network.json
     /usr/bin/python3 bench/network/run.py --rates 1gbit --size 1000000 --steps 4
+    /usr/bin/python3 bench/network/run.py --seal-cost --out results/bench/seal.json
 """
 import argparse
 import json
@@ -34,6 +37,12 @@ METHODS = [
     ("microd-micro-0.1%", ["--sparsifier=micro", "--density=0.001", "--remedies=off"]),
     ("floor", None),
 ]
+# The same microd methods with the data plane in the clear (--seal-cost).
+UNSEALED = "-unsealed"
+METHODS += [(name + UNSEALED, flags + ["--seal=off"]) for name, flags in METHODS
+            if flags is not None]
+# What sealing may cost each (issue V's targets: 1 Gbit/s, 50 ms round trip).
+SEAL_TARGETS = {"microd-micro-0.1%": 0.03, "microd-micro-1%": 0.05, "microd-dense": 0.10}
 
 
 def netlab(*args, timeout=120):
@@ -257,7 +266,8 @@ def run_latency(args, env, work):
                     os.makedirs(d)
                     sub = argparse.Namespace(**vars(args))
                     sub.size, sub.buckets = nb * size, nb
-                    sub.steps = args.slow_steps if name in ("gloo", "microd-dense") else args.steps
+                    sub.steps = (args.slow_steps if name in ("gloo", "microd-dense")
+                                 else args.steps)
                     r = run_one(lab, name, flags, sub, d)
                     wr[name] = r
                     if "error" in r:
@@ -270,6 +280,58 @@ def run_latency(args, env, work):
         finally:
             lab.down()
         out[config] = cr
+    return out
+
+
+def run_seal_cost(args, env, work):
+    """Each microd method of SEAL_TARGETS sealed (the default: the job has
+    a token) and with --seal=off, in turns (`--repeats` pairs, so that drift
+    on this machine falls on both alike), on one link and workload; per
+    method the median step of each side over every turn, and the cost."""
+    rate, delay = args.configs.split(",")[0].split("@")
+    nb, size = (int(x) for x in args.workloads.split(",")[0].split("x"))
+    print(f"== the sealed data plane's cost: {args.nodes} nodes, links at {rate}, {delay} each "
+          f"way, {nb} x {size} floats", flush=True)
+    lab = Lab(args.nodes, rate, delay, env)
+    out = {"rate": rate, "delay": delay, "workload": f"{nb}x{size}", "methods": {}}
+    try:
+        out["link"] = run_probe(lab, {"probe_bytes": 50_000_000}, 60)
+        print(f"   link: {out['link']['mb_per_s']:.1f} MB/s, round trip "
+              f"{out['link']['rtt_ms_median']:.3f} ms (median)", flush=True)
+        flags = dict(METHODS)
+        for name, limit in SEAL_TARGETS.items():
+            steps = {True: [], False: []}
+            errors = []
+            for turn in range(args.repeats):
+                for sealed in (True, False):
+                    method = name if sealed else name + UNSEALED
+                    d = os.path.join(work, "seal", method, str(turn))
+                    shutil.rmtree(d, ignore_errors=True)
+                    os.makedirs(d)
+                    sub = argparse.Namespace(**vars(args))
+                    sub.size, sub.buckets = nb * size, nb
+                    sub.steps = args.slow_steps if name == "microd-dense" else args.steps
+                    r = run_one(lab, method, flags[method], sub, d)
+                    if "error" in r:
+                        errors.append(r)
+                        print(f"   {method:<28} FAILED: {r['error']}", flush=True)
+                        continue
+                    steps[sealed] += r["step_ms"][1:]
+                    print(f"   {method:<28} turn {turn}: {r['ms']:9.1f} ms/step", flush=True)
+            if errors or not steps[True] or not steps[False]:
+                out["methods"][name] = {"error": errors[0]["error"] if errors else "no steps"}
+                continue
+            sealed_ms = statistics.median(steps[True])
+            open_ms = statistics.median(steps[False])
+            cost = sealed_ms / open_ms - 1
+            out["methods"][name] = {"sealed_ms": sealed_ms, "unsealed_ms": open_ms,
+                                    "cost": cost, "target": limit, "met": cost <= limit,
+                                    "steps": {"sealed": steps[True], "unsealed": steps[False]}}
+            print(f"   {name:<20} sealed {sealed_ms:8.1f} ms, unsealed {open_ms:8.1f} ms: "
+                  f"{100 * cost:+.1f} % (target at most {100 * limit:.0f} %) "
+                  f"{'met' if cost <= limit else 'MISSED'}", flush=True)
+    finally:
+        lab.down()
     return out
 
 
@@ -288,7 +350,8 @@ def main():
     ap.add_argument("--steps", type=int, default=8, help="timed steps per method (first apart)")
     ap.add_argument("--slow-steps", type=int, default=5,
                     help="steps of the dense methods at rates below 1 Gbit/s")
-    ap.add_argument("--methods", default=",".join(m[0] for m in METHODS))
+    ap.add_argument("--methods", default=",".join(m[0] for m in METHODS
+                                                  if not m[0].endswith(UNSEALED)))
     ap.add_argument("--timeout", type=float, default=600, help="seconds per method")
     ap.add_argument("--work", default="", help="per-run files (default: a temporary folder)")
     ap.add_argument("--latency", action="store_true",
@@ -298,6 +361,10 @@ def main():
                          "trip crosses two)")
     ap.add_argument("--workloads", default="1x25557032,16x1597315",
                     help="--latency: BUCKETSxFLOATS each")
+    ap.add_argument("--seal-cost", action="store_true",
+                    help="each microd method sealed and with --seal=off, in turns, on the first "
+                         "of --configs (default here 1gbit@25ms) and of --workloads")
+    ap.add_argument("--repeats", type=int, default=2, help="--seal-cost: turns of each pair")
     args = ap.parse_args()
     args.build = os.path.abspath(args.build)
     if os.geteuid() != 0:
@@ -306,6 +373,17 @@ def main():
     env = dict(os.environ, NETLAB_DELAY_BIN=os.path.join(args.build, "deploy", "netlab",
                                                          "microd-netlab-delay"))
     work = args.work or tempfile.mkdtemp(prefix="microd-bench-network-")
+    if args.seal_cost:
+        if "--configs" not in sys.argv:
+            args.configs = "1gbit@25ms"
+        results = {"config": {"nodes": args.nodes, "steps": args.steps,
+                              "slow_steps": args.slow_steps, "repeats": args.repeats},
+                   "seal": run_seal_cost(args, env, work)}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"   written {args.out}")
+        return 0 if all("error" not in m for m in results["seal"]["methods"].values()) else 1
     if args.latency:
         results = {"config": {"nodes": args.nodes, "steps": args.steps,
                               "slow_steps": args.slow_steps},

@@ -35,6 +35,12 @@ class ControlPlane {
   virtual absl::Status ReportDataPlaneFailure(const std::string& reason) {
     return ReportFailure(reason);
   }
+  // Tells it a sealed transfer failed verification here, which fails the
+  // step on every node (--seal_failure=step): the coordinator forms the
+  // next epoch of the same members at once (fresh keys and connections).
+  virtual absl::Status ReportRefusedTransfer(const std::string& reason) {
+    return ReportFailure(reason);
+  }
   // Called when this node learns that the job's membership changed (the
   // node's membership in the new epoch, and the cause). Elastic jobs only.
   using MembershipCallback = std::function<void(const Membership&, const std::string& change)>;

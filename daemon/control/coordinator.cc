@@ -939,12 +939,20 @@ absl::Status Coordinator::Leave(uint64_t session, int rank) {
 }
 
 absl::Status Coordinator::ReportFailure(uint64_t session, int rank, const std::string& reason,
-                                        bool data_plane) {
+                                        bool data_plane, bool refused_transfer) {
   if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("node rank ", rank, " is negative"));
   if (reason.size() > 4096) return absl::InvalidArgumentError("failure reason over 4096 bytes");
   absl::MutexLock lock(&mu_);
   if (absl::Status s = CheckMember(session, rank); !s.ok()) return s;
   const std::string text = absl::StrCat("node ", rank, " (", nodes_[rank].name, "): ", reason);
+  if (refused_transfer && elastic() && state_ == JobState::kRunning) {
+    // Every node's step fails with the data plane; none was lost. The
+    // caller's session is this epoch's (CheckMember): once per refusal.
+    FormEpochLocked({}, absl::StrCat(text,
+                                     "; the step failed on every node, the data plane is "
+                                     "connected and keyed afresh"));
+    return absl::OkStatus();
+  }
   if (data_plane && elastic() && state_ == JobState::kRunning) {
     // Perhaps a peer was lost: the watchdog decides (the first report held).
     if (held_failure_.empty() || held_epoch_ != epoch_) {

@@ -156,8 +156,11 @@ class Coordinator {
   // others; in an elastic job that verdict waits for the watchdog (the peer
   // timeout and a grace of kDataPlaneGrace): if nodes are found lost, the
   // next epoch forms instead; else the job fails with this reason.
+  // `refused_transfer`: a sealed transfer failed verification there
+  // (--seal_failure=step): an elastic job's next epoch forms at once, of the
+  // same members (fresh keys and connections); the step fails everywhere.
   absl::Status ReportFailure(uint64_t session, int rank, const std::string& reason,
-                             bool data_plane = false);
+                             bool data_plane = false, bool refused_transfer = false);
   static constexpr absl::Duration kDataPlaneGrace = absl::Seconds(2);
 
   // Ends the job: every pending and later call fails with `reason`.

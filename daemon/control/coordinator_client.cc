@@ -416,7 +416,12 @@ absl::Status CoordinatorClient::ReportDataPlaneFailure(const std::string& reason
   return SendFailure(reason, /*data_plane=*/true);
 }
 
-absl::Status CoordinatorClient::SendFailure(const std::string& reason, bool data_plane) {
+absl::Status CoordinatorClient::ReportRefusedTransfer(const std::string& reason) {
+  return SendFailure(reason, /*data_plane=*/true, /*refused_transfer=*/true);
+}
+
+absl::Status CoordinatorClient::SendFailure(const std::string& reason, bool data_plane,
+                                            bool refused_transfer) {
   const auto [session, rank] = Identity();
   if (session == 0) return absl::FailedPreconditionError("not joined");
   microd::v1::FailRequest req;
@@ -424,6 +429,7 @@ absl::Status CoordinatorClient::SendFailure(const std::string& reason, bool data
   req.set_node_rank(rank);
   req.set_reason(reason);
   req.set_data_plane(data_plane);
+  req.set_refused_transfer(refused_transfer);
   microd::v1::FailResponse resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));

@@ -72,6 +72,7 @@ class CoordinatorClient final : public KeyValueStore, public ControlPlane {
   // Tells the coordinator the job failed here (best effort, short deadline).
   absl::Status ReportFailure(const std::string& reason) override;
   absl::Status ReportDataPlaneFailure(const std::string& reason) override;
+  absl::Status ReportRefusedTransfer(const std::string& reason) override;
   // Called on the heartbeat thread when a heartbeat brings a new epoch's
   // membership (which every later call then presents).
   void SetMembershipCallback(MembershipCallback callback) override;
@@ -99,7 +100,8 @@ class CoordinatorClient final : public KeyValueStore, public ControlPlane {
   void TakeMembership(const microd::v1::JoinResponse& resp, const std::string& change);
   // The session and rank every call presents (the current epoch's).
   std::pair<uint64_t, int> Identity() const;
-  absl::Status SendFailure(const std::string& reason, bool data_plane);
+  absl::Status SendFailure(const std::string& reason, bool data_plane,
+                           bool refused_transfer = false);
   void HeartbeatLoop();
   // One heartbeat; updates the failure state. The RPC's status.
   grpc::Status HeartbeatOnce(absl::Duration timeout);

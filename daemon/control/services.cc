@@ -161,7 +161,7 @@ grpc::Status CoordinatorService::Leave(grpc::ServerContext*, const microd::v1::L
 grpc::Status CoordinatorService::Fail(grpc::ServerContext*, const microd::v1::FailRequest* req,
                                       microd::v1::FailResponse*) {
   return ToGrpcStatus(coordinator_->ReportFailure(req->session(), req->node_rank(), req->reason(),
-                                                  req->data_plane()));
+                                                  req->data_plane(), req->refused_transfer()));
 }
 
 grpc::Status AdminService::GetStatus(grpc::ServerContext*, const microd::v1::GetStatusRequest* req,

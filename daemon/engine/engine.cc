@@ -280,10 +280,15 @@ transport::Transport* Engine::CurrentTransport() const {
 }
 
 bool Engine::Hold(const std::vector<Work>& works, const absl::Status& why) {
-  // A refusal (this node's buckets or options are not the job's), or a
-  // sealed transfer that failed verification (an attacker on a link, not a
-  // lost peer: the job fails, naming the link), is no lost peer.
-  if (!options_.elastic || absl::IsInvalidArgument(why) || absl::IsDataLoss(why)) return false;
+  // A refusal (this node's buckets or options are not the job's) is no lost
+  // peer; nor is a sealed transfer that failed verification (an attacker on
+  // a link): it fails the job, naming the link, unless --seal_failure=step
+  // makes it fail the step on every node (the coordinator's next epoch).
+  const bool refused = absl::IsDataLoss(why);
+  if (!options_.elastic || absl::IsInvalidArgument(why) ||
+      (refused && !options_.seal_failure_step)) {
+    return false;
+  }
   bool first = false;
   transport::Transport* t = nullptr;
   {
@@ -301,11 +306,16 @@ bool Engine::Hold(const std::vector<Work>& works, const absl::Status& why) {
   }
   if (first) {
     MICROD_LOG(Warning,
-               "node %d: %s; holding the step for the coordinator's verdict (a lost node: the "
-               "job's next membership epoch), up to %s",
+               "node %d: %s; holding the step for the coordinator's verdict (%s), up to %s",
                membership_.node_rank, std::string(why.message()).c_str(),
+               refused ? "the next membership epoch, keyed afresh"
+                       : "a lost node: the job's next membership epoch",
                absl::FormatDuration(options_.membership_wait).c_str());
-    if (client_ != nullptr) (void)client_->ReportDataPlaneFailure(std::string(why.message()));
+    if (client_ != nullptr) {
+      const std::string text(why.message());
+      (void)(refused ? client_->ReportRefusedTransfer(text)
+                     : client_->ReportDataPlaneFailure(text));
+    }
     t->Abort(why);  // the other steps on this data plane end too
   }
   return true;

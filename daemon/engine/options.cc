@@ -50,6 +50,7 @@ std::vector<SharedOption> SharedOptions(const EngineOptions& o) {
       whole("--wire_dtype", o.wire_bucket_dtype ? 1u : 0u),
       // Elastic or not (node 0 holds the numbers).
       whole("--min_nodes", o.elastic ? 1u : 0u),
+      whole("--seal_failure", o.seal_failure_step ? 1u : 0u),
   };
 }
 

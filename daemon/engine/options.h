@@ -63,6 +63,11 @@ struct EngineOptions {
   // MICROD_ERR_MEMBERSHIP) or the job's failure.
   bool elastic = false;
   absl::Duration membership_wait = absl::Seconds(30);
+  // --seal_failure=step (elastic jobs, a sealed data plane): a transfer that
+  // fails verification fails the step on every node, which the coordinator
+  // answers with the next epoch (the same members, fresh keys and
+  // connections); else it fails the job.
+  bool seal_failure_step = false;
   std::function<absl::StatusOr<std::unique_ptr<transport::Transport>>(const control::Membership&)>
       new_transport;
 };

@@ -116,6 +116,12 @@ void StepRunner::NonFinite(const Work& w, const absl::Status& status) {
 }
 
 void StepRunner::FinishInCycle(const std::vector<Work>& works, const InCycle& in_cycle) {
+  // The cycle brought every node's values: none is delivered before every
+  // node got every transfer (a no-op unless asked).
+  if (absl::Status s = transport_->Confirm(absl::Now() + options_.op_timeout); !s.ok()) {
+    StepFailed(works, s);
+    return;
+  }
   const std::vector<uint64_t>& at = in_cycle.at;
   const std::vector<float>& area = in_cycle.area;
   const uint64_t floats = in_cycle.floats;
@@ -505,6 +511,7 @@ absl::Status StepRunner::ReduceFused(const std::vector<Work>& works, uint64_t to
       KernelCall(ops_->CopyToDevice(fusion_.get() + total, &flag, sizeof flag, nullptr), "copy"));
   RETURN_IF_ERROR(
       transport_->AllreduceSum(fusion_.get(), total + 1, transport::DataType::kFloat32, o));
+  RETURN_IF_ERROR(transport_->Confirm(o.deadline));  // every node got every transfer
   float flags_sum = 0.0f;
   RETURN_IF_ERROR(KernelCall(
       ops_->CopyToHost(&flags_sum, fusion_.get() + total, sizeof flags_sum, nullptr), "copy"));

@@ -671,6 +671,7 @@ absl::Status BatchStep::Run() {
     it.stats.select_seconds = absl::ToDoubleSeconds(selected - it.start);
   }
   RETURN_IF_ERROR(ReduceValues());
+  RETURN_IF_ERROR(transport_.Confirm(deadline_));  // every node got every transfer
   rounds_ = transport_.rounds() - rounds_before;
   const absl::Time reduced = absl::Now();
   for (Item& it : items_) {

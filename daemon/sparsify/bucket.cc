@@ -513,6 +513,8 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, const kernels::FusedSelectA
     stats.bytes_received += K * sizeof(float);
     RETURN_IF_ERROR(transport.AllreduceSum(values_.get(), K, DataType::kFloat32, o));
   }
+  // Every node got every transfer before any commits (a no-op unless asked).
+  RETURN_IF_ERROR(transport.Confirm(options.deadline));
   const absl::Time apply_start = absl::Now();
   RETURN_IF_ERROR(Commit(pass, K, update));
   RETURN_IF_ERROR(Check(ops_->ScatterAverage(values_.get(), global_index_.get(), K,
@@ -828,6 +830,7 @@ absl::Status BucketState::ReduceDense(const float* input, float* update,
   if (!divided) {
     RETURN_IF_ERROR(transport.AllreduceSum(update, spec_.size, DataType::kFloat32, options));
   }
+  RETURN_IF_ERROR(transport.Confirm(deadline));  // before the step's state moves on
   const absl::Time apply_start = absl::Now();
   stats.exchange_seconds = absl::ToDoubleSeconds(apply_start - start);
   if (!divided) {

@@ -159,6 +159,14 @@ class Transport {
   // What the backend measured of its links (null: nothing).
   virtual const LinkModel* link_model() const { return nullptr; }
 
+  // Before a rank commits what the calls so far brought (a step's state, its
+  // result): every rank got through every transfer of them. One round where
+  // the backend was asked for it (GlooOptions::confirm: a sealed data plane
+  // whose refused transfers fail the step, not the job), else nothing. A
+  // rank that failed a transfer never arrives, so every rank's Confirm
+  // fails: no rank commits a step another could not.
+  virtual absl::Status Confirm(absl::Time deadline) { return absl::OkStatus(); }
+
   // Makes pending and later calls on every rank of the group fail with
   // `reason` where the backend can reach them (at least on this rank).
   virtual void Abort(const absl::Status& reason) = 0;

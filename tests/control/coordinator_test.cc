@@ -651,6 +651,38 @@ void BeatUntil(Coordinator& c, const std::vector<Membership*>& alive, absl::Time
 // ranks, each told by its next heartbeat (a new session); the old sessions
 // are refused elsewhere, naming the epoch; the lost node's is unknown; the
 // new epoch's schedule works with 3 nodes; the job never failed.
+// A sealed transfer refused on a node (--seal_failure=step): the next epoch
+// forms at once, of the same nodes in the same order, with fresh sessions
+// and a fresh seal salt; a second report of it (an old session) changes
+// nothing.
+TEST(CoordinatorSeal, ARefusedTransferFormsTheNextEpochOfTheSameNodes) {
+  auto c = ElasticCoordinator(3, 2);
+  std::vector<Membership> m = JoinDirect(*c, {"a", "b", "c"});
+  const std::vector<Membership> before = m;
+  ASSERT_TRUE(c->ReportFailure(m[2].session, 2, "the sealed transfer from node 0 to node 2 failed",
+                               /*data_plane=*/true, /*refused_transfer=*/true)
+                  .ok());
+  const JobSnapshot snap = c->Snapshot();
+  EXPECT_EQ(snap.state, JobState::kRunning);
+  EXPECT_EQ(snap.epoch, 1u);
+  ASSERT_EQ(snap.changes.size(), 1u);
+  EXPECT_TRUE(absl::StrContains(snap.changes[0].cause, "node 2 (c): the sealed transfer"))
+      << snap.changes[0].cause;
+  EXPECT_TRUE(absl::StrContains(snap.changes[0].cause, "keyed afresh")) << snap.changes[0].cause;
+  BeatUntil(*c, {&m[0], &m[1], &m[2]}, absl::Now() + absl::Seconds(10),
+            [&] { return m[0].epoch == 1 && m[1].epoch == 1 && m[2].epoch == 1; });
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(m[i].node_rank, i);
+    EXPECT_EQ(m[i].node_count, 3);
+    EXPECT_NE(m[i].session, before[i].session);
+    EXPECT_NE(m[i].seal_salt, before[i].seal_salt);
+    EXPECT_EQ(m[i].seal_salt, m[0].seal_salt);
+  }
+  EXPECT_FALSE(
+      c->ReportFailure(before[1].session, 1, "the same refusal seen late", true, true).ok());
+  EXPECT_EQ(c->Snapshot().epoch, 1u);
+}
+
 TEST(CoordinatorElastic, ALostNodeFormsTheNextEpochOfTheSurvivors) {
   auto c = ElasticCoordinator(4, 2);
   std::vector<Membership> m = JoinDirect(*c, {"a", "b", "c", "d"});

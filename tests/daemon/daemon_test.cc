@@ -71,6 +71,17 @@ TEST(DaemonConfigTest, EachBadSettingIsRefusedNamingItsFlag) {
   c = {};
   c.seal = "on";  // nothing to key the data plane from
   ExpectRefused(c, "--seal");
+  c = {};
+  c.seal_failure = "node";
+  ExpectRefused(c, "--seal_failure");
+  c = {};
+  c.seal_failure = "step";  // not elastic, not sealed
+  ExpectRefused(c, "--seal_failure");
+  c.nodes = 3;
+  c.min_nodes = 2;  // elastic, still not sealed
+  ExpectRefused(c, "--seal_failure");
+  c.token = "the job's token";
+  EXPECT_TRUE(c.Validate().ok()) << c.Validate();
   for (const char* bad : {"round_ms=1", "round_ms=1,mb_per_s=0", "round_ms=1,mb_per_s=x",
                           "round_ms=1,posted_ms=2,mb_per_s=100", "fast"}) {
     c = {};

@@ -342,6 +342,64 @@ TEST_F(NetLabTest, SealedTransferReplayedFromAnEarlierStepIsRefused) {
   ExpectTamperingRefused("replay");
 }
 
+// --seal_failure=step, in an elastic job: the flipped transfer fails the
+// step on every node, which the coordinator answers with the next epoch of
+// the same nodes (fresh keys and connections). Every process is told once
+// (MICROD_ERR_MEMBERSHIP), takes the step again, and every result of the
+// job is the reference's, bit for bit: no node committed the failed step.
+TEST_F(NetLabTest, WithSealFailureStepATamperedTransferFailsTheStepOnly) {
+  const int n = 3, L = 1;
+  const long steps = 60;
+  const std::vector<BucketSpec> buckets = {{"fc", 100003}, {"b", 1000}};
+  auto lab = MakeLab(n, {"--rate=1gbit"});
+  ASSERT_NE(lab, nullptr);
+  ClusterOptions o;
+  o.lab = lab.get();
+  o.peer_timeout_ms = 3000;
+  o.extra = {"--min_nodes=2", "--seal_failure=step"};
+  DaemonCluster cluster(n, L, o);
+  cluster.StartClients(buckets, steps, -1, -1, -1,
+                       [](int, int) { return std::vector<std::string>{"elastic"}; });
+  WaitForProgress(cluster, 6);
+  if (HasFatalFailure()) return;
+  const std::string log = cluster.dir() + "/tamper.log";
+  ASSERT_TRUE(lab->Tamper(2, log,
+                          {"--mode", "flip", "--min-payload", "1000", "--skip-port",
+                           std::to_string(cluster.coordinator_port())})
+                  .ok());
+  const auto codes = cluster.WaitClients(seconds(120));
+  const std::string did = ReadFile(log);
+  int sender = -1;
+  for (int r = 0; r < 2; ++r) {
+    if (absl::StrContains(did, absl::StrCat(" ", lab->addr(r), ":"))) sender = r;
+  }
+  ASSERT_GE(sender, 0) << "the attacker did nothing: " << did;
+  const ReferenceHashes ref = Reference(n, L, buckets, steps);
+  for (int r = 0; r < n; ++r) {
+    const auto lines = ReadLines(cluster.outs()[r]);
+    EXPECT_EQ(codes[r], 0) << "node " << r << ": " << (lines.empty() ? "" : lines.back());
+    size_t results = 0;
+    std::vector<std::string> epochs;
+    CheckElasticOutput(lines, ref, buckets, r, &results, &epochs);
+    EXPECT_EQ(results, steps * buckets.size()) << "node " << r;
+    ASSERT_EQ(epochs.size(), 1u) << "node " << r;
+    // step, epoch, rank, world size, node rank, node count: the same job.
+    EXPECT_TRUE(absl::EndsWith(epochs[0], absl::StrCat(" 1 ", r, " ", n, " ", r, " ", n)))
+        << "node " << r << ": " << epochs[0];
+  }
+  auto status = cluster.Status(0);
+  ASSERT_TRUE(status.ok()) << status.status();
+  ASSERT_EQ(status->membership_changes_size(), 1);
+  const std::string cause = status->membership_changes(0).cause();
+  EXPECT_TRUE(
+      absl::StrContains(cause, absl::StrCat("sealed transfer from node ", sender, " to node 2")))
+      << cause;
+  EXPECT_TRUE(absl::StrContains(cause, "keyed afresh")) << cause;
+  status = cluster.Status(2);
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->refused_transfers(), 1u);
+}
+
 // The gradients a job of `n` nodes (one process each, `buckets`, `steps`)
 // sends, as a passive observer would look for them: every run of 4
 // consecutive floats of each dense bucket's gradient of every process and

@@ -63,6 +63,9 @@ absl::Status FromException(const std::exception& e, const char* op, uint32_t tag
   return absl::UnavailableError(msg);
 }
 
+// The control tag's slot of Confirm's rounds (the links' probes take 1-4).
+constexpr uint32_t kConfirmSlot = 6;
+
 // Up to this many elements an allreduce is an allgather plus a local sum.
 constexpr size_t kSmallAllreduceElements = 4096;
 
@@ -170,10 +173,11 @@ void MaybeExitForTest(uint32_t tag) {
 class GlooTransport final : public Transport {
  public:
   GlooTransport(std::shared_ptr<gloo::Context> context, absl::Duration default_timeout,
-                std::shared_ptr<const SealKeys> seal)
+                std::shared_ptr<const SealKeys> seal, bool confirm)
       : lanes_{std::move(context)},
         default_timeout_(default_timeout),
         seal_(std::move(seal)),
+        confirm_(confirm),
         scratch_(1),
         seal_scratch_(1) {}
 
@@ -222,6 +226,22 @@ class GlooTransport final : public Transport {
   }
 
   bool DirectCheaper(size_t bytes) const override { return model_.DirectCheaper(bytes); }
+
+  // An empty direct round with its receives posted ahead (a one-way trip).
+  absl::Status Confirm(absl::Time deadline) override {
+    if (!confirm_ || size() == 1) return absl::OkStatus();
+    CollectiveOptions o;
+    o.tag = MakeTag(kConfirmSlot, TagKind::kControl);
+    o.deadline = deadline;
+    if (!confirm_posted_) {
+      Expect(o.tag, 0);
+      confirm_posted_ = true;
+    }
+    std::vector<std::string> from;
+    absl::Status s = ExchangeRound("", &from, o);
+    Expect(o.tag, 0);  // the next Confirm's
+    return s;
+  }
 
   // The link model every rank uses: each rank times direct rounds of a few
   // bytes, without and with their receives posted ahead (the latencies),
@@ -1307,6 +1327,8 @@ class GlooTransport final : public Transport {
   std::vector<std::shared_ptr<gloo::Context>> lanes_;
   const absl::Duration default_timeout_;
   const std::shared_ptr<const SealKeys> seal_;  // null: transfers go as they are
+  const bool confirm_;                          // Confirm takes a round
+  bool confirm_posted_ = false;                 // its receives were posted (engine thread only)
   LinkModel model_;                             // the same on every rank (MeasureLinks)
   // Rounds whose receives Expect posted, by tag (engine thread only).
   std::map<uint32_t, std::deque<std::unique_ptr<PostedRound>>> posted_;
@@ -1417,7 +1439,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGlooTransport(const GlooOptions
       GlooStoreAdapter store(o.store, o.prefix, connect);
       context->connectFullMesh(store, device);
     }
-    auto transport = std::make_unique<GlooTransport>(context, o.timeout, o.seal);
+    auto transport = std::make_unique<GlooTransport>(context, o.timeout, o.seal, o.confirm);
     if (absl::Status s = transport->MeasureLinks(absl::Now() + connect, o.link_model); !s.ok()) {
       return absl::UnavailableError(absl::StrCat("gloo: rank ", o.rank, " of ", o.size,
                                                  " could not measure its links: ", s.message()));

@@ -51,6 +51,8 @@ struct GlooOptions {
   // one that fails verification fails its call with DataLoss naming the
   // link (and breaks the transport). Null: transfers go as they are.
   std::shared_ptr<const SealKeys> seal;
+  // Transport::Confirm takes a round (--seal_failure=step); else nothing.
+  bool confirm = false;
 };
 
 // Connects the full mesh (blocking until every rank arrived or the timeout).
