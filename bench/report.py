@@ -320,6 +320,28 @@ def render_latency(report):
     return L
 
 
+def render_seal(seal):
+    """The sealed data plane's cost (bench/network/run.py --seal-cost)."""
+    if not seal:
+        return []
+    s = seal["seal"]
+    link = s.get("link", {})
+    L = ["", "### The sealed data plane's cost", "",
+         f"{seal['config']['nodes']} nodes, links at {s['rate']}, round trip "
+         f"{fmt(link.get('rtt_ms_median'), '.1f')} ms, {s['workload']} floats: each method sealed "
+         f"(the default with a token) and with `--seal=off`, in {seal['config']['repeats']} "
+         f"turns each; the median step (`bench/network/run.py --seal-cost`).", "",
+         "| method | sealed | unsealed | cost | target |", "|---|---:|---:|---:|---|"]
+    for name, m in s["methods"].items():
+        if "error" in m:
+            L.append(f"| {name} | FAILED | | | |")
+            continue
+        L.append(f"| {name} | {m['sealed_ms']:,.1f} ms | {m['unsealed_ms']:,.1f} ms | "
+                 f"{100 * m['cost']:+.1f} % | at most {100 * m['target']:.0f} %, "
+                 f"{'met' if m['met'] else '**MISSED**'} |")
+    return L
+
+
 def render_tta_latency(tt):
     """The time-to-a-fixed-accuracy section (bench.sh --tta-latency)."""
     L = []
@@ -405,6 +427,7 @@ def render_network(report):
                          f"bucket share this machine's cores")
             L.append(line)
     L += render_latency(report)
+    L += render_seal(report.get("seal"))
     for rate, tr in report.get("network_training", {}).items():
         cfg = tr["config"]
         L += ["", f"### Training on the emulated network at {rate}", "",
@@ -622,6 +645,7 @@ def build_report(dir_):
     latency = load(os.path.join(dir_, "latency.json"))
     if latency:
         report["latency"] = latency_rows(latency)
+    report["seal"] = load(os.path.join(dir_, "seal.json"))
     report["network_training"] = {}
     for rate in TRAINING_RATES:
         t = load(os.path.join(dir_, f"training-{rate}.json"))

@@ -512,11 +512,16 @@ absl::Status DaemonImpl::StartDataPlane(const engine::EngineOptions& eo) {
                  "data plane sealed: every transfer authenticated and encrypted (AES-256-GCM, "
                  "keys fresh per epoch and direction)");
     } else {
-      MICROD_LOG(
-          Warning,
-          "data plane NOT sealed (%s): anyone who reaches its ports can read and alter "
-          "gradients",
-          config_.seal == "off" ? "--seal=off" : "no TLS and no --token_file to key it from");
+      const char* why =
+          config_.seal == "off" ? "--seal=off" : "no TLS and no --token_file to key it from";
+      if (control::IsLoopbackAddress(first.hostname)) {
+        MICROD_LOG(Info, "data plane not sealed (%s; on loopback: this host's alone)", why);
+      } else {
+        MICROD_LOG(Warning,
+                   "data plane NOT sealed (%s): anyone who reaches its ports can read and alter "
+                   "gradients",
+                   why);
+      }
     }
     auto created = transport::CreateGlooTransport(first);
     if (!created.ok()) return Bad("transport", created.status());

@@ -3,7 +3,9 @@
 # minutes): the raw step at 10 Gbit/s, 1 Gbit/s and 100 Mbit/s beside Gloo's
 # dense allreduce and the local floor, the latency dimension (round trips of
 # 0.3, 10 and 50 ms at 1 Gbit/s and 50 ms at 100 Mbit/s, one bucket and 16,
-# with microd's rounds per step; about 6 minutes), the training comparison at 1 Gbit/s
+# with microd's rounds per step; about 6 minutes), the sealed data plane's cost
+# (micro 0.1 %, 1 % and dense with and without --seal=off, 1 Gbit/s and 50 ms
+# round trips; about 5 minutes), the training comparison at 1 Gbit/s
 # and 100 Mbit/s, and a time-to-accuracy run at 100 Mbit/s; then on loopback
 # the kernel, transport and daemon benchmarks and the training-step
 # comparison against PyTorch DDP (Gloo allreduce, fp16 and PowerSGD hooks);
@@ -54,6 +56,7 @@ if [[ $NETWORK == 1 ]]; then
   if [[ $SMOKE == 1 ]]; then
     NET=(--rates 1gbit --size 100000 --steps 3)
     LAT=(--configs 1gbit@5ms --workloads 1x100000,2x70000 --steps 3 --slow-steps 2)
+    SEAL=(--configs 1gbit@5ms --workloads 1x100000 --steps 3 --slow-steps 2 --repeats 1)
     NET_TRAIN_1G=(--smoke) NET_TRAIN_100M=(--smoke)
     TTA=(--smoke --budget 4 --eval-every 2)
     TTA_50MS=(--smoke --budget 4 --eval-every 2 --target-accuracy 0.2 --netlab-delay 5ms)
@@ -61,6 +64,7 @@ if [[ $NETWORK == 1 ]]; then
   else
     NET=() NET_TRAIN_1G=(--steps 14 --warmup 3) NET_TRAIN_100M=(--steps 8 --warmup 2)
     LAT=(--steps 6 --slow-steps 3)
+    SEAL=(--steps 12 --slow-steps 6 --repeats 2)
     TTA=(--budget 150 --eval-every 20 --eval-size 250)
     TTA_50MS=(--budget 1500 --eval-every 15 --eval-size 500 --target-accuracy 0.8 --netlab-delay 25ms
               --timeout 2400)
@@ -70,6 +74,8 @@ if [[ $NETWORK == 1 ]]; then
   echo "== emulated network: round trips of 0.3, 10 and 50 ms, one and 16 buckets ($(date +%T))"
   "$PY" "$ROOT/bench/network/run.py" "${LAT[@]}" --latency --build "$BUILD" \
     --methods gloo,microd-micro-1%,microd-micro-0.1%,floor --out "$OUT/latency.json"
+  echo "== emulated network: the sealed data plane's cost, 1 Gbit/s and 50 ms round trips ($(date +%T))"
+  "$PY" "$ROOT/bench/network/run.py" "${SEAL[@]}" --seal-cost --build "$BUILD" --out "$OUT/seal.json"
   echo "== emulated network: training at 1 Gbit/s ($(date +%T))"
   "$PY" "$ROOT/bench/training/run.py" "${NET_TRAIN_1G[@]}" --build "$BUILD" --netlab-rate 1gbit \
     --methods "$TRAIN_1G" --out "$OUT/training-1gbit.json"
