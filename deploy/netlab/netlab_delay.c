@@ -32,11 +32,14 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "netlab_nfq.h"
+
 #ifndef SOL_NETLINK
 #define SOL_NETLINK 270
 #endif
 
 enum { kMaxHeld = 1 << 17 };
+static const char kTool[] = "microd-netlab-delay";
 
 struct held {
   uint64_t release_ns;
@@ -180,27 +183,15 @@ int main(int argc, char** argv) {
   sigaction(SIGTERM, &sa, NULL);
   sigaction(SIGINT, &sa, NULL);
 
-  struct nfq_handle* h = nfq_open();
-  if (h == NULL) {
-    fprintf(stderr, "microd-netlab-delay: nfq_open: %s\n", strerror(errno));
+  /* Metadata only; GSO packets whole (no segmentation for user space); a
+   * full kernel queue accepts rather than drops. */
+  struct nfq_handle* h = NULL;
+  struct nfq_q_handle* qh = NULL;
+  if (netlab_nfq_open(kTool, queue, on_packet, NFQNL_COPY_META, 0,
+                      NFQA_CFG_F_GSO | NFQA_CFG_F_FAIL_OPEN, kMaxHeld, &h, &qh) != 0) {
     return 1;
   }
-  struct nfq_q_handle* qh = nfq_create_queue(h, (uint16_t)queue, on_packet, NULL);
-  if (qh == NULL) {
-    fprintf(stderr, "microd-netlab-delay: cannot bind queue %ld: %s\n", queue, strerror(errno));
-    nfq_close(h);
-    return 1;
-  }
-  if (nfq_set_mode(qh, NFQNL_COPY_META, 0) < 0 || nfq_set_queue_maxlen(qh, kMaxHeld) < 0) {
-    fprintf(stderr, "microd-netlab-delay: cannot configure queue %ld\n", queue);
-    return 1;
-  }
-  /* GSO packets whole (no segmentation for user space); a full kernel
-   * queue accepts rather than drops. Older kernels lack the flags: fine. */
-  (void)nfq_set_queue_flags(qh, NFQA_CFG_F_GSO | NFQA_CFG_F_FAIL_OPEN,
-                            NFQA_CFG_F_GSO | NFQA_CFG_F_FAIL_OPEN);
   const int fd = nfq_fd(h);
-  nfnl_rcvbufsiz(nfq_nfnlh(h), 8 << 20);
   const int one = 1;
   (void)setsockopt(fd, SOL_NETLINK, NETLINK_NO_ENOBUFS, &one, sizeof one);
 
@@ -226,17 +217,7 @@ int main(int argc, char** argv) {
     }
     if (ready <= 0) continue;
     /* Drain what arrived, a bounded batch so that due packets leave on time. */
-    for (int i = 0; i < 256; ++i) {
-      const ssize_t got = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
-      if (got < 0) {
-        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ENOBUFS) {
-          fprintf(stderr, "microd-netlab-delay: recv: %s\n", strerror(errno));
-          stop_requested = 1;
-        }
-        break;
-      }
-      nfq_handle_packet(h, buf, (int)got);
-    }
+    if (netlab_nfq_drain(kTool, h, buf, sizeof buf) != 0) stop_requested = 1;
   }
   /* Let every held packet go before leaving. */
   release_due(qh, UINT64_MAX);

@@ -49,7 +49,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "netlab_nfq.h"
+
 enum { kMaxSkip = 16, kMaxPacket = 1 << 16 };
+static const char kTool[] = "microd-netlab-tamper";
 
 static int mode_replay, whole_messages;
 static long min_payload = 512;
@@ -235,45 +238,24 @@ int main(int argc, char** argv) {
   sigaction(SIGTERM, &sa, NULL);
   sigaction(SIGINT, &sa, NULL);
 
-  struct nfq_handle* h = nfq_open();
-  if (h == NULL) {
-    fprintf(stderr, "microd-netlab-tamper: nfq_open: %s\n", strerror(errno));
-    return 1;
-  }
-  struct nfq_q_handle* qh = nfq_create_queue(h, (uint16_t)queue, on_packet, NULL);
-  if (qh == NULL) {
-    fprintf(stderr, "microd-netlab-tamper: cannot bind queue %ld: %s\n", queue, strerror(errno));
-    nfq_close(h);
-    return 1;
-  }
   /* Whole packets as they are on the wire (no GSO: segmented first). */
-  if (nfq_set_mode(qh, NFQNL_COPY_PACKET, kMaxPacket) < 0) {
-    fprintf(stderr, "microd-netlab-tamper: cannot configure queue %ld\n", queue);
+  struct nfq_handle* h = NULL;
+  struct nfq_q_handle* qh = NULL;
+  if (netlab_nfq_open(kTool, queue, on_packet, NFQNL_COPY_PACKET, kMaxPacket, NFQA_CFG_F_FAIL_OPEN,
+                      0, &h, &qh) != 0) {
     return 1;
   }
-  (void)nfq_set_queue_flags(qh, NFQA_CFG_F_FAIL_OPEN, NFQA_CFG_F_FAIL_OPEN);
   const int fd = nfq_fd(h);
-  nfnl_rcvbufsiz(nfq_nfnlh(h), 8 << 20);
   static char buf[kMaxPacket + 4096];
   while (!stop_requested) {
     struct pollfd p = {fd, POLLIN, 0};
     const int ready = poll(&p, 1, 1000);
     if (ready < 0 && errno != EINTR) {
-      fprintf(stderr, "microd-netlab-tamper: poll: %s\n", strerror(errno));
+      fprintf(stderr, "%s: poll: %s\n", kTool, strerror(errno));
       break;
     }
     if (ready <= 0) continue;
-    for (int i = 0; i < 256; ++i) {
-      const ssize_t got = recv(fd, buf, sizeof buf, MSG_DONTWAIT);
-      if (got < 0) {
-        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ENOBUFS) {
-          fprintf(stderr, "microd-netlab-tamper: recv: %s\n", strerror(errno));
-          stop_requested = 1;
-        }
-        break;
-      }
-      nfq_handle_packet(h, buf, (int)got);
-    }
+    if (netlab_nfq_drain(kTool, h, buf, sizeof buf) != 0) stop_requested = 1;
   }
   nfq_destroy_queue(qh);
   nfq_close(h);

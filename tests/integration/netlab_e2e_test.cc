@@ -266,6 +266,38 @@ TEST_F(NetLabTest, CoordinatorPartitionedFailsEveryProcess) {
       });
 }
 
+// Starts an attacker on the path into node 2 of `cluster`'s job
+// (microd-netlab-tamper; the control plane's packets left alone). `mode`
+// "flip": one byte of a packet full of a transfer's bytes; "replay": a
+// whole transfer (header and all) sent before, put in place of a later one
+// of the same connection and size. The file it reports to ("" if it did
+// not start).
+std::string TamperWithNode2(NetLab& lab, const DaemonCluster& cluster, const std::string& mode) {
+  const std::string log = cluster.dir() + "/tamper.log";
+  std::vector<std::string> options = {"--mode", mode, "--skip-port",
+                                      std::to_string(cluster.coordinator_port())};
+  if (mode == "flip") {
+    options.insert(options.end(), {"--min-payload", "1000"});
+  } else {
+    options.insert(options.end(), {"--min-payload", "64", "--whole-messages"});
+  }
+  const absl::Status started = lab.Tamper(2, log, options);
+  EXPECT_TRUE(started.ok()) << started;
+  return started.ok() ? log : "";
+}
+
+// The node whose transfer the attacker changed, from its report `did`
+// (-1: it changed none).
+int TamperedSender(const NetLab& lab, const std::string& did) {
+  for (int r = 0; r < lab.nodes(); ++r) {
+    if (absl::StrContains(did, absl::StrCat(" ", lab.addr(r), ":")) &&
+        !absl::StrContains(did, absl::StrCat("-> ", lab.addr(r), ":"))) {
+      return r;
+    }
+  }
+  return -1;
+}
+
 // The sealed data plane (a job token: sealed by default) against an
 // attacker on the path into node 2 (microd-netlab-tamper): `mode` "flip"
 // inverts one byte of one data-plane packet, "replay" puts a whole transfer
@@ -286,24 +318,11 @@ void ExpectTamperingRefused(const std::string& mode) {
   cluster.StartClients(buckets, 100000);
   WaitForProgress(cluster, 6);
   if (::testing::Test::HasFatalFailure()) return;
-  const std::string log = cluster.dir() + "/tamper.log";
-  // A flip: one byte of a packet full of a transfer's bytes. A replay: a
-  // whole transfer (header and all) sent before, put in place of a later
-  // one of the same connection and size.
-  std::vector<std::string> options = {"--mode", mode, "--skip-port",
-                                      std::to_string(cluster.coordinator_port())};
-  if (mode == "flip") {
-    options.insert(options.end(), {"--min-payload", "1000"});
-  } else {
-    options.insert(options.end(), {"--min-payload", "64", "--whole-messages"});
-  }
-  ASSERT_TRUE(lab->Tamper(2, log, options).ok());
+  const std::string log = TamperWithNode2(*lab, cluster, mode);
+  ASSERT_FALSE(log.empty());
   const auto codes = cluster.WaitClients(seconds(60));
   const std::string did = ReadFile(log);
-  int sender = -1;
-  for (int r = 0; r < 2; ++r) {
-    if (absl::StrContains(did, absl::StrCat(" ", lab->addr(r), ":"))) sender = r;
-  }
+  const int sender = TamperedSender(*lab, did);
   ASSERT_GE(sender, 0) << "the attacker did nothing: " << did;
   const std::string link = absl::StrCat("sealed transfer from node ", sender, " to node 2");
   long last = -1;
@@ -362,17 +381,11 @@ TEST_F(NetLabTest, WithSealFailureStepATamperedTransferFailsTheStepOnly) {
                        [](int, int) { return std::vector<std::string>{"elastic"}; });
   WaitForProgress(cluster, 6);
   if (HasFatalFailure()) return;
-  const std::string log = cluster.dir() + "/tamper.log";
-  ASSERT_TRUE(lab->Tamper(2, log,
-                          {"--mode", "flip", "--min-payload", "1000", "--skip-port",
-                           std::to_string(cluster.coordinator_port())})
-                  .ok());
+  const std::string log = TamperWithNode2(*lab, cluster, "flip");
+  ASSERT_FALSE(log.empty());
   const auto codes = cluster.WaitClients(seconds(120));
   const std::string did = ReadFile(log);
-  int sender = -1;
-  for (int r = 0; r < 2; ++r) {
-    if (absl::StrContains(did, absl::StrCat(" ", lab->addr(r), ":"))) sender = r;
-  }
+  const int sender = TamperedSender(*lab, did);
   ASSERT_GE(sender, 0) << "the attacker did nothing: " << did;
   const ReferenceHashes ref = Reference(n, L, buckets, steps);
   for (int r = 0; r < n; ++r) {
