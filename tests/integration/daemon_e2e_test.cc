@@ -340,9 +340,11 @@ TEST(DaemonElastic, TwoNodesLostOneSecondApart) {
 // elastic; those of the nodes `held` wait before step `at` until the file
 // dir()/go exists.
 std::unique_ptr<DaemonCluster> TwoNodesOfThree(const std::vector<BucketSpec>& buckets, long steps,
-                                               long at, const std::vector<int>& held) {
+                                               long at, const std::vector<int>& held,
+                                               bool sealed = false) {
   ClusterOptions o{CacheFlags(true)};
   o.extra.push_back("--max_nodes=3");
+  o.token = sealed;  // a job token: the data plane sealed (--seal=auto)
   auto cluster = std::make_unique<DaemonCluster>(2, 1, o);
   const std::string go = cluster->dir() + "/go";
   cluster->StartClients(buckets, steps, -1, -1, -1, [&](int r, int) {
@@ -382,11 +384,14 @@ void AwaitLines(const DaemonCluster& cluster, int r, size_t lines) {
 // the new rank and world size, and done again; `in_flight`: node 0's
 // processes had submitted it before the join (it was pending, and dropped),
 // else they submit it after, not having read the change yet (the fence).
+// With a job token (the in-flight case) the data plane is sealed: the
+// joiner's epoch has its keys from its join, the others' from the change.
 void ExpectANodeJoins(bool in_flight) {
   const std::vector<BucketSpec> buckets = {{"fc", 100003}, {"b", 1000}};
   const long steps = 12, join_at = 6;
+  const bool sealed = in_flight;
   auto held = TwoNodesOfThree(buckets, steps, join_at,
-                              in_flight ? std::vector<int>{1} : std::vector<int>{0, 1});
+                              in_flight ? std::vector<int>{1} : std::vector<int>{0, 1}, sealed);
   DaemonCluster& cluster = *held;
   const std::string go = cluster.dir() + "/go";
   AwaitLines(cluster, 1, join_at * buckets.size());
@@ -419,6 +424,7 @@ void ExpectANodeJoins(bool in_flight) {
     EXPECT_EQ(status->membership_epoch(), 1u) << "node " << r;
     EXPECT_EQ(status->node_count(), 3) << "node " << r;
     EXPECT_EQ(status->node_rank(), r) << "node " << r;
+    EXPECT_EQ(status->data_plane_sealed(), sealed) << "node " << r;
   }
   auto status = cluster.Status(0);
   ASSERT_TRUE(status.ok()) << status.status();
