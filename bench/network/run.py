@@ -41,6 +41,11 @@ METHODS = [
 UNSEALED = "-unsealed"
 METHODS += [(name + UNSEALED, flags + ["--seal=off"]) for name, flags in METHODS
             if flags is not None]
+# --seal_failure=step (an elastic job): a confirmation round before each
+# step commits (not run by default).
+METHODS.append(("microd-micro-0.1%-seal-failure-step",
+                ["--sparsifier=micro", "--density=0.001", "--remedies=off", "--min_nodes=2",
+                 "--seal_failure=step"]))
 # What sealing may cost each (issue V's targets: 1 Gbit/s, 50 ms round trip).
 SEAL_TARGETS = {"microd-micro-0.1%": 0.03, "microd-micro-1%": 0.05, "microd-dense": 0.10}
 
@@ -350,8 +355,8 @@ def main():
     ap.add_argument("--steps", type=int, default=8, help="timed steps per method (first apart)")
     ap.add_argument("--slow-steps", type=int, default=5,
                     help="steps of the dense methods at rates below 1 Gbit/s")
-    ap.add_argument("--methods", default=",".join(m[0] for m in METHODS
-                                                  if not m[0].endswith(UNSEALED)))
+    ap.add_argument("--methods", default=",".join(
+        m[0] for m in METHODS if not m[0].endswith(UNSEALED) and "seal-failure" not in m[0]))
     ap.add_argument("--timeout", type=float, default=600, help="seconds per method")
     ap.add_argument("--work", default="", help="per-run files (default: a temporary folder)")
     ap.add_argument("--latency", action="store_true",
