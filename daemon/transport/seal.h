@@ -11,7 +11,11 @@
 // Nonces: the direction's transfer number (`sequence`), which the receiver
 // expects in the order the schedule makes transfers (every node runs the
 // same collectives in the same order): a transfer replayed, reordered or
-// sent to another receiver does not open. The tag (the collective's, which
+// sent to another receiver does not open. A data plane's numbers start
+// again with each data plane, so one SealKeys serves one data plane: a
+// data plane is never connected twice in one epoch (the engine connects
+// the next epoch's, whose salt is fresh, when one does not connect), so
+// no nonce repeats under a key. The tag (the collective's, which
 // names the bucket slot and phase), the epoch, both nodes and the sequence
 // are authenticated data too. Nothing of a transfer that does not verify is
 // written out.
