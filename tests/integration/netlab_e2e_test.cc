@@ -150,12 +150,18 @@ int FailedStatus(const std::string& out, std::string* line) {
   return code;
 }
 
-// A long job on n nodes (peer timeout 3 s) whose network `fault` breaks
-// once it is going: every training process gets an error within the peer
-// timeout + 5 s, naming what `must_name(r)` lists for node r; nothing hangs,
-// and the daemons still stop cleanly.
-void ExpectEveryProcessFails(int n, const std::function<absl::Status(NetLab&)>& fault,
-                             const std::function<std::vector<std::string>(int)>& must_name) {
+// The buckets of ExpectEveryProcessFails' job.
+const std::vector<BucketSpec> kLongJob = {{"fc", 100003}, {"b", 1000}};
+
+// A long job on n nodes (one process each, kLongJob; peer timeout 3 s)
+// whose network `fault` breaks once it is going: every training process
+// gets an error within the peer timeout + 5 s, naming what `must_name(r)`
+// lists for node r; `then` looks at the cluster before the daemons stop;
+// nothing hangs, and the daemons still stop cleanly.
+void ExpectEveryProcessFails(int n,
+                             const std::function<absl::Status(NetLab&, DaemonCluster&)>& fault,
+                             const std::function<std::vector<std::string>(int)>& must_name,
+                             const std::function<void(DaemonCluster&)>& then = nullptr) {
   const int L = 1;
   auto lab = MakeLab(n, {"--rate=1gbit"});
   ASSERT_NE(lab, nullptr);
@@ -163,11 +169,11 @@ void ExpectEveryProcessFails(int n, const std::function<absl::Status(NetLab&)>& 
   o.lab = lab.get();
   o.peer_timeout_ms = 3000;
   DaemonCluster cluster(n, L, o);
-  cluster.StartClients({{"fc", 100003}, {"b", 1000}}, 100000);
+  cluster.StartClients(kLongJob, 100000);
   WaitForProgress(cluster, 6);
   if (::testing::Test::HasFatalFailure()) return;
   const auto broken = Clock::now();
-  ASSERT_TRUE(fault(*lab).ok());
+  ASSERT_TRUE(fault(*lab, cluster).ok());
   const auto codes = cluster.WaitClients(seconds(60));
   EXPECT_LT(Clock::now() - broken, seconds(3 + 5));
   for (int r = 0; r < n; ++r) {
@@ -179,6 +185,7 @@ void ExpectEveryProcessFails(int n, const std::function<absl::Status(NetLab&)>& 
       EXPECT_TRUE(absl::StrContains(line, name)) << "node " << r << ": " << line;
     }
   }
+  if (then) then(cluster);
   const auto exits = cluster.Terminate(seconds(15));
   for (int r = 0; r < n; ++r) EXPECT_EQ(exits[r], 0) << "node " << r << "'s daemon";
 }
@@ -186,7 +193,7 @@ void ExpectEveryProcessFails(int n, const std::function<absl::Status(NetLab&)>& 
 // A link cut for longer than the peer timeout: every process names node 2.
 TEST_F(NetLabTest, LinkCutLongerThanThePeerTimeoutFailsEveryProcessNamingTheNode) {
   ExpectEveryProcessFails(
-      3, [](NetLab& lab) { return lab.Cut(2); },
+      3, [](NetLab& lab, DaemonCluster&) { return lab.Cut(2); },
       [](int) { return std::vector<std::string>{"node 2"}; });
 }
 
@@ -255,7 +262,7 @@ TEST_F(NetLabTest, CoordinatorPartitionedFailsEveryProcess) {
   const int n = 4;
   ExpectEveryProcessFails(
       n,
-      [](NetLab& lab) {
+      [](NetLab& lab, DaemonCluster&) {
         return lab.Partition({"0", "1,2,3"});
       },
       [n](int r) {
@@ -307,50 +314,46 @@ int TamperedSender(const NetLab& lab, const std::string& did) {
 // wrong update (every result before is the reference's); node 2 counted
 // the refusal; nothing hangs, and the daemons stop cleanly.
 void ExpectTamperingRefused(const std::string& mode) {
-  const int n = 3, L = 1;
-  auto lab = MakeLab(n, {"--rate=1gbit"});
-  ASSERT_NE(lab, nullptr);
-  ClusterOptions o;
-  o.lab = lab.get();
-  o.peer_timeout_ms = 3000;
-  DaemonCluster cluster(n, L, o);
-  const std::vector<BucketSpec> buckets = {{"fc", 100003}, {"b", 1000}};
-  cluster.StartClients(buckets, 100000);
-  WaitForProgress(cluster, 6);
-  if (::testing::Test::HasFatalFailure()) return;
-  const std::string log = TamperWithNode2(*lab, cluster, mode);
-  ASSERT_FALSE(log.empty());
-  const auto codes = cluster.WaitClients(seconds(60));
-  const std::string did = ReadFile(log);
-  const int sender = TamperedSender(*lab, did);
-  ASSERT_GE(sender, 0) << "the attacker did nothing: " << did;
-  const std::string link = absl::StrCat("sealed transfer from node ", sender, " to node 2");
-  long last = -1;
-  std::vector<std::vector<std::string>> lines(n);
-  for (int r = 0; r < n; ++r) {
-    std::string line;
-    const int status = FailedStatus(cluster.outs()[r], &line);
-    EXPECT_EQ(codes[r], 3) << "node " << r << ": " << line;
-    EXPECT_NE(status, -1) << "node " << r << ": " << line;
-    EXPECT_TRUE(absl::StrContains(line, link)) << "node " << r << ": " << line << "\n" << did;
-    EXPECT_TRUE(absl::StrContains(line, "failed verification")) << "node " << r << ": " << line;
-    lines[r] = ReadLines(cluster.outs()[r]);
-    lines[r].pop_back();  // the FAILED line
-    for (const std::string& l : lines[r]) last = std::max(last, std::stol(l));
-  }
-  const ReferenceHashes ref = Reference(n, L, buckets, last + 1);
-  for (int r = 0; r < n; ++r) {
-    size_t results = 0;
-    std::vector<std::string> epochs;
-    CheckElasticOutput(lines[r], ref, buckets, r, &results, &epochs);
-    EXPECT_GE(results, 6u) << "node " << r;
-  }
-  auto status = cluster.Status(2);
-  ASSERT_TRUE(status.ok()) << status.status();
-  EXPECT_TRUE(status->data_plane_sealed());
-  EXPECT_EQ(status->refused_transfers(), 1u);
-  const auto exits = cluster.Terminate(seconds(15));
-  for (int r = 0; r < n; ++r) EXPECT_EQ(exits[r], 0) << "node " << r << "'s daemon";
+  const int n = 3;
+  NetLab* on = nullptr;
+  std::string log;
+  // The attacker's report is complete once every process failed.
+  auto link = [&]() -> std::string {
+    const std::string did = ReadFile(log);
+    const int sender = on != nullptr ? TamperedSender(*on, did) : -1;
+    EXPECT_GE(sender, 0) << "the attacker did nothing: " << did;
+    return absl::StrCat("sealed transfer from node ", sender, " to node 2");
+  };
+  ExpectEveryProcessFails(
+      n,
+      [&](NetLab& lab, DaemonCluster& cluster) {
+        on = &lab;
+        log = TamperWithNode2(lab, cluster, mode);
+        return log.empty() ? absl::UnavailableError("no attacker") : absl::OkStatus();
+      },
+      [&](int) {
+        return std::vector<std::string>{link(), "failed verification"};
+      },
+      [&](DaemonCluster& cluster) {
+        long last = -1;
+        std::vector<std::vector<std::string>> lines(n);
+        for (int r = 0; r < n; ++r) {
+          lines[r] = ReadLines(cluster.outs()[r]);
+          lines[r].pop_back();  // the FAILED line
+          for (const std::string& l : lines[r]) last = std::max(last, std::stol(l));
+        }
+        const ReferenceHashes ref = Reference(n, 1, kLongJob, last + 1);
+        for (int r = 0; r < n; ++r) {
+          size_t results = 0;
+          std::vector<std::string> epochs;
+          CheckElasticOutput(lines[r], ref, kLongJob, r, &results, &epochs);
+          EXPECT_GE(results, 6u) << "node " << r;
+        }
+        auto status = cluster.Status(2);
+        ASSERT_TRUE(status.ok()) << status.status();
+        EXPECT_TRUE(status->data_plane_sealed());
+        EXPECT_EQ(status->refused_transfers(), 1u);
+      });
 }
 
 TEST_F(NetLabTest, SealedTransferFlippedOnThePathFailsTheStepNamingTheLink) {

@@ -520,7 +520,7 @@ class GlooTransport final : public Transport {
       return;
     }
     if (seal_ != nullptr) {
-      GatherRingSealed(in, std::vector<size_t>(size(), bytes), out, tag, timeout);
+      GatherSealed(in, std::vector<size_t>(size(), bytes), out, tag, timeout, /*direct=*/false);
       return;
     }
     CountRounds(size() - 1);  // Gloo's ring
@@ -544,35 +544,12 @@ class GlooTransport final : public Transport {
   // the collective), so ranks that disagree on a size never match each
   // other's transfers: Gloo would abort the process on a message longer than
   // the receive posted for it; this way the call fails by its deadline.
-  // Sealed: each rank's block is sealed once for every reader (the same
-  // bytes go to every peer), and each block received is opened into place
-  // once it verified.
   void GatherDirectV(const void* in, const std::vector<size_t>& bytes, void* out, uint32_t tag,
                      std::chrono::milliseconds timeout) {
-    if (seal_ == nullptr) {
+    if (seal_ != nullptr) {
+      GatherSealed(in, bytes, out, tag, timeout, /*direct=*/true);
+    } else {
       GatherDirectRaw(in, bytes, out, tag, timeout);
-      return;
-    }
-    const int n = size();
-    const int r = rank();
-    std::vector<size_t> sealed(n), at(n, 0), sealed_at(n, 0);
-    for (int q = 0; q < n; ++q) {
-      sealed[q] = bytes[q] > 0 ? bytes[q] + SealKeys::kOverhead : 0;
-      if (q > 0) {
-        at[q] = at[q - 1] + bytes[q - 1];
-        sealed_at[q] = sealed_at[q - 1] + sealed[q - 1];
-      }
-    }
-    std::vector<char> mine(sealed[r]), stage(sealed_at[n - 1] + sealed[n - 1]);
-    const uint64_t sequence = Sequence(SealKind::kDirect, 0);
-    if (bytes[r] > 0) SealFor(SealKeys::kAll, tag, sequence, in, bytes[r], mine.data());
-    GatherDirectRaw(mine.data(), sealed, stage.data(), tag, timeout);
-    char* const dst = static_cast<char*>(out);
-    if (bytes[r] > 0) std::memmove(dst + at[r], in, bytes[r]);
-    for (int q = 0; q < n; ++q) {
-      if (q == r || bytes[q] == 0) continue;
-      OpenFrom(q, SealKeys::kAll, tag, sequence, stage.data() + sealed_at[q], sealed[q],
-               dst + at[q]);
     }
   }
 
@@ -791,10 +768,18 @@ class GlooTransport final : public Transport {
       return;
     }
     if (seal_ != nullptr) {
-      GatherRingSealed(in, bytes, out, tag, timeout);
-      return;
+      GatherSealed(in, bytes, out, tag, timeout, /*direct=*/false);
+    } else {
+      GatherRing(in, std::move(bytes), out, tag, timeout);
     }
-    CountRounds(size() - 1);  // Gloo's ring
+  }
+
+  // Gloo's ring allgather-v (n - 1 rounds; some bytes in all).
+  void GatherRing(const void* in, std::vector<size_t> bytes, void* out, uint32_t tag,
+                  std::chrono::milliseconds timeout) {
+    size_t total = 0;
+    for (size_t b : bytes) total += b;
+    CountRounds(size() - 1);
     gloo::AllgathervOptions opts(lanes_[0]);
     ActiveScope scope{this};
     char dummy = 0;
@@ -805,39 +790,34 @@ class GlooTransport final : public Transport {
     gloo::allgatherv(opts);
   }
 
-  // Gloo's ring allgather of sealed blocks: each rank seals its block once
-  // for every reader (the ring forwards blocks unchanged), and opens every
-  // other rank's block into place once it verified.
-  void GatherRingSealed(const void* in, const std::vector<size_t>& bytes, void* out, uint32_t tag,
-                        std::chrono::milliseconds timeout) {
+  // An allgather-v of sealed blocks, by one direct round or Gloo's ring
+  // (which forwards blocks unchanged): each rank seals its block once for
+  // every reader, and opens every other rank's block into place once it
+  // verified. Empty blocks travel as they are (nothing).
+  void GatherSealed(const void* in, const std::vector<size_t>& bytes, void* out, uint32_t tag,
+                    std::chrono::milliseconds timeout, bool direct) {
     const int n = size();
     const int r = rank();
     std::vector<size_t> sealed(n), at(n, 0), sealed_at(n, 0);
     for (int q = 0; q < n; ++q) {
-      sealed[q] = bytes[q] + SealKeys::kOverhead;
+      sealed[q] = bytes[q] > 0 ? bytes[q] + SealKeys::kOverhead : 0;
       if (q > 0) {
         at[q] = at[q - 1] + bytes[q - 1];
         sealed_at[q] = sealed_at[q - 1] + sealed[q - 1];
       }
     }
-    std::vector<char> stage(sealed_at[n - 1] + sealed[n - 1]);
-    std::vector<char> mine(sealed[r]);
-    const uint64_t sequence = Sequence(SealKind::kRing, 0);
-    SealFor(SealKeys::kAll, tag, sequence, in, bytes[r], mine.data());
-    CountRounds(n - 1);  // Gloo's ring
-    {
-      gloo::AllgathervOptions opts(lanes_[0]);
-      ActiveScope scope{this};
-      opts.setInput<char>(Track(mine.data(), mine.size()));
-      opts.setOutput<char>(Track(stage.data(), stage.size()), sealed);
-      opts.setTag(tag);
-      opts.setTimeout(timeout);
-      gloo::allgatherv(opts);
+    std::vector<char> mine(sealed[r]), stage(sealed_at[n - 1] + sealed[n - 1]);
+    const uint64_t sequence = Sequence(direct ? SealKind::kDirect : SealKind::kRing, 0);
+    if (bytes[r] > 0) SealFor(SealKeys::kAll, tag, sequence, in, bytes[r], mine.data());
+    if (direct) {
+      GatherDirectRaw(mine.data(), sealed, stage.data(), tag, timeout);
+    } else {
+      GatherRing(mine.data(), sealed, stage.data(), tag, timeout);
     }
     char* const dst = static_cast<char*>(out);
     if (bytes[r] > 0) std::memmove(dst + at[r], in, bytes[r]);
     for (int q = 0; q < n; ++q) {
-      if (q == r) continue;
+      if (q == r || bytes[q] == 0) continue;
       OpenFrom(q, SealKeys::kAll, tag, sequence, stage.data() + sealed_at[q], sealed[q],
                dst + at[q]);
     }
