@@ -388,13 +388,14 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
   }
   // Every node seals its data plane or none does (else nothing of it
   // would connect): said here, naming both.
-  if (!nodes_.empty() && !options.empty() && !nodes_[0].options.empty() &&
-      SealsDataPlane(OptionLines(options)) != SealsDataPlane(OptionLines(nodes_[0].options))) {
+  if (!nodes_.empty() && !options.empty() && !nodes_[0].options.empty()) {
     const bool mine = SealsDataPlane(OptionLines(options));
-    return absl::InvalidArgumentError(absl::StrCat(
-        "node '", node_name, "' may not join: it ", mine ? "seals" : "does not seal",
-        " its data plane and node '", nodes_[0].name, "' ", mine ? "does not" : "does",
-        ": give every node the same --seal (with --seal=auto, the same TLS and --token_file)"));
+    if (mine != SealsDataPlane(OptionLines(nodes_[0].options))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "node '", node_name, "' may not join: it ", mine ? "seals" : "does not seal",
+          " its data plane and node '", nodes_[0].name, "' ", mine ? "does not" : "does",
+          ": give every node the same --seal (with --seal=auto, the same TLS and --token_file)"));
+    }
   }
   for (const Node& n : nodes_) {
     if (n.name == node_name) {
