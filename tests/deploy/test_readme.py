@@ -34,7 +34,7 @@ OTHER_PROGRAMS = {
     "scripts/install-deps.sh": ["build", "fuzz", "gpu-bundle"],
     "scripts/build-install.sh": ["prefix", "build-dir"],
     "bench/training/run.py": ["netlab-rate", "budget", "methods", "steps"],
-    "bench/network/run.py": ["latency"],
+    "bench/network/run.py": ["latency", "seal-cost"],
     "examples/fashion_mnist/remedies.sh": ["epochs", "only", "out"],
     "daemon/microctl_main.cc": ["admin", "json", "history", "seconds", "out"],
     "daemon/sim/microd_sim.cc": ["size", "density", "steps", "controller"],
