@@ -38,7 +38,8 @@ double Rate(size_t bytes, double seconds, F f) {
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  auto keys = microd::transport::SealKeys::Derive(std::string(32, 'k'), "bench", 1, 4);
+  auto keys = microd::transport::SealKeys::Derive(std::string(32, 's'), std::string(32, 'k'),
+                                                  "bench", 1, 4);
   if (!keys.ok()) {
     std::fprintf(stderr, "%s\n", std::string(keys.status().message()).c_str());
     return 1;

@@ -156,6 +156,9 @@ class DaemonImpl {
   }
 
  private:
+  // The coordinator's TLS: the files given, else the TLS the job token
+  // derives (job_token.h), else none (loopback, or --insecure).
+  control::TlsFiles CoordinatorTls() const;
   absl::Status StartCoordinator();
   absl::Status StartAdmin();
   absl::Status StartMetrics();
@@ -186,6 +189,7 @@ class DaemonImpl {
   bool stopped_ = false;
   const absl::Time started_ = absl::Now();
   std::string coordinator_address_ = config_.coordinator;
+  std::shared_ptr<const control::JobToken> job_token_;  // null: the job has no token
   std::unique_ptr<control::Coordinator> coordinator_;
   std::unique_ptr<control::CoordinatorService> coordinator_service_;
   std::unique_ptr<control::ControlServer> coordinator_server_;
@@ -211,12 +215,20 @@ class DaemonImpl {
   std::unique_ptr<engine::MetricsServer> metrics_;  // stops before the Admin service
 };
 
+control::TlsFiles DaemonImpl::CoordinatorTls() const {
+  control::TlsFiles tls = config_.tls;
+  if (!tls.files() && job_token_ != nullptr) {
+    tls.job = std::make_shared<control::TlsIdentity>(job_token_->tls());
+  }
+  return tls;
+}
+
 absl::Status DaemonImpl::StartCoordinator() {
   const std::string listen = config_.coordinator_listen;
   if (!listen.empty()) {
     control::CoordinatorOptions co;
     co.job_id = config_.job_id;
-    co.token = config_.token;
+    co.token = job_token_;
     co.expected_nodes = config_.nodes;
     co.min_nodes = config_.min_nodes;
     co.max_nodes = config_.max_nodes;
@@ -231,7 +243,7 @@ absl::Status DaemonImpl::StartCoordinator() {
     coordinator_service_ = std::make_unique<control::CoordinatorService>(coordinator_.get());
     RETURN_IF_ERROR(CheckExposure("--coordinator_listen", listen, config_, /*token_counts=*/true));
     control::ControlServerOptions so;
-    so.credentials = control::ServerCredentialsFor(config_.tls);
+    so.credentials = control::ServerCredentialsFor(CoordinatorTls());
     so.reflection = false;  // nothing to browse on the job's own port
     auto server = control::ControlServer::Start(listen, {coordinator_service_.get()}, so);
     if (!server.ok()) return Bad("coordinator", server.status());
@@ -443,7 +455,9 @@ absl::Status DaemonImpl::Join(const std::string& options) {
   cco.address = coordinator_address_;
   cco.job_id = config_.job_id;
   cco.node_name = config_.node_name;
-  cco.token = config_.token;
+  if (job_token_ != nullptr) {
+    cco.token_proof = job_token_->JoinProof(config_.job_id, config_.node_name);
+  }
   cco.local_size = config_.local_size;
   cco.requested_rank = config_.node_rank;
   cco.peer_timeout = config_.peer_timeout;
@@ -451,7 +465,7 @@ absl::Status DaemonImpl::Join(const std::string& options) {
   // Node 0 dials the coordinator it serves like any node; over loopback
   // (a coordinator listening on every interface) with TLS the certificate
   // must name 127.0.0.1 too, or --tls_server_name.
-  cco.tls = config_.tls;
+  cco.tls = CoordinatorTls();
   auto created = control::CoordinatorClient::Create(cco);
   if (!created.ok()) return Bad("coordinator client", created.status());
   {
@@ -575,9 +589,11 @@ absl::StatusOr<std::unique_ptr<transport::Transport>> DaemonImpl::NextDataPlane(
 absl::StatusOr<std::shared_ptr<const transport::SealKeys>> DaemonImpl::SealKeysOf(
     const control::Membership& m) const {
   if (!config_.SealsDataPlane()) return nullptr;
-  // The epoch's salt (a secret of its own over TLS) and the job token.
-  auto keys = transport::SealKeys::Derive(absl::StrCat(m.seal_salt, config_.token), config_.job_id,
-                                          m.epoch, m.node_count);
+  // The epoch's salt (a secret: the control plane has TLS) and what the
+  // job token derives for the data plane.
+  auto keys = transport::SealKeys::Derive(
+      m.seal_salt, job_token_ != nullptr ? job_token_->data_plane_secret() : "", config_.job_id,
+      m.epoch, m.node_count);
   if (!keys.ok()) {
     return Bad("--seal",
                absl::FailedPreconditionError(absl::StrCat(
@@ -640,6 +656,18 @@ absl::Status DaemonImpl::Serve(const engine::EngineOptions& eo) {
 }
 
 absl::Status DaemonImpl::Start(const std::function<void()>& serving) {
+  if (!config_.token.empty()) {
+    auto token = control::JobToken::FromToken(config_.token);
+    if (!token.ok()) return Bad("--token_file", token.status());
+    job_token_ = *std::move(token);
+    if (config_.token.size() < 16) {
+      MICROD_LOG(Warning,
+                 "the job token has %zu bytes: whoever can try guesses (offline, from one "
+                 "handshake with the coordinator) needs few; make one of 32 random bytes "
+                 "(head -c 32 /dev/urandom | base64)",
+                 config_.token.size());
+    }
+  }
   RETURN_IF_ERROR(StartCoordinator());
   RETURN_IF_ERROR(StartAdmin());
   RETURN_IF_ERROR(StartMetrics());

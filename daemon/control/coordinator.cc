@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "daemon/common/crypto.h"
 #include "daemon/common/log.h"
 
 namespace microd::control {
@@ -40,15 +41,6 @@ uint64_t RandomSession() {
   return (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ 1;
 }
 
-// Token comparison whose time does not depend on where the strings differ.
-bool SameToken(const std::string& a, const std::string& b) {
-  unsigned char diff = a.size() != b.size();
-  for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
-    diff |= static_cast<unsigned char>((i < a.size() ? a[i] : 0) ^ (i < b.size() ? b[i] : 0));
-  }
-  return diff == 0;
-}
-
 absl::Status ValidateName(const std::string& what, const std::string& name) {
   if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(what, " is empty"));
   if (name.size() > kMaxNameBytes) {
@@ -71,18 +63,12 @@ std::map<std::string, std::string> OptionLines(const std::string& text) {
 
 // 32 bytes from the kernel's random source: an epoch's seal salt.
 std::string FreshSealSalt() {
-  std::string salt(32, '\0');
-  size_t got = 0;
-  // Bounded: getrandom blocks only before the kernel's pool is seeded.
-  for (int tries = 0; got < salt.size() && tries < 100; ++tries) {
-    const ssize_t n = getrandom(salt.data() + got, salt.size() - got, 0);
-    if (n > 0) got += static_cast<size_t>(n);
-  }
-  if (got < salt.size()) {
-    MICROD_LOG(Error, "coordinator: getrandom failed: %s", strerror(errno));
+  auto salt = crypto::RandomBytes(32);
+  if (!salt.ok()) {
+    MICROD_LOG(Error, "coordinator: %s", std::string(salt.status().message()).c_str());
     std::abort();  // no key may come from a salt that is not random
   }
-  return salt;
+  return *std::move(salt);
 }
 
 // Whether a node seals its data plane, from its options ("--seal=on").
@@ -279,8 +265,9 @@ void Coordinator::LogWrongToken(const std::string& node_name, const std::string&
   unlogged_token_refusals_ = 0;
 }
 
-absl::Status Coordinator::CheckToken(const std::string& token, const std::string& node_name,
-                                     const std::string& peer_host) {
+absl::Status Coordinator::CheckToken(const std::string& token_proof, const std::string& job_id,
+                                     const std::string& node_name, const std::string& peer_host) {
+  if (options_.token == nullptr) return absl::OkStatus();
   const absl::Time now = absl::Now();
   {
     absl::MutexLock lock(&log_mu_);
@@ -292,7 +279,7 @@ absl::Status Coordinator::CheckToken(const std::string& token, const std::string
           absl::ToInt64Milliseconds(it->second.refused_until - now), " ms"));
     }
   }
-  const bool right = SameToken(token, options_.token);
+  const bool right = options_.token->Proves(token_proof, job_id, node_name);
   absl::MutexLock lock(&log_mu_);
   if (right) {
     token_failures_.erase(peer_host);
@@ -315,12 +302,12 @@ absl::Status Coordinator::CheckToken(const std::string& token, const std::string
 
 absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
                                              const std::string& node_name, int local_size,
-                                             const std::string& token, int requested_rank,
+                                             const std::string& token_proof, int requested_rank,
                                              absl::Time deadline, const std::string& peer_host,
                                              const std::string& options) {
   // The token first: an unauthenticated caller learns nothing of the job
   // (not even the number of nodes, from a rank out of range).
-  if (absl::Status s = CheckToken(token, node_name, peer_host); !s.ok()) {
+  if (absl::Status s = CheckToken(token_proof, job_id, node_name, peer_host); !s.ok()) {
     if (absl::IsUnauthenticated(s)) LogWrongToken(node_name, peer_host);
     return s;
   }

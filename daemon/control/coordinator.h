@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "daemon/control/job_token.h"
 #include "daemon/control/kv_store.h"
 #include "daemon/control/types.h"
 
@@ -25,7 +26,8 @@ namespace microd::control {
 
 struct CoordinatorOptions {
   std::string job_id = "microd";
-  std::string token;       // empty: no token required
+  // The job token (null: none required): a join must prove it holds it.
+  std::shared_ptr<const JobToken> token;
   int expected_nodes = 1;  // n
   absl::Duration peer_timeout = absl::Seconds(10);
   // The stall inspector: a bucket waiting this long on some node is
@@ -112,17 +114,19 @@ class Coordinator {
 
   // Blocks until n nodes joined or `deadline` (then this node is removed again
   // and the error says how many arrived). requested_rank -1 takes a free rank.
-  // `peer_host`: where the call came from (wrong tokens are counted per
-  // host: after kFreeTokenTries in a row, that host's joins are refused
-  // (Unavailable) for 1 s, then 2 s, ... up to 64 s, without a look at the
-  // token).
+  // `token_proof`: the node's JobToken::JoinProof (the token itself never
+  // travels). `peer_host`: where the call came from (wrong proofs are
+  // counted per host: after kFreeTokenTries in a row, that host's joins are
+  // refused (Unavailable) for 1 s, then 2 s, ... up to 64 s, without a look
+  // at the proof).
   // An elastic job that runs with fewer than max_nodes admits the node at
   // once (its membership has epoch > 0), if its `options` ("--flag=value"
   // lines) are node 0's (else InvalidArgument naming each that differs); a
   // change in progress is waited for, up to `deadline`.
   absl::StatusOr<Membership> Join(const std::string& job_id, const std::string& node_name,
-                                  int local_size, const std::string& token, int requested_rank,
-                                  absl::Time deadline, const std::string& peer_host = "",
+                                  int local_size, const std::string& token_proof,
+                                  int requested_rank, absl::Time deadline,
+                                  const std::string& peer_host = "",
                                   const std::string& options = "");
   absl::Status KeySet(uint64_t session, const std::string& key, const std::string& value);
   absl::StatusOr<std::vector<std::string>> KeyGet(uint64_t session,
@@ -249,8 +253,8 @@ class Coordinator {
   const CoordinatorOptions options_;
   InMemoryKeyValueStore store_;
   // The token's check and the pause of a host that guessed wrong too often.
-  absl::Status CheckToken(const std::string& token, const std::string& node_name,
-                          const std::string& peer_host);
+  absl::Status CheckToken(const std::string& token_proof, const std::string& job_id,
+                          const std::string& node_name, const std::string& peer_host);
   struct TokenFailures {
     int wrong = 0;  // wrong tokens in a row
     absl::Time refused_until = absl::InfinitePast();

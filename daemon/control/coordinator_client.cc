@@ -157,7 +157,7 @@ absl::StatusOr<Membership> CoordinatorClient::Join(absl::Time deadline) {
   req.set_job_id(options_.job_id);
   req.set_node_name(options_.node_name);
   req.set_local_size(options_.local_size);
-  req.set_token(options_.token);
+  req.set_token_proof(options_.token_proof);
   req.set_requested_rank(options_.requested_rank);
   req.set_timeout_ms(ServerTimeoutMs(deadline));
   req.set_options(options_.options);
@@ -172,13 +172,23 @@ absl::StatusOr<Membership> CoordinatorClient::Join(absl::Time deadline) {
     if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
         channel_->GetState(false) != GRPC_CHANNEL_READY) {
       // Never connected: nothing listens there, or the handshake failed.
-      why = options_.tls.enabled()
-                ? " (no connection was made: the coordinator is down, or the TLS handshake "
-                  "failed: check that each side's certificate is signed by the CA the other "
-                  "trusts (--tls_ca), that the coordinator's names the address dialed "
-                  "(or --tls_server_name), and that the coordinator uses TLS)"
-                : " (no connection was made: the coordinator is down, or it uses TLS and this "
-                  "node does not: give --tls_ca, and --tls_cert/--tls_key for mutual TLS)";
+      if (options_.tls.files()) {
+        why =
+            " (no connection was made: the coordinator is down, or the TLS handshake "
+            "failed: check that each side's certificate is signed by the CA the other "
+            "trusts (--tls_ca), that the coordinator's names the address dialed "
+            "(or --tls_server_name), and that the coordinator uses TLS)";
+      } else if (options_.tls.enabled()) {
+        why =
+            " (no connection was made: the coordinator is down, or the TLS handshake its job "
+            "token keys failed: the coordinator holds another token, no token, or "
+            "certificates of its own; give every node the same --token_file)";
+      } else {
+        why =
+            " (no connection was made: the coordinator is down, or it uses TLS and this "
+            "node does not: give --token_file if the job has a token, or --tls_ca, and "
+            "--tls_cert/--tls_key for mutual TLS)";
+      }
     }
     return absl::Status(st.code(),
                         absl::StrCat("join ", options_.address, ": ", st.message(), why));

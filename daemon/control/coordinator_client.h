@@ -32,7 +32,8 @@ struct CoordinatorClientOptions {
   std::string address;  // host:port of the coordinator
   std::string job_id = "microd";
   std::string node_name;
-  std::string token;
+  // JobToken::JoinProof for this job and node ("": the job has no token).
+  std::string token_proof;
   // The options every node must share ("--flag=value" lines), which the
   // coordinator checks when this node joins a running elastic job.
   std::string options;

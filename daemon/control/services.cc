@@ -63,9 +63,9 @@ grpc::Status CoordinatorService::Join(grpc::ServerContext* ctx, const microd::v1
   if (req->timeout_ms() < 0) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "timeout_ms is negative");
   }
-  auto m = coordinator_->Join(req->job_id(), req->node_name(), req->local_size(), req->token(),
-                              req->requested_rank(), Deadline(ctx, req->timeout_ms()),
-                              HostOfGrpcPeer(ctx->peer()), req->options());
+  auto m = coordinator_->Join(
+      req->job_id(), req->node_name(), req->local_size(), req->token_proof(), req->requested_rank(),
+      Deadline(ctx, req->timeout_ms()), HostOfGrpcPeer(ctx->peer()), req->options());
   if (!m.ok()) return ToGrpcStatus(m.status());
   ToProto(*m, resp);
   resp->set_observed_host(HostOfGrpcPeer(ctx->peer()));
@@ -255,6 +255,7 @@ absl::StatusOr<std::unique_ptr<ControlServer>> ControlServer::Start(
       address, options.credentials ? options.credentials : grpc::InsecureServerCredentials(),
       &server->port_);
   for (grpc::Service* s : services) builder.RegisterService(s);
+  if (options.interceptors) builder.experimental().SetInterceptorCreators(options.interceptors());
   server->server_ = builder.BuildAndStart();
   // A unix: address has no port (gRPC reports a placeholder for it).
   const bool unix_socket = absl::StartsWith(address, "unix:");

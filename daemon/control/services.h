@@ -3,6 +3,7 @@
 #pragma once
 
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/support/server_interceptor.h>
 
 #include <functional>
 #include <memory>
@@ -76,6 +77,10 @@ struct ControlServerOptions {
   // Server threads at most (0: gRPC's default, unbounded); calls beyond
   // them are refused (RESOURCE_EXHAUSTED) rather than queued.
   int max_threads = 0;
+  // Interceptors of every call (tests look at what crosses the wire).
+  std::function<
+      std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>()>
+      interceptors;
 };
 
 // A gRPC server on `address` ("host:port"; port 0 picks one) serving the given

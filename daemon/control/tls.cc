@@ -19,7 +19,13 @@ absl::Status Readable(const std::string& path, const char* flag) {
   return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read ", path));
 }
 
-std::shared_ptr<FileWatcherCertificateProvider> Provider(const TlsFiles& f) {
+std::shared_ptr<grpc::experimental::CertificateProviderInterface> Provider(const TlsFiles& f) {
+  if (!f.files()) {
+    // The job's own: its certificate is the only root, and the identity.
+    return std::make_shared<grpc::experimental::StaticDataCertificateProvider>(
+        f.job->cert,
+        std::vector<grpc::experimental::IdentityKeyCertPair>{{f.job->key, f.job->cert}});
+  }
   const auto refresh = static_cast<unsigned>(std::max<int64_t>(1, absl::ToInt64Seconds(f.refresh)));
   return std::make_shared<FileWatcherCertificateProvider>(f.key, f.cert, f.ca, refresh);
 }
@@ -27,7 +33,7 @@ std::shared_ptr<FileWatcherCertificateProvider> Provider(const TlsFiles& f) {
 }  // namespace
 
 absl::Status CheckTlsFiles(const TlsFiles& f, bool server) {
-  if (!f.enabled()) return absl::OkStatus();
+  if (!f.files()) return absl::OkStatus();
   if (f.cert.empty() != f.key.empty()) {
     return absl::InvalidArgumentError("--tls_cert and --tls_key go together");
   }
@@ -44,7 +50,7 @@ std::shared_ptr<grpc::ServerCredentials> ServerCredentialsFor(const TlsFiles& f)
   if (!f.enabled()) return grpc::InsecureServerCredentials();
   grpc::experimental::TlsServerCredentialsOptions o(Provider(f));
   o.watch_identity_key_cert_pairs();
-  if (!f.ca.empty()) {
+  if (!f.ca.empty() || !f.files()) {
     o.watch_root_certs();
     o.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
   } else {
@@ -57,14 +63,15 @@ std::shared_ptr<grpc::ChannelCredentials> ChannelCredentialsFor(const TlsFiles& 
   if (!f.enabled()) return grpc::InsecureChannelCredentials();
   grpc::experimental::TlsChannelCredentialsOptions o;
   o.set_certificate_provider(Provider(f));
-  if (!f.ca.empty()) o.watch_root_certs();  // else the system's roots
-  if (!f.cert.empty()) o.watch_identity_key_cert_pairs();
+  if (!f.ca.empty() || !f.files()) o.watch_root_certs();  // else the system's roots
+  if (!f.cert.empty() || !f.files()) o.watch_identity_key_cert_pairs();
   o.set_verify_server_certs(true);
   return grpc::experimental::TlsCredentials(o);
 }
 
 void AddTlsChannelArgs(const TlsFiles& f, grpc::ChannelArguments* args) {
-  if (f.enabled() && !f.server_name.empty()) args->SetSslTargetNameOverride(f.server_name);
+  if (f.files() && !f.server_name.empty()) args->SetSslTargetNameOverride(f.server_name);
+  if (!f.files() && f.job != nullptr) args->SetSslTargetNameOverride(kJobTlsName);
 }
 
 bool IsLocalOnly(const std::string& address) {

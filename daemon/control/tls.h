@@ -1,7 +1,9 @@
 // Transport security of the control plane (the coordinator and Admin
 // services): TLS, and mutual TLS when a CA is given. Certificates are read
 // from files and read again when they change (gRPC's file-watcher provider:
-// a rotation needs no restart).
+// a rotation needs no restart). Without files, the coordinator's TLS may be
+// the job's own (job_token.h): one identity, derived from the job token,
+// that each side presents and trusts alone.
 //
 // Server: --tls_cert and --tls_key (PEM) are its identity; with --tls_ca,
 // every client must present a certificate signed by that CA.
@@ -18,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "daemon/control/job_token.h"
 
 namespace microd::control {
 
@@ -30,8 +33,13 @@ struct TlsFiles {
   // How often the files are checked for a change.
   absl::Duration refresh = absl::Seconds(2);
 
-  bool enabled() const { return !cert.empty() || !key.empty() || !ca.empty(); }
-  bool mutual() const { return !ca.empty() && !cert.empty(); }
+  // The job's own TLS (no file given): this identity presented and
+  // trusted alone, client certificates required.
+  std::shared_ptr<const TlsIdentity> job;
+
+  bool files() const { return !cert.empty() || !key.empty() || !ca.empty(); }
+  bool enabled() const { return files() || job != nullptr; }
+  bool mutual() const { return (!ca.empty() && !cert.empty()) || (!files() && job != nullptr); }
 };
 
 // The files exist and are readable, cert and key go together, and a server

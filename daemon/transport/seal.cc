@@ -1,45 +1,18 @@
 #include "daemon/transport/seal.h"
 
-#include <openssl/core_names.h>
 #include <openssl/evp.h>
-#include <openssl/kdf.h>
 
 #include <algorithm>
 #include <cstring>
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "daemon/common/crypto.h"
 
 namespace microd::transport {
 namespace {
 
-constexpr size_t kKeyBytes = 32;
 constexpr size_t kNonceBytes = 12;
-constexpr size_t kMinSecretBytes = 32;
-
-// HKDF-SHA256 (OpenSSL 3's EVP_KDF) of `key` with `salt` and `info`.
-absl::StatusOr<std::string> Hkdf(absl::string_view key, absl::string_view salt,
-                                 absl::string_view info) {
-  EVP_KDF* kdf = EVP_KDF_fetch(nullptr, "HKDF", nullptr);
-  EVP_KDF_CTX* ctx = kdf != nullptr ? EVP_KDF_CTX_new(kdf) : nullptr;
-  EVP_KDF_free(kdf);
-  if (ctx == nullptr) return absl::InternalError("seal: OpenSSL has no HKDF");
-  char digest[] = "SHA256";
-  OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string(OSSL_KDF_PARAM_DIGEST, digest, 0),
-                         OSSL_PARAM_construct_octet_string(
-                             OSSL_KDF_PARAM_KEY, const_cast<char*>(key.data()), key.size()),
-                         OSSL_PARAM_construct_octet_string(
-                             OSSL_KDF_PARAM_SALT, const_cast<char*>(salt.data()), salt.size()),
-                         OSSL_PARAM_construct_octet_string(
-                             OSSL_KDF_PARAM_INFO, const_cast<char*>(info.data()), info.size()),
-                         OSSL_PARAM_construct_end()};
-  std::string out(kKeyBytes, '\0');
-  const bool ok =
-      EVP_KDF_derive(ctx, reinterpret_cast<unsigned char*>(out.data()), out.size(), params) == 1;
-  EVP_KDF_CTX_free(ctx);
-  if (!ok) return absl::InternalError("seal: HKDF failed");
-  return out;
-}
 
 void PutLe(uint64_t v, size_t bytes, unsigned char* out) {
   for (size_t i = 0; i < bytes; ++i) out[i] = static_cast<unsigned char>(v >> (8 * i));
@@ -78,16 +51,18 @@ bool InPieces(Update update, unsigned char* out, const unsigned char* in, size_t
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<SealKeys>> SealKeys::Derive(absl::string_view secret,
+absl::StatusOr<std::unique_ptr<SealKeys>> SealKeys::Derive(absl::string_view salt,
+                                                           absl::string_view secret,
                                                            absl::string_view job_id, uint64_t epoch,
                                                            int nodes) {
-  if (secret.size() < kMinSecretBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("seal: the secret has ", secret.size(),
-                                                   " bytes, fewer than ", kMinSecretBytes));
+  if (salt.size() != kSaltBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("seal: the epoch's salt has ", salt.size(), " bytes, not ", kSaltBytes));
   }
   if (nodes < 1) return absl::InvalidArgumentError("seal: no nodes");
   std::unique_ptr<SealKeys> k(new SealKeys(std::string(job_id), epoch, nodes));
-  auto master = Hkdf(secret, absl::StrCat("microd seal v1\n", job_id, "\n", epoch), "master");
+  auto master = crypto::Hkdf(absl::StrCat(salt, secret),
+                             absl::StrCat("microd seal v1\n", job_id, "\n", epoch), "master");
   if (!master.ok()) return master.status();
   k->master_ = std::move(master).value();
   return k;
@@ -106,7 +81,7 @@ absl::StatusOr<std::string> SealKeys::DirectionKey(int sender, int receiver) con
   absl::MutexLock lock(&mu_);
   auto it = keys_.find({sender, receiver});
   if (it != keys_.end()) return it->second;
-  auto key = Hkdf(master_, "", absl::StrCat("direction\n", sender, "\n", receiver));
+  auto key = crypto::Hkdf(master_, "", absl::StrCat("direction\n", sender, "\n", receiver));
   if (!key.ok()) return key.status();
   keys_[{sender, receiver}] = *key;
   return key;

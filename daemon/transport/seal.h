@@ -42,8 +42,16 @@ class SealKeys {
   // A receiver meaning "every node" (a blob forwarded as it is).
   static constexpr int kAll = -1;
 
-  // `secret`: at least 32 bytes, fresh per job and epoch.
-  static absl::StatusOr<std::unique_ptr<SealKeys>> Derive(absl::string_view secret,
+  // An epoch's salt: exactly this many bytes (random, fresh per epoch).
+  static constexpr size_t kSaltBytes = 32;
+
+  // Keys of `epoch` from its `salt` (kSaltBytes, or refused: keys that
+  // depended on the job's secret alone would repeat from one run of a job
+  // to the next, and with them the nonces) and the job's `secret` (the
+  // token's data-plane secret; empty where TLS with certificates alone
+  // keeps the salt secret).
+  static absl::StatusOr<std::unique_ptr<SealKeys>> Derive(absl::string_view salt,
+                                                          absl::string_view secret,
                                                           absl::string_view job_id, uint64_t epoch,
                                                           int nodes);
 

@@ -17,13 +17,28 @@
 namespace microd::control {
 namespace {
 
+// The job token `token` stretches to (each once: scrypt takes a while).
+std::shared_ptr<const JobToken> Token(const std::string& token) {
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* cache = new std::map<std::string, std::shared_ptr<const JobToken>>();
+  absl::MutexLock lock(&mu);
+  auto& t = (*cache)[token];
+  if (t == nullptr) t = *JobToken::FromToken(token);
+  return t;
+}
+
+// What a node holding `token` sends as job `job`'s node `name`.
+std::string Proof(const std::string& token, const std::string& job, const std::string& name) {
+  return Token(token)->JoinProof(job, name);
+}
+
 class CoordinatorTest : public ::testing::Test {
  protected:
   void Start(int nodes, absl::Duration peer_timeout = absl::Seconds(10),
              std::string token = "secret", int min_nodes = 0) {
     CoordinatorOptions o;
     o.job_id = "job";
-    o.token = token;
+    if (!token.empty()) o.token = Token(token);
     o.expected_nodes = nodes;
     o.peer_timeout = peer_timeout;
     o.min_nodes = min_nodes;
@@ -49,7 +64,7 @@ class CoordinatorTest : public ::testing::Test {
     o.address = server_->address();
     o.job_id = "job";
     o.node_name = name;
-    o.token = token;
+    o.token_proof = Proof(token, "job", name);
     o.local_size = local_size;
     o.requested_rank = rank;
     o.peer_timeout = peer_timeout;
@@ -154,7 +169,7 @@ TEST_F(CoordinatorTest, WrongTokensComeFirstAndAreRateLimitedPerHost) {
     req.set_job_id("job");
     req.set_node_name("guesser");
     req.set_local_size(1);
-    req.set_token(token);
+    req.set_token_proof(Proof(token, "job", "guesser"));
     req.set_requested_rank(rank);
     req.set_timeout_ms(200);
     microd::v1::JoinResponse resp;
@@ -180,11 +195,12 @@ TEST_F(CoordinatorTest, MalformedRequestsGetInvalidArgument) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
     microd::v1::JoinResponse resp;
-    return stub_->Join(&ctx, req, &resp).error_code();
+    microd::v1::JoinRequest proved = req;
+    proved.set_token_proof(Proof("secret", req.job_id(), req.node_name()));
+    return stub_->Join(&ctx, proved, &resp).error_code();
   };
   microd::v1::JoinRequest req;
   req.set_job_id("job");
-  req.set_token("secret");
   req.set_local_size(1);
   req.set_requested_rank(-1);
   EXPECT_EQ(call_join(req), grpc::StatusCode::INVALID_ARGUMENT);  // empty name

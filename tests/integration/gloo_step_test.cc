@@ -34,7 +34,7 @@ struct Cluster {
   explicit Cluster(int nodes, absl::Duration peer_timeout = absl::Seconds(10)) {
     control::CoordinatorOptions o;
     o.job_id = "job";
-    o.token = "secret";
+    o.token = *control::JobToken::FromToken("secret");
     o.expected_nodes = nodes;
     o.peer_timeout = peer_timeout;
     coordinator = *control::Coordinator::Create(o);

@@ -39,7 +39,9 @@ int main(int argc, char** argv) {
   co.address = absl::GetFlag(FLAGS_coordinator);
   co.job_id = "job";
   co.node_name = "node" + std::to_string(rank);
-  co.token = absl::GetFlag(FLAGS_token);
+  auto token = microd::control::JobToken::FromToken(absl::GetFlag(FLAGS_token));
+  if (!token.ok()) return fail(2, token.status());
+  co.token_proof = (*token)->JoinProof(co.job_id, co.node_name);
   co.requested_rank = rank;
   co.peer_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_peer_timeout_ms));
   auto client = microd::control::CoordinatorClient::Create(co);

@@ -25,7 +25,8 @@ namespace {
 // Keys of a sealed data plane, from a test secret (`secret_of` by rank:
 // a rank with another secret cannot open what the others seal).
 std::shared_ptr<const SealKeys> TestKeys(int size, char secret_byte = 's') {
-  auto keys = SealKeys::Derive(std::string(32, secret_byte), "test-job", 0, size);
+  auto keys = SealKeys::Derive(std::string(SealKeys::kSaltBytes, 'e'), std::string(32, secret_byte),
+                               "test-job", 0, size);
   EXPECT_TRUE(keys.ok()) << keys.status();
   return keys.ok() ? std::shared_ptr<const SealKeys>(std::move(keys).value()) : nullptr;
 }

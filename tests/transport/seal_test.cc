@@ -11,11 +11,12 @@
 namespace microd::transport {
 namespace {
 
+const std::string kSalt(SealKeys::kSaltBytes, 'e');
 const std::string kSecret(32, 's');
 
 std::unique_ptr<SealKeys> Keys(uint64_t epoch = 1, const std::string& secret = kSecret,
-                               const std::string& job = "job") {
-  auto k = SealKeys::Derive(secret, job, epoch, 4);
+                               const std::string& job = "job", const std::string& salt = kSalt) {
+  auto k = SealKeys::Derive(salt, secret, job, epoch, 4);
   EXPECT_TRUE(k.ok()) << k.status();
   return std::move(k).value();
 }
@@ -95,16 +96,31 @@ TEST(SealTest, AReplayedReorderedOrRedirectedTransferDoesNotOpen) {
   EXPECT_FALSE(opens(3, 2, 77, 5)) << "claimed by another sender";
   EXPECT_FALSE(opens(2, 1, 77, 5)) << "the other direction";
   // Another epoch, job or secret: other keys.
-  for (const auto& other :
-       {Keys(2), Keys(1, kSecret, "other job"), Keys(1, std::string(32, 't'))}) {
+  for (const auto& other : {Keys(2), Keys(1, kSecret, "other job"), Keys(1, std::string(32, 't')),
+                            Keys(1, kSecret, "job", std::string(SealKeys::kSaltBytes, 'f'))}) {
     EXPECT_FALSE(other->Open(1, 2, 77, 5, sealed.data(), sealed.size(), got.data()).ok());
   }
 }
 
+// An epoch's keys need its salt, however long the job's secret: keys of
+// the secret alone would be the same in every run of the job (epochs and
+// transfer numbers start again at 0 and 1), so a second run would seal other
+// gradients under the first run's keys and nonces (issue X, finding 2: a
+// coordinator that sent no salt).
+TEST(SealTest, AnEpochWithoutItsSaltIsRefused) {
+  const std::string long_token(64, 't');
+  for (const std::string& salt : {std::string(), std::string(31, 'e'), std::string(33, 'e')}) {
+    auto k = SealKeys::Derive(salt, long_token, "job", 0, 4);
+    ASSERT_FALSE(k.ok()) << salt.size();
+    EXPECT_EQ(k.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StrContains(k.status().message(), "salt")) << k.status();
+  }
+  // A job with certificates and no token keys from the salt alone.
+  EXPECT_TRUE(SealKeys::Derive(kSalt, "", "job", 0, 4).ok());
+}
+
 TEST(SealTest, BadArgumentsAreRefused) {
-  EXPECT_EQ(SealKeys::Derive("short", "job", 1, 4).status().code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(SealKeys::Derive(kSecret, "job", 1, 0).status().code(),
+  EXPECT_EQ(SealKeys::Derive(kSalt, kSecret, "job", 1, 0).status().code(),
             absl::StatusCode::kInvalidArgument);
   auto k = Keys();
   unsigned char buf[64] = {};
