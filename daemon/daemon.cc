@@ -8,6 +8,7 @@
 #include <atomic>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -198,7 +199,8 @@ class DaemonImpl {
   // declared after them, stops first.
   control::Membership membership_;
   std::unique_ptr<control::CoordinatorClient> client_;
-  std::unique_ptr<transport::Transport> transport_;
+  std::unique_ptr<transport::Transport> transport_;  // until the engine adopts it
+  std::optional<transport::LinkModel> first_link_model_;
   transport::GlooOptions gloo_options_;  // the first data plane's (NextDataPlane)
   std::unique_ptr<kernels::SparseOps> ops_;
   std::unique_ptr<engine::Engine> engine_;
@@ -508,10 +510,12 @@ absl::Status DaemonImpl::StartDataPlane(const engine::EngineOptions& eo) {
       ASSIGN_OR_RETURN(go.link_model, transport::ParseLinkModel(config_.link_model));
     }
     transport::GlooOptions first = go;
+    // Every epoch's rendezvous under a prefix of its own (the coordinator
+    // takes no other data-plane keys).
+    first.prefix = absl::StrCat(control::kRendezvousPrefix, membership_.epoch);
     if (membership_.epoch > 0) {
       // Joined a running job: its epoch's data plane, whose other nodes
       // bring the links' model they measured (the slowest of each wins).
-      first.prefix = absl::StrCat("gloo/e", membership_.epoch);
       first.connect_timeout = config_.peer_timeout + control::Coordinator::kDataPlaneGrace;
       if (!first.link_model.has_value()) {
         first.link_model = transport::LinkModel{};
@@ -523,8 +527,8 @@ absl::Status DaemonImpl::StartDataPlane(const engine::EngineOptions& eo) {
     ASSIGN_OR_RETURN(first.seal, SealKeysOf(membership_));
     if (first.seal != nullptr) {
       MICROD_LOG(Info,
-                 "data plane sealed: every transfer authenticated and encrypted (AES-256-GCM, "
-                 "keys fresh per epoch and direction)");
+                 "data plane sealed: every connection authenticated by its link's key and every "
+                 "record encrypted (AES-256-GCM, keys fresh per epoch, link and connection)");
     } else {
       const char* why =
           config_.seal == "off" ? "--seal=off" : "no TLS and no --token_file to key it from";
@@ -575,11 +579,11 @@ absl::StatusOr<std::unique_ptr<transport::Transport>> DaemonImpl::NextDataPlane(
   transport::GlooOptions go = gloo_options_;
   go.rank = m.node_rank;
   go.size = m.node_count;
-  go.prefix = absl::StrCat("gloo/e", m.epoch);
+  go.prefix = absl::StrCat(control::kRendezvousPrefix, m.epoch);
   // A member lost meanwhile is found within this: the next epoch's then.
   go.connect_timeout = config_.peer_timeout + control::Coordinator::kDataPlaneGrace;
-  if (const transport::LinkModel* model = transport_->link_model(); model != nullptr) {
-    go.link_model = *model;  // no need to measure the same links again
+  if (first_link_model_.has_value()) {
+    go.link_model = *first_link_model_;  // no need to measure the same links again
     go.link_model->ranks = m.node_count;
   }
   ASSIGN_OR_RETURN(go.seal, SealKeysOf(m));
@@ -592,8 +596,8 @@ absl::StatusOr<std::shared_ptr<const transport::SealKeys>> DaemonImpl::SealKeysO
   // The epoch's salt (a secret: the control plane has TLS) and what the
   // job token derives for the data plane.
   auto keys = transport::SealKeys::Derive(
-      m.seal_salt, job_token_ != nullptr ? job_token_->data_plane_secret() : "", config_.job_id,
-      m.epoch, m.node_count);
+      m.node_rank, m.link_salts, job_token_ != nullptr ? job_token_->data_plane_secret() : "",
+      config_.job_id, m.epoch);
   if (!keys.ok()) {
     return Bad("--seal",
                absl::FailedPreconditionError(absl::StrCat(
@@ -699,6 +703,13 @@ absl::Status DaemonImpl::Start(const std::function<void()>& serving) {
     absl::MutexLock lock(&mu_);
     engine_ = std::make_unique<engine::Engine>(eo, membership_, client_.get(), transport_.get(),
                                                ops_.get());
+    // The next epochs' data planes measure no links again: the first's model.
+    if (const transport::LinkModel* m = transport_->link_model(); m != nullptr) {
+      first_link_model_ = *m;
+    }
+    // An elastic job's engine releases data planes as epochs pass: the first
+    // one too.
+    if (eo.elastic) engine_->AdoptTransport(std::move(transport_));
   }
   // From here on a stop is the orderly shutdown (Stop).
   if (serving) serving();

@@ -71,6 +71,19 @@ std::string FreshSealSalt() {
   return *std::move(salt);
 }
 
+// The salt of the link between nodes `a` and `b` in `epoch`, from the
+// epoch's secret (which no node gets: each its own links' salts only).
+std::string LinkSaltOf(const std::string& epoch_secret, uint64_t epoch, int a, int b) {
+  auto salt = crypto::Hkdf(
+      epoch_secret, "",
+      absl::StrCat("microd link salt\n", epoch, "\n", std::min(a, b), "\n", std::max(a, b)));
+  if (!salt.ok()) {
+    MICROD_LOG(Error, "coordinator: %s", std::string(salt.status().message()).c_str());
+    std::abort();  // no key may come from a salt that is not the epoch's
+  }
+  return *std::move(salt);
+}
+
 // Whether a node seals its data plane, from its options ("--seal=on").
 bool SealsDataPlane(const std::map<std::string, std::string>& options) {
   auto it = options.find("--seal");
@@ -225,26 +238,58 @@ absl::Status Coordinator::CheckMember(uint64_t session, int rank, int* caller, b
   return absl::OkStatus();
 }
 
-absl::Status Coordinator::CheckKeyWrite(int caller, const std::string& key) {
-  // Gloo's rendezvous: each rank writes its addresses under "<prefix>/<rank>"
-  // (or "<prefix>/rank_<rank>").
-  // Every other key is job-wide (NCCL's bootstrap id): node 0's alone, so
-  // that no member can plant one before node 0 writes it.
+absl::Status Coordinator::CheckOptionsSent(const std::string& node_name,
+                                           const std::string& options) const {
+  // A node that sends no options would skip their check.
+  if (nodes_.empty() || !options.empty() || nodes_[0].options.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "node '", node_name, "' may not join: it sent no options, which the job's first node '",
+      nodes_[0].name, "' did (a node's are checked against the job's at its join)"));
+}
+
+absl::Status Coordinator::CheckKeyWrite(int caller, const std::string& key, size_t bytes) {
+  // The data plane's rendezvous is the current epoch's alone: a key of
+  // another epoch's (a later one, where ranks are numbered anew) could put
+  // a member between two others once that epoch connects.
+  if (absl::StartsWith(key, "gloo/")) {
+    const std::string current = absl::StrCat(kRendezvousPrefix, epoch_, "/");
+    if (!absl::StartsWith(key, current)) {
+      return absl::PermissionDeniedError(absl::StrCat("key '", key,
+                                                      "' is not in the rendezvous of the job's "
+                                                      "epoch ",
+                                                      epoch_, " ('", current, "'): node ", caller,
+                                                      " may not write it"));
+    }
+  }
+  // Each rank writes its own entries only ("<prefix>/<rank>", or Gloo's
+  // "<prefix>/rank_<rank>"). Every other key is job-wide (NCCL's bootstrap
+  // id): node 0's alone, so that no member can plant one before node 0
+  // writes it.
   const size_t slash = key.rfind('/');
   int entry_rank = -1;
   std::string last = slash == std::string::npos ? "" : key.substr(slash + 1);
   if (absl::StartsWith(last, "rank_")) last = last.substr(5);  // Gloo's full-mesh entries
   if (!last.empty() && absl::SimpleAtoi(last, &entry_rank) && entry_rank >= 0 &&
       entry_rank < static_cast<int>(nodes_.size())) {
-    if (entry_rank == caller) return absl::OkStatus();
-    return absl::PermissionDeniedError(absl::StrCat("key '", key, "' is node ", entry_rank,
-                                                    "'s rendezvous entry: node ", caller,
-                                                    " may not write it"));
-  }
-  if (caller != 0) {
+    if (entry_rank != caller) {
+      return absl::PermissionDeniedError(absl::StrCat("key '", key, "' is node ", entry_rank,
+                                                      "'s rendezvous entry: node ", caller,
+                                                      " may not write it"));
+    }
+  } else if (caller != 0) {
     return absl::PermissionDeniedError(absl::StrCat(
         "key '", key, "' is job-wide and only node 0 writes those: node ", caller, " may not"));
   }
+  // A node's writes in an epoch are bounded (node 0 holds them all).
+  Written& w = written_[caller];
+  if (w.keys + 1 > kMaxKeysPerNode || w.bytes + bytes > kMaxKeyBytesPerNode) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "node ", caller, " wrote ", w.keys, " keys (", w.bytes,
+        " bytes) to the rendezvous in epoch ", epoch_, ": at most ", kMaxKeysPerNode, " keys and ",
+        kMaxKeyBytesPerNode, " bytes a node; key '", key, "' is refused"));
+  }
+  ++w.keys;
+  w.bytes += bytes;
   return absl::OkStatus();
 }
 
@@ -358,6 +403,7 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
             "found lost, after the peer timeout)"));
       }
     }
+    if (absl::Status s = CheckOptionsSent(node_name, options); !s.ok()) return s;
     if (const std::vector<std::string> differ = OptionsThatDiffer(options, nodes_[0].options);
         !options.empty() && !nodes_[0].options.empty() && !differ.empty()) {
       MICROD_LOG(Warning, "coordinator: refused node '%s' joining the running job: %s",
@@ -373,6 +419,7 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
     self.options = options;
     return AdmitLocked(std::move(self));
   }
+  if (absl::Status s = CheckOptionsSent(node_name, options); !s.ok()) return s;
   // Every node seals its data plane or none does (else nothing of it
   // would connect): said here, naming both.
   if (!nodes_.empty() && !options.empty() && !nodes_[0].options.empty()) {
@@ -432,7 +479,10 @@ Membership Coordinator::MembershipOf(int rank) const {
   m.epoch = epoch_;
   m.first_batch = epoch_first_batch_;
   m.graceful = marker_batch_ != UINT64_MAX;
-  m.seal_salt = seal_salt_;
+  m.link_salts.resize(nodes_.size());
+  for (int p = 0; p < m.node_count; ++p) {
+    if (p != rank) m.link_salts[p] = LinkSaltOf(seal_salt_, epoch_, rank, p);
+  }
   for (const Node& n : nodes_) {
     m.local_sizes.push_back(n.local_size);
     m.node_names.push_back(n.name);
@@ -488,12 +538,32 @@ void Coordinator::FormEpochLocked(const std::vector<int>& lost, const std::strin
   stall_logged_.clear();
   epoch_first_batch_ = schedule_base_;
   marker_batch_ = UINT64_MAX;
-  ++epoch_;
-  seal_salt_ = FreshSealSalt();
-  changes_.push_back({epoch_, absl::Now(), cause, static_cast<int>(nodes_.size())});
+  BeginEpochLocked(cause);
   MICROD_LOG(Warning, "coordinator: membership epoch %llu: %s; %zu nodes go on: %s",
              static_cast<unsigned long long>(epoch_), cause.c_str(), nodes_.size(),
              absl::StrJoin(kept, ", ").c_str());
+}
+
+void Coordinator::BeginEpochLocked(const std::string& cause) {
+  ++epoch_;
+  seal_salt_ = FreshSealSalt();
+  changes_.push_back({epoch_, absl::Now(), cause, static_cast<int>(nodes_.size())});
+  // What an epoch leaves behind goes with it: however many epochs a job
+  // goes through, the coordinator holds a bounded few.
+  if (changes_.size() > kKeptChanges) changes_.erase(changes_.begin());
+  for (Node& n : nodes_) {
+    if (n.old_credentials.size() > kKeptCredentials) {
+      n.old_credentials.erase(n.old_credentials.begin(),
+                              n.old_credentials.end() - kKeptCredentials);
+    }
+  }
+  // The rendezvous of earlier epochs' data planes (the nodes connect this
+  // epoch's now), and what each node wrote there.
+  const std::string current = absl::StrCat(kRendezvousPrefix, epoch_, "/");
+  store_.EraseIf([&](const std::string& key) {
+    return absl::StartsWith(key, kRendezvousPrefix) && !absl::StartsWith(key, current);
+  });
+  written_.clear();
 }
 
 void Coordinator::NoteShortLocked(const std::string& cause) {
@@ -531,15 +601,14 @@ Membership Coordinator::AdmitLocked(Node joiner) {
   pending_.clear();
   stalls_.clear();
   stall_logged_.clear();
-  ++epoch_;
-  seal_salt_ = FreshSealSalt();
   joiner.rank = static_cast<int>(nodes_.size());
   joiner.credential = FreshCredential(&given);
   joiner.last_seen = absl::Now();
   joiner.polled = epoch_first_batch_;
-  joiner.joined_epoch = epoch_;
   const std::string cause = absl::StrCat("node '", joiner.name, "' joined as node ", joiner.rank);
   nodes_.push_back(std::move(joiner));
+  BeginEpochLocked(cause);
+  nodes_.back().joined_epoch = epoch_;
   if (ShortLocked() && static_cast<int>(nodes_.size()) >= min_nodes()) {
     MICROD_LOG(Warning, "coordinator: the job has its minimum of %d nodes again, after %s",
                min_nodes(),
@@ -547,7 +616,6 @@ Membership Coordinator::AdmitLocked(Node joiner) {
                    .c_str());
     short_since_ = absl::InfiniteFuture();
   }
-  changes_.push_back({epoch_, absl::Now(), cause, static_cast<int>(nodes_.size())});
   MICROD_LOG(Warning,
              "coordinator: membership epoch %llu: %s; %zu nodes from schedule batch %llu on",
              static_cast<unsigned long long>(epoch_), cause.c_str(), nodes_.size(),
@@ -588,7 +656,8 @@ absl::Status Coordinator::KeySet(uint64_t session, const std::string& key,
     if (absl::Status s = CheckMember(session, -1, &caller); !s.ok()) return s;
     if (absl::Status s = JobError(); !s.ok()) return s;
     if (absl::Status s = ValidateKey(key); !s.ok()) return s;
-    if (absl::Status s = CheckKeyWrite(caller, key); !s.ok()) return s;
+    if (absl::Status s = ValidateValue(value); !s.ok()) return s;
+    if (absl::Status s = CheckKeyWrite(caller, key, value.size()); !s.ok()) return s;
   }
   return store_.Set(key, value);
 }
@@ -746,12 +815,15 @@ absl::StatusOr<std::vector<ScheduleBatch>> Coordinator::Poll(uint64_t session, i
            state_ == JobState::kFinished || epoch_ != epoch;
   };
   mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
-  if (epoch_ != epoch && state_ == JobState::kRunning && !stale) {
-    // A node joined meanwhile: this session holds until the node polls the
-    // marker. A node lost: the session is of the old epoch now.
+  if (epoch_ != epoch) {
+    // The membership changed during the wait, and with it the ranks (nodes
+    // lost: fewer of them). A node joined: this session holds until the
+    // node polls the marker; a node lost: the session is of the old epoch
+    // now, and so is a stale one.
+    if (absl::Status s = JobError(); !s.ok()) return s;
     caller = -1;
     for (const Node& n : nodes_) {
-      if (n.credential == session) caller = n.rank;
+      if (n.credential == session && !stale) caller = n.rank;
     }
     if (caller < 0) {
       return absl::FailedPreconditionError(
@@ -936,6 +1008,21 @@ absl::Status Coordinator::ReportFailure(uint64_t session, int rank, const std::s
   if (refused_transfer && elastic() && state_ == JobState::kRunning) {
     // Every node's step fails with the data plane; none was lost. The
     // caller's session is this epoch's (CheckMember): once per refusal.
+    // Refusals that keep coming (someone on a link alters every step) fail
+    // the job instead of forming epoch after epoch.
+    const absl::Time now = absl::Now();
+    refusals_.push_back(now);
+    while (!refusals_.empty() && refusals_.front() < now - options_.refusal_window) {
+      refusals_.pop_front();
+    }
+    if (static_cast<int>(refusals_.size()) > options_.max_refusal_epochs) {
+      FailLocked(absl::StrCat(text, "; sealed transfers were refused ", refusals_.size(),
+                              " times within ", absl::FormatDuration(options_.refusal_window),
+                              " (each failed a step and formed a new epoch): more than ",
+                              options_.max_refusal_epochs,
+                              ", so the job fails instead (--seal_failure=step)"));
+      return absl::OkStatus();
+    }
     FormEpochLocked({}, absl::StrCat(text,
                                      "; the step failed on every node, the data plane is "
                                      "connected and keyed afresh"));
@@ -969,6 +1056,8 @@ JobSnapshot Coordinator::Snapshot() const {
   s.min_nodes = elastic() ? min_nodes() : options_.expected_nodes;
   s.max_nodes = max_nodes();
   s.changes = changes_;
+  s.rendezvous_keys = store_.size();
+  for (const Node& n : nodes_) s.old_credentials += n.old_credentials.size();
   const absl::Time now = absl::Now();
   for (const Node& n : nodes_) {
     NodeSnapshot ns;

@@ -55,6 +55,10 @@ struct CoordinatorOptions {
   // and it is never dropped). False: a coordinator of its own
   // (--coordinator_only), and an elastic job may lose any node.
   bool served_by_node0 = true;
+  // --seal_failure=step: more than this many refused transfers (each a new
+  // epoch) within the window fail the job, naming the last and the count.
+  int max_refusal_epochs = 3;
+  absl::Duration refusal_window = absl::Minutes(10);
 };
 
 // One change of an elastic job's membership.
@@ -92,8 +96,20 @@ struct JobSnapshot {
   uint64_t epoch = 0;
   int min_nodes = 0;                      // elastic when below expected_nodes
   int max_nodes = 0;                      // ... or this above them (nodes may join)
-  std::vector<MembershipChange> changes;  // oldest first
+  std::vector<MembershipChange> changes;  // oldest first (the last kKeptChanges)
+  size_t rendezvous_keys = 0;             // in the key-value store
+  size_t old_credentials = 0;             // earlier epochs' credentials still known
 };
+
+// The data plane's rendezvous keys of epoch E begin with kRendezvousPrefix E "/".
+inline constexpr char kRendezvousPrefix[] = "gloo/e";
+// What a node may write to the rendezvous in one epoch.
+constexpr size_t kMaxKeysPerNode = 256;
+constexpr size_t kMaxKeyBytesPerNode = size_t{16} << 20;
+// The change records and the credentials of earlier epochs kept (a node
+// that missed more changes than that is no member any more).
+constexpr size_t kKeptChanges = 256;
+constexpr size_t kKeptCredentials = 8;
 
 // Limits on what a request may carry.
 constexpr size_t kMaxNameBytes = 256;
@@ -236,8 +252,20 @@ class Coordinator {
   void FormEpochLocked(const std::vector<int>& lost, const std::string& cause)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank may write its own rendezvous entries only ("<prefix>/<rank>",
-  // "<prefix>/rank_<rank>"); every other key is job-wide and node 0's alone.
-  absl::Status CheckKeyWrite(int caller, const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // "<prefix>/rank_<rank>"), the data plane's in the current epoch's
+  // namespace only (kRendezvousPrefix<epoch>/), and at most kMaxKeysPerNode
+  // keys and kMaxKeyBytesPerNode bytes an epoch; every other key is
+  // job-wide and node 0's alone.
+  absl::Status CheckKeyWrite(int caller, const std::string& key, size_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A joining node sent its options ("--flag=value" lines) if the job's
+  // first node did (the in-process control plane's nodes send none).
+  absl::Status CheckOptionsSent(const std::string& node_name, const std::string& options) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // The next epoch's bookkeeping: its secret, its change record; earlier
+  // epochs' rendezvous keys, old credentials and change records past the
+  // few kept are dropped.
+  void BeginEpochLocked(const std::string& cause) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // "wrong job token" lines, at most one a second (with how many were not shown).
   void LogWrongToken(const std::string& node_name, const std::string& peer_host);
   absl::Status JobError() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -289,8 +317,17 @@ class Coordinator {
   // After a loss (`cause`): below min_nodes, the job waits for nodes from now.
   void NoteShortLocked(const std::string& cause) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
-  std::string seal_salt_ ABSL_GUARDED_BY(mu_);  // this epoch's (Membership::seal_salt)
-  std::vector<MembershipChange> changes_ ABSL_GUARDED_BY(mu_);
+  // This epoch's secret (random, fresh per epoch), which each node's link
+  // salts come from (Membership::link_salts); no node gets it.
+  std::string seal_salt_ ABSL_GUARDED_BY(mu_);
+  std::vector<MembershipChange> changes_ ABSL_GUARDED_BY(mu_);  // the last kKeptChanges
+  // What each node wrote to the rendezvous in this epoch, by rank.
+  struct Written {
+    size_t keys = 0;
+    size_t bytes = 0;
+  };
+  std::map<int, Written> written_ ABSL_GUARDED_BY(mu_);
+  std::deque<absl::Time> refusals_ ABSL_GUARDED_BY(mu_);  // within the refusal window
   // A data-plane failure held for the watchdog (elastic jobs): its reason,
   // its epoch, and when it becomes the job's failure.
   std::string held_failure_ ABSL_GUARDED_BY(mu_);

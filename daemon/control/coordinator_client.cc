@@ -69,12 +69,14 @@ absl::StatusOr<Membership> FromProto(const microd::v1::JoinResponse& resp) {
   m.epoch = resp.epoch();
   m.first_batch = resp.first_batch();
   m.graceful = resp.graceful();
-  m.seal_salt = resp.seal_salt();
+  m.link_salts.assign(resp.link_salts().begin(), resp.link_salts().end());
   if (m.node_rank < 0 || m.node_rank >= m.node_count ||
       static_cast<int>(m.local_sizes.size()) != m.node_count ||
       static_cast<int>(m.node_names.size()) != m.node_count) {
     return absl::InternalError("inconsistent membership from the coordinator");
   }
+  // Checked where they key the data plane (SealKeys): an older
+  // coordinator's membership has none, which a node that seals refuses.
   return m;
 }
 
@@ -265,6 +267,10 @@ void CoordinatorClient::TakeMembership(const microd::v1::JoinResponse& resp,
   MembershipCallback callback;
   {
     absl::MutexLock lock(&mu_);
+    // Each epoch's membership is taken once: the same one again (a stale
+    // heartbeat's answer after the poll's marker brought it) or an older one
+    // changes nothing.
+    if (m->epoch <= membership_.epoch) return;
     m->observed_host = membership_.observed_host;
     membership_ = *m;
     callback = on_membership_;

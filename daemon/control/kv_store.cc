@@ -71,4 +71,16 @@ void InMemoryKeyValueStore::Fail(const absl::Status& status) {
   if (failed_.ok()) failed_ = status;
 }
 
+void InMemoryKeyValueStore::EraseIf(const std::function<bool(const std::string&)>& drop) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = values_.begin(); it != values_.end();) {
+    it = drop(it->first) ? values_.erase(it) : std::next(it);
+  }
+}
+
+size_t InMemoryKeyValueStore::size() const {
+  absl::MutexLock lock(&mu_);
+  return values_.size();
+}
+
 }  // namespace microd::control

@@ -3,6 +3,7 @@
 // client implements it over gRPC; InMemoryKeyValueStore serves one process.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -41,9 +42,12 @@ class InMemoryKeyValueStore final : public KeyValueStore {
                                                absl::Time deadline) override;
   // Makes every pending and later Get fail with `status` (job failure).
   void Fail(const absl::Status& status);
+  // Drops every key for which `drop` says so.
+  void EraseIf(const std::function<bool(const std::string&)>& drop);
+  size_t size() const;
 
  private:
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::map<std::string, std::string> values_ ABSL_GUARDED_BY(mu_);
   absl::Status failed_ ABSL_GUARDED_BY(mu_);
 };

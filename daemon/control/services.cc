@@ -55,7 +55,7 @@ static void ToProto(const Membership& m, microd::v1::JoinResponse* resp) {
   resp->set_epoch(m.epoch);
   resp->set_first_batch(m.first_batch);
   resp->set_graceful(m.graceful);
-  resp->set_seal_salt(m.seal_salt);
+  for (const std::string& s : m.link_salts) resp->add_link_salts(s);
 }
 
 grpc::Status CoordinatorService::Join(grpc::ServerContext* ctx, const microd::v1::JoinRequest* req,

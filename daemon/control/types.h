@@ -45,10 +45,12 @@ struct Membership {
   // plane (the last one marks the change), then changes. Else (a node
   // lost) the old epoch's steps end where they are.
   bool graceful = false;
-  // Fresh per epoch (32 random bytes): with the job token, what the epoch's
-  // data-plane keys come from (transport::SealKeys). Over TLS a secret of
-  // its own; never logged or written.
-  std::string seal_salt;
+  // By peer rank: the salt of each link of this node in this epoch (32
+  // bytes, fresh per epoch; empty at its own rank). With the job token's
+  // secret, what the link's data-plane keys come from (transport::SealKeys).
+  // Each node gets its own links' only, so that no member can pose as
+  // another; they travel only over TLS, and are never logged or written.
+  std::vector<std::string> link_salts;
 };
 
 struct BucketInfo {

@@ -32,6 +32,7 @@ Engine::Engine(EngineOptions options, control::Membership membership, control::C
       membership_(std::move(membership)),
       client_(client),
       transport_(transport),
+      current_(transport, [](transport::Transport*) {}),
       ops_(ops),
       joining_(membership_.epoch > 0 && membership_.graceful),
       state_(options_.local_size, options_.dense_floor),
@@ -97,7 +98,7 @@ void Engine::Fail(const absl::Status& reason, bool report) {
   // node aborts its transport find the root cause there.
   if (report && client_ != nullptr) (void)client_->ReportFailure(std::string(reason.message()));
   // Unblock a step in flight, here and (by closed connections) on the peers.
-  CurrentTransport()->Abort(reason);
+  CurrentOwner()->Abort(reason);
   const absl::Status status = JobFailed(reason);
   for (const Work& w : pending) Complete(w, status);
   for (const EngineState::Fenced& f : fenced) {
@@ -279,6 +280,22 @@ transport::Transport* Engine::CurrentTransport() const {
   return transport_;
 }
 
+std::shared_ptr<transport::Transport> Engine::CurrentOwner() const {
+  absl::MutexLock lock(&state_.mu);
+  return current_;
+}
+
+void Engine::AdoptTransport(std::unique_ptr<transport::Transport> t) {
+  absl::MutexLock lock(&state_.mu);
+  if (t.get() != current_.get()) return;  // not the data plane it runs on
+  current_ = std::shared_ptr<transport::Transport>(std::move(t));
+}
+
+int Engine::transports_held() const {
+  absl::MutexLock lock(&state_.mu);
+  return (current_ != nullptr ? 1 : 0) + (previous_ != nullptr ? 1 : 0);
+}
+
 bool Engine::Hold(const std::vector<Work>& works, const absl::Status& why) {
   // A refusal (this node's buckets or options are not the job's) is no lost
   // peer; nor is a sealed transfer that failed verification (an attacker on
@@ -290,7 +307,7 @@ bool Engine::Hold(const std::vector<Work>& works, const absl::Status& why) {
     return false;
   }
   bool first = false;
-  transport::Transport* t = nullptr;
+  std::shared_ptr<transport::Transport> t;
   {
     absl::MutexLock lock(&state_.mu);
     if (!state_.failed.ok() || state_.stop) return false;
@@ -302,7 +319,7 @@ bool Engine::Hold(const std::vector<Work>& works, const absl::Status& why) {
       state_.held.push_back(w);
     }
     first = StartRecovering(why);
-    t = transport_;
+    t = current_;
   }
   if (first) {
     MICROD_LOG(Warning,
@@ -340,20 +357,23 @@ void Engine::OnMembership(const control::Membership& membership, const std::stri
          /*report=*/true);
     return;
   }
-  transport::Transport* t = nullptr;
+  std::shared_ptr<transport::Transport> t;
   {
     absl::MutexLock lock(&state_.mu);
     if (!state_.failed.ok() || state_.stop) return;
+    // An epoch this node runs already (its membership delivered twice: a
+    // heartbeat's answer after the poll's marker) changes nothing.
+    if (membership.epoch <= membership_.epoch) return;
     if (state_.next_membership.has_value() &&
-        state_.next_membership->first.epoch > membership.epoch) {
-      return;  // a later one came first
+        state_.next_membership->first.epoch >= membership.epoch) {
+      return;  // a later one came first, or this one already
     }
     state_.next_membership = {membership, change};
     // A node joined: the change comes after the old epoch's last batch
     // (RunBatch); nothing in flight is cut.
     if (membership.graceful && !state_.recovering) return;
     StartRecovering(why);
-    t = transport_;
+    t = current_;
   }
   t->Abort(why);  // what runs on the old data plane ends now
 }
@@ -474,6 +494,9 @@ absl::Status Engine::Reconfigured(const control::Membership& next, const std::st
   ASSIGN_OR_RETURN(std::unique_ptr<transport::Transport> t, options_.new_transport(next));
   RETURN_IF_ERROR(AgreeOnState(*t, next, /*joining=*/joining_ && !adopted_));
   const sparsify::JobShape shape{next.node_count, next.node_rank, next.world_size};
+  // The data plane two epochs back, released once the lock is (its
+  // connections close and its threads end: not under the engine's lock).
+  std::shared_ptr<transport::Transport> retired;
   absl::MutexLock lock(&state_.mu);
   for (Bucket* b : state_.table.WithState()) {
     if (b->state != nullptr) RETURN_IF_ERROR(b->state->SetJob(shape));
@@ -493,8 +516,10 @@ absl::Status Engine::Reconfigured(const control::Membership& next, const std::st
   state_.changed = false;
   membership_ = next;
   state_.refused_before += transport_->refused_transfers();
-  transports_.push_back(std::move(t));
-  transport_ = transports_.back().get();
+  retired = std::move(previous_);
+  previous_ = std::move(current_);
+  current_ = std::shared_ptr<transport::Transport>(std::move(t));
+  transport_ = current_.get();
   state_.recovering = false;
   state_.recover_cause = absl::OkStatus();
   state_.last_recovery_seconds = absl::ToDoubleSeconds(absl::Now() - state_.recover_started);

@@ -113,6 +113,16 @@ class Engine final : public local::LocalHandler, private JobControl {
   std::unique_ptr<Negotiator> NewNegotiator();
   // The current epoch's data plane (kept alive until the engine goes).
   transport::Transport* CurrentTransport() const;
+
+ public:
+  // The engine owns the data plane it was given from now on (`t` is it):
+  // released once two later epochs run.
+  void AdoptTransport(std::unique_ptr<transport::Transport> t);
+  // Data planes this engine holds now (the current one, and the one before
+  // it after a change): at most 2.
+  int transports_held() const;
+
+ private:
   absl::Status Reconfigured(const control::Membership& next, const std::string& change,
                             std::vector<Work>* pending);
   // The first round on a new epoch's data plane `t`: every node that was in
@@ -149,10 +159,16 @@ class Engine final : public local::LocalHandler, private JobControl {
   control::Membership membership_;
   control::ControlPlane* const client_;
   transport::Transport* transport_;  // the current epoch's data plane
-  // The data planes of later epochs (the first one is the caller's); the
-  // old ones stay, aborted, until the engine goes (a thread may still
-  // hold one's pointer).
-  std::vector<std::unique_ptr<transport::Transport>> transports_;
+  // Owners of the current epoch's data plane and the one before (whose
+  // pointer a thread may still hold in its last Abort); an older one is
+  // released when an epoch begins: its connections, threads and memory go,
+  // however many epochs a job goes through. The first is the caller's
+  // unless it hands it over (AdoptTransport). Under state_.mu.
+  std::shared_ptr<transport::Transport> current_;
+  std::shared_ptr<transport::Transport> previous_;
+  // What the current data plane's owner is, for a thread that calls into it
+  // outside state_.mu (an abort).
+  std::shared_ptr<transport::Transport> CurrentOwner() const;
   kernels::SparseOps* const ops_;
   local::LocalServer* server_ = nullptr;
   // This node joined the running job: its first data plane is its epoch's,

@@ -15,9 +15,9 @@
  *                  bytes of an earlier transfer, captured on the wire, in
  *                  place of a later one's. Then everything passes.
  *
- * --whole-messages: only packets that hold exactly one whole message of the
- * data plane's framing (Gloo's: its first 8 bytes, little-endian, are its
- * length): a transfer replayed whole, header and all, rather than bytes
+ * --whole-messages: only packets that hold exactly one whole record of the
+ * data plane's framing (its first 4 bytes, little-endian, are the length of
+ * the rest): a record replayed whole, length and all, rather than bytes
  * spliced into the middle of one.
  *
  * The TCP checksum is computed again, as an attacker on the path would.
@@ -145,8 +145,8 @@ static int on_packet(struct nfq_q_handle* qh, struct nfgenmsg* msg, struct nfq_d
   }
   if (whole_messages) {
     uint64_t framed = 0;
-    for (int i = 7; i >= 0; --i) framed = framed << 8 | pkt[ihl + doff + (size_t)i];
-    if (len < 8 || framed != len) return nfq_set_verdict(qh, id, NF_ACCEPT, 0, NULL);
+    for (int i = 3; i >= 0; --i) framed = framed << 8 | pkt[ihl + doff + (size_t)i];
+    if (len < 4 || framed + 4 != len) return nfq_set_verdict(qh, id, NF_ACCEPT, 0, NULL);
   }
   uint32_t src, dst;
   memcpy(&src, pkt + 12, 4);

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <functional>
+#include <set>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -25,6 +26,32 @@ std::shared_ptr<const JobToken> Token(const std::string& token) {
   auto& t = (*cache)[token];
   if (t == nullptr) t = *JobToken::FromToken(token);
   return t;
+}
+
+// The members' link salts are the epoch's: one per link, the same at both
+// ends, 32 bytes, none at a node's own rank, every link's its own.
+void ExpectLinkSaltsAgree(const std::vector<const Membership*>& m) {
+  std::set<std::string> seen;
+  for (size_t i = 0; i < m.size(); ++i) {
+    ASSERT_EQ(m[i]->link_salts.size(), m.size()) << "node " << i;
+    EXPECT_TRUE(m[i]->link_salts[i].empty()) << "node " << i;
+    for (size_t j = i + 1; j < m.size(); ++j) {
+      EXPECT_EQ(m[i]->link_salts[j].size(), 32u);
+      EXPECT_EQ(m[i]->link_salts[j], m[j]->link_salts[i]) << "link " << i << "-" << j;
+      seen.insert(m[i]->link_salts[j]);
+    }
+  }
+  EXPECT_EQ(seen.size(), m.size() * (m.size() - 1) / 2) << "links share a salt";
+}
+
+// No salt of one membership is in the other (a new epoch's are fresh).
+bool NoSaltShared(const Membership& a, const Membership& b) {
+  for (const std::string& x : a.link_salts) {
+    for (const std::string& y : b.link_salts) {
+      if (!x.empty() && x == y) return false;
+    }
+  }
+  return true;
 }
 
 // What a node holding `token` sends as job `job`'s node `name`.
@@ -344,18 +371,18 @@ TEST_F(CoordinatorTest, ACredentialSpeaksOnlyForItsOwnRank) {
     req.set_value(value);
     return code(stub_->KeySet(&ctx, req, &resp));
   };
-  EXPECT_EQ(key_set(mallory, "gloo/job/0", "evil:1"), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(key_set(mallory, "gloo/e0/0", "evil:1"), grpc::StatusCode::PERMISSION_DENIED);
   // A job-wide key is node 0's even before node 0 writes it (before: the
   // first writer owned it, and node 0's own write was refused).
   EXPECT_EQ(key_set(mallory, "nccl/unique_id", "first"), grpc::StatusCode::PERMISSION_DENIED);
-  EXPECT_EQ(key_set(m[0]->session, "gloo/job/0", "node0:1"), grpc::StatusCode::OK);
-  EXPECT_EQ(key_set(m[0]->session, "gloo/job/0", "node0:2"), grpc::StatusCode::OK);  // its own
+  EXPECT_EQ(key_set(m[0]->session, "gloo/e0/0", "node0:1"), grpc::StatusCode::OK);
+  EXPECT_EQ(key_set(m[0]->session, "gloo/e0/0", "node0:2"), grpc::StatusCode::OK);  // its own
   EXPECT_EQ(key_set(m[0]->session, "nccl/unique_id", "id"), grpc::StatusCode::OK);
   EXPECT_EQ(key_set(mallory, "nccl/unique_id", "evil"), grpc::StatusCode::PERMISSION_DENIED);
-  EXPECT_EQ(key_set(mallory, "gloo/job/1", "node1:1"), grpc::StatusCode::OK);
-  EXPECT_EQ(key_set(mallory, "gloo/job/rank_1", "node1:1"), grpc::StatusCode::OK);
-  EXPECT_EQ(key_set(mallory, "gloo/job/rank_0", "evil:1"), grpc::StatusCode::PERMISSION_DENIED);
-  const std::vector<std::string> keys = {"gloo/job/0", "nccl/unique_id"};
+  EXPECT_EQ(key_set(mallory, "gloo/e0/1", "node1:1"), grpc::StatusCode::OK);
+  EXPECT_EQ(key_set(mallory, "gloo/e0/rank_1", "node1:1"), grpc::StatusCode::OK);
+  EXPECT_EQ(key_set(mallory, "gloo/e0/rank_0", "evil:1"), grpc::StatusCode::PERMISSION_DENIED);
+  const std::vector<std::string> keys = {"gloo/e0/0", "nccl/unique_id"};
   auto v = c[1]->Get(keys, absl::Now());
   ASSERT_TRUE(v.ok()) << v.status();
   EXPECT_EQ((*v)[0], "node0:2");
@@ -577,14 +604,12 @@ TEST(CoordinatorSeal, ANodeThatDiffersOnSealingIsRefusedAtTheJoin) {
   t0.join();
   ASSERT_TRUE(m[0].ok()) << m[0].status();
   ASSERT_TRUE(m[1].ok()) << m[1].status();
-  EXPECT_EQ(m[0]->seal_salt.size(), 32u);
-  EXPECT_EQ(m[0]->seal_salt, m[1]->seal_salt);
+  ExpectLinkSaltsAgree({&*m[0], &*m[1]});
   o.expected_nodes = 1;
   auto other = *Coordinator::Create(o);
   auto lone = other->Join("job", "a", 1, "", 0, absl::Now() + absl::Seconds(5));
   ASSERT_TRUE(lone.ok()) << lone.status();
-  EXPECT_EQ(lone->seal_salt.size(), 32u);
-  EXPECT_NE(lone->seal_salt, m[0]->seal_salt);
+  EXPECT_EQ(lone->link_salts, std::vector<std::string>{""}) << "a node alone has no link";
 }
 
 TEST(CoordinatorReports, AResentReportIsTakenOnce) {
@@ -691,9 +716,9 @@ TEST(CoordinatorSeal, ARefusedTransferFormsTheNextEpochOfTheSameNodes) {
     EXPECT_EQ(m[i].node_rank, i);
     EXPECT_EQ(m[i].node_count, 3);
     EXPECT_NE(m[i].session, before[i].session);
-    EXPECT_NE(m[i].seal_salt, before[i].seal_salt);
-    EXPECT_EQ(m[i].seal_salt, m[0].seal_salt);
+    EXPECT_TRUE(NoSaltShared(m[i], before[i])) << i;
   }
+  ExpectLinkSaltsAgree({&m[0], &m[1], &m[2]});
   EXPECT_FALSE(
       c->ReportFailure(before[1].session, 1, "the same refusal seen late", true, true).ok());
   EXPECT_EQ(c->Snapshot().epoch, 1u);
@@ -725,12 +750,11 @@ TEST(CoordinatorElastic, ALostNodeFormsTheNextEpochOfTheSurvivors) {
     EXPECT_EQ(s.world_size, 3);
     EXPECT_EQ(s.node_names, (std::vector<std::string>{"a", "b", "d"}));
     EXPECT_NE(s.session, before[&s - &m[0]].session);
-    // The epoch's seal salt: fresh, the same for every member.
-    EXPECT_EQ(s.seal_salt.size(), 32u);
-    EXPECT_EQ(s.seal_salt, m[0].seal_salt);
-    EXPECT_NE(s.seal_salt, before[0].seal_salt);
+    // The epoch's link salts: fresh.
+    EXPECT_TRUE(NoSaltShared(s, before[&s - &m[0]]));
   }
-  for (const Membership& b : before) EXPECT_EQ(b.seal_salt, before[0].seal_salt);
+  ExpectLinkSaltsAgree({&m[0], &m[1], &m[3]});
+  ExpectLinkSaltsAgree({&before[0], &before[1], &before[2], &before[3]});
   const JobSnapshot snap = c->Snapshot();
   EXPECT_EQ(snap.state, JobState::kRunning);
   EXPECT_EQ(snap.epoch, 1u);
@@ -1061,6 +1085,158 @@ TEST(CoordinatorElastic, AMinimumAboveTheNodeCountIsRefused) {
   const auto c = Coordinator::Create(o);
   ASSERT_FALSE(c.ok());
   EXPECT_TRUE(absl::StrContains(c.status().message(), "minimum node count")) << c.status();
+}
+
+}  // namespace
+}  // namespace microd::control
+
+namespace microd::control {
+namespace {
+
+// Issue X, finding 6: rendezvous keys were checked by their last component
+// alone, so a member could write "gloo/e<later epoch>/<its rank>" for an
+// epoch where that rank is another node's (ranks are renumbered after a
+// loss) and sit between two others once it connects; and a node could
+// write without limit into node 0's memory. Now the current epoch's
+// namespace alone, and a bounded amount a node.
+TEST(CoordinatorRendezvous, OnlyTheCurrentEpochsKeysAndABoundedAmountANode) {
+  auto c = ElasticCoordinator(3, 2);
+  std::vector<Membership> m = JoinDirect(*c, {"a", "b", "c"});
+  auto set = [&](int node, const std::string& key, size_t bytes = 8) {
+    return c->KeySet(m[node].session, key, std::string(bytes, 'v'));
+  };
+  EXPECT_TRUE(set(2, "gloo/e0/2").ok());
+  EXPECT_TRUE(set(2, "gloo/e0/lane1/rank_2").ok());
+  for (const char* later : {"gloo/e1/2", "gloo/e1/lane1/rank_2", "gloo/2", "gloo/e01/2"}) {
+    const absl::Status s = set(2, later);
+    EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << later << ": " << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "epoch 0")) << s;
+  }
+  // 10,000 keys of 1 MiB each: refused once past the cap (16 MiB a node).
+  int taken = 0;
+  absl::Status refused;
+  for (int i = 0; i < 10000 && refused.ok(); ++i) {
+    refused = set(1, absl::StrCat("gloo/e0/big", i, "/1"), size_t{1} << 20);
+    if (refused.ok()) ++taken;
+  }
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "node 1 wrote")) << refused;
+  EXPECT_LE(taken, 16);
+  EXPECT_TRUE(set(0, "gloo/e0/0").ok()) << "another node's writes are its own";
+  // The next epoch: its namespace, a fresh allowance, the old keys gone.
+  ASSERT_TRUE(c->ReportFailure(m[0].session, 0, "the sealed transfer ... failed", true, true).ok());
+  BeatUntil(*c, {&m[0], &m[1], &m[2]}, absl::Now() + absl::Seconds(10),
+            [&] { return m[0].epoch == 1 && m[1].epoch == 1 && m[2].epoch == 1; });
+  EXPECT_EQ(set(2, "gloo/e0/2").code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(set(1, "gloo/e1/1", size_t{1} << 20).ok());
+  EXPECT_EQ(c->Snapshot().rendezvous_keys, 1u);
+}
+
+// Issue X, finding 4: every epoch left its credentials, change records and
+// rendezvous keys behind, and epochs can be driven without limit. 50
+// epochs later the coordinator holds a bounded few of each.
+TEST(CoordinatorEpochs, FiftyEpochsLeaveABoundedState) {
+  CoordinatorOptions o;
+  o.job_id = "job";
+  o.expected_nodes = 3;
+  o.min_nodes = 2;
+  o.peer_timeout = absl::Seconds(5);
+  o.max_refusal_epochs = 1000;
+  auto c = *Coordinator::Create(o);
+  std::vector<Membership> m = JoinDirect(*c, {"a", "b", "c"});
+  for (uint64_t e = 1; e <= 50; ++e) {
+    for (int r = 0; r < 3; ++r) {
+      ASSERT_TRUE(c->KeySet(m[r].session, absl::StrCat("gloo/e", e - 1, "/", r), "addr").ok());
+      ASSERT_TRUE(c->KeySet(m[r].session, absl::StrCat("gloo/e", e - 1, "/rank_", r), "h").ok());
+    }
+    ASSERT_TRUE(c->ReportFailure(m[1].session, 1, "refused", true, true).ok());
+    BeatUntil(*c, {&m[0], &m[1], &m[2]}, absl::Now() + absl::Seconds(10),
+              [&] { return m[0].epoch == e && m[1].epoch == e && m[2].epoch == e; });
+    ASSERT_EQ(m[0].epoch, e);
+  }
+  const JobSnapshot s = c->Snapshot();
+  EXPECT_EQ(s.state, JobState::kRunning) << s.failure;
+  EXPECT_EQ(s.epoch, 50u);
+  EXPECT_EQ(s.rendezvous_keys, 0u) << "the earlier epochs' keys";
+  EXPECT_LE(s.old_credentials, 3 * kKeptCredentials);
+  EXPECT_EQ(s.changes.size(), 50u);  // under kKeptChanges: all kept
+  EXPECT_EQ(s.changes.back().epoch, 50u);
+}
+
+// --seal_failure=step: refusals that keep coming (someone alters a byte
+// every step) formed epoch after epoch without end. Past the allowance the
+// job fails, naming the link and the count.
+TEST(CoordinatorEpochs, RefusalsPastTheAllowanceFailTheJob) {
+  CoordinatorOptions o;
+  o.job_id = "job";
+  o.expected_nodes = 3;
+  o.min_nodes = 2;
+  o.peer_timeout = absl::Seconds(5);
+  o.max_refusal_epochs = 3;
+  auto c = *Coordinator::Create(o);
+  std::vector<Membership> m = JoinDirect(*c, {"a", "b", "c"});
+  for (uint64_t e = 1; e <= 3; ++e) {
+    ASSERT_TRUE(c->ReportFailure(m[2].session, 2,
+                                 "the sealed transfer from node 0 to node 2 failed verification",
+                                 true, true)
+                    .ok());
+    BeatUntil(*c, {&m[0], &m[1], &m[2]}, absl::Now() + absl::Seconds(10),
+              [&] { return m[2].epoch == e; });
+    ASSERT_EQ(c->Snapshot().state, JobState::kRunning);
+  }
+  ASSERT_TRUE(c->ReportFailure(m[2].session, 2,
+                               "the sealed transfer from node 0 to node 2 failed verification",
+                               true, true)
+                  .ok());
+  const JobSnapshot s = c->Snapshot();
+  EXPECT_EQ(s.state, JobState::kFailed);
+  EXPECT_EQ(s.epoch, 3u);
+  EXPECT_TRUE(absl::StrContains(s.failure, "from node 0 to node 2")) << s.failure;
+  EXPECT_TRUE(absl::StrContains(s.failure, "refused 4 times within 10m")) << s.failure;
+}
+
+// Issue X, finding 8: a poll that waited across a change of membership
+// took the caller's rank of before the wait; after a shrink (fewer nodes)
+// that rank indexed past the nodes (ASan: heap-buffer-overflow). Now the
+// caller is found again, and a session of an older epoch is told so.
+TEST(CoordinatorEpochs, APollWaitingAcrossAShrinkIsToldTheMembershipChanged) {
+  auto c = ElasticCoordinator(4, 2, absl::Milliseconds(400));
+  std::vector<Membership> m = JoinDirect(*c, {"a", "b", "c", "d"});
+  absl::StatusOr<std::vector<ScheduleBatch>> polled;
+  std::thread poller(
+      [&] { polled = c->Poll(m[3].session, 3, 0, absl::Now() + absl::Seconds(20)); });
+  // Nodes 1 and 2 go silent: epoch 1 of nodes 0 and 3 (now 0 and 1).
+  BeatUntil(*c, {&m[0], &m[3]}, absl::Now() + absl::Seconds(10),
+            [&] { return m[0].epoch == 1 && m[3].epoch == 1; });
+  poller.join();
+  ASSERT_FALSE(polled.ok());
+  EXPECT_EQ(polled.status().code(), absl::StatusCode::kFailedPrecondition) << polled.status();
+  EXPECT_EQ(m[3].node_rank, 1);
+  EXPECT_EQ(m[3].node_count, 2);
+  EXPECT_TRUE(c->Poll(m[3].session, 1, m[3].first_batch, absl::Now()).ok());
+}
+
+// Issue X, finding 8: a node that joined a running job with no options
+// skipped their check.
+TEST(CoordinatorElastic, AJoinerWithoutOptionsIsRefused) {
+  CoordinatorOptions o;
+  o.job_id = "job";
+  o.expected_nodes = 2;
+  o.max_nodes = 3;
+  o.peer_timeout = absl::Seconds(5);
+  auto c = *Coordinator::Create(o);
+  const std::string kOptions = "--density=0.01\n--seal=on\n";
+  std::vector<absl::StatusOr<Membership>> m(2, absl::UnknownError(""));
+  std::thread a(
+      [&] { m[0] = c->Join("job", "a", 1, "", 0, absl::Now() + absl::Seconds(10), "", kOptions); });
+  m[1] = c->Join("job", "b", 1, "", 1, absl::Now() + absl::Seconds(10), "", kOptions);
+  a.join();
+  ASSERT_TRUE(m[0].ok() && m[1].ok());
+  auto bare = c->Join("job", "c", 1, "", -1, absl::Now() + absl::Seconds(2), "", "");
+  ASSERT_FALSE(bare.ok());
+  EXPECT_EQ(bare.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(bare.status().message(), "it sent no options")) << bare.status();
+  EXPECT_TRUE(c->Join("job", "c", 1, "", -1, absl::Now() + absl::Seconds(2), "", kOptions).ok());
 }
 
 }  // namespace

@@ -171,7 +171,7 @@ TEST_F(JobTlsTest, NodesWithTheTokenJoinAndNoMessageCarriesIt) {
   t.join();
   ASSERT_TRUE(ma.ok()) << ma.status();
   ASSERT_TRUE(mb.ok()) << mb.status();
-  EXPECT_EQ(ma->seal_salt.size(), 32u);
+  EXPECT_EQ(ma->link_salts.at(1 - ma->node_rank).size(), 32u);
   ASSERT_TRUE(a->Set(absl::StrCat("gloo/e0/", ma->node_rank), "address").ok());
   ASSERT_TRUE(
       b->Get({absl::StrCat("gloo/e0/", ma->node_rank)}, absl::Now() + absl::Seconds(5)).ok());

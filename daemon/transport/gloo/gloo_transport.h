@@ -1,4 +1,6 @@
-// Gloo backend of transport.h (CPU, TCP). Only the factory is public.
+// Gloo backend of transport.h (CPU, TCP): Gloo's API over microd's own
+// device (record/device.h), which authenticates every connection and, with
+// keys, seals every byte. Only the factory is public.
 #pragma once
 
 #include <memory>
@@ -21,18 +23,18 @@ struct GlooOptions {
   // transport's creation.
   control::KeyValueStore* store = nullptr;
   // Keys are prefixed with this, so several groups can rendezvous at once.
-  std::string prefix = "gloo";
+  // The coordinator takes the data plane's keys of its current epoch only
+  // ("gloo/e<epoch>"): epoch 0's by default.
+  std::string prefix = "gloo/e0";
   // Address to listen on for peers (this node's address as others reach it).
   std::string hostname = "127.0.0.1";
   // Bound for creating the full mesh, and for calls made without a deadline.
   absl::Duration timeout = absl::Seconds(60);
-  // Nice value added to Gloo's network thread (0 to 19; 0 leaves it). That
-  // thread busy-waits while a collective is being posted by another thread
-  // of the process; where processes outnumber cores (several daemons on one
-  // machine) it takes the core from the thread it waits for, and a small
-  // collective costs a scheduler time slice (ms). A positive value lets the
-  // waited-for thread run first. Leave it at 0 where training processes keep
-  // every core busy: the network thread would then get little CPU.
+  // Nice value added to the data plane's network threads (0 to 19; 0
+  // leaves them): where processes outnumber cores (several daemons on one
+  // machine) a positive value lets the thread a collective waits for run
+  // first. Leave it at 0 where training processes keep every core busy:
+  // the network threads would then get little CPU.
   int io_nice = 0;
   // Connections per pair of ranks, each a full mesh of its own: large
   // allreduces are cut into one part per connection, all at once (on long
@@ -46,10 +48,11 @@ struct GlooOptions {
   // zero: `timeout`. An elastic job's next data plane waits no longer than
   // a lost member takes to be found (then the next epoch's is connected).
   absl::Duration connect_timeout = absl::ZeroDuration();
-  // Keys of this epoch's data plane (every rank's from the same secret):
-  // every transfer, from the links' measure on, is sealed with them, and
-  // one that fails verification fails its call with DataLoss naming the
-  // link (and breaks the transport). Null: transfers go as they are.
+  // Keys of this epoch's data plane: every connection authenticated by its
+  // link's secret and every byte on it, from the links' measure on, sealed
+  // (record/codec.h); a record that fails verification fails the call with
+  // DataLoss naming the link (and breaks the transport). Null: connections
+  // are authenticated by the rendezvous alone and records go unsealed.
   std::shared_ptr<const SealKeys> seal;
   // Transport::Confirm takes a round (--seal_failure=step); else nothing.
   bool confirm = false;
