@@ -361,13 +361,10 @@ void Engine::OnMembership(const control::Membership& membership, const std::stri
   {
     absl::MutexLock lock(&state_.mu);
     if (!state_.failed.ok() || state_.stop) return;
-    // An epoch this node runs already (its membership delivered twice: a
-    // heartbeat's answer after the poll's marker) changes nothing.
-    if (membership.epoch <= membership_.epoch) return;
-    if (state_.next_membership.has_value() &&
-        state_.next_membership->first.epoch >= membership.epoch) {
-      return;  // a later one came first, or this one already
-    }
+    // An epoch this node took already (its membership delivered twice: a
+    // heartbeat's answer after the poll's marker), or an older one.
+    if (membership.epoch <= std::max(membership_.epoch, state_.latest_epoch)) return;
+    state_.latest_epoch = membership.epoch;
     state_.next_membership = {membership, change};
     // A node joined: the change comes after the old epoch's last batch
     // (RunBatch); nothing in flight is cut.

@@ -84,6 +84,11 @@ struct EngineState {
   absl::Status recover_cause ABSL_GUARDED_BY(mu);
   std::vector<Work> held ABSL_GUARDED_BY(mu);
   std::optional<std::pair<control::Membership, std::string>> next_membership ABSL_GUARDED_BY(mu);
+  // The latest epoch whose membership this node took (as next_membership,
+  // or running): one delivered again (a heartbeat's answer after the
+  // poll's marker) or an older one changes nothing, so that no epoch's data
+  // plane is ever made twice.
+  uint64_t latest_epoch ABSL_GUARDED_BY(mu) = 0;
   // A node joined: the batch that marks the change ran (the engine
   // reconfigures once the plan that held it ends).
   bool change_due ABSL_GUARDED_BY(mu) = false;
