@@ -41,6 +41,7 @@
 #include "daemon/sparsify/bucket.h"
 #include "daemon/transport/gloo/gloo_transport.h"
 #include "daemon/transport/gloo/store_adapter.h"
+#include "daemon/transport/seal.h"
 #include "microd/config.h"
 #if MICROD_HAVE_NCCL
 #include "daemon/transport/nccl/nccl_transport.h"
@@ -60,6 +61,9 @@ ABSL_FLAG(int, latency_iters, 0,
           "transport (what a small bucket's exchange costs without the daemons)");
 ABSL_FLAG(std::string, json, "", "write results as JSON to this file");
 ABSL_FLAG(int, gloo_io_nice, 0, "nice value for Gloo's network thread (as microd --gloo_io_nice)");
+ABSL_FLAG(bool, seal, false,
+          "seal microd's data plane (keys of a fixed test secret): what sealing costs beside "
+          "the same run's unsealed Gloo ring");
 ABSL_FLAG(std::string, device, "cpu",
           "cpu: the CPU kernels over Gloo; cuda: the CUDA kernels over NCCL, buffers on GPU 0");
 // Worker mode (set by the launcher).
@@ -130,6 +134,15 @@ bool MakeBackend(int rank, int n, microd::control::KeyValueStore* store, Backend
     go.store = store;
     go.timeout = absl::Seconds(300);
     go.io_nice = absl::GetFlag(FLAGS_gloo_io_nice);
+    if (absl::GetFlag(FLAGS_seal)) {
+      std::vector<std::string> salts(n);
+      for (int p = 0; p < n; ++p) {
+        if (p != rank) salts[p] = std::string(32, static_cast<char>('a' + std::min(p, rank)));
+      }
+      auto keys = microd::transport::SealKeys::Derive(rank, salts, "bench", "bench", 0);
+      if (!keys.ok()) return false;
+      go.seal = std::move(keys).value();
+    }
     auto transport = microd::transport::CreateGlooTransport(go);
     if (!transport.ok()) {
       std::fprintf(stderr, "worker %d: %s\n", rank, transport.status().ToString().c_str());
@@ -332,6 +345,27 @@ int Worker() {
       ring_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
     }
   }
+  // The same dense allreduce through microd's transport (its own device:
+  // records, sealed with --seal), beside Gloo's ring over Gloo's TCP device.
+  if (!cuda) {
+    std::vector<double> ours_ms;
+    for (int s = 0; s < absl::GetFlag(FLAGS_dense_reps) + 1; ++s) {
+      if (ops->CopyFloats(update, g0, d, nullptr) != microd::kernels::KernelStatus::kOk) return 3;
+      barrier.deadline = absl::Now() + absl::Seconds(300);
+      if (!t.Barrier(barrier).ok()) return 3;
+      const auto t0 = Clock::now();
+      microd::transport::CollectiveOptions o;
+      o.tag = 8;
+      o.deadline = absl::Now() + absl::Seconds(300);
+      if (!t.AllreduceSum(update, d, microd::transport::DataType::kFloat32, o).ok()) return 3;
+      if (s > 0) {
+        ours_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+      }
+    }
+    results.push_back({absl::GetFlag(FLAGS_seal) ? "dense allreduce (microd, sealed)"
+                                                 : "dense allreduce (microd)",
+                       1.0, Median(ours_ms), 4.0 * d, double(d)});
+  }
   results.push_back({cuda ? "dense allreduce (nccl)" : "dense ring allreduce (gloo)", 1.0,
                      Median(ring_ms), 4.0 * d, double(d)});
   if (rank == 0) {
@@ -381,6 +415,7 @@ int Launcher(char* self) {
         absl::StrCat("--dense_reps=", absl::GetFlag(FLAGS_dense_reps)),
         absl::StrCat("--latency_iters=", absl::GetFlag(FLAGS_latency_iters)),
         absl::StrCat("--gloo_io_nice=", absl::GetFlag(FLAGS_gloo_io_nice)),
+        absl::StrCat("--seal=", absl::GetFlag(FLAGS_seal) ? "true" : "false"),
         absl::StrCat("--device=", absl::GetFlag(FLAGS_device))};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());

@@ -247,11 +247,9 @@ absl::StatusOr<std::vector<CycleMessage>> CycleNegotiator::Exchange(const CycleM
   absl::Status s = transport_->ExchangeRound(
       std::string_view(reinterpret_cast<const char*>(encoded.data()), words * sizeof(uint64_t)),
       &from, o);
-  if (s.ok()) {
-    size_t longest = 0;
-    for (const std::string& m : from) longest = std::max(longest, m.size());
-    transport_->Expect(o.tag, 2 * longest);  // the next cycle's
-  }
+  // The next cycle's receives, sized by this node's own message: a peer's
+  // longer one takes a second transfer, and sizes nothing here.
+  if (s.ok()) transport_->Expect(o.tag, 2 * words * sizeof(uint64_t));
   if (absl::IsDeadlineExceeded(s)) {
     return absl::DeadlineExceededError(absl::StrCat(
         "node ", membership_.node_rank, " waited ", absl::FormatDuration(options_.peer_wait),

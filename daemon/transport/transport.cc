@@ -1,6 +1,8 @@
 // Shared helpers of the transport interface.
 #include "daemon/transport/transport.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "daemon/common/status_macros.h"
 
@@ -58,6 +60,7 @@ absl::Status Transport::ExchangeRound(std::string_view mine, std::vector<std::st
   const uint64_t my_size = mine.size();
   CollectiveOptions o = options;
   RETURN_IF_ERROR(Allgather(&my_size, sizeof my_size, sizes.data(), o));
+  for (int p = 0; p < n; ++p) RETURN_IF_ERROR(CheckRoundLength(sizes[p], options, p));
   std::vector<size_t> bytes(sizes.begin(), sizes.end());
   size_t total = 0;
   for (size_t b : bytes) total += b;
@@ -71,6 +74,15 @@ absl::Status Transport::ExchangeRound(std::string_view mine, std::vector<std::st
     at += bytes[p];
   }
   return absl::OkStatus();
+}
+
+absl::Status CheckRoundLength(uint64_t length, const CollectiveOptions& options, int sender) {
+  const size_t most =
+      options.max_bytes > 0 ? std::min(options.max_bytes, kMaxRoundBytes) : kMaxRoundBytes;
+  if (length <= most) return absl::OkStatus();
+  return absl::DataLossError(
+      absl::StrCat("node ", sender, " says its round message (tag ", options.tag, ") has ", length,
+                   " bytes, more than the round takes (", most, "): nothing was allocated for it"));
 }
 
 absl::Status CheckBuffers(const char* op, size_t bytes, const void* in, const void* out) {

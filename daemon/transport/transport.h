@@ -73,12 +73,20 @@ struct CollectiveOptions {
   // between fails the job, which aborts the transport. A backend that checks
   // each call's shape with a round of its own (NCCL) skips that round.
   bool shape_agreed = false;
+  // ExchangeRound: the longest message a peer may send (0: kMaxRoundBytes).
+  // A peer that says it sends more fails the call (DataLoss naming it)
+  // before anything is allocated for it.
+  size_t max_bytes = 0;
 };
+// The longest round message any call takes.
+constexpr size_t kMaxRoundBytes = size_t{1} << 30;
 
 // Argument checks every backend makes before a collective.
 absl::Status CheckAllgatherV(int rank, int size, const void* in,
                              absl::Span<const size_t> recv_bytes, const void* out);
 absl::Status CheckBuffers(const char* op, size_t bytes, const void* in, const void* out);
+// A round message's length, as `sender` says it, against what the call takes.
+absl::Status CheckRoundLength(uint64_t length, const CollectiveOptions& options, int sender);
 
 class Transport {
  public:

@@ -8,7 +8,10 @@
  * Of the others, once --after-ms have passed since the start:
  *
  *   --mode flip    the first one gets one byte, in the middle of its
- *                  payload, inverted; then everything passes;
+ *                  payload (or byte --at-byte K of it: with
+ *                  --whole-messages, 0-3 are a record's length and 4-35
+ *                  its header, the framing), inverted; then everything
+ *                  passes;
  *   --mode replay  the first one's payload is kept; the first later one
  *                  (at least --gap-ms later) of the same connection and
  *                  length whose bytes differ gets the kept bytes instead:
@@ -27,7 +30,7 @@
  *
  *   microd-netlab-tamper --queue N --mode flip|replay [--min-payload B]
  *                        [--skip-port P]... [--after-ms T] [--gap-ms G]
- *                        [--whole-messages]
+ *                        [--whole-messages] [--at-byte K]
  *
  * SIGTERM ends it (netlab.sh down); its rule lets packets through then
  * (--queue-bypass).
@@ -56,6 +59,7 @@ static const char kTool[] = "microd-netlab-tamper";
 
 static int mode_replay, whole_messages;
 static long min_payload = 512;
+static long at_byte = -1; /* flip: -1, the middle */
 static long skip_ports[kMaxSkip];
 static int skip_count;
 static uint64_t start_ns, after_ns, gap_ns;
@@ -153,11 +157,13 @@ static int on_packet(struct nfq_q_handle* qh, struct nfgenmsg* msg, struct nfq_d
   memcpy(&dst, pkt + 16, 4);
   unsigned char* payload = pkt + ihl + doff;
   if (!mode_replay) {
-    payload[len / 2] ^= 0xff;
+    const size_t at = at_byte >= 0 ? (size_t)at_byte : len / 2;
+    if (at >= len) return nfq_set_verdict(qh, id, NF_ACCEPT, 0, NULL);
+    payload[at] ^= 0xff;
     tcp_checksum(pkt, ihl, (size_t)total);
     done = 1;
     print_link("flipped", src, sport, dst, dport);
-    printf(" payload %zu byte %zu\n", len, len / 2);
+    printf(" payload %zu byte %zu\n", len, at);
     fflush(stdout);
     return nfq_set_verdict(qh, id, NF_ACCEPT, (uint32_t)total, pkt);
   }
@@ -186,7 +192,7 @@ static int on_packet(struct nfq_q_handle* qh, struct nfgenmsg* msg, struct nfq_d
 static int usage(void) {
   fprintf(stderr,
           "usage: microd-netlab-tamper --queue N --mode flip|replay [--min-payload B] "
-          "[--skip-port P]... [--after-ms T] [--gap-ms G] [--whole-messages]\n");
+          "[--skip-port P]... [--after-ms T] [--gap-ms G] [--whole-messages] [--at-byte K]\n");
   return 2;
 }
 
@@ -216,6 +222,8 @@ int main(int argc, char** argv) {
       if (number(argv[++i], 0, 86400000, &after_ms) != 0) return usage();
     } else if (strcmp(argv[i], "--whole-messages") == 0) {
       whole_messages = 1;
+    } else if (strcmp(argv[i], "--at-byte") == 0 && has) {
+      if (number(argv[++i], 0, 65535, &at_byte) != 0) return usage();
     } else if (strcmp(argv[i], "--gap-ms") == 0 && has) {
       if (number(argv[++i], 0, 86400000, &gap_ms) != 0) return usage();
     } else {

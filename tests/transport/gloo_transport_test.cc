@@ -3,6 +3,7 @@
 #include "daemon/transport/gloo/gloo_transport.h"
 
 #include <dirent.h>
+#include <gloo/rendezvous/context.h>
 #include <malloc.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -18,6 +19,9 @@
 
 #include "absl/strings/match.h"
 #include "daemon/control/kv_store.h"
+#include "daemon/transport/gloo/gloo_internal.h"
+#include "daemon/transport/gloo/record/device.h"
+#include "daemon/transport/gloo/store_adapter.h"
 #include "gtest/gtest.h"
 #include "tests/transport/transport_contract.h"
 
@@ -351,6 +355,76 @@ TEST(GlooTransportTest, FiftyEpochsOfDataPlanesLeaveNothingBehind) {
   EXPECT_LE(Threads(), threads) << "threads of earlier epochs' data planes";
   const uint64_t now = HeapInUse();
   EXPECT_LE(now, heap + heap / 20) << "in use " << now << " bytes, was " << heap;
+}
+
+// Issue X, finding 7: a peer's round message could say it had up to 4 GiB,
+// and every node allocated (and zeroed) that much for it before anything
+// else. A lying rank 1 (Gloo's API over microd's device, speaking the
+// round's framing by hand) says 3 GiB, in a process that may use 1 GiB:
+// rank 0's call fails with DataLoss naming it, nothing allocated, and the
+// process lives. In a child process (the address-space limit).
+void LyingRoundLengthAndExit() {
+  const rlimit limit{rlim_t{1} << 30, rlim_t{1} << 30};
+  if (setrlimit(RLIMIT_AS, &limit) != 0) std::_Exit(10);
+  control::InMemoryKeyValueStore store;
+  const LinkModel model = LongLink();
+  std::unique_ptr<Transport> victim;
+  std::thread honest([&] {
+    GlooOptions o;
+    o.rank = 0;
+    o.size = 2;
+    o.store = &store;
+    o.prefix = "lie";
+    o.timeout = absl::Seconds(20);
+    o.connections = 1;
+    o.link_model = model;
+    auto t = CreateGlooTransport(o);
+    if (t.ok()) victim = *std::move(t);
+  });
+  // Rank 1: a device and a context of its own; the links' model shared
+  // (the allgather CreateGlooTransport makes of it), then the lie.
+  auto device = record::CreateDevice(record::DeviceOptions{});
+  if (!device.ok()) std::_Exit(11);
+  auto liar = std::make_shared<::gloo::rendezvous::Context>(1, 2);
+  liar->setTimeout(std::chrono::seconds(20));
+  GlooStoreAdapter adapter(&store, "lie", absl::Seconds(20));
+  std::shared_ptr<::gloo::transport::Device> base = *device;
+  liar->connectFullMesh(adapter, base);
+  LinkModel mine = model, theirs;
+  mine.ranks = 2;
+  const uint64_t share = ::gloo::Slot::build(
+      gloo_backend::kDirectAllgatherSlotPrefix,
+      gloo_backend::GlooTag(MakeTag(0, TagKind::kControl), gloo_backend::GlooKind::kAllgather));
+  auto in = liar->createUnboundBuffer(&theirs, sizeof theirs);
+  auto out = liar->createUnboundBuffer(&mine, sizeof mine);
+  in->recv(0, share + sizeof theirs);
+  out->send(0, share + sizeof mine);
+  in->waitRecv(std::chrono::seconds(20));
+  out->waitSend(std::chrono::seconds(20));
+  honest.join();
+  if (victim == nullptr) std::_Exit(12);
+  // The round's first transfer: its length (3 GiB), then a few bytes.
+  const size_t inline_bytes = (victim->link_model()->InlineBytes() + 4095) / 4096 * 4096;
+  std::string lie(64, 'x');
+  const uint64_t claimed = uint64_t{3} << 30;
+  std::memcpy(lie.data(), &claimed, sizeof claimed);
+  auto forged = liar->createUnboundBuffer(lie.data(), lie.size());
+  forged->send(0, ::gloo::Slot::build(gloo_backend::kRoundSlotPrefix, 77) + (inline_bytes >> 12));
+  CollectiveOptions o;
+  o.tag = 77;
+  o.deadline = absl::Now() + absl::Seconds(20);
+  std::vector<std::string> from;
+  const absl::Status s = victim->ExchangeRound("hello", &from, o);
+  std::fprintf(stderr, "%s\n", s.ToString().c_str());
+  std::_Exit(absl::IsDataLoss(s) && absl::StrContains(s.message(), "node 1") &&
+                     absl::StrContains(s.message(), "nothing was allocated")
+                 ? 0
+                 : 13);
+}
+
+TEST(GlooTransportTest, APeersRoundLengthIsBoundedBeforeAnythingIsAllocated) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(LyingRoundLengthAndExit(), ::testing::ExitedWithCode(0), "");
 }
 
 // Three connections per pair: large allreduces go in parts over all of

@@ -10,7 +10,7 @@ namespace microd::transport::gloo_backend {
 absl::Status GlooTransport::ExchangeRound(std::string_view mine, std::vector<std::string>* from,
                                           const CollectiveOptions& o) {
   if (from == nullptr) return absl::InvalidArgumentError("ExchangeRound: no output");
-  return Run("ExchangeRound", o, [&](Timeout timeout) { Exchange(mine, from, o.tag, timeout); });
+  return Run("ExchangeRound", o, [&](Timeout timeout) { Exchange(mine, from, o, timeout); });
 }
 
 void GlooTransport::Expect(uint32_t tag, size_t inline_bytes) {
@@ -62,8 +62,9 @@ std::unique_ptr<GlooTransport::PostedRound> GlooTransport::PostRound(uint32_t ta
 // which the receiver posts once it read the length. Receives posted ahead
 // (Expect) make the first transfer leave at once: a send goes only once
 // the receiver has posted.
-void GlooTransport::Exchange(std::string_view mine, std::vector<std::string>* from, uint32_t tag,
-                             Timeout timeout) {
+void GlooTransport::Exchange(std::string_view mine, std::vector<std::string>* from,
+                             const CollectiveOptions& o, Timeout timeout) {
+  const uint32_t tag = o.tag;
   const int n = size();
   const int r = rank();
   from->assign(n, std::string());
@@ -112,10 +113,8 @@ void GlooTransport::Exchange(std::string_view mine, std::vector<std::string>* fr
     WaitRecv(round->recv[p].get(), deadline);
     uint64_t len = 0;
     std::memcpy(&len, round->inbox[p].get(), sizeof len);
-    if (len > kMaxRoundBytes) {
-      throw record::LinkError(absl::DataLossError(
-          absl::StrCat("node ", p, " sent a round message of ", len, " bytes; a bad peer")));
-    }
+    // Checked before anything is allocated for it.
+    if (absl::Status s = CheckRoundLength(len, o, p); !s.ok()) throw record::LinkError(s);
     std::string& msg = (*from)[p];
     msg.resize(len);
     const size_t here = std::min<size_t>(len, inline_bytes - kRoundLengthBytes);

@@ -54,8 +54,6 @@ constexpr size_t kMaxInlineBytes = size_t{64} << 20;
 constexpr size_t kRoundsPosted = 2;
 // A round message says its length first.
 constexpr size_t kRoundLengthBytes = sizeof(uint64_t);
-// No message of a round is longer (a peer's length past it is a bad peer).
-constexpr uint64_t kMaxRoundBytes = uint64_t{1} << 32;
 // Segments of the large allreduce (allreduce.cc).
 constexpr size_t kSegmentBytes = 8 << 20;
 constexpr size_t kStepSegmentBytes = 6 << 20;
@@ -167,7 +165,7 @@ class GlooTransport final : public Transport {
   };
   uint64_t InlineSlot(uint32_t tag, size_t inline_bytes) const;
   std::unique_ptr<PostedRound> PostRound(uint32_t tag, size_t inline_bytes = 0);
-  void Exchange(std::string_view mine, std::vector<std::string>* from, uint32_t tag,
+  void Exchange(std::string_view mine, std::vector<std::string>* from, const CollectiveOptions& o,
                 Timeout timeout);
 
   // allreduce.cc (`divisor`, floats only, 0: none, divides every sum)

@@ -241,9 +241,12 @@ PairImpl::~PairImpl() {
     fd = fd_;
     registration = registration_;
     registration_ = 0;
-    fd_ = -1;
   }
   if (registration != 0) device_->loop().Remove(registration, fd);
+  {
+    absl::MutexLock read(&read_mu_);
+    FailIncoming();
+  }
   if (fd >= 0) ::close(fd);
 }
 
@@ -378,6 +381,7 @@ void PairImpl::Dial(const PairAddress& peer, absl::Time deadline) {
 }
 
 bool PairImpl::Attach(int fd, const TrafficKeys& keys, bool listener) {
+  absl::MutexLock read(&read_mu_);
   absl::MutexLock lock(&mu_);
   if (connected_ || !error_.ok()) return false;
   if (sealed_) {
@@ -388,8 +392,11 @@ bool PairImpl::Attach(int fd, const TrafficKeys& keys, bool listener) {
     recv_cipher_ = *std::move(recv);
   }
   if (SetNonBlocking(fd, true) != 0) return false;
-  out_.resize(kLengthBytes + kMaxRecordBytes);
-  in_.resize(kMaxRecordBytes);
+  // Sealed, whole records are staged (sealed before they go, verified
+  // before they are used); open, only their length and header are: the
+  // payload goes from and to its buffer directly.
+  out_.resize(kLengthBytes + (sealed_ ? kMaxRecordBytes : kHeaderBytes));
+  in_.resize(sealed_ ? kMaxRecordBytes : kHeaderBytes + 4096);
   if (sealed_) plain_.resize(kMaxRecordBytes);
   auto registration = device_->loop().Add(fd, EPOLLIN, this);
   if (!registration.ok()) return false;
@@ -414,12 +421,17 @@ void PairImpl::ThrowIfFailed() {
 void PairImpl::Fail(absl::Status status) {
   if (!error_.ok()) return;
   error_ = std::move(status);
+  failed_ = true;
   // Nothing more is read or written; the socket stays open until this
   // node's engine aborts the transport (close), so that the peers' calls
   // fail once the coordinator knows the cause from this node, not before.
+  // Off the loop's thread, a shutdown of the reading side alone (nothing
+  // reaches the peer) wakes it to fail the message it was receiving.
   if (registration_ != 0 && device_->loop().InLoop()) {
     device_->loop().Remove(registration_, fd_);
     registration_ = 0;
+  } else if (fd_ >= 0) {
+    (void)shutdown(fd_, SHUT_RD);
   }
   auto fail_all = [this](std::map<uint64_t, std::deque<Op>>& ops) {
     for (auto& [slot, q] : ops) {
@@ -431,9 +443,6 @@ void PairImpl::Fail(absl::Status status) {
   fail_all(waiting_);
   for (Outgoing& o : outgoing_) o.op.buf->Failed(error_);
   outgoing_.clear();
-  if (in_msg_) in_op_.buf->Failed(error_);
-  in_msg_ = false;
-  in_op_ = Op{};
   notices_in_.clear();
   notices_out_.clear();
 }
@@ -607,22 +616,53 @@ void PairImpl::Flush() {
 }
 
 void PairImpl::OnEvents(uint32_t events) {
-  absl::MutexLock lock(&mu_);
-  if (!error_.ok() || fd_ < 0) {
-    if (registration_ != 0) {
-      device_->loop().Remove(registration_, fd_);
-      registration_ = 0;
+  absl::MutexLock read(&read_mu_);
+  int fd;
+  {
+    absl::MutexLock lock(&mu_);
+    fd = fd_;
+    if (!error_.ok() || fd_ < 0) {
+      if (registration_ != 0) {
+        device_->loop().Remove(registration_, fd_);
+        registration_ = 0;
+      }
+      fd = -1;
+    } else if ((events & EPOLLOUT) != 0) {
+      Flush();
     }
+  }
+  if (fd < 0) {
+    FailIncoming();
     return;
   }
-  if ((events & EPOLLOUT) != 0) Flush();
-  if ((events & (EPOLLIN | EPOLLHUP | EPOLLERR)) != 0) ReadSome();
+  if ((events & (EPOLLIN | EPOLLHUP | EPOLLERR)) != 0) ReadSome(fd);
+  absl::MutexLock lock(&mu_);
   Flush();  // notices that came in may have matched sends
 }
 
-void PairImpl::ReadSome() {
+void PairImpl::FailIncoming() {
+  if (!in_msg_) return;
+  absl::Status why;
+  {
+    absl::MutexLock lock(&mu_);
+    why = error_.ok() ? absl::CancelledError(absl::StrCat(Link(), ": closed")) : error_;
+  }
+  in_op_.buf->Failed(why);
+  in_msg_ = false;
+  in_op_ = Op{};
+}
+
+void PairImpl::FailReading(absl::Status status) {
+  {
+    absl::MutexLock lock(&mu_);
+    Fail(std::move(status));
+  }
+  FailIncoming();
+}
+
+void PairImpl::ReadSome(int fd) {
   size_t budget = kReadBudget;
-  while (budget > 0 && error_.ok()) {
+  while (budget > 0 && !failed_) {
     unsigned char* into = nullptr;
     size_t want = 0;
     std::shared_ptr<BufferState> dest;
@@ -644,22 +684,23 @@ void PairImpl::ReadSome() {
     if (dest != nullptr) {
       absl::MutexLock lock(&dest->mu);
       if (dest->alive) {
-        n = ::read(fd_, dest->ptr + in_op_.offset + in_received_, want);
+        n = ::read(fd, dest->ptr + in_op_.offset + in_received_, want);
       } else {
-        n = ::read(fd_, in_.data(), std::min(want, in_.size()));  // dropped
+        n = ::read(fd, in_.data(), std::min(want, in_.size()));  // dropped
       }
     } else {
-      n = ::read(fd_, into, want);
+      n = ::read(fd, into, want);
     }
     if (n == 0) {
-      Fail(
+      FailReading(
           absl::UnavailableError(absl::StrCat(Link(), ": node ", peer_, " closed the connection")));
       return;
     }
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno != EAGAIN) {
-        Fail(absl::UnavailableError(absl::StrCat(Link(), ": receiving failed: ", strerror(errno))));
+        FailReading(
+            absl::UnavailableError(absl::StrCat(Link(), ": receiving failed: ", strerror(errno))));
       }
       return;
     }
@@ -670,7 +711,8 @@ void PairImpl::ReadSome() {
         if (in_have_ < kLengthBytes) break;
         const uint32_t length = DecodeLength(length_);
         if (absl::Status s = CheckRecordLength(length, sealed_); !s.ok()) {
-          Fail(absl::DataLossError(absl::StrCat(Link(), ": node ", peer_, " sent ", s.message())));
+          FailReading(
+              absl::DataLossError(absl::StrCat(Link(), ": node ", peer_, " sent ", s.message())));
           return;
         }
         stage_ = ReadStage::kRecord;
@@ -688,7 +730,7 @@ void PairImpl::ReadSome() {
           const uint64_t number = recv_cipher_->records();
           if (!recv_cipher_->Open(length_, in_.data(), in_need_, plain_.data())) {
             device_->CountRefusedRecord();
-            Fail(absl::DataLossError(absl::StrCat(
+            FailReading(absl::DataLossError(absl::StrCat(
                 "the sealed transfer from node ", peer_, " to node ", self_, " (record ", number,
                 " on lane ", device_->options().lane,
                 ") failed verification (altered, replayed, reordered, or not sealed by that node "
@@ -706,8 +748,8 @@ void PairImpl::ReadSome() {
         }
         if (s.ok()) s = OnHeader(*h);
         if (!s.ok()) {
-          Fail(absl::DataLossError(absl::StrCat(Link(), ": node ", peer_,
-                                                " broke the data-plane protocol: ", s.message())));
+          FailReading(absl::DataLossError(absl::StrCat(
+              Link(), ": node ", peer_, " broke the data-plane protocol: ", s.message())));
           return;
         }
         stage_ = ReadStage::kLength;
@@ -734,10 +776,12 @@ void PairImpl::ReadSome() {
         break;
     }
   }
+  if (failed_) FailIncoming();
 }
 
 absl::Status PairImpl::OnHeader(const Header& h) {
   if (h.type == RecordType::kRecvReady) {
+    absl::MutexLock lock(&mu_);
     if (notices_in_count_ >= kMaxNoticesIn) {
       return absl::DataLossError(
           absl::StrCat("more than ", kMaxNoticesIn, " receives posted ahead"));
@@ -755,6 +799,7 @@ absl::Status PairImpl::OnHeader(const Header& h) {
       return absl::DataLossError(
           absl::StrCat("a message's record at offset ", h.offset, " without its beginning"));
     }
+    absl::MutexLock lock(&mu_);
     auto it = posted_.find(h.slot);
     if (it == posted_.end() || it->second.empty()) {
       return absl::DataLossError(absl::StrCat("a message of ", h.total, " bytes for slot ", h.slot,

@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -133,7 +134,11 @@ class PairImpl final : public ::gloo::transport::Pair, private Loop::Handler {
   void OnEvents(uint32_t events) override;
   // The dialer's side: connects to `peer`, runs the handshake; Attach.
   void Dial(const PairAddress& peer, absl::Time deadline);
+  // The link fails: every operation on it fails with `status` (the one
+  // being received too, by the loop's thread, which it wakes).
   void Fail(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The message being received fails with the link's error.
+  void FailIncoming() ABSL_EXCLUSIVE_LOCKS_REQUIRED(read_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   void ThrowIfFailed() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The peer's notice or this rank's send may complete a match.
   void Match(uint64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -143,12 +148,16 @@ class PairImpl final : public ::gloo::transport::Pair, private Loop::Handler {
   bool NextRecord() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WantWrite(bool want) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reads what arrived (at most a budget), record by record.
-  void ReadSome() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReadSome(int fd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(read_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+  // Fails the link from the reading side (the loop's thread).
+  void FailReading(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(read_mu_)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // A record's header (and, sealed, its payload, already opened).
-  absl::Status OnHeader(const Header& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status OnHeader(const Header& h) ABSL_EXCLUSIVE_LOCKS_REQUIRED(read_mu_)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Payload bytes of the message in progress, into its receive.
-  void Deliver(const unsigned char* bytes, size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FinishIncoming() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Deliver(const unsigned char* bytes, size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(read_mu_);
+  void FinishIncoming() ABSL_EXCLUSIVE_LOCKS_REQUIRED(read_mu_);
   std::string Link() const;
 
   DeviceImpl* const device_;
@@ -160,13 +169,18 @@ class PairImpl final : public ::gloo::transport::Pair, private Loop::Handler {
   const bool sealed_;
   std::chrono::milliseconds timeout_{60000};
 
+  // Two locks, so that a pair sends and receives at once: `read_mu_` (the
+  // loop's thread, reading) before `mu_` (matching and writing, any
+  // thread); a buffer's lock after both.
+  absl::Mutex read_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   absl::Mutex mu_;
+  std::atomic<bool> failed_{false};  // error_ is set
   int fd_ ABSL_GUARDED_BY(mu_) = -1;
   uint64_t registration_ ABSL_GUARDED_BY(mu_) = 0;
   bool connected_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<RecordCipher> send_cipher_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<RecordCipher> recv_cipher_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<RecordCipher> recv_cipher_ ABSL_GUARDED_BY(read_mu_);
 
   // Matching, by slot: receives posted here, the peer's notices, sends
   // waiting for a notice; then what goes out, in order.
@@ -197,19 +211,19 @@ class PairImpl final : public ::gloo::transport::Pair, private Loop::Handler {
   // Reading: the length, then (sealed) the record, or (open) the header and
   // its payload straight into place.
   enum class ReadStage { kLength, kRecord, kPayload };
-  ReadStage stage_ ABSL_GUARDED_BY(mu_) = ReadStage::kLength;
-  unsigned char length_[kLengthBytes] ABSL_GUARDED_BY(mu_) = {};
-  std::vector<unsigned char> in_ ABSL_GUARDED_BY(mu_);
-  size_t in_need_ ABSL_GUARDED_BY(mu_) = kLengthBytes;
-  size_t in_have_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<unsigned char> plain_ ABSL_GUARDED_BY(mu_);
+  ReadStage stage_ ABSL_GUARDED_BY(read_mu_) = ReadStage::kLength;
+  unsigned char length_[kLengthBytes] ABSL_GUARDED_BY(read_mu_) = {};
+  std::vector<unsigned char> in_ ABSL_GUARDED_BY(read_mu_);
+  size_t in_need_ ABSL_GUARDED_BY(read_mu_) = kLengthBytes;
+  size_t in_have_ ABSL_GUARDED_BY(read_mu_) = 0;
+  std::vector<unsigned char> plain_ ABSL_GUARDED_BY(read_mu_);
   // The message in progress.
-  bool in_msg_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t in_slot_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t in_total_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t in_received_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t in_payload_left_ ABSL_GUARDED_BY(mu_) = 0;  // open: of the record being read
-  Op in_op_ ABSL_GUARDED_BY(mu_);
+  bool in_msg_ ABSL_GUARDED_BY(read_mu_) = false;
+  uint64_t in_slot_ ABSL_GUARDED_BY(read_mu_) = 0;
+  uint64_t in_total_ ABSL_GUARDED_BY(read_mu_) = 0;
+  uint64_t in_received_ ABSL_GUARDED_BY(read_mu_) = 0;
+  uint64_t in_payload_left_ ABSL_GUARDED_BY(read_mu_) = 0;  // open: of the record being read
+  Op in_op_ ABSL_GUARDED_BY(read_mu_);
 };
 
 class ContextImpl final : public ::gloo::transport::Context,
