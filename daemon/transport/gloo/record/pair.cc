@@ -112,16 +112,10 @@ std::string SockText(const sockaddr* sa) {
   return absl::StrCat("[", host, "]:", ntohs(in6->sin6_port));
 }
 
-void BufferState::RecvDone(int rank) {
+void BufferState::Done(Side BufferState::*side, int rank) {
   absl::MutexLock lock(&mu);
-  ++recvs_done;
-  recv_rank = rank;
-}
-
-void BufferState::SendDone(int rank) {
-  absl::MutexLock lock(&mu);
-  ++sends_done;
-  send_rank = rank;
+  ++(this->*side).done;
+  (this->*side).rank = rank;
 }
 
 void BufferState::Failed(const absl::Status& status) {
@@ -147,54 +141,43 @@ namespace {
 }
 }  // namespace
 
-bool Buffer::waitRecv(int* rank, std::chrono::milliseconds timeout) {
+bool Buffer::Wait(BufferState::Side BufferState::*side, int* rank,
+                  std::chrono::milliseconds timeout, const char* what) {
   if (timeout == ::gloo::transport::kUnsetTimeout) timeout = context_->getTimeout();
   BufferState& s = *state_;
   absl::MutexLock lock(&s.mu);
-  auto ready = [&s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
-    return s.recvs_done > 0 || s.abort_recv || !s.error.ok();
+  auto ready = [&s, side]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
+    return (s.*side).done > 0 || (s.*side).abort || !s.error.ok();
   };
   if (!s.mu.AwaitWithTimeout(absl::Condition(&ready), absl::FromChrono(timeout))) {
-    TimedOut(timeout, "recv");
+    TimedOut(timeout, what);
   }
   if (!s.error.ok()) Throw(s.error);
-  if (s.abort_recv) {
-    s.abort_recv = false;
+  if ((s.*side).abort) {
+    (s.*side).abort = false;
     return false;
   }
-  --s.recvs_done;
-  if (rank != nullptr) *rank = s.recv_rank;
+  --(s.*side).done;
+  if (rank != nullptr) *rank = (s.*side).rank;
   return true;
 }
 
+bool Buffer::waitRecv(int* rank, std::chrono::milliseconds timeout) {
+  return Wait(&BufferState::recv, rank, timeout, "recv");
+}
+
 bool Buffer::waitSend(int* rank, std::chrono::milliseconds timeout) {
-  if (timeout == ::gloo::transport::kUnsetTimeout) timeout = context_->getTimeout();
-  BufferState& s = *state_;
-  absl::MutexLock lock(&s.mu);
-  auto ready = [&s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
-    return s.sends_done > 0 || s.abort_send || !s.error.ok();
-  };
-  if (!s.mu.AwaitWithTimeout(absl::Condition(&ready), absl::FromChrono(timeout))) {
-    TimedOut(timeout, "send");
-  }
-  if (!s.error.ok()) Throw(s.error);
-  if (s.abort_send) {
-    s.abort_send = false;
-    return false;
-  }
-  --s.sends_done;
-  if (rank != nullptr) *rank = s.send_rank;
-  return true;
+  return Wait(&BufferState::send, rank, timeout, "send");
 }
 
 void Buffer::abortWaitRecv() {
   absl::MutexLock lock(&state_->mu);
-  state_->abort_recv = true;
+  state_->recv.abort = true;
 }
 
 void Buffer::abortWaitSend() {
   absl::MutexLock lock(&state_->mu);
-  state_->abort_send = true;
+  state_->send.abort = true;
 }
 
 Op Buffer::MakeOp(size_t offset, size_t nbytes) const {

@@ -40,16 +40,20 @@ struct BufferState {
   const size_t size;
   absl::Mutex mu;
   bool alive ABSL_GUARDED_BY(mu) = true;
-  int recvs_done ABSL_GUARDED_BY(mu) = 0;
-  int sends_done ABSL_GUARDED_BY(mu) = 0;
-  int recv_rank ABSL_GUARDED_BY(mu) = -1;
-  int send_rank ABSL_GUARDED_BY(mu) = -1;
-  bool abort_recv ABSL_GUARDED_BY(mu) = false;
-  bool abort_send ABSL_GUARDED_BY(mu) = false;
+  // Receives, and sends: completions not waited for yet, the rank of the
+  // last, and whether the next wait is to end at once (an abort).
+  struct Side {
+    int done = 0;
+    int rank = -1;
+    bool abort = false;
+  };
+  Side recv ABSL_GUARDED_BY(mu);
+  Side send ABSL_GUARDED_BY(mu);
   absl::Status error ABSL_GUARDED_BY(mu);  // a link under a pending operation failed
 
-  void RecvDone(int rank);
-  void SendDone(int rank);
+  void Done(Side BufferState::*side, int rank);
+  void RecvDone(int rank) { Done(&BufferState::recv, rank); }
+  void SendDone(int rank) { Done(&BufferState::send, rank); }
   void Failed(const absl::Status& status);
 };
 
@@ -76,6 +80,9 @@ class Buffer final : public ::gloo::transport::UnboundBuffer {
   const std::shared_ptr<BufferState>& state() const { return state_; }
 
  private:
+  // One completion of `side` (true), or an abort (false).
+  bool Wait(BufferState::Side BufferState::*side, int* rank, std::chrono::milliseconds timeout,
+            const char* what);
   // The op's bytes checked against the buffer (kUnspecifiedByteCount: the rest).
   Op MakeOp(size_t offset, size_t nbytes) const;
 
