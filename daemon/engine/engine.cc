@@ -235,7 +235,11 @@ void Engine::PollLoop(uint64_t next) {
   for (;;) {
     {
       absl::MutexLock lock(&state_.mu);
-      if (state_.stop || !state_.failed.ok()) return;
+      // Recovering: the next epoch's poll starts once the engine
+      // reconfigured (which waits for this one to end). A heartbeat may have
+      // brought the new epoch's session before a poll failed with the old
+      // one: this poll would then go on, finding nothing, for good.
+      if (state_.stop || !state_.failed.ok() || state_.recovering) return;
     }
     // Short polls, so that a stopping engine is never held up for long.
     auto batches = client_->Poll(next, absl::Now() + std::min(options_.op_timeout, kPollSlice));
