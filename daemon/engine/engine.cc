@@ -413,8 +413,25 @@ void Engine::Reconfigure() {
   for (;;) {
     const absl::Status s = Reconfigured(next->first, next->second, &pending);
     if (s.ok()) break;
-    // Another node lost meanwhile (two lost a few heartbeats apart): this
-    // epoch's data plane could not connect; the next epoch's may.
+    const bool refused = absl::IsDataLoss(s);
+    if (absl::IsFailedPrecondition(s) || (refused && !options_.seal_failure_step)) {
+      // The nodes' states differ (no later epoch changes that), or a refused
+      // transfer, which fails the job unless --seal_failure=step.
+      Fail(absl::Status(s.code(), absl::StrCat("node ", membership_.node_rank,
+                                               ": the job's next membership epoch: ", s.message())),
+           /*report=*/true);
+      return;
+    }
+    if (refused && client_ != nullptr) {
+      // A transfer refused while the epoch's data plane connected (a byte
+      // altered on a link): the coordinator keys the next epoch afresh, as
+      // for a step's refusal, as often as it allows.
+      (void)client_->ReportRefusedTransfer(
+          absl::StrCat("epoch ", next->first.epoch, ": ", s.message()));
+    }
+    // Another node lost meanwhile (two lost a few heartbeats apart), or a
+    // refusal: this epoch's data plane could not connect; the next epoch's
+    // may.
     std::optional<std::pair<control::Membership, std::string>> newer;
     {
       absl::MutexLock lock(&state_.mu);
@@ -517,6 +534,7 @@ absl::Status Engine::Reconfigured(const control::Membership& next, const std::st
   state_.changed = false;
   membership_ = next;
   state_.refused_before += transport_->refused_transfers();
+  state_.confirmed_before += transport_->confirmed();
   retired = std::move(previous_);
   previous_ = std::move(current_);
   current_ = std::shared_ptr<transport::Transport>(std::move(t));
@@ -527,11 +545,55 @@ absl::Status Engine::Reconfigured(const control::Membership& next, const std::st
   return absl::OkStatus();
 }
 
-absl::Status Engine::AgreeOnState(transport::Transport& t, const control::Membership& m,
-                                  bool joining) {
-  // Each bucket's name, step and controller state, one line each, sorted;
-  // "S" first (a node of the job), or "J" alone (a node that joins it).
-  std::string mine = joining ? "J" : "S";
+// What a node states of its state in AgreeOnState's rounds: "J" (a node
+// that joins), or "S" (a node of the job), the steps it confirmed, a tab,
+// 1 if it holds one more unconfirmed (else 0), a newline, then each bucket's
+// name, step and controller state, one line each, sorted.
+struct Stated {
+  char kind = 0;  // 'S', 'J', or 0: nothing
+  uint64_t confirmed = 0;
+  bool unconfirmed = false;
+  std::string lines;
+};
+
+namespace {
+
+absl::StatusOr<Stated> ParseStated(const std::string& m, size_t node, uint64_t epoch) {
+  Stated st;
+  if (m.empty()) return st;
+  st.kind = m[0];
+  if (m == "J") return st;
+  const size_t nl = m.find('\n');
+  if (st.kind == 'S' && nl != std::string::npos) {
+    std::vector<absl::string_view> f = absl::StrSplit(absl::string_view(m).substr(1, nl - 1), '\t');
+    int flag = -1;
+    if (f.size() == 2 && absl::SimpleAtoi(f[0], &st.confirmed) && absl::SimpleAtoi(f[1], &flag) &&
+        (flag == 0 || flag == 1)) {
+      st.unconfirmed = flag == 1;
+      st.lines = m.substr(nl + 1);
+      return st;
+    }
+  }
+  return absl::DataLossError(absl::StrCat("node ", node, " of epoch ", epoch,
+                                          " sent a bad statement of its state: '",
+                                          absl::CEscape(m.substr(0, 64)), "'"));
+}
+
+std::string Shown(const Stated& st) {
+  return absl::StrCat(
+      st.lines.empty() ? "no bucket state" : absl::StrReplaceAll(st.lines, {{"\n", "; "}}), "; ",
+      st.confirmed, " step(s) confirmed");
+}
+
+}  // namespace
+
+uint64_t Engine::ConfirmedLocked() const {
+  return state_.confirmed_before + (transport_ != nullptr ? transport_->confirmed() : 0);
+}
+
+absl::Status Engine::StateRound(transport::Transport& t, const control::Membership& m, bool joining,
+                                uint32_t slot, std::vector<Stated>* stated) {
+  std::string mine = "J";
   if (!joining) {
     std::vector<std::string> lines;
     absl::MutexLock lock(&state_.mu);
@@ -541,30 +603,84 @@ absl::Status Engine::AgreeOnState(transport::Transport& t, const control::Member
                                    absl::BytesToHexString(b->state->controller_state())));
     }
     std::sort(lines.begin(), lines.end());
-    absl::StrAppend(&mine, absl::StrJoin(lines, "\n"));
+    mine = absl::StrCat("S", ConfirmedLocked(), "\t", runner_.has_unconfirmed() ? 1 : 0, "\n",
+                        absl::StrJoin(lines, "\n"));
   }
   std::vector<std::string> from;
   transport::CollectiveOptions o;
-  o.tag = transport::MakeTag(1, transport::TagKind::kControl);
+  o.tag = transport::MakeTag(slot, transport::TagKind::kControl);
   o.deadline = absl::Now() + options_.op_timeout;
   RETURN_IF_ERROR(t.ExchangeRound(mine, &from, o));
-  auto shown = [](const std::string& s) {
-    return s.size() <= 1 ? std::string("none") : absl::StrReplaceAll(s.substr(1), {{"\n", "; "}});
-  };
+  stated->clear();
+  for (size_t r = 0; r < from.size(); ++r) {
+    ASSIGN_OR_RETURN(Stated st, ParseStated(from[r], r, m.epoch));
+    stated->push_back(std::move(st));
+  }
+  return absl::OkStatus();
+}
+
+void Engine::SettleUnconfirmed(const std::vector<Stated>& stated, const control::Membership& m) {
+  // Some node passed Confirm only if every node reached it, each holding
+  // every transfer of the step: then whoever did not commits it now (its
+  // works answered with their results). Else no node committed it, and
+  // whoever holds it drops it (its works submitted again).
+  uint64_t most = 0;
+  for (const Stated& st : stated) {
+    if (st.kind == 'S') most = std::max(most, st.confirmed);
+  }
+  uint64_t mine;
+  {
+    absl::MutexLock lock(&state_.mu);
+    mine = ConfirmedLocked();
+  }
+  if (most <= mine) {
+    runner_.DropUnconfirmed();
+    MICROD_LOG(Warning,
+               "node %d: no node committed the step whose confirmation failed here: dropped "
+               "(its submissions are taken again)",
+               m.node_rank);
+    return;
+  }
+  const std::vector<Work> done = runner_.RollForward();
+  absl::MutexLock lock(&state_.mu);
+  ++state_.confirmed_before;
+  auto& held = state_.held;
+  for (const Work& w : done) {
+    held.erase(std::remove_if(held.begin(), held.end(),
+                              [&](const Work& x) { return x.answer == w.answer; }),
+               held.end());
+  }
+  MICROD_LOG(Warning,
+             "node %d: the step whose confirmation failed here was committed by the other nodes: "
+             "rolled forward (%zu bucket(s) answered with its results)",
+             m.node_rank, done.size());
+}
+
+absl::Status Engine::AgreeOnState(transport::Transport& t, const control::Membership& m,
+                                  bool joining) {
+  std::vector<Stated> stated;
+  RETURN_IF_ERROR(StateRound(t, m, joining, 1, &stated));
+  // A step left unconfirmed somewhere (--seal_failure=step): settled
+  // alike on every node, then stated again.
+  if (std::any_of(stated.begin(), stated.end(),
+                  [](const Stated& st) { return st.kind == 'S' && st.unconfirmed; })) {
+    if (runner_.has_unconfirmed()) SettleUnconfirmed(stated, m);
+    RETURN_IF_ERROR(StateRound(t, m, joining, 7, &stated));
+  }
   // Every node that was in the job must hold the same; a step the lost
   // node's data reached on some nodes only (its last round) cannot be
   // undone, and the job fails, naming it.
   int source = -1;
-  for (size_t r = 0; r < from.size(); ++r) {
-    if (from[r].empty() || from[r][0] != 'S') continue;
+  for (size_t r = 0; r < stated.size(); ++r) {
+    if (stated[r].kind != 'S') continue;
     if (source < 0) source = static_cast<int>(r);
-    const std::string& ours = joining ? from[source] : mine;
-    if (from[r] == ours) continue;
-    return absl::DataLossError(absl::StrCat(
+    const Stated& ours = stated[joining ? source : m.node_rank];
+    if (stated[r].confirmed == ours.confirmed && stated[r].lines == ours.lines) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
         "node ", r, " of epoch ", m.epoch, " holds its buckets at other steps than node ",
         joining ? source : m.node_rank,
-        " (the lost node's last step reached only some nodes); there: ", shown(from[r]),
-        "; here: ", shown(ours)));
+        " (the lost node's last step reached only some nodes); there: ", Shown(stated[r]),
+        "; here: ", Shown(ours)));
   }
   if (!joining) return absl::OkStatus();
   if (source < 0) {
@@ -572,8 +688,7 @@ absl::Status Engine::AgreeOnState(transport::Transport& t, const control::Member
         absl::StrCat("no node of epoch ", m.epoch, " holds the job's state"));
   }
   std::map<std::string, StepRunner::Adopted> adopted;
-  for (absl::string_view line :
-       absl::StrSplit(absl::string_view(from[source]).substr(1), '\n', absl::SkipEmpty())) {
+  for (absl::string_view line : absl::StrSplit(stated[source].lines, '\n', absl::SkipEmpty())) {
     std::vector<absl::string_view> f = absl::StrSplit(line, '\t');
     std::string name;
     StepRunner::Adopted a;
@@ -588,6 +703,10 @@ absl::Status Engine::AgreeOnState(transport::Transport& t, const control::Member
              m.node_rank, m.node_count, static_cast<unsigned long long>(m.epoch), adopted.size());
   runner_.Adopt(std::move(adopted));
   adopted_ = true;
+  {
+    absl::MutexLock lock(&state_.mu);
+    state_.confirmed_before = stated[source].confirmed;  // this node confirmed none
+  }
   return absl::OkStatus();
 }
 
@@ -596,7 +715,7 @@ void Engine::Loop() {
     // Joined the running job: the job's state first, before any step. A
     // node lost meanwhile: the next epoch's data plane, as for the others.
     if (absl::Status s = AgreeOnState(*CurrentTransport(), membership_, /*joining=*/true);
-        !s.ok() && !Hold({}, s)) {
+        !s.ok() && (absl::IsFailedPrecondition(s) || !Hold({}, s))) {
       Fail(absl::Status(s.code(), absl::StrCat("node ", membership_.node_rank,
                                                ": joining the running job: ", s.message())),
            /*report=*/true);

@@ -47,6 +47,8 @@
 
 namespace microd::engine {
 
+struct Stated;  // what a node states of its state in a new epoch (engine.cc)
+
 class Engine final : public local::LocalHandler, private JobControl {
  public:
   // `client` (negotiation), `transport` and `ops` must outlive the engine.
@@ -129,7 +131,16 @@ class Engine final : public local::LocalHandler, private JobControl {
   // the job must hold each bucket at the same step and threshold (else
   // DataLoss naming both); a node that `joining` takes that state (its
   // residual zero: StepRunner::Adopt).
+  // A step left unconfirmed on some node (--seal_failure=step: a Confirm
+  // refused) is settled first: committed where other nodes committed it
+  // (rolled forward), else dropped everywhere.
   absl::Status AgreeOnState(transport::Transport& t, const control::Membership& m, bool joining);
+  // One round of AgreeOnState (`slot`): what every node states.
+  absl::Status StateRound(transport::Transport& t, const control::Membership& m, bool joining,
+                          uint32_t slot, std::vector<Stated>* stated);
+  void SettleUnconfirmed(const std::vector<Stated>& stated, const control::Membership& m);
+  // The steps this node confirmed, every data plane's.
+  uint64_t ConfirmedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu);
 
   // Answers the work's submissions (once).
   void Complete(const Work& w, const absl::Status& status);

@@ -81,6 +81,9 @@ struct EngineState {
   double last_recovery_seconds ABSL_GUARDED_BY(mu) = 0;
   // Sealed transfers refused on the data planes of earlier epochs.
   uint64_t refused_before ABSL_GUARDED_BY(mu) = 0;
+  // Steps confirmed before the current data plane's (Transport::confirmed):
+  // on the earlier ones, adopted when joining, or rolled forward.
+  uint64_t confirmed_before ABSL_GUARDED_BY(mu) = 0;
   absl::Status recover_cause ABSL_GUARDED_BY(mu);
   std::vector<Work> held ABSL_GUARDED_BY(mu);
   std::optional<std::pair<control::Membership, std::string>> next_membership ABSL_GUARDED_BY(mu);

@@ -88,6 +88,28 @@ void StepRunner::StepFailed(const std::vector<Work>& works, absl::Status s) {
   for (const Work& w : works) job_->Finish(w, JobFailed(s));
 }
 
+void StepRunner::Unconfirmed(const std::vector<Work>& works, const absl::Status& s,
+                             std::function<void()> commit, std::function<void()> drop) {
+  if (job_->Hold(works, s)) {
+    unconfirmed_ = std::make_unique<Held>(Held{works, std::move(commit), std::move(drop)});
+    return;
+  }
+  if (drop) drop();
+  StepFailed(works, s);
+}
+
+std::vector<Work> StepRunner::RollForward() {
+  if (unconfirmed_ == nullptr) return {};
+  const std::unique_ptr<Held> held = std::move(unconfirmed_);
+  held->commit();
+  return held->works;
+}
+
+void StepRunner::DropUnconfirmed() {
+  const std::unique_ptr<Held> held = std::move(unconfirmed_);
+  if (held != nullptr && held->drop) held->drop();
+}
+
 void StepRunner::NonFinite(const Work& w, const absl::Status& status) {
   if (!options_.skip_nonfinite) {
     {
@@ -119,9 +141,14 @@ void StepRunner::FinishInCycle(const std::vector<Work>& works, const InCycle& in
   // The cycle brought every node's values: none is delivered before every
   // node got every transfer (a no-op unless asked).
   if (absl::Status s = transport_->Confirm(absl::Now() + options_.op_timeout); !s.ok()) {
-    StepFailed(works, s);
+    Unconfirmed(
+        works, s, [this, works, in_cycle] { FinishInCycleConfirmed(works, in_cycle); }, nullptr);
     return;
   }
+  FinishInCycleConfirmed(works, in_cycle);
+}
+
+void StepRunner::FinishInCycleConfirmed(const std::vector<Work>& works, const InCycle& in_cycle) {
   const std::vector<uint64_t>& at = in_cycle.at;
   const std::vector<float>& area = in_cycle.area;
   const uint64_t floats = in_cycle.floats;
@@ -394,6 +421,20 @@ void StepRunner::RunSparse(const Work& w) {
   if (!Gradient(w, &grad, &local_sum)) return;
   float* update = UpdateBuffer(w);
   auto st = b.state->Step(grad, update, *transport_, absl::Now() + options_.op_timeout);
+  if (!st.ok() && b.state->has_pending()) {
+    Unconfirmed(
+        {w}, st.status(),
+        [this, w, update, local_sum, t0] {
+          auto rolled = w.bucket->state->RollForward();
+          if (!rolled.ok()) {
+            if (!StepError(w, rolled.status())) job_->Finish(w, JobFailed(rolled.status()));
+            return;
+          }
+          Deliver(w, *rolled, update, local_sum, t0);
+        },
+        [state = b.state.get()] { state->DropPending(); });
+    return;
+  }
   if (!st.ok()) {
     if (!StepError(w, st.status())) StepFailed({w}, st.status());
     return;
@@ -453,8 +494,15 @@ void StepRunner::RunSparse(const std::vector<Work>& works,
       }
     }
   }
-  sparsify::BatchStep& step = begun != nullptr ? *begun : *fresh;
-  if (absl::Status s = step.Run(); !s.ok()) {
+  std::shared_ptr<sparsify::BatchStep> step(begun != nullptr ? std::move(begun) : std::move(fresh));
+  if (absl::Status s = step->Run(); !s.ok()) {
+    if (step->unconfirmed()) {
+      Unconfirmed(
+          all, s,
+          [this, step, all, local_sum, started] { FinishBatch(*step, all, local_sum, started); },
+          nullptr);
+      return;
+    }
     {
       absl::MutexLock lock(&state_->mu);
       for (const Work* w : batched) ++w->bucket->stats.failures;
@@ -462,8 +510,14 @@ void StepRunner::RunSparse(const std::vector<Work>& works,
     StepFailed(all, s);
     return;
   }
-  for (size_t i = 0; i < batched.size(); ++i) {
-    const Work& w = *batched[i];
+  FinishBatch(*step, all, local_sum, started);
+}
+
+void StepRunner::FinishBatch(sparsify::BatchStep& step, const std::vector<Work>& works,
+                             const std::vector<double>& local_sum,
+                             const std::vector<absl::Time>& started) {
+  for (size_t i = 0; i < works.size(); ++i) {
+    const Work& w = works[i];
     if (state_->job_failed()) return;
     if (w.missing_buffer()) {
       (void)step.Finish(i, nullptr);
@@ -500,7 +554,7 @@ absl::Status StepRunner::LocalSums(const std::vector<Work>& works, absl::Time de
 }
 
 absl::Status StepRunner::ReduceFused(const std::vector<Work>& works, uint64_t total,
-                                     uint64_t nonfinite) {
+                                     uint64_t nonfinite, absl::Status* skipped, bool* confirming) {
   // One allreduce carries the values and, in a last element, how many nodes
   // saw a NaN/Inf; only then does a second collective name them.
   const float flag = nonfinite != 0 ? 1.0f : 0.0f;
@@ -511,11 +565,17 @@ absl::Status StepRunner::ReduceFused(const std::vector<Work>& works, uint64_t to
       KernelCall(ops_->CopyToDevice(fusion_.get() + total, &flag, sizeof flag, nullptr), "copy"));
   RETURN_IF_ERROR(
       transport_->AllreduceSum(fusion_.get(), total + 1, transport::DataType::kFloat32, o));
-  RETURN_IF_ERROR(transport_->Confirm(o.deadline));  // every node got every transfer
   float flags_sum = 0.0f;
   RETURN_IF_ERROR(KernelCall(
       ops_->CopyToHost(&flags_sum, fusion_.get() + total, sizeof flags_sum, nullptr), "copy"));
-  if (flags_sum == 0.0f) return absl::OkStatus();
+  *skipped = absl::OkStatus();
+  if (flags_sum != 0.0f) RETURN_IF_ERROR(NamedNonFinite(works, nonfinite, o, skipped));
+  *confirming = true;
+  return transport_->Confirm(o.deadline);  // every node got every transfer
+}
+
+absl::Status StepRunner::NamedNonFinite(const std::vector<Work>& works, uint64_t nonfinite,
+                                        transport::CollectiveOptions o, absl::Status* verdict) {
   o.tag = MakeTag(0, TagKind::kHeader);
   std::vector<uint64_t> flags(membership_.node_count);
   RETURN_IF_ERROR(transport_->Allgather(&nonfinite, sizeof nonfinite, flags.data(), o));
@@ -524,11 +584,12 @@ absl::Status StepRunner::ReduceFused(const std::vector<Work>& works, uint64_t to
     if (flags[r] != 0) bad.push_back(absl::StrCat("node ", r));
   }
   for (const Work& w : works) names.push_back(w.bucket->name);
-  return WithClientStatus(
+  *verdict = WithClientStatus(
       absl::InvalidArgumentError(absl::StrCat("buckets '", absl::StrJoin(names, "', '"),
                                               "': NaN or Inf in the gradient on ",
                                               absl::StrJoin(bad, ", "), "; step skipped")),
       ClientStatus::kNonFinite);
+  return absl::OkStatus();
 }
 
 absl::Status StepRunner::DenseMomentum(Bucket& b, float* average) {
@@ -593,15 +654,31 @@ void StepRunner::RunFusedDense(const std::vector<Work>& works) {
     return;
   }
   const absl::Time t1 = absl::Now();
-  const double local_sum = absl::ToDoubleSeconds(t1 - t0);
-  if (absl::Status s = ReduceFused(works, total, nonfinite); !s.ok()) {
-    if (ToClientStatus(s) == ClientStatus::kNonFinite) {
-      for (const Work& w : works) NonFinite(w, s);
+  absl::Status skipped;
+  bool confirming = false;
+  if (absl::Status s = ReduceFused(works, total, nonfinite, &skipped, &confirming); !s.ok()) {
+    if (confirming) {
+      Unconfirmed(
+          works, s,
+          [this, works, total, skipped, t0, t1] {
+            FinishFusedDense(works, total, skipped, t0, t1);
+          },
+          nullptr);
     } else {
       StepFailed(works, s);
     }
     return;
   }
+  FinishFusedDense(works, total, skipped, t0, t1);
+}
+
+void StepRunner::FinishFusedDense(const std::vector<Work>& works, uint64_t total,
+                                  const absl::Status& skipped, absl::Time t0, absl::Time t1) {
+  if (!skipped.ok()) {
+    for (const Work& w : works) NonFinite(w, skipped);
+    return;
+  }
+  const double local_sum = absl::ToDoubleSeconds(t1 - t0);
   const double exchange = Seconds(t1);
   const absl::Time t2 = absl::Now();
   if (state_->job_failed()) return;  // Fail() answered this work

@@ -9,7 +9,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -74,6 +76,16 @@ class StepRunner {
   // Where each step goes while the timeline records (may be null).
   void SetTimeline(Timeline* timeline) { timeline_ = timeline; }
 
+  // A step whose every transfer arrived and verified but whose Confirm
+  // failed, held with its works for the next epoch (JobControl::Hold): the
+  // nodes that passed Confirm committed it, so this node may have to.
+  // Engine thread only, between plans: RollForward commits it (the works
+  // answered with their results; it returns them), DropUnconfirmed forgets
+  // it (the state as before the step; the works stay held).
+  bool has_unconfirmed() const { return unconfirmed_ != nullptr; }
+  std::vector<Work> RollForward();
+  void DropUnconfirmed();
+
  private:
   bool tracing() const { return timeline_ != nullptr && timeline_->recording(); }
   // One bucket's step on its own.
@@ -106,15 +118,33 @@ class StepRunner {
   void MemoryFailed(const std::vector<Work>& works, const absl::Status& s);
   // A failure of the step (the transport, the state): the job ends.
   void StepFailed(const std::vector<Work>& works, absl::Status s);
+  // The step's Confirm failed (`s`) after every transfer verified: held
+  // (has_unconfirmed) when the job goes on, `commit` its rest and `drop`
+  // what undoes the step's part done (may be null); else StepFailed.
+  void Unconfirmed(const std::vector<Work>& works, const absl::Status& s,
+                   std::function<void()> commit, std::function<void()> drop);
+  // A batched step's buckets once it ran: each one's update delivered.
+  void FinishBatch(sparsify::BatchStep& step, const std::vector<Work>& works,
+                   const std::vector<double>& local_sum, const std::vector<absl::Time>& started);
+  // The rest of a fused dense step once Confirm passed: `skipped` the
+  // NaN/Inf verdict (ok: none), t0/t1 when the local sums began and ended.
+  void FinishFusedDense(const std::vector<Work>& works, uint64_t total, const absl::Status& skipped,
+                        absl::Time t0, absl::Time t1);
+  void FinishInCycleConfirmed(const std::vector<Work>& works, const InCycle& in_cycle);
   // Copies `count` floats in ops_'s memory; fills with zeros when `src` is null.
   absl::Status CopyFloats(float* dst, const float* src, uint64_t count);
   absl::Status KernelCall(kernels::KernelStatus k, const char* what) const;
   absl::Status StageIn(const Work& w, absl::Time deadline);
   // Sums the local gradients of `works` into fusion_ (and counts NaN/Inf).
   absl::Status LocalSums(const std::vector<Work>& works, absl::Time deadline, uint64_t* nonfinite);
-  // Sums one fused allreduce of `total` floats (+ the NaN/Inf flag); the
-  // NaN/Inf error naming the nodes when some node saw one.
-  absl::Status ReduceFused(const std::vector<Work>& works, uint64_t total, uint64_t nonfinite);
+  // Sums one fused allreduce of `total` floats (+ the NaN/Inf flag), then
+  // Confirm (`*confirming`: every transfer before it arrived); `*skipped`
+  // the NaN/Inf error naming the nodes when some node saw one.
+  absl::Status ReduceFused(const std::vector<Work>& works, uint64_t total, uint64_t nonfinite,
+                           absl::Status* skipped, bool* confirming);
+  // Which nodes saw a NaN/Inf (one allgather): `*verdict` names them.
+  absl::Status NamedNonFinite(const std::vector<Work>& works, uint64_t nonfinite,
+                              transport::CollectiveOptions o, absl::Status* verdict);
   // The average back into every process's buffer.
   absl::Status WriteBackFused(const std::vector<Work>& works, uint64_t total);
   // Momentum correction of a dense bucket: `average` (its `count` floats in
@@ -136,6 +166,12 @@ class StepRunner {
   // Scratch buffers (device memory of ops_).
   sparsify::DeviceBuffer<float> fusion_;
   sparsify::DeviceBuffer<kernels::StepScalars> scalars_;
+  struct Held {
+    std::vector<Work> works;
+    std::function<void()> commit;
+    std::function<void()> drop;
+  };
+  std::unique_ptr<Held> unconfirmed_;
 };
 
 }  // namespace microd::engine

@@ -671,19 +671,22 @@ absl::Status BatchStep::Run() {
     it.stats.select_seconds = absl::ToDoubleSeconds(selected - it.start);
   }
   RETURN_IF_ERROR(ReduceValues());
-  RETURN_IF_ERROR(transport_.Confirm(deadline_));  // every node got every transfer
+  reduced_ = true;
+  const absl::Status confirmed = transport_.Confirm(deadline_);  // every node got every transfer
+  confirmed_ = confirmed.ok();
   rounds_ = transport_.rounds() - rounds_before;
   const absl::Time reduced = absl::Now();
   for (Item& it : items_) {
     it.stats.exchange_seconds = absl::ToDoubleSeconds(reduced - selected);
     it.stats.rounds = rounds_;
   }
-  return absl::OkStatus();
+  return confirmed;
 }
 
 absl::StatusOr<StepStats> BatchStep::Finish(size_t i, float* update) {
-  if (!ran_ || i >= items_.size()) {
-    return absl::FailedPreconditionError("batched step: Finish before Run, or no such bucket");
+  if (!ran_ || i >= items_.size() || !reduced_) {
+    return absl::FailedPreconditionError(
+        "batched step: Finish before Run brought every transfer, or no such bucket");
   }
   Item& it = items_[i];
   if (!it.alive()) return it.failed;

@@ -75,6 +75,10 @@ class BatchStep {
   size_t size() const;
   // Rounds the batch took (transport rounds during Run).
   uint64_t rounds() const { return rounds_; }
+  // Run failed at its last round, the transport's Confirm, with every
+  // transfer before it verified: the nodes that passed it commit the step,
+  // and Finish still can here (BucketState::has_pending says why).
+  bool unconfirmed() const { return reduced_ && !confirmed_; }
 
  private:
   struct Item;
@@ -99,6 +103,8 @@ class BatchStep {
   std::vector<Item> items_;
   uint64_t rounds_ = 0;
   bool ran_ = false;
+  bool reduced_ = false;        // every round's transfers arrived
+  bool confirmed_ = false;      // and Confirm passed
   bool direct_values_ = false;  // round 3 is a direct round (else an allreduce)
   std::vector<float> sums_;     // round 3: the live buckets' values, summed over nodes
 };

@@ -327,6 +327,7 @@ absl::StatusOr<StepStats> BucketState::Step(const float* grad, float* update,
         "bucket '", spec_.name, "': transport is rank ", transport.rank(), " of ", transport.size(),
         " but the job says node ", job_.node_rank, " of ", job_.num_nodes));
   }
+  DropPending();  // a step kept from an epoch before, not taken up
   const uint64_t waits_before = ops_->host_waits() + transport.host_waits();
   const uint64_t rounds_before = transport.rounds();
   absl::StatusOr<StepStats> stats = absl::InternalError("unknown sparsifier");
@@ -467,9 +468,9 @@ absl::StatusOr<uint64_t> BucketState::GatherIndices(const std::vector<Header>& h
   return total;
 }
 
-absl::Status BucketState::ReduceAndApply(uint64_t K, const kernels::FusedSelectArgs& pass,
-                                         float* update, transport::Transport& transport,
-                                         const CollectiveOptions& options, StepStats& stats) {
+absl::Status BucketState::ReduceValues(uint64_t K, const kernels::FusedSelectArgs& pass,
+                                       transport::Transport& transport,
+                                       const CollectiveOptions& options, StepStats& stats) {
   if (!values_.Fit(ops_, std::max<uint64_t>(K, 1))) {
     return absl::ResourceExhaustedError(
         absl::StrCat("bucket '", spec_.name, "': out of memory for ", K, " values"));
@@ -513,8 +514,11 @@ absl::Status BucketState::ReduceAndApply(uint64_t K, const kernels::FusedSelectA
     stats.bytes_received += K * sizeof(float);
     RETURN_IF_ERROR(transport.AllreduceSum(values_.get(), K, DataType::kFloat32, o));
   }
-  // Every node got every transfer before any commits (a no-op unless asked).
-  RETURN_IF_ERROR(transport.Confirm(options.deadline));
+  return absl::OkStatus();
+}
+
+absl::Status BucketState::ApplyValues(uint64_t K, const kernels::FusedSelectArgs& pass,
+                                      float* update, StepStats& stats) {
   const absl::Time apply_start = absl::Now();
   RETURN_IF_ERROR(Commit(pass, K, update));
   RETURN_IF_ERROR(Check(ops_->ScatterAverage(values_.get(), global_index_.get(), K,
@@ -650,12 +654,17 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
   stats.select_seconds = absl::ToDoubleSeconds(absl::Now() - start);
 
   ASSIGN_OR_RETURN(const uint64_t K, GatherIndices(headers, transport, options, stats));
-  RETURN_IF_ERROR(ReduceAndApply(K, args, update, transport, options, stats));
-  stats.exchange_seconds =
-      absl::ToDoubleSeconds(absl::Now() - start) - stats.select_seconds - stats.apply_seconds;
-  ++step_;
-  controller_->Commit(K, stats.budget);
-  return stats;
+  RETURN_IF_ERROR(ReduceValues(K, args, transport, options, stats));
+  return Confirmed(transport, deadline,
+                   [this, K, args, update, stats,
+                    start](absl::Time confirmed) mutable -> absl::StatusOr<StepStats> {
+                     stats.exchange_seconds =
+                         absl::ToDoubleSeconds(confirmed - start) - stats.select_seconds;
+                     RETURN_IF_ERROR(ApplyValues(K, args, update, stats));
+                     ++step_;
+                     controller_->Commit(K, stats.budget);
+                     return stats;
+                   });
 }
 
 absl::Status BucketState::PrimeController(const float* grad, float grad_scale, Range part,
@@ -752,11 +761,17 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
   RETURN_IF_ERROR(
       Check(ops_->SortUnique(global_index_.get(), total, scalars_.get(), stream_), "union"));
   ASSIGN_OR_RETURN(scalars, ReadScalars());
-  RETURN_IF_ERROR(ReduceAndApply(scalars.count, args, update, transport, options, stats));
-  stats.exchange_seconds =
-      absl::ToDoubleSeconds(absl::Now() - start) - stats.select_seconds - stats.apply_seconds;
-  ++step_;
-  return stats;
+  const uint64_t K = scalars.count;
+  RETURN_IF_ERROR(ReduceValues(K, args, transport, options, stats));
+  return Confirmed(transport, deadline,
+                   [this, K, args, update, stats,
+                    start](absl::Time confirmed) mutable -> absl::StatusOr<StepStats> {
+                     stats.exchange_seconds =
+                         absl::ToDoubleSeconds(confirmed - start) - stats.select_seconds;
+                     RETURN_IF_ERROR(ApplyValues(K, args, update, stats));
+                     ++step_;
+                     return stats;
+                   });
 }
 
 absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* update,
@@ -792,24 +807,75 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
               "momentum"));
     inputs[0] = next;
   }
-  absl::Status reduced = ReduceDense(inputs[0], update, transport, deadline, start, stats);
-  if (borrow) {
-    // The new velocity becomes the current one and the residual's buffer
-    // (then holding the old one, or the failed step's) zero again.
-    if (reduced.ok()) std::swap(velocity_, residual_);
-    absl::Status zeroed = Check(ops_->ZeroFloats(residual_.get(), spec_.size, stream_), "zeroing");
-    if (reduced.ok()) reduced = zeroed;
-  } else if (momentum && reduced.ok()) {
-    std::swap(velocity_, warmup_velocity_);
+  // The new velocity is kept (`kept`) or not.
+  auto settle = [this, borrow, momentum](bool kept) -> absl::Status {
+    if (borrow) {
+      // The new velocity becomes the current one and the residual's buffer
+      // (then holding the old one, or the failed step's) zero again.
+      if (kept) std::swap(velocity_, residual_);
+      return Check(ops_->ZeroFloats(residual_.get(), spec_.size, stream_), "zeroing");
+    }
+    if (momentum && kept) std::swap(velocity_, warmup_velocity_);
+    return absl::OkStatus();
+  };
+  bool divided = false;
+  if (absl::Status s = ReduceDense(inputs[0], update, transport, deadline, stats, &divided);
+      !s.ok()) {
+    (void)settle(false);
+    return s;
   }
-  RETURN_IF_ERROR(reduced);
-  ++step_;
-  return stats;
+  return Confirmed(
+      transport, deadline,
+      [this, update, divided, settle, stats,
+       start](absl::Time confirmed) mutable -> absl::StatusOr<StepStats> {
+        stats.exchange_seconds = absl::ToDoubleSeconds(confirmed - start);
+        const absl::Time apply_start = absl::Now();
+        absl::Status s;
+        if (!divided) {
+          s = Check(ops_->Divide(update, spec_.size, static_cast<float>(job_.world_size), nullptr,
+                                 stream_),
+                    "divide");
+        }
+        const absl::Status settled = settle(s.ok());
+        RETURN_IF_ERROR(s);
+        RETURN_IF_ERROR(settled);
+        stats.selected = spec_.size;
+        stats.sum_of_counts = spec_.size;
+        stats.local_selected = spec_.size;
+        stats.apply_seconds = absl::ToDoubleSeconds(absl::Now() - apply_start);
+        ++step_;
+        return stats;
+      },
+      [settle] { (void)settle(false); });
+}
+
+absl::StatusOr<StepStats> BucketState::Confirmed(transport::Transport& transport,
+                                                 absl::Time deadline, Apply apply,
+                                                 std::function<void()> drop) {
+  // Every node got every transfer before any commits (a no-op unless asked).
+  const absl::Status s = transport.Confirm(deadline);
+  if (s.ok()) return apply(absl::Now());
+  pending_ = std::make_unique<Pending>(Pending{std::move(apply), std::move(drop), absl::Now()});
+  return s;
+}
+
+absl::StatusOr<StepStats> BucketState::RollForward() {
+  if (pending_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("bucket '", spec_.name, "': no step to roll forward"));
+  }
+  const std::unique_ptr<Pending> p = std::move(pending_);
+  return p->apply(p->confirm_failed);
+}
+
+void BucketState::DropPending() {
+  const std::unique_ptr<Pending> p = std::move(pending_);
+  if (p != nullptr && p->drop) p->drop();
 }
 
 absl::Status BucketState::ReduceDense(const float* input, float* update,
                                       transport::Transport& transport, absl::Time deadline,
-                                      absl::Time start, StepStats& stats) {
+                                      StepStats& stats, bool* divided) {
   RETURN_IF_ERROR(
       Check(ops_->LocalSum(&input, 1, spec_.size, update, scalars_.get(), stream_), "copy"));
   ASSIGN_OR_RETURN(const kernels::StepScalars scalars, ReadScalars());
@@ -825,22 +891,9 @@ absl::Status BucketState::ReduceDense(const float* input, float* update,
   // The division folded into the collective where the backend can (host
   // memory); the same bits as dividing afterwards.
   absl::Status averaged = transport.AllreduceAverage(update, spec_.size, divisor, options);
-  const bool divided = averaged.code() != absl::StatusCode::kUnimplemented;
-  if (divided) RETURN_IF_ERROR(averaged);
-  if (!divided) {
-    RETURN_IF_ERROR(transport.AllreduceSum(update, spec_.size, DataType::kFloat32, options));
-  }
-  RETURN_IF_ERROR(transport.Confirm(deadline));  // before the step's state moves on
-  const absl::Time apply_start = absl::Now();
-  stats.exchange_seconds = absl::ToDoubleSeconds(apply_start - start);
-  if (!divided) {
-    RETURN_IF_ERROR(Check(ops_->Divide(update, spec_.size, divisor, nullptr, stream_), "divide"));
-  }
-  stats.selected = spec_.size;
-  stats.sum_of_counts = spec_.size;
-  stats.local_selected = spec_.size;
-  stats.apply_seconds = absl::ToDoubleSeconds(absl::Now() - apply_start);
-  return absl::OkStatus();
+  *divided = averaged.code() != absl::StatusCode::kUnimplemented;
+  if (*divided) return averaged;
+  return transport.AllreduceSum(update, spec_.size, DataType::kFloat32, options);
 }
 
 }  // namespace microd::sparsify

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -93,6 +94,17 @@ class BucketState {
   absl::StatusOr<StepStats> Step(const float* grad, float* update, transport::Transport& transport,
                                  absl::Time deadline);
 
+  // A step whose every transfer arrived and verified but whose last round,
+  // the transport's Confirm, failed (a sealed data plane whose refusals fail
+  // the step: other nodes may have committed it, or none): Step returned
+  // Confirm's error and kept the rest of the step here, the state as
+  // before it. `grad` and `update` must stay as they were until one of
+  // these: RollForward commits it exactly as Step would have, writing
+  // `update`; DropPending forgets it (the next Step does too).
+  bool has_pending() const { return pending_ != nullptr; }
+  absl::StatusOr<StepStats> RollForward();
+  void DropPending();
+
   // A new membership (an elastic job's next epoch): the state this node
   // holds goes on unchanged (e, the velocity, t, the threshold, k), and
   // from the next step the partitions are cut for job.num_nodes and this
@@ -170,11 +182,20 @@ class BucketState {
                                          transport::Transport& transport,
                                          const transport::CollectiveOptions& options,
                                          StepStats& stats);
-  // Steps 8-10 at global_index_[0..K): values (the pass's sums there),
-  // Commit, update.
-  absl::Status ReduceAndApply(uint64_t K, const kernels::FusedSelectArgs& pass, float* update,
-                              transport::Transport& transport,
-                              const transport::CollectiveOptions& options, StepStats& stats);
+  // Step 8 at global_index_[0..K): the values (the pass's sums there)
+  // reduced into values_.
+  absl::Status ReduceValues(uint64_t K, const kernels::FusedSelectArgs& pass,
+                            transport::Transport& transport,
+                            const transport::CollectiveOptions& options, StepStats& stats);
+  // Steps 9-10, once every node got every transfer: Commit, the update.
+  absl::Status ApplyValues(uint64_t K, const kernels::FusedSelectArgs& pass, float* update,
+                           StepStats& stats);
+  // The rest of a step once Confirm passed (`confirmed`: when), or what a
+  // failed Confirm leaves pending (`drop`: undoes what the step did before
+  // it, if anything).
+  using Apply = std::function<absl::StatusOr<StepStats>(absl::Time confirmed)>;
+  absl::StatusOr<StepStats> Confirmed(transport::Transport& transport, absl::Time deadline,
+                                      Apply apply, std::function<void()> drop = nullptr);
 
   // What the controller's collectives need: this step's transport, deadline,
   // budget and byte accounting, under the bucket's histogram tag.
@@ -211,8 +232,9 @@ class BucketState {
                                       absl::Time deadline);
   // A dense step's exchange of `input` (the gradient, or the new velocity)
   // into `update`: the copy, the checked headers, the averaging allreduce.
+  // `divided`: the backend averaged (else the sum is left to divide).
   absl::Status ReduceDense(const float* input, float* update, transport::Transport& transport,
-                           absl::Time deadline, absl::Time start, StepStats& stats);
+                           absl::Time deadline, StepStats& stats, bool* divided);
 
   const BucketSpec spec_;
   JobShape job_;
@@ -247,6 +269,12 @@ class BucketState {
   DeviceBuffer<float> values_;
   DeviceBuffer<uint16_t> wire_values_;  // the values as sent, with a bf16/fp16 wire
   DeviceBuffer<kernels::StepScalars> scalars_;
+  struct Pending {
+    Apply apply;
+    std::function<void()> drop;
+    absl::Time confirm_failed;
+  };
+  std::unique_ptr<Pending> pending_;
 };
 
 }  // namespace microd::sparsify

@@ -174,6 +174,9 @@ class Transport {
   // rank that failed a transfer never arrives, so every rank's Confirm
   // fails: no rank commits a step another could not.
   virtual absl::Status Confirm(absl::Time deadline) { return absl::OkStatus(); }
+  // The Confirm rounds that succeeded on this rank (0 where Confirm is
+  // nothing): ranks that committed the same steps count alike.
+  virtual uint64_t confirmed() const { return 0; }
 
   // Makes pending and later calls on every rank of the group fail with
   // `reason` where the backend can reach them (at least on this rank).

@@ -3,8 +3,9 @@
  *
  * Runs inside a node's network namespace and serves an NFQUEUE queue that
  * netlab.sh sends the node's incoming TCP packets to. Packets carrying
- * fewer than --min-payload bytes, or to or from a --skip-port (the
- * coordinator's: the control plane is TLS's to protect), pass untouched.
+ * fewer than --min-payload bytes (other than --payload bytes, if given), or
+ * to or from a --skip-port (the coordinator's: the control plane is TLS's
+ * to protect), pass untouched.
  * Of the others, once --after-ms have passed since the start:
  *
  *   --mode flip    the first one gets one byte, in the middle of its
@@ -29,7 +30,7 @@
  *   "replayed SRC:PORT -> DST:PORT payload N from T ms before".
  *
  *   microd-netlab-tamper --queue N --mode flip|replay [--min-payload B]
- *                        [--skip-port P]... [--after-ms T] [--gap-ms G]
+ *                        [--payload B] [--skip-port P]... [--after-ms T] [--gap-ms G]
  *                        [--whole-messages] [--at-byte K]
  *
  * SIGTERM ends it (netlab.sh down); its rule lets packets through then
@@ -59,7 +60,8 @@ static const char kTool[] = "microd-netlab-tamper";
 
 static int mode_replay, whole_messages;
 static long min_payload = 512;
-static long at_byte = -1; /* flip: -1, the middle */
+static long exact_payload = 0; /* --payload: only packets of this many bytes */
+static long at_byte = -1;      /* flip: -1, the middle */
 static long skip_ports[kMaxSkip];
 static int skip_count;
 static uint64_t start_ns, after_ns, gap_ns;
@@ -144,7 +146,8 @@ static int on_packet(struct nfq_q_handle* qh, struct nfgenmsg* msg, struct nfq_d
   const size_t len = (size_t)total - ihl - doff;
   const uint16_t sport = (uint16_t)(tcp[0] << 8 | tcp[1]);
   const uint16_t dport = (uint16_t)(tcp[2] << 8 | tcp[3]);
-  if ((long)len < min_payload || skipped_port(sport) || skipped_port(dport)) {
+  if ((exact_payload > 0 ? (long)len != exact_payload : (long)len < min_payload) ||
+      skipped_port(sport) || skipped_port(dport)) {
     return nfq_set_verdict(qh, id, NF_ACCEPT, 0, NULL);
   }
   if (whole_messages) {
@@ -192,7 +195,8 @@ static int on_packet(struct nfq_q_handle* qh, struct nfgenmsg* msg, struct nfq_d
 static int usage(void) {
   fprintf(stderr,
           "usage: microd-netlab-tamper --queue N --mode flip|replay [--min-payload B] "
-          "[--skip-port P]... [--after-ms T] [--gap-ms G] [--whole-messages] [--at-byte K]\n");
+          "[--payload B] [--skip-port P]... [--after-ms T] [--gap-ms G] [--whole-messages] "
+          "[--at-byte K]\n");
   return 2;
 }
 
@@ -216,6 +220,8 @@ int main(int argc, char** argv) {
       mode = argv[++i];
     } else if (strcmp(argv[i], "--min-payload") == 0 && has) {
       if (number(argv[++i], 1, 65535, &min_payload) != 0) return usage();
+    } else if (strcmp(argv[i], "--payload") == 0 && has) {
+      if (number(argv[++i], 1, 65535, &exact_payload) != 0) return usage();
     } else if (strcmp(argv[i], "--skip-port") == 0 && has && skip_count < kMaxSkip) {
       if (number(argv[++i], 1, 65535, &skip_ports[skip_count++]) != 0) return usage();
     } else if (strcmp(argv[i], "--after-ms") == 0 && has) {

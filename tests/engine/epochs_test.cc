@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -27,10 +28,12 @@ namespace {
 
 std::atomic<int> live_transports{0};
 
-// A transport that counts the live ones (forwards every call).
+// A transport that counts the live ones (forwards every call); `refuse`:
+// its first direct round fails as a sealed transfer that did not verify.
 class Counted final : public transport::Transport {
  public:
-  explicit Counted(std::unique_ptr<transport::Transport> inner) : t_(std::move(inner)) {
+  explicit Counted(std::unique_ptr<transport::Transport> inner, bool refuse = false)
+      : t_(std::move(inner)), refuse_(refuse) {
     ++live_transports;
   }
   ~Counted() override { --live_transports; }
@@ -52,12 +55,18 @@ class Counted final : public transport::Transport {
   absl::Status Barrier(const transport::CollectiveOptions& o) override { return t_->Barrier(o); }
   absl::Status ExchangeRound(std::string_view mine, std::vector<std::string>* from,
                              const transport::CollectiveOptions& o) override {
+    if (refuse_) {
+      refuse_ = false;
+      t_->Abort(absl::DataLossError("refused"));  // the peers' rounds end too
+      return absl::DataLossError("sealed transfer from node 0 failed verification");
+    }
     return t_->ExchangeRound(mine, from, o);
   }
   void Abort(const absl::Status& reason) override { t_->Abort(reason); }
 
  private:
   std::unique_ptr<transport::Transport> t_;
+  bool refuse_;
 };
 
 // The data planes of each epoch, made when a node first asks: each node
@@ -70,7 +79,14 @@ class Epochs {
     auto& group = groups_[epoch];
     if (group.empty()) group = transport::CreateInprocGroup(n_);
     ++made_[rank];
-    return std::make_unique<Counted>(std::move(group[rank]));
+    return std::make_unique<Counted>(std::move(group[rank]),
+                                     epoch == refused_epoch_ && rank == refused_rank_);
+  }
+  // The first round of `epoch`'s data plane on `rank` is refused.
+  void Refuse(uint64_t epoch, int rank) {
+    absl::MutexLock lock(&mu_);
+    refused_epoch_ = epoch;
+    refused_rank_ = rank;
   }
   int made(int rank) {
     absl::MutexLock lock(&mu_);
@@ -83,6 +99,8 @@ class Epochs {
   std::map<uint64_t, std::vector<std::unique_ptr<transport::Transport>>> groups_
       ABSL_GUARDED_BY(mu_);
   std::map<int, int> made_ ABSL_GUARDED_BY(mu_);
+  uint64_t refused_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  int refused_rank_ ABSL_GUARDED_BY(mu_) = -1;
 };
 
 // One node's control plane over the coordinator, with heartbeats that bring
@@ -117,6 +135,11 @@ class BeatingControlPlane final : public control::ControlPlane {
   absl::Status ReportDataPlaneFailure(const std::string& reason) override {
     const control::Membership m = membership();
     return coordinator_->ReportFailure(m.session, m.node_rank, reason, /*data_plane=*/true);
+  }
+  absl::Status ReportRefusedTransfer(const std::string& reason) override {
+    const control::Membership m = membership();
+    return coordinator_->ReportFailure(m.session, m.node_rank, reason, /*data_plane=*/true,
+                                       /*refused=*/true);
   }
   absl::Status RefreshJobStatus() override { return absl::OkStatus(); }
   void SetMembershipCallback(MembershipCallback callback) override {
@@ -153,65 +176,95 @@ class BeatingControlPlane final : public control::ControlPlane {
   std::thread beats_;
 };
 
-TEST(EngineEpochs, FiftyEpochsKeepTwoDataPlanesANodeAndMakeOneAnEpoch) {
-  constexpr int n = 3;
-  control::CoordinatorOptions co;
-  co.job_id = "job";
-  co.expected_nodes = n;
-  co.min_nodes = 2;
-  co.peer_timeout = absl::Seconds(20);
-  co.max_refusal_epochs = 1000;
-  auto coordinator = *control::Coordinator::Create(co);
-  std::vector<control::Membership> joined(n);
-  {
-    std::vector<std::thread> joins;
-    for (int r = 0; r < n; ++r) {
-      joins.emplace_back([&, r] {
-        auto m = coordinator->Join("job", absl::StrCat("node", r), 1, "", r,
-                                   absl::Now() + absl::Seconds(20));
-        ASSERT_TRUE(m.ok()) << m.status();
-        joined[r] = *m;
-      });
-    }
-    for (auto& t : joins) t.join();
-  }
-  Epochs epochs(n);
-  std::vector<std::unique_ptr<BeatingControlPlane>> control(n);
-  std::vector<std::unique_ptr<kernels::SparseOps>> ops(n);
-  std::vector<std::unique_ptr<Engine>> engines(n);
-  for (int r = 0; r < n; ++r) {
-    control[r] = std::make_unique<BeatingControlPlane>(coordinator.get(), joined[r]);
-    ops[r] = kernels::CreateCpuSparseOps();
-    EngineOptions eo;
-    eo.local_size = 1;
-    eo.elastic = true;
-    eo.op_timeout = absl::Seconds(20);
-    eo.membership_wait = absl::Seconds(20);
-    eo.new_transport = [&epochs, r](const control::Membership& m) {
-      return absl::StatusOr<std::unique_ptr<transport::Transport>>(epochs.Take(m.epoch, r));
-    };
-    std::unique_ptr<transport::Transport> first = epochs.Take(0, r);
-    engines[r] =
-        std::make_unique<Engine>(eo, joined[r], control[r].get(), first.get(), ops[r].get());
-    engines[r]->AdoptTransport(std::move(first));
-    control[r]->SetMembershipCallback(
-        [e = engines[r].get()](const control::Membership& m, const std::string& change) {
-          e->OnMembership(m, change);
+// An elastic job of `n` engines in this process, each with its data plane
+// of the first epoch, started.
+struct Job {
+  explicit Job(int n, bool seal_failure_step = false) : epochs(n) {
+    control::CoordinatorOptions co;
+    co.job_id = "job";
+    co.expected_nodes = n;
+    co.min_nodes = 2;
+    co.peer_timeout = absl::Seconds(20);
+    co.max_refusal_epochs = 1000;
+    coordinator = *control::Coordinator::Create(co);
+    std::vector<control::Membership> joined(n);
+    {
+      std::vector<std::thread> joins;
+      for (int r = 0; r < n; ++r) {
+        joins.emplace_back([&, r] {
+          auto m = coordinator->Join("job", absl::StrCat("node", r), 1, "", r,
+                                     absl::Now() + absl::Seconds(20));
+          ASSERT_TRUE(m.ok()) << m.status();
+          joined[r] = *m;
         });
-    engines[r]->Start();
+      }
+      for (auto& t : joins) t.join();
+    }
+    control.resize(n);
+    ops.resize(n);
+    engines.resize(n);
+    for (int r = 0; r < n; ++r) {
+      control[r] = std::make_unique<BeatingControlPlane>(coordinator.get(), joined[r]);
+      ops[r] = kernels::CreateCpuSparseOps();
+      EngineOptions eo;
+      eo.local_size = 1;
+      eo.elastic = true;
+      eo.seal_failure_step = seal_failure_step;
+      eo.op_timeout = absl::Seconds(20);
+      eo.membership_wait = absl::Seconds(20);
+      eo.new_transport = [this, r](const control::Membership& m) {
+        return absl::StatusOr<std::unique_ptr<transport::Transport>>(epochs.Take(m.epoch, r));
+      };
+      std::unique_ptr<transport::Transport> first = epochs.Take(0, r);
+      engines[r] =
+          std::make_unique<Engine>(eo, joined[r], control[r].get(), first.get(), ops[r].get());
+      engines[r]->AdoptTransport(std::move(first));
+      control[r]->SetMembershipCallback(
+          [e = engines[r].get()](const control::Membership& m, const std::string& change) {
+            e->OnMembership(m, change);
+          });
+      engines[r]->Start();
+    }
   }
-  EXPECT_EQ(live_transports.load(), n);
-  for (uint64_t e = 1; e <= 50; ++e) {
-    const control::Membership m = control[1]->membership();
+  ~Job() {
+    for (auto& e : engines) e->Stop(absl::CancelledError("test over"));
+    engines.clear();
+  }
+  // A node refused a transfer: the coordinator's next epoch.
+  void Refused(int rank) {
+    const control::Membership m = control[rank]->membership();
     ASSERT_TRUE(
         coordinator->ReportFailure(m.session, m.node_rank, "a refused transfer", true, true).ok());
+  }
+  // Every engine runs `epoch` within 30 s.
+  void AwaitEpoch(uint64_t epoch) {
     const absl::Time until = absl::Now() + absl::Seconds(30);
-    for (int r = 0; r < n; ++r) {
-      while (engines[r]->Snapshot().epoch < e && absl::Now() < until) {
+    for (size_t r = 0; r < engines.size(); ++r) {
+      while (engines[r]->Snapshot().epoch < epoch && absl::Now() < until) {
         absl::SleepFor(absl::Milliseconds(5));
       }
-      ASSERT_EQ(engines[r]->Snapshot().epoch, e) << "node " << r;
+      ASSERT_EQ(engines[r]->Snapshot().epoch, epoch)
+          << "node " << r << ": " << engines[r]->Snapshot().failure;
     }
+  }
+
+  Epochs epochs;
+  std::unique_ptr<control::Coordinator> coordinator;
+  std::vector<std::unique_ptr<BeatingControlPlane>> control;
+  std::vector<std::unique_ptr<kernels::SparseOps>> ops;
+  std::vector<std::unique_ptr<Engine>> engines;
+};
+
+TEST(EngineEpochs, FiftyEpochsKeepTwoDataPlanesANodeAndMakeOneAnEpoch) {
+  constexpr int n = 3;
+  Job job(n);
+  auto& engines = job.engines;
+  auto& epochs = job.epochs;
+  EXPECT_EQ(live_transports.load(), n);
+  for (uint64_t e = 1; e <= 50; ++e) {
+    job.Refused(1);
+    job.AwaitEpoch(e);
+    if (::testing::Test::HasFatalFailure()) return;
     // Every node runs the epoch's data plane and holds the one before at most.
     EXPECT_LE(live_transports.load(), 2 * n) << "epoch " << e;
   }
@@ -222,6 +275,38 @@ TEST(EngineEpochs, FiftyEpochsKeepTwoDataPlanesANodeAndMakeOneAnEpoch) {
   for (auto& e : engines) e->Stop(absl::CancelledError("test over"));
   engines.clear();
   EXPECT_EQ(live_transports.load(), 0);
+}
+
+// Issue X, finding 5: a transfer refused while an epoch's data plane
+// connected (its first round, the nodes' states) was taken for a lost
+// node, and no later epoch came: the node failed the job once
+// --membership_wait passed. With --seal_failure=step it forms the next
+// epoch, as a step's refusal does.
+TEST(EngineEpochs, ARefusalWhileAnEpochConnectsFormsTheNext) {
+  constexpr int n = 3;
+  Job job(n, /*seal_failure_step=*/true);
+  job.epochs.Refuse(1, 2);
+  job.Refused(1);
+  job.AwaitEpoch(2);
+  for (int r = 0; r < n; ++r) {
+    EXPECT_TRUE(job.engines[r]->Snapshot().failure.empty()) << job.engines[r]->Snapshot().failure;
+  }
+}
+
+// The same refusal without --seal_failure=step fails the job at once,
+// naming it, rather than after --membership_wait.
+TEST(EngineEpochs, ARefusalWhileAnEpochConnectsFailsTheJobByDefault) {
+  constexpr int n = 3;
+  Job job(n);
+  job.epochs.Refuse(1, 2);
+  const absl::Time start = absl::Now();
+  job.Refused(1);
+  while (job.engines[2]->Snapshot().failure.empty() && absl::Now() < start + absl::Seconds(30)) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_TRUE(absl::StrContains(job.engines[2]->Snapshot().failure, "failed verification"))
+      << job.engines[2]->Snapshot().failure;
 }
 
 }  // namespace

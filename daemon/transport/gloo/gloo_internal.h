@@ -112,6 +112,7 @@ class GlooTransport final : public Transport {
   void Expect(uint32_t tag, size_t inline_bytes) override;
   bool DirectCheaper(size_t bytes) const override { return model_.DirectCheaper(bytes); }
   absl::Status Confirm(absl::Time deadline) override;
+  uint64_t confirmed() const override { return confirmed_.load(); }
   const LinkModel* link_model() const override { return &model_; }
   void Abort(const absl::Status& reason) override;
 
@@ -196,7 +197,8 @@ class GlooTransport final : public Transport {
   const bool sealed_;
   const bool confirm_;           // Confirm takes a round
   bool confirm_posted_ = false;  // its receives were posted (engine thread only)
-  LinkModel model_;              // the same on every rank (MeasureLinks)
+  std::atomic<uint64_t> confirmed_{0};
+  LinkModel model_;  // the same on every rank (MeasureLinks)
   // Rounds whose receives Expect posted, by tag (engine thread only).
   std::map<uint32_t, std::deque<std::unique_ptr<PostedRound>>> posted_;
   std::vector<Scratchpad> scratch_;

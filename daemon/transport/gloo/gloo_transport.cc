@@ -156,6 +156,7 @@ absl::Status GlooTransport::Confirm(absl::Time deadline) {
   std::vector<std::string> from;
   absl::Status s = ExchangeRound("", &from, o);
   Expect(o.tag, 0);  // the next Confirm's
+  if (s.ok()) ++confirmed_;
   return s;
 }
 
