@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <fstream>
 #include <limits>
@@ -25,6 +26,7 @@
 #include "daemon/control/coordinator.h"
 #include "daemon/control/coordinator_client.h"
 #include "daemon/control/services.h"
+#include "daemon/control/tls.h"
 #include "daemon/engine/checkpoint.h"
 #include "daemon/engine/engine.h"
 #include "daemon/engine/engine_status.h"
@@ -231,6 +233,8 @@ absl::Status DaemonImpl::StartCoordinator() {
     control::CoordinatorOptions co;
     co.job_id = config_.job_id;
     co.token = job_token_;
+    co.certificate_names_job =
+        config_.tls.files() && !config_.tls.ca.empty() && job_token_ == nullptr;
     co.expected_nodes = config_.nodes;
     co.min_nodes = config_.min_nodes;
     co.max_nodes = config_.max_nodes;
@@ -851,6 +855,20 @@ absl::Status DaemonConfig::Validate() const {
   if (absl::Status s = control::CheckTlsFiles(tls, /*server=*/!coordinator_listen.empty());
       !s.ok()) {
     return Bad("TLS", s);
+  }
+  if (!tls.cert.empty() && !tls.ca.empty() && token.empty()) {
+    // Mutual TLS alone admits the nodes: the certificate must say which job
+    // (any certificate of a CA shared by several jobs would join them all).
+    auto uris = control::CertificateUris(tls.cert);
+    if (!uris.ok()) return Bad("--tls_cert", uris.status());
+    if (std::find(uris->begin(), uris->end(), control::JobUri(job_id)) == uris->end()) {
+      return Bad("--tls_cert",
+                 absl::InvalidArgumentError(absl::StrCat(
+                     tls.cert, " does not name job '", job_id,
+                     "': with mutual TLS and no job token, every node's certificate must name "
+                     "the job (a URI subjectAltName ",
+                     control::JobUri(job_id), "), or give the job a token (--token_file)")));
+    }
   }
   return absl::OkStatus();
 }

@@ -345,15 +345,44 @@ absl::Status Coordinator::CheckToken(const std::string& token_proof, const std::
   return absl::UnauthenticatedError("wrong job token");
 }
 
+absl::Status Coordinator::CheckCertificateJob(const std::vector<std::string>& uris,
+                                              const std::string& node_name,
+                                              const std::string& peer_host) const {
+  std::vector<std::string> jobs;
+  for (const std::string& uri : uris) {
+    if (absl::StartsWith(uri, kJobUriPrefix)) jobs.push_back(uri.substr(strlen(kJobUriPrefix)));
+  }
+  const std::string who =
+      absl::StrCat("node '", node_name, "' (", peer_host.empty() ? "?" : peer_host, ")");
+  if (jobs.empty()) {
+    if (!options_.certificate_names_job) return absl::OkStatus();
+    return absl::PermissionDeniedError(absl::StrCat(
+        who, ": its certificate names no job, and job '", options_.job_id,
+        "' has no job token: it admits only certificates that name it (a URI subjectAltName ",
+        JobUri(options_.job_id), ")"));
+  }
+  if (std::find(jobs.begin(), jobs.end(), options_.job_id) != jobs.end()) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(who, ": its certificate is for job(s) '",
+                                                  absl::StrJoin(jobs, "', '"), "', not job '",
+                                                  options_.job_id, "'"));
+}
+
 absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
                                              const std::string& node_name, int local_size,
                                              const std::string& token_proof, int requested_rank,
                                              absl::Time deadline, const std::string& peer_host,
-                                             const std::string& options) {
+                                             const std::string& options,
+                                             const std::vector<std::string>& certificate_uris) {
   // The token first: an unauthenticated caller learns nothing of the job
   // (not even the number of nodes, from a rank out of range).
   if (absl::Status s = CheckToken(token_proof, job_id, node_name, peer_host); !s.ok()) {
     if (absl::IsUnauthenticated(s)) LogWrongToken(node_name, peer_host);
+    return s;
+  }
+  // The certificate's job, where it names one: the job id the caller sent
+  // is only its word.
+  if (absl::Status s = CheckCertificateJob(certificate_uris, node_name, peer_host); !s.ok()) {
+    MICROD_LOG(Warning, "coordinator: refused %s", std::string(s.message()).c_str());
     return s;
   }
   if (absl::Status s = ValidateName("job id", job_id); !s.ok()) return s;

@@ -28,6 +28,9 @@ struct CoordinatorOptions {
   std::string job_id = "microd";
   // The job token (null: none required): a join must prove it holds it.
   std::shared_ptr<const JobToken> token;
+  // Mutual TLS admits the nodes and there is no token: a join's
+  // certificate must name this job (tls.h, kJobUriPrefix).
+  bool certificate_names_job = false;
   int expected_nodes = 1;  // n
   absl::Duration peer_timeout = absl::Seconds(10);
   // The stall inspector: a bucket waiting this long on some node is
@@ -143,7 +146,8 @@ class Coordinator {
                                   int local_size, const std::string& token_proof,
                                   int requested_rank, absl::Time deadline,
                                   const std::string& peer_host = "",
-                                  const std::string& options = "");
+                                  const std::string& options = "",
+                                  const std::vector<std::string>& certificate_uris = {});
   absl::Status KeySet(uint64_t session, const std::string& key, const std::string& value);
   absl::StatusOr<std::vector<std::string>> KeyGet(uint64_t session,
                                                   const std::vector<std::string>& keys,
@@ -281,6 +285,11 @@ class Coordinator {
   const CoordinatorOptions options_;
   InMemoryKeyValueStore store_;
   // The token's check and the pause of a host that guessed wrong too often.
+  // The jobs a join's certificate names (its URIs) include this one, or it
+  // names none and none is required (certificate_names_job).
+  absl::Status CheckCertificateJob(const std::vector<std::string>& uris,
+                                   const std::string& node_name,
+                                   const std::string& peer_host) const;
   absl::Status CheckToken(const std::string& token_proof, const std::string& job_id,
                           const std::string& node_name, const std::string& peer_host);
   struct TokenFailures {

@@ -55,4 +55,14 @@ class JobToken {
   TlsIdentity tls_;
 };
 
+// A certificate names the job it was issued for with a URI subjectAltName
+// kJobUriPrefix + job id. With mutual TLS and no job token the certificate
+// is what admits a node, so it must name the job (the job id a client
+// sends is only its word); a certificate that names other jobs only is
+// refused whatever else the node proves.
+inline constexpr char kJobUriPrefix[] = "microd://job/";
+inline std::string JobUri(absl::string_view job_id) {
+  return std::string(kJobUriPrefix) + std::string(job_id);
+}
+
 }  // namespace microd::control

@@ -63,9 +63,16 @@ grpc::Status CoordinatorService::Join(grpc::ServerContext* ctx, const microd::v1
   if (req->timeout_ms() < 0) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "timeout_ms is negative");
   }
+  // The URIs of the client's certificate (mutual TLS), where it names its job.
+  std::vector<std::string> uris;
+  if (const std::shared_ptr<const grpc::AuthContext> auth = ctx->auth_context(); auth != nullptr) {
+    for (const grpc::string_ref& v : auth->FindPropertyValues(GRPC_PEER_URI_PROPERTY_NAME)) {
+      uris.emplace_back(v.data(), v.size());
+    }
+  }
   auto m = coordinator_->Join(
       req->job_id(), req->node_name(), req->local_size(), req->token_proof(), req->requested_rank(),
-      Deadline(ctx, req->timeout_ms()), HostOfGrpcPeer(ctx->peer()), req->options());
+      Deadline(ctx, req->timeout_ms()), HostOfGrpcPeer(ctx->peer()), req->options(), uris);
   if (!m.ok()) return ToGrpcStatus(m.status());
   ToProto(*m, resp);
   resp->set_observed_host(HostOfGrpcPeer(ctx->peer()));

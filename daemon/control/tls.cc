@@ -3,7 +3,12 @@
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_credentials_options.h>
 #include <grpcpp/support/channel_arguments.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+#include <openssl/x509v3.h>
 #include <unistd.h>
+
+#include <cstdio>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -31,6 +36,29 @@ std::shared_ptr<grpc::experimental::CertificateProviderInterface> Provider(const
 }
 
 }  // namespace
+
+absl::StatusOr<std::vector<std::string>> CertificateUris(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) return absl::InvalidArgumentError(absl::StrCat("cannot read ", path));
+  X509* cert = PEM_read_X509(f, nullptr, nullptr, nullptr);
+  std::fclose(f);
+  if (cert == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " holds no PEM certificate"));
+  }
+  std::vector<std::string> uris;
+  auto* names =
+      static_cast<GENERAL_NAMES*>(X509_get_ext_d2i(cert, NID_subject_alt_name, nullptr, nullptr));
+  for (int i = 0; names != nullptr && i < sk_GENERAL_NAME_num(names); ++i) {
+    const GENERAL_NAME* name = sk_GENERAL_NAME_value(names, i);
+    if (name->type != GEN_URI) continue;
+    const ASN1_IA5STRING* uri = name->d.uniformResourceIdentifier;
+    uris.emplace_back(reinterpret_cast<const char*>(ASN1_STRING_get0_data(uri)),
+                      static_cast<size_t>(ASN1_STRING_length(uri)));
+  }
+  GENERAL_NAMES_free(names);
+  X509_free(cert);
+  return uris;
+}
 
 absl::Status CheckTlsFiles(const TlsFiles& f, bool server) {
   if (!f.files()) return absl::OkStatus();

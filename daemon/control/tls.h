@@ -17,8 +17,10 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "daemon/control/job_token.h"
 
@@ -55,6 +57,10 @@ std::shared_ptr<grpc::ChannelCredentials> ChannelCredentialsFor(const TlsFiles& 
 
 // Channel arguments for `files` (the server name override), added to `args`.
 void AddTlsChannelArgs(const TlsFiles& files, grpc::ChannelArguments* args);
+
+// The URI subjectAltNames of the first certificate of PEM file `path`
+// (where a certificate names its job: job_token.h, JobUri).
+absl::StatusOr<std::vector<std::string>> CertificateUris(const std::string& path);
 
 // Whether `address` ("host:port", "unix:PATH") can be reached only from
 // this machine: loopback or a Unix socket. A wildcard or another address is

@@ -612,6 +612,47 @@ TEST(CoordinatorSeal, ANodeThatDiffersOnSealingIsRefusedAtTheJoin) {
   EXPECT_EQ(lone->link_salts, std::vector<std::string>{""}) << "a node alone has no link";
 }
 
+// Issue X, finding 8: the job a join's certificate names (mutual TLS: its
+// URI subjectAltNames) is checked, whatever the job id it sends says; with
+// no token the certificate must name the job.
+TEST(CoordinatorCertificates, ACertificateMustNameTheJobWhereItAdmitsTheNode) {
+  for (const bool required : {false, true}) {
+    SCOPED_TRACE(required ? "mutual TLS, no token" : "a token or no mutual TLS");
+    CoordinatorOptions o;
+    o.job_id = "job";
+    o.expected_nodes = 1;
+    o.certificate_names_job = required;
+    auto c = *Coordinator::Create(o);
+    auto join = [&](const std::vector<std::string>& uris) {
+      return c->Join("job", "a", 1, "", 0, absl::Now() + absl::Seconds(5), "10.0.0.9", "", uris);
+    };
+    auto other = join({"spiffe://x/y", "microd://job/other"});
+    ASSERT_FALSE(other.ok());
+    EXPECT_EQ(other.status().code(), absl::StatusCode::kPermissionDenied);
+    EXPECT_TRUE(absl::StrContains(other.status().message(),
+                                  "node 'a' (10.0.0.9): its certificate is for job(s) 'other', "
+                                  "not job 'job'"))
+        << other.status();
+    auto none = join({"spiffe://x/y"});
+    EXPECT_EQ(none.ok(), !required) << none.status();
+    if (required) {
+      EXPECT_TRUE(absl::StrContains(none.status().message(),
+                                    "its certificate names no job, and job 'job' has no job "
+                                    "token: it admits only certificates that name it (a URI "
+                                    "subjectAltName microd://job/job)"))
+          << none.status();
+    }
+  }
+  CoordinatorOptions o;
+  o.job_id = "job";
+  o.expected_nodes = 1;
+  o.certificate_names_job = true;
+  auto c = *Coordinator::Create(o);
+  auto named = c->Join("job", "a", 1, "", 0, absl::Now() + absl::Seconds(5), "", "",
+                       {"microd://job/other", "microd://job/job"});
+  EXPECT_TRUE(named.ok()) << named.status();
+}
+
 TEST(CoordinatorReports, AResentReportIsTakenOnce) {
   CoordinatorOptions o;
   o.job_id = "job";

@@ -24,10 +24,13 @@ class TestCerts {
                      "-keyout ",
                      name, ".key -out ", name, ".pem -days 2 -subj /CN=", name));
   }
-  // A certificate `name` signed by CA `ca`, naming the IP addresses `ips`.
-  void Cert(const std::string& name, const std::string& ca, const std::vector<std::string>& ips) {
+  // A certificate `name` signed by CA `ca`, naming the IP addresses `ips`
+  // and the jobs `jobs` (URI microd://job/<id>; the daemons' default job).
+  void Cert(const std::string& name, const std::string& ca, const std::vector<std::string>& ips,
+            const std::vector<std::string>& jobs = {"microd"}) {
     std::vector<std::string> san;
     for (const auto& ip : ips) san.push_back("IP:" + ip);
+    for (const auto& job : jobs) san.push_back("URI:microd://job/" + job);
     Run(absl::StrCat("openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout ",
                      name, ".key -out ", name, ".csr -subj /CN=", name,
                      " && printf 'subjectAltName=", absl::StrJoin(san, ","),

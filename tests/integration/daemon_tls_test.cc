@@ -104,6 +104,33 @@ TEST_F(TlsTest, ACertificateOfAnotherCaIsRefusedAtTheHandshake) {
   EXPECT_TRUE(absl::StrContains(log0, "certificate verify failed")) << log0;
 }
 
+// Issue X, finding 8: with mutual TLS and no job token, any certificate of
+// the CA joined any job (the job id is the client's word). A certificate
+// names its job now: one for another job is refused by the coordinator,
+// naming both (node 1 holds a token, which this job does not check, so
+// that it starts).
+TEST_F(TlsTest, ACertificateOfTheCaForAnotherJobIsRefused) {
+  certs_.Cert("other-job", "ca", {"127.0.0.1"}, {"other"});
+  const int port = StartTlsNode0();
+  std::ofstream(dir_ + "/token") << "a token of its own\n";
+  std::vector<std::string> flags = certs_.Flags("other-job", "ca");
+  flags.push_back("--token_file=" + dir_ + "/token");
+  const std::string log1 = ExpectNode1Refused(port, flags);
+  EXPECT_TRUE(absl::StrContains(log1, "its certificate is for job(s) 'other', not job 'microd'"))
+      << log1;
+}
+
+// Without a token, a node whose certificate names no job (or another) does
+// not start: the flag and the remedy named.
+TEST_F(TlsTest, MutualTlsWithoutATokenNeedsACertificateThatNamesTheJob) {
+  certs_.Cert("no-job", "ca", {"127.0.0.1"}, {});
+  const pid_t node = StartNode(dir_, 1, 1, certs_.Flags("no-job", "ca"));
+  EXPECT_EQ(WaitAll({node}, seconds(30))[0], 1);
+  const std::string log = ReadFile(dir_ + "/node1.log");
+  EXPECT_TRUE(absl::StrContains(log, "does not name job 'microd'")) << log;
+  EXPECT_TRUE(absl::StrContains(log, "URI subjectAltName microd://job/microd")) << log;
+}
+
 TEST_F(TlsTest, PlaintextAgainstATlsCoordinatorIsRefused) {
   const int port = StartTlsNode0();
   const std::string log1 = ExpectNode1Refused(port, {});
@@ -190,7 +217,9 @@ TEST(Exposure, ANetworkListenWithoutTlsOrATokenIsRefusedAtStart) {
     EXPECT_TRUE(absl::StrContains(text, "refusing to serve on 0.0.0.0:0")) << text;
     EXPECT_TRUE(absl::StrContains(text, "--insecure")) << text;
     EXPECT_TRUE(absl::StrContains(text, "--tls_ca")) << text;
-    if (i >= 3) EXPECT_TRUE(absl::StrContains(text, "authenticates nobody")) << text;
+    if (i >= 3) {
+      EXPECT_TRUE(absl::StrContains(text, "authenticates nobody")) << text;
+    }
   }
   std::error_code ignored;
   std::filesystem::remove_all(dir, ignored);
