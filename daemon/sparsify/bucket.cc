@@ -654,6 +654,13 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
   stats.select_seconds = absl::ToDoubleSeconds(absl::Now() - start);
 
   ASSIGN_OR_RETURN(const uint64_t K, GatherIndices(headers, transport, options, stats));
+  return ReduceAndCommit(K, args, update, transport, options, deadline, start, stats);
+}
+
+absl::StatusOr<StepStats> BucketState::ReduceAndCommit(
+    uint64_t K, const kernels::FusedSelectArgs& args, float* update,
+    transport::Transport& transport, const CollectiveOptions& options, absl::Time deadline,
+    absl::Time start, StepStats stats) {
   RETURN_IF_ERROR(ReduceValues(K, args, transport, options, stats));
   return Confirmed(transport, deadline,
                    [this, K, args, update, stats,
@@ -662,7 +669,7 @@ absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* updat
                          absl::ToDoubleSeconds(confirmed - start) - stats.select_seconds;
                      RETURN_IF_ERROR(ApplyValues(K, args, update, stats));
                      ++step_;
-                     controller_->Commit(K, stats.budget);
+                     if (controller_ != nullptr) controller_->Commit(K, stats.budget);
                      return stats;
                    });
 }
@@ -761,17 +768,7 @@ absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* updat
   RETURN_IF_ERROR(
       Check(ops_->SortUnique(global_index_.get(), total, scalars_.get(), stream_), "union"));
   ASSIGN_OR_RETURN(scalars, ReadScalars());
-  const uint64_t K = scalars.count;
-  RETURN_IF_ERROR(ReduceValues(K, args, transport, options, stats));
-  return Confirmed(transport, deadline,
-                   [this, K, args, update, stats,
-                    start](absl::Time confirmed) mutable -> absl::StatusOr<StepStats> {
-                     stats.exchange_seconds =
-                         absl::ToDoubleSeconds(confirmed - start) - stats.select_seconds;
-                     RETURN_IF_ERROR(ApplyValues(K, args, update, stats));
-                     ++step_;
-                     return stats;
-                   });
+  return ReduceAndCommit(scalars.count, args, update, transport, options, deadline, start, stats);
 }
 
 absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* update,

@@ -190,6 +190,12 @@ class BucketState {
   // Steps 9-10, once every node got every transfer: Commit, the update.
   absl::Status ApplyValues(uint64_t K, const kernels::FusedSelectArgs& pass, float* update,
                            StepStats& stats);
+  // Steps 8-10 of a step that selected K values (its stats so far):
+  // ReduceValues, then, once Confirmed, ApplyValues and the step advanced.
+  absl::StatusOr<StepStats> ReduceAndCommit(uint64_t K, const kernels::FusedSelectArgs& args,
+                                            float* update, transport::Transport& transport,
+                                            const transport::CollectiveOptions& options,
+                                            absl::Time deadline, absl::Time start, StepStats stats);
   // The rest of a step once Confirm passed (`confirmed`: when), or what a
   // failed Confirm leaves pending (`drop`: undoes what the step did before
   // it, if anything).
