@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A benchmark's training process (C API): connects to its node's daemon and
 // registers two buckets, a small one that lines the processes of all nodes
 // up before each timed step and the large one that is timed.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Processes of the loopback benchmarks: spawning with a log, waiting with a
 // limit, the port files the daemons write, and a cluster of daemons on
 // loopback (node 0 serving the coordinator).

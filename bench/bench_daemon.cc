@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd-bench-daemon: 4 daemons on loopback with one training process each
 // (written against the C API). (a) Round trip of a 1,024-element bucket
 // through the whole path, submit to completion: median and p99. (b) A

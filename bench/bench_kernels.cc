@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd-bench-kernels: the fused MiCRO pass against the memory floor of
 // error feedback (`e += g`) and against exact top-k, measured in one run on
 // the same data (d = 25,557,032 by default, ResNet-50's size; n = 4;

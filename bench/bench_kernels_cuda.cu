@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd-bench-kernels-cuda: the CUDA fused MiCRO pass against the GPU's
 // memory floor of error feedback (`e += g`, same bytes moved: two reads and
 // one write per element), measured in one run on the same buffers, for each

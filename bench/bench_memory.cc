@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd-bench-memory: the daemon's own memory per gradient element, for
 // each configuration of a sparse bucket, beside the target of issue W (the
 // residual plus O(k): 1.15x the fp32 gradient; with momentum correction

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd-bench-seal: what sealing the data plane costs on this machine
 // (issues V, X): the record layer's AES-256-GCM (record/codec.h), records
 // of its largest payload sealed and opened back to back, GB/s on one core,

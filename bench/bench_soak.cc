@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd-bench-soak: a long run that must change nothing but the step count.
 // 4 daemons on loopback; node r < 3 has one training process, node 3 two
 // (5 in all). Every process registers --buckets buckets (the first

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd-bench-step-client: one training process of the network benchmark
 // (bench/network/run.py), written against the C API. Times every step of
 // --size elements in --buckets buckets through its node's daemon: before

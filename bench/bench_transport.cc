@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd-bench-transport: n nodes as processes on loopback (default 4),
 // coordinated over gRPC, d = 25,557,032 fp32: the MiCRO step over Gloo, the
 // `topk` step over Gloo (with its build-up), and Gloo's own dense ring
@@ -125,7 +126,7 @@ struct Backend {
 };
 
 // The kernels and the transport --device asks for; prints why not on failure.
-bool MakeBackend(int rank, int n, microd::control::KeyValueStore* store, Backend* b) {
+bool MakeBackend(int rank, int n, microd::rendezvous::KeyValueStore* store, Backend* b) {
   const std::string device = absl::GetFlag(FLAGS_device);
   if (device == "cpu") {
     microd::transport::GlooOptions go;

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Builds the benchmark report of `make bench` from the JSON the benchmark
 programs wrote: results/bench/{network,training-<rate>,tta,kernels,transport,
 daemon,training,tta_latency}.json -> report.md, report.json and PNG charts in the same

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "daemon/daemon.h"
 
 #include <signal.h>
@@ -33,6 +34,7 @@
 #include "daemon/engine/metrics.h"
 #include "daemon/engine/timeline.h"
 #include "daemon/local/local_server.h"
+#include "daemon/test_hooks.h"
 #include "daemon/transport/gloo/gloo_transport.h"
 #include "microd/config.h"
 #if MICROD_HAVE_NCCL
@@ -510,6 +512,7 @@ absl::Status DaemonImpl::StartDataPlane(const engine::EngineOptions& eo) {
     go.io_nice = config_.gloo_io_nice;
     go.connections = config_.data_connections;
     go.confirm = config_.seal_failure == "step";
+    go.on_collective = ExitAtFromEnvironment();
     if (!config_.link_model.empty()) {
       ASSIGN_OR_RETURN(go.link_model, transport::ParseLinkModel(config_.link_model));
     }

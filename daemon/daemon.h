@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One node's daemon as a library: everything `microd` runs, built from a
 // DaemonConfig instead of the command line, so that a test (or an embedding
 // program) can start several nodes in one process. microd_main.cc maps the

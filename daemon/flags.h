@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd's command line: its flags, each also read from MICROD_<FLAG> in the
 // environment (the command line wins), mapped onto a DaemonConfig.
 #pragma once

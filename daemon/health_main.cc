@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd-health: asks a daemon's Admin port for grpc.health.v1.Health/Check,
 // for a container health probe (Docker HEALTHCHECK, a Kubernetes exec probe)
 // where the kubelet's native gRPC probe is not available.

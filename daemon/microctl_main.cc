@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microctl: status of a microd daemon over its Admin service.
 //   microctl [--admin=host:port] [--json] status|buckets|stalls|history [BUCKET]
 //   microctl [--admin=host:port] timeline [--seconds=N] --out=FILE

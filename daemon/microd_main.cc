@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd: the per-node sidecar. Joins the job through the coordinator (and
 // serves it on node 0), connects the data plane, serves the training
 // processes of this node on a Unix socket and the Admin service over gRPC

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // fp32 <-> bf16 / fp16, one element: round to nearest, ties to even; fp16
 // overflows to +-Inf (65520 and above: 65520 is the tie between 65504 and
 // 2^16) and keeps subnormals; a NaN stays a NaN, quiet, with its sign and

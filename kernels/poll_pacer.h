@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // How a host thread paces its polls of device work it waits for with a
 // deadline (a CUDA event, NCCL's asynchronous state): the waits of a step are
 // mostly tens to hundreds of microseconds, so the first kSpin of a wait only

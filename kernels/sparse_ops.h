@@ -1,5 +1,6 @@
+// SPDX-License-Identifier: Apache-2.0
 // The compute operations of a MiCRO step, behind one interface so that a CPU
-// and a CUDA implementation can sit side by side (ARCHITECTURE section 3).
+// and a CUDA implementation can sit side by side (docs/design.md section 3).
 //
 // Contract shared by every implementation:
 // - Every pointer argument named as an array is memory of the implementation's

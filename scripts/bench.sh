@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # `make bench`: on an emulated network first (deploy/netlab, root; about 30
 # minutes): the raw step at 10 Gbit/s, 1 Gbit/s and 100 Mbit/s beside Gloo's
 # dense allreduce and the local floor, the latency dimension (round trips of

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds what `cmake --install` ships and installs it into a prefix: microd,
 # microctl, microd-health, libmicrod.so/.a, the header, the CMake package and
 # microd.pc. The Dockerfile's build stage and the install test

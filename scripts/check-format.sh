@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Every tracked C, C++ and CUDA file as the checked-in .clang-format has it
 # (Debian's clang-format). --fix rewrites the files instead of failing.
 #   scripts/check-format.sh [--fix]

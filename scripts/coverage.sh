@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # make coverage: the share of each daemon module's lines that its unit tests
 # run (gcov through lcov, Debian's). Builds the unit-test binaries with
 # --coverage in a build folder of its own (build-cov/, CUDA and the

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The main job: a local cluster (4 nodes x 1 process by default) trains a
 # small CNN on Fashion-MNIST through microd, with MiCRO at 1 % density and
 # then with dense averaging, and reports them side by side (results/).

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # make fuzz: the fuzz targets of tests/fuzz under libFuzzer (clang, ASan +
 # UBSan, every library instrumented for coverage), each for FUZZ_SECONDS
 # (default 120) on one core, starting from the committed seeds

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Proves a GPU bundle (scripts/gpu-bundle.sh) here, before any GPU is needed,
 # so that "library not found" can never be the first finding on the GPU
 # machine:

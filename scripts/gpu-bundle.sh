@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds the GPU checks here (no GPU needed) and packs them into a bundle
 # that runs on a GPU machine without this project's dependencies: CUDA for
 # sm_90 (Release), the GPU test binaries and their helpers, microd, microctl,

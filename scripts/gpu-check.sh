@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The GPU checks on a machine that has both a GPU and this project's build
 # dependencies: builds the GPU bundle (scripts/gpu-bundle.sh) and runs it
 # (the bundle's run.sh, scripts/gpu-run.sh). On a lent GPU machine, which

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The GPU checks, run on a GPU machine from the bundle of
 # scripts/gpu-bundle.sh (this file is the bundle's run.sh). One command,
 # sized for one H200 and under 8 minutes in all: every phase has a limit and

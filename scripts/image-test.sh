@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # make image-test: the image run for real with podman (root). Builds
 # microd:test when missing (scripts/image.sh), then checks:
 #   1. its size (target <= 120 MB, whatever the base's apt settings);

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # make image: builds the Dockerfile with podman as microd:test (IMAGE=...),
 # from Debian's own packages: the base images are made here when missing
 # (scripts/podman-env.sh), nothing is pulled from a registry.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Installs every Debian package microd needs to build, test and run its demo.
 # Idempotent: packages already present are skipped; apt-get runs only when
 # something is missing. Needs root (or sudo) when it has to install.

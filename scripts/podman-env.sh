@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Sourced by scripts/image.sh and scripts/image-test.sh: podman with the
 # project's own configuration (nothing in /etc changes) and the Debian base
 # images made on the spot when missing (debootstrap from this machine's apt

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # make test-asan / make test-tsan: builds microd with a sanitizer in a build
 # folder of its own (CUDA and the benchmarks off) and runs the suites that
 # exercise its own code: the unit tests, the transport contract, the

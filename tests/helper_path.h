@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Where a test finds the programs it starts: the build tree's path, compiled
 // in; or, where MICROD_BUILD_DIR names another folder with the build tree's
 // layout (the GPU bundle of scripts/gpu-bundle.sh carries the tests away from

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What a change of membership costs in accuracy: the demo's CNN on
 Fashion-MNIST, 4 nodes x 2 processes (daemons on loopback), trained with
 microd.torch.elastic for STEPS steps, uninterrupted and with node 2 lost at

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """How long an elastic job takes to go on without a lost node, and to take
 in a new one, on an emulated network (deploy/netlab; needs root): 3 nodes
 in namespaces of their own with links of the given round trip, --min_nodes=2

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One rank of the baseline: torch.distributed's Gloo allreduce of D fp32
 elements in B tensors (one async all_reduce per tensor, all issued and
 then waited for, as DDP does with its buckets), every step timed after a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The raw step on an emulated network: 4 nodes, each in a network namespace
 of its own (deploy/netlab), links shaped to each rate in turn. Per rate, one
 after another on the same lab: what the link actually carries (probe.py),

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Which densities train, and with which remedies: Fashion-MNIST through a
 local cluster (deploy/local/launch.sh), the demo's CNN or the training
 benchmark's MLP, every combination of density x remedy x controller x

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Training-step comparison: the same model, data, seed and number of steps
 through PyTorch DDP (Gloo allreduce, fp16 and PowerSGD hooks) and through
 microd (its DDP hook, a local cluster of daemons), one method after another.

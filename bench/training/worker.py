@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One training process of the step comparison (bench/training/run.py starts
 four): the same model, data, seed and steps for every method.
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Averages one buffer through the node's microd: run one copy per training
  * process (MICROD_SOCKET names the daemon's socket). */
 #include <stdio.h>

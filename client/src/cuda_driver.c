@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The CUDA driver, loaded on demand (see cuda_driver.h). */
 #define _GNU_SOURCE
 #include "cuda_driver.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* CUDA buffers on the client side: the CUDA driver API loaded with dlopen the
  * first time a CUDA buffer is registered, so that the library links libc
  * only and a process without CUDA never loads it. Private to the library.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* microd client library (libc only). See include/microd/microd.h. */
 #define _GNU_SOURCE
 #include "microd/microd.h"

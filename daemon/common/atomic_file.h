@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Files the daemon writes and reads where someone else may have put things:
 // written whole or not at all (a temporary file of an unpredictable name,
 // made with O_EXCL|O_NOFOLLOW beside the target, flushed and renamed into

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The command line of microd's programs: absl's flags, with --help (and
 // --helpfull, --helpshort, ...) printed to stdout and ending the program
 // with 0, as command-line tools do (absl alone ends it with 1, which

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The few cryptographic primitives microd builds on, over OpenSSL 3: HKDF
 // and HMAC with SHA-256, scrypt, random bytes and a comparison whose time
 // does not depend on where two strings differ. Nothing here logs a key.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The one place that maps absl::Status to and from grpc::Status (codes share
 // their numbering; messages pass through).
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The daemon's log: one line per message on stderr, each with a timestamp
 // (UTC, microseconds), a level, the node's name and rank, and where in the
 // source it was written; or one JSON object per line for log collectors.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // How much memory this process may use: its cgroup's limit (v2 memory.max
 // up the hierarchy, or v1 memory.limit_in_bytes), or the machine's memory,
 // whichever is smaller. The daemon derives its default budgets from it.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Small helpers for absl::Status plumbing inside the daemon (our abseil
 // predates its own macros).
 #pragma once

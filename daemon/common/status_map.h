@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The one place that maps daemon statuses (absl::Status) to the C API's
 // microd_status codes. A payload under kStatusPayloadUrl refines the code
 // where absl has no equivalent (mismatch, non-finite gradient, job failure).

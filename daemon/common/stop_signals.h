@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // SIGTERM and SIGINT for a daemon: before it serves (joining a job can wait
 // minutes for the other nodes) a stop signal ends the process at once, there
 // being no work to finish and no socket yet; afterwards Wait() returns it for

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A file descriptor owned by one object: closed when it goes, moved, never
 // copied.
 #pragma once

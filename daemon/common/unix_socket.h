@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The daemon's Unix sockets (the training processes' and Admin's): where
 // they may live and who may connect. A socket file's mode says who may
 // connect; its directory, who may replace it.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Addresses of a multi-host job: what node 0 dials to reach the coordinator
 // it serves, and which local address a node's data plane is reached on.
 // Nothing here assumes that the nodes share a machine.

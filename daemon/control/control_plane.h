@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the engine needs from the control plane, and nothing of how it is
 // carried: report buckets ready, read the schedule, say the job failed here
 // and ask whether it failed elsewhere. The gRPC client (CoordinatorClient)

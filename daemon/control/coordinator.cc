@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "daemon/control/coordinator.h"
 
 #include <sys/random.h>
@@ -684,8 +685,8 @@ absl::Status Coordinator::KeySet(uint64_t session, const std::string& key,
     int caller = -1;
     if (absl::Status s = CheckMember(session, -1, &caller); !s.ok()) return s;
     if (absl::Status s = JobError(); !s.ok()) return s;
-    if (absl::Status s = ValidateKey(key); !s.ok()) return s;
-    if (absl::Status s = ValidateValue(value); !s.ok()) return s;
+    if (absl::Status s = rendezvous::ValidateKey(key); !s.ok()) return s;
+    if (absl::Status s = rendezvous::ValidateValue(value); !s.ok()) return s;
     if (absl::Status s = CheckKeyWrite(caller, key, value.size()); !s.ok()) return s;
   }
   return store_.Set(key, value);

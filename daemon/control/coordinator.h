@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The coordinator's logic, independent of gRPC: membership (join), the
 // rendezvous key-value store, the schedule log (negotiation) and liveness. Served by
 // node 0's daemon through CoordinatorService. Thread-safe; every blocking
@@ -19,7 +20,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "daemon/control/job_token.h"
-#include "daemon/control/kv_store.h"
+#include "daemon/rendezvous/kv_store.h"
 #include "daemon/control/types.h"
 
 namespace microd::control {
@@ -283,7 +284,7 @@ class Coordinator {
   void InspectStalls(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const CoordinatorOptions options_;
-  InMemoryKeyValueStore store_;
+  rendezvous::InMemoryKeyValueStore store_;
   // The token's check and the pause of a host that guessed wrong too often.
   // The jobs a join's certificate names (its URIs) include this one, or it
   // names none and none is required (certificate_names_job).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A node's side of the control plane: joins the job, keeps the coordinator
 // informed that it is alive (and learns when the job failed), serves the
 // data plane's rendezvous as a KeyValueStore and reads the schedule log.
@@ -22,7 +23,7 @@
 #include "absl/time/time.h"
 #include "daemon/control/control_plane.h"
 #include "daemon/control/coordinator.h"
-#include "daemon/control/kv_store.h"
+#include "daemon/rendezvous/kv_store.h"
 #include "daemon/control/tls.h"
 #include "microd/v1/coordinator.grpc.pb.h"
 
@@ -45,7 +46,7 @@ struct CoordinatorClientOptions {
   TlsFiles tls;                                              // none: plaintext
 };
 
-class CoordinatorClient final : public KeyValueStore, public ControlPlane {
+class CoordinatorClient final : public rendezvous::KeyValueStore, public ControlPlane {
  public:
   static absl::StatusOr<std::unique_ptr<CoordinatorClient>> Create(
       CoordinatorClientOptions options);

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The job token as microd uses it: proved, never sent.
 //
 // The token is stretched once per process (scrypt, n = 2^15: about 0.1 s

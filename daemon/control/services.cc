@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "daemon/control/services.h"
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The gRPC services: thin translations between proto messages and the
 // Coordinator (coordinator.h), plus the Admin service and the server start-up.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Transport security of the control plane (the coordinator and Admin
 // services): TLS, and mutual TLS when a CA is given. Certificates are read
 // from files and read again when they change (gRPC's file-watcher provider:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The TLS flags of microctl and microd-health (microd has its own, with the
 // same names): --tls_ca, --tls_cert, --tls_key, --tls_server_name, each
 // defaulting to its MICROD_TLS_* variable, as the daemon's.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the control plane's parties say to one another, as plain structs:
 // a job's membership, the buckets a node reports ready and the schedule
 // batches every node runs. No gRPC here; the engine sees only these and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The answer owed to the submissions of one bucket's step: which local
 // process (client), ticket and buffer id to complete, by local rank (ticket 0:
 // that rank did not submit). Finish answers every submission exactly once,

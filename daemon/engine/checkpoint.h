@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A node's compression state on disk: microd_state_save writes one file per
 // node, <dir>/microd-state-node<rank>.bin, and microd_state_load reads it.
 // The file is a frame around a NodeCheckpoint (proto/microd/v1/

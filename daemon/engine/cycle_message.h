@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What one node says in a response-cache cycle (engine.h): how many schedule
 // batches it has received, which cached buckets are ready on it, which of
 // those it sends along (their local sums in the message itself, small dense

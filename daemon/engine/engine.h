@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The daemon's engine. A bucket is ready on this node when every local
 // process submitted it (process_table.h); the nodes agree on what to run
 // (negotiator.h: through the coordinator's schedule log, and with the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the engine's parts share, under one mutex: the job's state, the
 // process table, the schedule read from the coordinator and the work of the
 // running batch; and how a part ends the job or answers a Work.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine's part of the Admin status (GetStatusResponse, admin.proto):
 // batches, the job failure it saw, and every bucket's statistics with their
 // per-step histories when the snapshot has them. The job's part is

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Prometheus metrics of one daemon (--metrics=HOST:PORT serves /metrics in
 // the text format, with prometheus-cpp): built at each scrape from the same
 // status the Admin service answers (microctl --json) and the engine's

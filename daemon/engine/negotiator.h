@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // How the nodes agree on what to run next: a plan of schedule batches from
 // the coordinator's log, and (with the response cache) cached buckets ready
 // on every node, some of them reduced by the agreement itself.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine's options, and the check that every node runs with the same.
 #pragma once
 

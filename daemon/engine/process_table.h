@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine's table of local processes and buckets: who said hello with
 // which local rank, which buffer each registered for which bucket, which
 // submissions are in, the buckets ready on this node (every local process

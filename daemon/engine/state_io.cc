@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine's part of microd_state_save / microd_state_load: collecting the
 // local processes' requests, and saving or loading every bucket's
 // sparsifier state on the engine's thread between plans (no step runs then).

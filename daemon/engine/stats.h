@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the engine counts: per bucket (cumulative since start, with the last
 // sparse steps) and per daemon.
 #pragma once

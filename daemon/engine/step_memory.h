@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Where a step reads the processes' gradients and writes their updates.
 //
 // Host staging (the step runs on host memory): host buffers are used in

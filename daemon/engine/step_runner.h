@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs the steps of a batch on this node: the fused dense allreduce of its
 // small buckets, the sparsified step of each large one, and the write-back
 // of buckets a cycle reduced itself; each Work is answered once, and the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The timeline (--timeline=FILE, microctl timeline): for each bucket step,
 // when it waited, summed locally, selected, exchanged and wrote back, with
 // K, k and CRE, as Chrome trace-event JSON (Perfetto, chrome://tracing): one

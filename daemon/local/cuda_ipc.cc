@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "daemon/local/cuda_ipc.h"
 
 #include "absl/status/status.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA buffers of the training processes (wire: REGISTER_CUDA): the daemon
 // opens each allocation's IPC handle once per process and keeps it open
 // until the process leaves (and the last step using it ended). The backend

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The daemon's side of the local protocol (client/wire/microd/wire.h): a
 // SOCK_SEQPACKET Unix socket for the training processes of this node, peers
 // checked with SO_PEERCRED, host buffers mapped from the memfds they send,

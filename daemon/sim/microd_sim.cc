@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd-sim: runs the MiCRO step (or another sparsifier) on n simulated
 // nodes over the in-process transport with synthetic gradient streams, and
 // prints per-step K, CRE and bytes per node plus a summary. Several

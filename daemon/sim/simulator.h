@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // n simulated nodes in one process (one thread each) over the in-process
 // transport, each feeding its own synthetic gradient stream into a
 // BucketState. Used by microd-sim, `make demo` and the controller tests.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Seeded synthetic gradient streams that look like training: a bucket made
 // of layers whose scales span orders of magnitude, heavy-tailed values
 // (Student-t, 3 degrees of freedom), a persistent per-element direction, slow

@@ -1,4 +1,5 @@
-// The step of several buckets of a node at once (ARCHITECTURE section 1,
+// SPDX-License-Identifier: Apache-2.0
+// The step of several buckets of a node at once (docs/design.md section 1,
 // as bucket.h runs it for one), with each of its collective phases one
 // direct round (Transport::ExchangeRound) that carries every bucket of the
 // batch: a step of many buckets costs the rounds of one.

@@ -1,5 +1,6 @@
+// SPDX-License-Identifier: Apache-2.0
 // The per-bucket state of a node (residual e, threshold controller, step
-// counter t) and the step of ARCHITECTURE section 1 for every sparsifier,
+// counter t) and the step of docs/design.md section 1 for every sparsifier,
 // written against kernels/sparse_ops.h and daemon/transport/transport.h.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Threshold controllers of the `micro` sparsifier.
 //
 // Life cycle, once per step and in this order on every node:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // An array of T in a SparseOps device's memory, freed on destruction.
 #pragma once
 

@@ -1,5 +1,6 @@
+// SPDX-License-Identifier: Apache-2.0
 // Per-job sparsification settings and the small pure functions of the
-// algorithm (ARCHITECTURE section 1): partitions, their cyclic assignment and
+// algorithm (docs/design.md section 1): partitions, their cyclic assignment and
 // the budget k.
 #pragma once
 

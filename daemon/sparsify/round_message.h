@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The messages of a batched step's rounds (batch_step.h): fixed-width
 // fields in host byte order, one after another, per bucket of the batch.
 // A peer's message is untrusted: every read is checked against what is left,

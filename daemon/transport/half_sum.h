@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The host backends' sums of bf16 / fp16 elements: widened to fp32, summed
 // in rank order, rounded once (transport.h). Element types of their own so
 // that the collectives' templates pick these sums.

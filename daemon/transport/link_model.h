@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What a backend knows of its links, measured on them: the time of one
 // direct round (every rank sends a few bytes to every peer at once) and the
 // bytes per second one rank sends (to all its peers together). From these

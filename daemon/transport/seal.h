@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The keys of one node's links in an epoch of the sealed data plane
 // (issues V, X). The coordinator draws a secret per epoch and hands each
 // node, over the control plane's TLS, a salt per link of its own (never

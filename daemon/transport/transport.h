@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The data-plane interface a sparsifier step is written against: allgather
 // (fixed and variable size), allreduce-sum and barrier among the nodes of one
 // job. Backends (in-process, Gloo, NCCL) live in sub-folders and expose only a

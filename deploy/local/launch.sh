@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Starts a local microd cluster on this machine and runs a training program
 # under it: N daemons (node 0 also serves the coordinator, ports chosen free),
 # L copies of the program per node with MICROD_SOCKET / MICROD_LOCAL_RANK set.

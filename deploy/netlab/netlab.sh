@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # netlab: an emulated cluster on one machine. N nodes, each in a network
 # namespace of its own with its own address on a bridge that lives in a
 # namespace of its own too: nothing in the machine's own namespace changes.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* microd-netlab-delay: one-way delay and jitter for the emulated cluster
  * (deploy/netlab/netlab.sh), where the kernel has no netem qdisc.
  *

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* What the netlab's NFQUEUE helpers (microd-netlab-delay, -tamper) share:
  * binding a queue, and draining what arrived. Header-only (static), C99. */
 #ifndef MICROD_NETLAB_NFQ_H

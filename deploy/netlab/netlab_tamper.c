@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* microd-netlab-tamper: an attacker on the path of a node's link, for the
  * sealed data plane's tests (deploy/netlab/netlab.sh tamper).
  *

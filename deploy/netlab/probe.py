@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """What a netlab link actually carries: TCP round trip and throughput.
 
     probe.py serve --port P [--timeout S]

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Issue H's table: final test accuracy on Fashion-MNIST after the same epochs
 # for dense and for MiCRO at 1 % and 0.1 % with each remedy alone and all
 # together (4 nodes x 1 process, the demo's CNN, SGD lr 0.05; momentum 0.9

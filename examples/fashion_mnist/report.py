@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Side-by-side report of the demo's runs: a table on stdout, PNG plots and
 a JSON summary.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Fashion-MNIST training through microd, one copy per training process
 (started by deploy/local/launch.sh, which sets MICROD_SOCKET / MICROD_ADMIN).
 

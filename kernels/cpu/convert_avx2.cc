@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // AVX2 + F16C fp32 <-> bf16 / fp16 conversions (built with -mavx2 -mf16c,
 // called only when the processor has both). bf16 rounds with integer
 // arithmetic (add 0x7fff plus the kept lowest bit, NaNs made quiet); fp16

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Portable fp32 <-> bf16 / fp16 conversions of whole arrays (the element
 // rules in kernels/convert.h).
 #include "kernels/convert.h"

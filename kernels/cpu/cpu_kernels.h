@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Internal to the CPU backend: the memory-bound passes, one set per
 // instruction set, selected at run time by cpu_ops.cc.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CPU backend of SparseOps: argument checks, the instruction-set dispatch of
 // the memory-bound passes, and the small host loops around them.
 #include <sys/mman.h>

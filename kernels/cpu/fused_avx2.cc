@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // AVX2 code path of the fused pass (built with -mavx2, called only when the
 // processor supports it). Works in 64-element blocks: eight 8-lane vectors
 // compute acc = e + g (and store it, unless the pass is read-only), their

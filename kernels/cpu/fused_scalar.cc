@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Portable reference code path of the CPU passes. Compaction is branch-free:
 // every element is written at the current output slot and the slot advances
 // only when the element is selected.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA backend of SparseOps (kernels/cuda/cuda_ops.h says what differs from
 // the CPU backend). Written and compiled without a GPU: every kernel uses
 // 64-bit element indices in grid-stride loops, so sizes up to

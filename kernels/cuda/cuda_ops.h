@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUDA backend of kernels/sparse_ops.h. Only the factory is public; it is
 // built only when CUDA is found (MICROD_HAVE_CUDA).
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kernels/cuda/device_info.h"
 
 #include <cuda_runtime_api.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What CUDA devices this process can use. Without a driver or a device this
 // reports zero devices and the reason; it never aborts.
 #pragma once

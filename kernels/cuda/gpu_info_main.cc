@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd-gpu-info: lists the CUDA devices this build can use, or says why
 // there are none (exit status 1). Used by scripts/gpu-check.sh.
 #include <cstdio>

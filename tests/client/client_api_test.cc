@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The C API as a C++ program sees it: the header compiles as C++, every
 // status has a string, bad arguments are refused with a message, and a dead
 // daemon gives a clear error rather than a hang.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The client library declares the few CUDA driver types and constants it
 // uses itself (client/src/cuda_driver.h), so that it builds without CUDA and
 // links libc only. Here, in CUDA builds, they are checked against cuda.h and

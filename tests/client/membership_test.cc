@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // An elastic job's change of membership as a training process sees it: the
 // daemon's LocalServer tells the process its new place (MEMBERSHIP), then
 // completes its pending submission with MICROD_ERR_MEMBERSHIP; the C

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Inputs the kernel tests share (CPU backend against its scalar reference,
 // CUDA backend against the CPU one): the sizes, random gradients, and every
 // shape of owned-partition range a step produces.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The memory limit the daemon's default budgets come from, read from a
 // made-up /proc and /sys/fs/cgroup: cgroup v2 up the hierarchy, v1, and the
 // machine's memory when no cgroup limits the process.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Addresses of a multi-host job (daemon/control/address.h).
 #include "daemon/control/address.h"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // InProcessControlPlane: the engine's view of the control plane over a
 // Coordinator in this process, with no gRPC server or sockets.
 #include "daemon/control/control_plane.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The Coordinator and Admin services against a real gRPC server on port 0.
 #include "daemon/control/coordinator.h"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The job token (job_token.h): proved, never sent. The TLS it derives
 // admits the nodes that hold it and nobody else, and no control message
 // carries the token or the data plane's secret (issue X, finding 1: the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The daemon as a library: its configuration checked field by field, and two
 // nodes started in this process serving training processes through the C
 // client, with no flag, environment or subprocess involved.

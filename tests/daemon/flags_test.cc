@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd's flags onto a DaemonConfig, and the MICROD_* variables of every
 // flag, wherever it is defined (the variables once worked only for flags in
 // the file holding main()).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Readers for the deployment tests: microd's flags (from daemon/flags.cc), the
 Dockerfile's stages, and a small kustomize resolver (base + overlays:
 resources, strategic-merge patches, images, secretGenerator) for the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A training process of `make image-test`, run in a trainer container with no
 network: it reaches its node's daemon only through the socket volume. Fills
 a dense and a sparse bucket with deterministic values, averages them for

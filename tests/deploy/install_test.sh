@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Installs the build tree into a temporary prefix with scripts/build-install.sh
 # (the Dockerfile's build step) and checks what users of an installation rely
 # on: the files are there; client/examples/allreduce_example.c builds out of

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The pod the Kubernetes manifests describe, as podman commands.
 
 image-test.sh runs a job from what `kustomize` renders for an overlay, one

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """deploy/README.md's configuration reference lists every flag of microd
 (read from daemon/flags.cc) with its MICROD_* variable and its default,
 and nothing that is not a flag; and microd really reads each variable."""

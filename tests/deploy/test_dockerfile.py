@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Lint of the root Dockerfile (no Docker engine here): its stages, that every
 path it copies exists in the build context, that the build stage runs the
 scripts the install test runs, and what the runtime image promises (non-root

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Kubernetes manifests (deploy/k8s), rendered with the resolver in
 deploy_lib (base and every overlay): the sidecar and the trainer are wired
 together consistently — socket path and volume, ports of the coordinator in

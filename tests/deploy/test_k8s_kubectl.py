@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The kustomize resolver of deploy_lib (which test_k8s.py checks the
 manifests with) against the real `kubectl kustomize`, for the base and every
 overlay. CTest registers this only where kubectl exists and passes its path

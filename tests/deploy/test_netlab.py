@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """deploy/netlab/netlab.sh: the emulated cluster does what it says.
 
 Namespaces, addresses and clean-up; rate, delay and loss measured through

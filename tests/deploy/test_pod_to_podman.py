@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """tests/deploy/pod_to_podman.py, which image-test.sh runs the manifests'
 pod with: what it makes of the rendered Job is what Kubernetes would run
 (image, command, environment, volumes, user, security, limits), and a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The user documentation stays true to the repository: README.md is short,
 starts with `make demo` and `make test`, names only Makefile targets that
 exist and only options microd (or the other program named below) has, and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The answer owed to a step's submissions: given once, whoever calls Finish
 // and however often (the step's end racing a failure of the job).
 #include "daemon/engine/answer.h"

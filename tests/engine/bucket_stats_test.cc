@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A bucket's statistics, written in one place for each kind of step.
 #include "daemon/engine/engine.h"
 #include "gtest/gtest.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The daemon's side of CUDA buffers without a GPU: one node (coordinator,
 // engine, local server) in this process, with a fake CudaIpcRegistry whose
 // "device memory" is host memory of the test and whose ready event is a

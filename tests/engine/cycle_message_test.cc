@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The response-cache cycle's message on its own (no transport): encode /
 // decode round trips for layouts with bit words to spare and an odd number
 // of floats, refusals of a message out of step, and the intersection.

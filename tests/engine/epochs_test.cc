@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // An elastic job's engines through many membership epochs, in this process
 // (the coordinator and the in-process transport; heartbeats by a test
 // control plane): what each epoch leaves behind (issue X, finding 4: the

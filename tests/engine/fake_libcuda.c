@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* A stand-in for the CUDA driver (libcuda) with the entry points the client
  * library loads (client/src/cuda_driver.c), over host memory, so that the C
  * API's CUDA buffers run end to end without a GPU (MICROD_LIBCUDA names this

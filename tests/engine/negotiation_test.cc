@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine's negotiation, step runner and step memory as units: several
 // nodes' engines in this process over the in-process control plane and
 // transport (no gRPC server, no sockets but the local ones), each serving a

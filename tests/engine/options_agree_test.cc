@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CheckOptionsAgree: every node of a job must step with the same options
 // (the sizes of the cycle's allgather and the results depend on them). The
 // nodes are threads over the in-process transport.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The engine's process table without a transport or a coordinator: local
 // ranks, registration, submissions and readiness, the response cache's ids,
 // disconnects, stalls, and a Work's life cycle (answered once).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The timeline: what it keeps (only while held, sampled, the last N steps),
 // and the trace it writes: valid JSON, phases laid in order and nested in
 // their step even when the clock steps back, names escaped.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Fuzz target: the Coordinator's requests as they arrive over gRPC. The
 // input's first byte picks the method, the rest is its serialized request
 // (anything that does not parse is dropped, as gRPC would). A coordinator

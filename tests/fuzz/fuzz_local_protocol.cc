@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Fuzz target: the daemon's local protocol (daemon/local/local_server.cc)
 // as a training process could speak it. One LocalServer for the whole run,
 // on a socket of its own, in front of a handler that accepts what a healthy

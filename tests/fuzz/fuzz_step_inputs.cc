@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Fuzz target: what a peer sends during a sparse step. Three nodes over the
 // in-process transport run steps of one bucket; node 1's transport replaces
 // what node 1 sends in the step's headers (the selected counts) and index

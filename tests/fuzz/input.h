@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A fuzz input read front to back; zeros (and empty spans) once it is used up.
 #pragma once
 

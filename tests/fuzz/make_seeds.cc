@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Writes the seed corpora of the fuzz targets (tests/fuzz/corpus/): valid
 // conversations of each, which the fuzzers and the replay runs mutate.
 //   microd-fuzz-seeds DIR    (writes DIR/local_protocol, DIR/coordinator, DIR/step_inputs)

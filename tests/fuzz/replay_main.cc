@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Runs a fuzz target without libFuzzer (the builds that make test uses):
 // every file of the corpus directories and files given, then, for each,
 // --mutations deterministic mutations of it (bytes flipped, inserted,

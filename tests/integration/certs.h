@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Test certificates made with openssl: CAs, and node certificates signed by
 // one with the addresses they are reached on (subjectAltName IP entries),
 // usable both as TLS server and client identities.

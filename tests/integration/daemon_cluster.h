@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A local cluster of microd daemons for the end-to-end tests, with training
 // processes started from a test client program, and the reference the
 // processes' results are compared with. The including test defines

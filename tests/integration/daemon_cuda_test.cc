@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA buffers through the daemons (issue G, "Buffers"): training processes
 // register cudaMalloc'd memory through the C API and the results equal the
 // CPU path's bit for bit (the reference of daemon_cluster.h, and host

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd end to end: daemons on loopback, training processes written against
 // the C API, every result compared with the reference of issue A computed in
 // this process; and the faults a deployment meets.

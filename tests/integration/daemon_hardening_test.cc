@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What must not end a job: a trainer that reads its completions late, a
 // daemon paused for less than the peer timeout; and what must be refused
 // without harm: ticket 0, a connection that never says hello. Daemons on

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Compression state across a restart (microd_state_save / microd_state_load):
 // a job runs 20 steps and saves, every daemon and process is stopped, a new
 // cluster loads and runs 20 more: every update equals the reference of 40

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The control plane's security: TLS and mutual TLS between the daemons
 // (certificates made here with openssl), what is refused (a certificate of
 // another CA, plaintext against TLS, a coordinator or Admin port other hosts

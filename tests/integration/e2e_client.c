@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* microd-test-client: a training process of the end-to-end tests, written
  * against the C API only (C99). Registers the buckets given as
  * name:count,..., then for each step fills every bucket with its

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* microd-test-cuda-client: the training process of the GPU end-to-end test.
  * Arguments as microd-test-client (e2e_client.c), then a mode:
  *   socket buckets steps out die_at timeout_ms local_rank mode

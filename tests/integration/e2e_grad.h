@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Deterministic gradients for the end-to-end tests, shared by the C client
  * program and the C++ reference (C99 and C++). */
 #ifndef MICROD_TESTS_E2E_GRAD_H_

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Nodes as separate processes on loopback, coordinated over gRPC, reducing
 // over Gloo: every node's outputs, residuals and thresholds equal, bit for
 // bit, those of the same nodes over the in-process transport. A node killed

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // An emulated cluster for the multi-process tests: a lab of
 // deploy/netlab/netlab.sh (every node in a network namespace of its own, on
 // shaped links), made by Create and removed by the destructor, or by

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd on an emulated cluster (deploy/netlab): every node, its daemon and
 // its training processes in a network namespace of its own, with its own
 // address, reaching the others only through shaped links. The results are

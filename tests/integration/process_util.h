@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Helpers for the multi-process tests: spawn programs, wait for them with a
 // deadline (killing stragglers), read their output files.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What one node's run of a bucket produced, step by step, in a form two runs
 // (in-process and over Gloo in separate processes) can compare bit for bit.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd-test-step-worker: one node of a multi-process test. Joins the
 // coordinator, connects Gloo through its key-value store, runs the step of a
 // bucket on its synthetic stream and writes one line per step (or FAILED and

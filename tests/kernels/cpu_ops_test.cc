@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Every CPU kernel against a plain scalar reference written here, for each
 // instruction set this processor runs, over sizes {0, 1, 7, 1000, 1000003}
 // and every partition edge.

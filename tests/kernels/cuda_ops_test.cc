@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Every CUDA kernel against the CPU backend (the reference) on the same
 // inputs: dense outputs bit for bit, selections as sets (the GPU emits them
 // in any order), counts and non-finite counts exactly, the sum of squares

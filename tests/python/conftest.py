@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Fixtures for the Python tests: a local cluster of microd daemons."""
 import os
 import signal

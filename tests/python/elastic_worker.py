@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One training process of the elastic tests: microd.torch.elastic.run with
 DistributedOptimizer (SGD with momentum, so the optimizer's state matters).
 

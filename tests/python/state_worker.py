@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One training process of the state tests: the demo's CNN through
 microd.torch.DistributedOptimizer on deterministic synthetic batches.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The benchmark report generator (bench/report.py) on small fixed inputs,
 and the smoke run of `make bench`'s training comparison feeding it."""
 import json

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The ctypes binding: statuses map to exceptions, buffers are zero-copy
 views, and a dead daemon gives a clear error instead of a hang."""
 import json

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """bf16 and fp16 buffers from Python: registered with numpy or torch dtypes,
 averaged bit for bit as the rules say (widened exactly, summed and divided
 in fp32, rounded to nearest-even), a dtype that differs between nodes a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """microd.torch.elastic on local clusters: a job that loses a node and
 takes in a replacement, trained with elastic.run."""
 import os

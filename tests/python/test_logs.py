@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The daemons' logs: every line carries a UTC timestamp to the microsecond,
 the level, the node's name and rank and the source line (text), or is one
 JSON object (--log_format=json); --log_level drops what is below it. Before

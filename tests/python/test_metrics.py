@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Prometheus metrics (--metrics): /metrics scraped over HTTP from a running
 2-node cluster, in the Prometheus text format, every value checked against
 what microctl --json says of the same daemon."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The reports that judge accuracy against dense: the demo's (examples/
 fashion_mnist/report.py) and the density sweep's (bench/sparsity/sweep.py),
 on small fixed runs."""

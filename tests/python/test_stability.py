@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Training stability at 0.1 % density: the Fashion-MNIST CNN on 4 nodes,
 exact-density controller, SGD momentum 0.9. Without remedies
 (--remedies=off) it diverges and every process gets a clear NaN/Inf error

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """microd's compression state beside a PyTorch checkpoint: the demo's model
 trained 3 steps, saved (model + microd.torch.save_state), every daemon and
 process stopped, a new cluster loaded and 3 more steps: the parameters equal

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The step timeline (--timeline=FILE, microctl timeline): Chrome trace-event
 JSON from a running 2-node cluster; every bucket step one "step" span on its
 bucket's track with the phases nested inside it, in order, never

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """microd.torch with real processes and daemons: with `dense` the DDP hook and
 the DistributedOptimizer give what plain DDP with Gloo gives; with `micro`
 the optimizer's update equals a straightforward reference of the MiCRO step
@@ -41,7 +42,7 @@ def test_dense_hook_and_optimizer_match_plain_ddp(make_cluster, nodes):
 
 
 def micro_paper_reference(grads, density, momentum=0.0, warmup_steps=0):
-    """ARCHITECTURE section 1 with the `paper` controller, in float32, one
+    """docs/design.md section 1 with the `paper` controller, in float32, one
     process per node: grads[r][t] -> the update every node receives at t.
     With momentum correction the velocity is accumulated and masked."""
     n = len(grads)

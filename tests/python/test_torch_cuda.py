@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """CUDA tensors through the daemons: Client.register_cuda and comm_hook on
 CUDA buckets. Needs a GPU that the daemons can use; without one every test
 here is skipped with that reason (scripts/gpu-check.sh runs this file on a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One training process of the PyTorch tests.
 
     torch_worker.py MODE OUT [STEPS] [DENSITY]

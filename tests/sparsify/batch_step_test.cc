@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The batched step against the step of one bucket at a time (bucket.h):
 // every update bit for bit, for every sparsifier and controller, with
 // momentum correction and clipping, over 1-4 nodes, through a scale drop

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Threshold controllers: the published one reproduced exactly, ours holding
 // the achieved density at the target on gradient streams with the
 // step-to-step noise real training shows.

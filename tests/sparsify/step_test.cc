@@ -1,5 +1,6 @@
+// SPDX-License-Identifier: Apache-2.0
 // The step of every sparsifier against an independent, straightforward
-// reference of ARCHITECTURE section 1 written here: n in {1, 2, 3, 4, 7},
+// reference of docs/design.md section 1 written here: n in {1, 2, 3, 4, 7},
 // sizes with remainders, 25 steps; updates and residuals must match bit for
 // bit, and the `paper` threshold trajectory exactly.
 #include <algorithm>

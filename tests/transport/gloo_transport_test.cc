@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The contract suite against the Gloo transport: the ranks are threads of
 // this process, connected over loopback TCP through an in-memory store.
 #include "daemon/transport/gloo/gloo_transport.h"
@@ -18,7 +19,7 @@
 #include <thread>
 
 #include "absl/strings/match.h"
-#include "daemon/control/kv_store.h"
+#include "daemon/rendezvous/kv_store.h"
 #include "daemon/transport/gloo/gloo_internal.h"
 #include "daemon/transport/gloo/record/device.h"
 #include "daemon/transport/gloo/store_adapter.h"
@@ -54,7 +55,7 @@ std::vector<std::unique_ptr<Transport>> CreateGlooGroup(
     int size, int io_nice = 0, int connections = 0,
     std::optional<LinkModel> link_model = std::nullopt,
     std::function<std::shared_ptr<const SealKeys>(int rank)> seal = nullptr) {
-  static control::InMemoryKeyValueStore store;
+  static rendezvous::InMemoryKeyValueStore store;
   static std::atomic<int> group_id{0};
   const std::string prefix = "group" + std::to_string(group_id++);
   std::vector<std::unique_ptr<Transport>> group(size);
@@ -247,7 +248,7 @@ TEST(GlooTransportTest, LargeSumsKeepAFewSegmentsOfScratch) {
 }
 
 TEST(GlooTransportTest, IoNiceOutOfRangeIsRefused) {
-  control::InMemoryKeyValueStore store;
+  rendezvous::InMemoryKeyValueStore store;
   for (int bad : {-1, 20}) {
     GlooOptions o;
     o.store = &store;
@@ -264,7 +265,7 @@ TEST(GlooTransportTest, IoNiceOutOfRangeIsRefused) {
 // the link's secret to the other), nothing connects, and the errors name
 // the links; nothing it sent was read as data.
 TEST(GlooTransportTest, ARankWithOtherKeysIsRefusedNamingTheLink) {
-  static control::InMemoryKeyValueStore store;
+  static rendezvous::InMemoryKeyValueStore store;
   std::vector<absl::Status> status(3);
   std::vector<std::thread> threads;
   for (int r = 0; r < 3; ++r) {
@@ -368,7 +369,7 @@ void LyingRoundLengthAndExit() {
   const rlimit limit{rlim_t{1} << 30, rlim_t{1} << 30};
   if (setrlimit(RLIMIT_AS, &limit) != 0) std::_Exit(10);
 #endif
-  control::InMemoryKeyValueStore store;
+  rendezvous::InMemoryKeyValueStore store;
   const LinkModel model = LongLink();
   std::unique_ptr<Transport> victim;
   std::thread honest([&] {

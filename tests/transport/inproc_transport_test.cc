@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The contract suite against the in-process transport.
 #include "daemon/transport/inproc/inproc_transport.h"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The link model's arithmetic: a direct round against the two-phase
 // allreduce, the crossover between them, the inline size, and the model
 // every rank shares.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The NCCL contract test runs each rank in its own process (NCCL refuses two
 // ranks of one communicator on one GPU in one process or host): the test
 // holds a proxy Transport per rank that forwards every call over a socket to
@@ -20,7 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "daemon/control/kv_store.h"
+#include "daemon/rendezvous/kv_store.h"
 
 namespace microd::transport::testing {
 
@@ -103,7 +104,7 @@ inline bool WriteResponse(int fd, const absl::Status& s, const void* payload, si
 }
 
 // Keys are files in one directory; Get polls until they exist.
-class FileKeyValueStore final : public control::KeyValueStore {
+class FileKeyValueStore final : public rendezvous::KeyValueStore {
  public:
   explicit FileKeyValueStore(std::string dir) : dir_(std::move(dir)) {}
 

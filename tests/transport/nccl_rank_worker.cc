@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One rank of the NCCL contract test (see nccl_rank_protocol.h): creates the
 // NCCL transport, reports ready, then serves calls from fd 3 until told to
 // exit; an abort request on fd 4 calls Abort from a second thread, as a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Environment for NCCL ranks that are processes of one machine sharing one
 // GPU (tests): each its own "host" (NCCL refuses two ranks of a
 // communicator on one GPU of one host), talking over loopback sockets.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The transport contract suite against the NCCL transport, twice: with host
 // buffers (staged by the transport) and with device buffers. NCCL refuses two
 // ranks of one communicator on one GPU in one process, so every rank is a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd's Gloo device (transport/gloo/record): messages of every size
 // through Gloo's API, sealed and open; and what a stranger, a member or the
 // path can do to a data-plane port: nothing but fail that link, named

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One node's data-plane keys (seal.h): a secret per link of its own, the
 // same at both ends, another for every other link, epoch, job, salt or
 // secret; none for links between other nodes.

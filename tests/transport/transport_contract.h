@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The transport contract suite, written once and instantiated per backend
 // (in-process now; Gloo and NCCL register their own factory). One thread per
 // rank; sizes {0, 1, odd, large}; ranks {1, 2, 3, 4, 7} (a backend may ask

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* microd client library: hands gradient buffers of a training process to the
  * node's microd daemon and waits for their averaged, sparsified update.
  *

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """microd: hand gradient buffers to the node's microd daemon (ctypes binding).
 
     import microd

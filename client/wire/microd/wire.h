@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The local protocol between the client library and the daemon: versioned,
  * fixed-layout messages over a SOCK_SEQPACKET Unix socket, one message per
  * packet; host buffers travel as memfd file descriptors (SCM_RIGHTS). Both

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA IPC buffers over the CUDA runtime. Written and compiled without a GPU
 // (see the GPU test tests/integration/daemon_cuda_test.cc): every CUDA call
 // is checked and every wait polls against a deadline, so that a stuck GPU or

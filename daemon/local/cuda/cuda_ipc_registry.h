@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUDA backend of daemon/local/cuda_ipc.h (CUDA builds only): device
 // memory of the training processes opened with cudaIpcOpenMemHandle and
 // staged through pinned host memory on one non-blocking stream per GPU.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The Gloo backend's allgathers (fixed and variable size) and barrier.
 // Small ones are one direct round (every rank's block to every peer at
 // once); larger ones n - 1 rounds of a shifted permutation, in step. No

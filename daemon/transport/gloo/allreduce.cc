@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The Gloo backend's allreduce. A large one is a reduce-scatter (rank j
 // receives chunk j from every rank) summed in rank order, then an
 // allgather of the summed chunks, pipelined in segments and sent in rounds

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The Gloo backend's direct rounds (ExchangeRound, Expect): every rank's
 // message to every peer at once, whatever their sizes, in one transfer per
 // pair and direction (two past the inline size), receives posted ahead.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Inside the Gloo backend: the transport class, whose collectives live one
 // file each (allgather.cc, allreduce.cc, exchange.cc), as Gloo keeps its
 // own. They are written once, against Gloo's unbound buffers: sealing is
@@ -9,6 +10,7 @@
 #include <gloo/types.h>
 
 #include <atomic>
+#include <functional>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -88,6 +90,8 @@ class GlooTransport final : public Transport {
   // of large allreduces); `device`: its device, for its counters.
   GlooTransport(std::shared_ptr<::gloo::Context> lane, std::shared_ptr<record::Device> device,
                 absl::Duration default_timeout, bool sealed, bool confirm);
+  // Called as each collective begins, with its tag (GlooOptions).
+  void SetOnCollective(std::function<void(uint32_t tag)> f) { on_collective_ = std::move(f); }
   void AddLanes(std::vector<std::shared_ptr<::gloo::Context>> lanes,
                 std::vector<std::shared_ptr<record::Device>> devices);
 
@@ -205,21 +209,19 @@ class GlooTransport final : public Transport {
   std::atomic<uint64_t> scratch_bytes_{0};  // over every lane's scratch
   absl::Mutex mu_;
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
+  std::function<void(uint32_t tag)> on_collective_;
   absl::Mutex active_mu_;
   std::vector<Buffer*> active_ ABSL_GUARDED_BY(active_mu_);
   bool aborted_ ABSL_GUARDED_BY(active_mu_) = false;
 };
 
-// A test hook: MICROD_TEST_EXIT_AT="KIND:N" ends this process at once when
-// it enters its N-th collective with a tag of kind KIND (gloo_transport.cc).
-void MaybeExitForTest(uint32_t tag);
 // What a Gloo exception says, as a Status: a failed link's own (the
 // device's LinkError), else by Gloo's words (timeouts: DeadlineExceeded).
 absl::Status FromException(const std::exception& e, const char* op, uint32_t tag);
 
 template <typename Body>
 absl::Status GlooTransport::Run(const char* op, const CollectiveOptions& o, Body body) {
-  MaybeExitForTest(o.tag);
+  if (on_collective_) on_collective_(o.tag);
   {
     absl::MutexLock lock(&mu_);
     if (!broken_.ok()) return broken_;

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Gloo backend: the transport's life (connection, links' measure, abort)
 // and the factory. Gloo throws; every exception is caught here and becomes
 // a Status, after which the transport is broken (all later calls fail at
@@ -20,26 +21,6 @@
 
 namespace microd::transport {
 namespace gloo_backend {
-
-void MaybeExitForTest(uint32_t tag) {
-  // Unset in production: the end-to-end tests lose a node in a given phase
-  // of a step (a SIGKILL's effect: no goodbye, the kernel closes the
-  // connections), in any epoch's data plane.
-  static const std::pair<long, long> at = [] {
-    long kind = -1, n = 0;
-    if (const char* v = std::getenv("MICROD_TEST_EXIT_AT"); v != nullptr) {
-      if (std::sscanf(v, "%ld:%ld", &kind, &n) != 2 || n < 1) kind = -1;
-    }
-    return std::make_pair(kind, n);
-  }();
-  static std::atomic<long> seen{0};
-  if (at.first < 0 || static_cast<long>(tag & 0xffu) != at.first) return;
-  if (seen.fetch_add(1) + 1 != at.second) return;
-  std::fprintf(stderr, "MICROD_TEST_EXIT_AT=%ld:%ld: exiting in the collective of tag %u\n",
-               at.first, at.second, tag);
-  std::fflush(stderr);
-  std::_Exit(137);
-}
 
 absl::Status FromException(const std::exception& e, const char* op, uint32_t tag) {
   if (const auto* link = dynamic_cast<const record::LinkError*>(&e); link != nullptr) {
@@ -327,6 +308,7 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateGlooTransport(const GlooOptions
     auto first = ConnectLane(o, 0, o.prefix, connect, &first_device);
     auto transport = std::make_unique<gloo_backend::GlooTransport>(first, first_device, o.timeout,
                                                                    o.seal != nullptr, o.confirm);
+    transport->SetOnCollective(o.on_collective);
     if (absl::Status s = transport->MeasureLinks(absl::Now() + connect, o.link_model); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("gloo: rank ", o.rank, " of ", o.size,
                                                  " could not measure its links: ", s.message()));

@@ -1,15 +1,17 @@
+// SPDX-License-Identifier: Apache-2.0
 // Gloo backend of transport.h (CPU, TCP): Gloo's API over microd's own
 // device (record/device.h), which authenticates every connection and, with
 // keys, seals every byte. Only the factory is public.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "daemon/control/kv_store.h"
+#include "daemon/rendezvous/kv_store.h"
 #include "daemon/transport/link_model.h"
 #include "daemon/transport/seal.h"
 #include "daemon/transport/transport.h"
@@ -21,7 +23,7 @@ struct GlooOptions {
   int size = 1;
   // Rendezvous medium (the coordinator's key-value store); must outlive the
   // transport's creation.
-  control::KeyValueStore* store = nullptr;
+  rendezvous::KeyValueStore* store = nullptr;
   // Keys are prefixed with this, so several groups can rendezvous at once.
   // The coordinator takes the data plane's keys of its current epoch only
   // ("gloo/e<epoch>"): epoch 0's by default.
@@ -56,6 +58,10 @@ struct GlooOptions {
   std::shared_ptr<const SealKeys> seal;
   // Transport::Confirm takes a round (--seal_failure=step); else nothing.
   bool confirm = false;
+  // Called on the calling thread as each collective begins, with its tag
+  // (null: nothing): the seam the end-to-end tests lose a node through
+  // (daemon/test_hooks.h).
+  std::function<void(uint32_t tag)> on_collective;
 };
 
 // Connects the full mesh (blocking until every rank arrived or the timeout).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Inside the Gloo backend (and its benchmark): gloo::rendezvous::Store over
 // our KeyValueStore, so Gloo's rendezvous runs through the coordinator.
 // Errors become gloo::IoException, as Gloo expects from a store.
@@ -13,13 +14,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "daemon/control/kv_store.h"
+#include "daemon/rendezvous/kv_store.h"
 
 namespace microd::transport {
 
 class GlooStoreAdapter final : public gloo::rendezvous::Store {
  public:
-  GlooStoreAdapter(control::KeyValueStore* store, std::string prefix, absl::Duration timeout)
+  GlooStoreAdapter(rendezvous::KeyValueStore* store, std::string prefix, absl::Duration timeout)
       : store_(store), prefix_(std::move(prefix)), timeout_(timeout) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
@@ -53,7 +54,7 @@ class GlooStoreAdapter final : public gloo::rendezvous::Store {
 
  private:
   std::string Key(const std::string& k) const { return absl::StrCat(prefix_, "/", k); }
-  control::KeyValueStore* const store_;
+  rendezvous::KeyValueStore* const store_;
   const std::string prefix_;
   const absl::Duration timeout_;
   std::map<std::string, std::string> fetched_;  // by wait(), for the get() that follows

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // In-process transport. Every collective is two rendezvous of all ranks:
 // (A) each rank posts what it contributes, then reads everyone's posts and
 // computes its result; (B) nobody returns, and so frees its buffers, before

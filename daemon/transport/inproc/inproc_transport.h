@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // In-process transport: the ranks of a group are threads of one process
 // (tests and the simulator). Sums are computed in rank order, so results are
 // deterministic and identical on every rank.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // NCCL backend (nccl_transport.h says what it adds to the contract). Written
 // and compiled without a GPU.
 //

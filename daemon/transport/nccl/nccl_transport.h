@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // NCCL backend of transport.h (GPU). Only the factory is public; built only
 // when CUDA and NCCL are found (MICROD_HAVE_NCCL).
 //
@@ -27,7 +28,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "daemon/control/kv_store.h"
+#include "daemon/rendezvous/kv_store.h"
 #include "daemon/transport/transport.h"
 
 namespace microd::transport {
@@ -40,7 +41,7 @@ struct NcclOptions {
   // Rendezvous medium for the ncclUniqueId (the coordinator's key-value
   // store); must outlive the transport's creation. Rank 0 sets
   // "<prefix>/unique_id", the others wait for it.
-  control::KeyValueStore* store = nullptr;
+  rendezvous::KeyValueStore* store = nullptr;
   // Keys are prefixed with this, so several groups can rendezvous at once; a
   // prefix must not be reused for a second group.
   std::string prefix = "nccl";

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """PyTorch integration: a Horovod-like DistributedOptimizer, parameter
 broadcast, and a communication hook for DistributedDataParallel.
 

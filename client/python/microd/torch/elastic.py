@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Elastic training, in the style of Horovod Elastic: a job whose nodes can
 be lost (--min_nodes) and can join (--max_nodes) while it runs.
 

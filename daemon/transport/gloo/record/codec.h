@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The wire format of microd's Gloo device (device.h): the handshake that
 // authenticates a connection before anything else is read from it, and the
 // records every later byte travels in. Pure functions and small types, no

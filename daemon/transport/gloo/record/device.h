@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // microd's Gloo transport device: TCP connections whose every byte, from
 // the first, goes through a record layer (codec.h). Gloo's collectives and
 // microd's own run over it through Gloo's API (contexts, pairs, unbound

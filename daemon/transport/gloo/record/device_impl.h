@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The device behind device.h's factory: its listening socket, the
 // handshakes of the connections it accepts, and the registry of pairs they
 // may join. Internal to the device.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The event loop of microd's Gloo device: one thread, epoll, level-triggered.
 // Handlers are called on the loop's thread, never two at once.
 #pragma once

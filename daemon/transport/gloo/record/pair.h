@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The device's pairs, contexts and unbound buffers (device.h has the
 // protocol). Internal to the device: the rest of microd sees Gloo's
 // interfaces only.

@@ -1,9 +1,10 @@
-#include "daemon/control/kv_store.h"
+// SPDX-License-Identifier: Apache-2.0
+#include "daemon/rendezvous/kv_store.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
-namespace microd::control {
+namespace microd::rendezvous {
 
 absl::Status ValidateKey(const std::string& key) {
   if (key.empty()) return absl::InvalidArgumentError("key-value store: empty key");
@@ -83,4 +84,4 @@ size_t InMemoryKeyValueStore::size() const {
   return values_.size();
 }
 
-}  // namespace microd::control
+}  // namespace microd::rendezvous

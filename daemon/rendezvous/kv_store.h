@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A key-value store with blocking reads, the rendezvous medium of the data
 // plane (Gloo pair addresses, later the NCCL unique id). The coordinator's
 // client implements it over gRPC; InMemoryKeyValueStore serves one process.
@@ -14,7 +15,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 
-namespace microd::control {
+namespace microd::rendezvous {
 
 class KeyValueStore {
  public:
@@ -52,4 +53,4 @@ class InMemoryKeyValueStore final : public KeyValueStore {
   absl::Status failed_ ABSL_GUARDED_BY(mu_);
 };
 
-}  // namespace microd::control
+}  // namespace microd::rendezvous
