@@ -17,8 +17,8 @@ std::function<void(uint32_t tag)> ExitAtFromEnvironment() {
   auto seen = std::make_shared<std::atomic<long>>(0);
   return [kind, n, seen](uint32_t tag) {
     if (static_cast<long>(tag & 0xffu) != kind || seen->fetch_add(1) + 1 != n) return;
-    std::fprintf(stderr, "MICROD_TEST_EXIT_AT=%ld:%ld: exiting in the collective of tag %u\n",
-                 kind, n, tag);
+    std::fprintf(stderr, "MICROD_TEST_EXIT_AT=%ld:%ld: exiting in the collective of tag %u\n", kind,
+                 n, tag);
     std::fflush(stderr);
     std::_Exit(137);
   };

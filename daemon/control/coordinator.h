@@ -20,8 +20,8 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "daemon/control/job_token.h"
-#include "daemon/rendezvous/kv_store.h"
 #include "daemon/control/types.h"
+#include "daemon/rendezvous/kv_store.h"
 
 namespace microd::control {
 

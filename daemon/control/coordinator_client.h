@@ -23,8 +23,8 @@
 #include "absl/time/time.h"
 #include "daemon/control/control_plane.h"
 #include "daemon/control/coordinator.h"
-#include "daemon/rendezvous/kv_store.h"
 #include "daemon/control/tls.h"
+#include "daemon/rendezvous/kv_store.h"
 #include "microd/v1/coordinator.grpc.pb.h"
 
 namespace microd::control {

@@ -10,11 +10,11 @@
 #include <gloo/types.h>
 
 #include <atomic>
-#include <functional>
 #include <chrono>
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
