@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <memory>
 
+#include "kernels/element_type.h"
+
 namespace microd::kernels {
 
 enum class Device : int { kCpu = 0, kCuda = 1 };
@@ -115,18 +117,6 @@ inline bool FusedSelectArgsValid(const FusedSelectArgs& a) {
   return a.select_end == a.select_begin ||
          (a.out_index != nullptr && a.out_value != nullptr && a.out_capacity > 0);
 }
-
-// A bucket's element type in the processes' buffers (the wire's dtype
-// values). The step itself always runs in fp32: half-precision gradients
-// are widened on the way in and rounded on the way out.
-enum class ElementType : int { kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
-// Bytes per element; 0 for a value that is no ElementType.
-size_t ElementBytes(ElementType type);
-// bf16 or fp16: the types HalfToFloat, FloatToHalf and GatherRounded take.
-constexpr bool IsHalfType(ElementType type) {
-  return type == ElementType::kBFloat16 || type == ElementType::kFloat16;
-}
-const char* ElementTypeName(ElementType type);
 
 // Which instruction set the CPU backend uses. kAuto picks the best one the
 // processor supports at run time.

@@ -19,21 +19,17 @@
 #include "absl/strings/str_split.h"
 #include "daemon/common/crypto.h"
 #include "daemon/common/log.h"
+#include "kernels/element_type.h"
 
 namespace microd::control {
 namespace {
 
-// microd.v1.DataType's values, by name (the step is fp32 for every one).
+// microd.v1.DataType's values, by name (the step is fp32 for every one);
+// null for a value that is no bucket's type.
 const char* DataTypeName(int dtype) {
-  switch (dtype) {
-    case 1:
-      return "float32";
-    case 2:
-      return "bfloat16";
-    case 3:
-      return "float16";
-  }
-  return nullptr;
+  return kernels::IsBucketType(dtype)
+             ? kernels::ElementTypeName(static_cast<kernels::ElementType>(dtype))
+             : nullptr;
 }
 constexpr int64_t kMaxBucketCount = 0xFFFFFFFFll;
 

@@ -23,9 +23,17 @@
 #include "daemon/common/status_map.h"
 #include "daemon/common/unix_socket.h"
 #include "daemon/local/cuda_ipc.h"
+#include "kernels/element_type.h"
 #include "microd/wire.h"
 
 namespace microd::local {
+
+// The wire's dtypes are kernels' element types, numbered alike: a
+// buffer's dtype is used as one without conversion.
+static_assert(static_cast<int>(kernels::ElementType::kFloat32) == MICROD_WIRE_DTYPE_FLOAT32);
+static_assert(static_cast<int>(kernels::ElementType::kBFloat16) == MICROD_WIRE_DTYPE_BFLOAT16);
+static_assert(static_cast<int>(kernels::ElementType::kFloat16) == MICROD_WIRE_DTYPE_FLOAT16);
+
 namespace {
 
 constexpr uint64_t kMaxElements = 0xFFFFFFFFull;

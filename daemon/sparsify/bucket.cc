@@ -492,10 +492,7 @@ absl::Status BucketState::ReduceValues(uint64_t K, const kernels::FusedSelectArg
         ops_->FloatToHalf(values_.get(), spec_.wire, K, wire_values_.get(), stream_), "rounding"));
     stats.bytes_sent += K * sizeof(uint16_t);
     stats.bytes_received += K * sizeof(uint16_t);
-    RETURN_IF_ERROR(transport.AllreduceSum(
-        wire_values_.get(), K,
-        spec_.wire == kernels::ElementType::kBFloat16 ? DataType::kBFloat16 : DataType::kFloat16,
-        o));
+    RETURN_IF_ERROR(transport.AllreduceSum(wire_values_.get(), K, spec_.wire, o));
     RETURN_IF_ERROR(Check(
         ops_->HalfToFloat(wire_values_.get(), spec_.wire, K, values_.get(), stream_), "widen"));
     // A sum past the type's range (fp16: 65504) is Inf on every node alike.

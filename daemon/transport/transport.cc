@@ -9,36 +9,6 @@
 
 namespace microd::transport {
 
-size_t DataTypeSize(DataType type) {
-  switch (type) {
-    case DataType::kFloat32:
-    case DataType::kInt32:
-      return 4;
-    case DataType::kInt64:
-      return 8;
-    case DataType::kBFloat16:
-    case DataType::kFloat16:
-      return 2;
-  }
-  return 0;
-}
-
-const char* DataTypeName(DataType type) {
-  switch (type) {
-    case DataType::kFloat32:
-      return "float32";
-    case DataType::kInt32:
-      return "int32";
-    case DataType::kInt64:
-      return "int64";
-    case DataType::kBFloat16:
-      return "bfloat16";
-    case DataType::kFloat16:
-      return "float16";
-  }
-  return "unknown";
-}
-
 absl::Status CheckAllgatherV(int rank, int size, const void* in,
                              absl::Span<const size_t> recv_bytes, const void* out) {
   if (recv_bytes.size() != static_cast<size_t>(size)) {

@@ -35,12 +35,12 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "daemon/transport/link_model.h"
+#include "kernels/element_type.h"
 
 namespace microd::transport {
 
-enum class DataType : int { kFloat32 = 0, kInt32 = 1, kInt64 = 2, kBFloat16 = 3, kFloat16 = 4 };
-size_t DataTypeSize(DataType type);
-const char* DataTypeName(DataType type);
+// What the collectives move: kernels' one numbering of element types.
+using DataType = kernels::ElementType;
 
 // What a collective belongs to. A tag is (bucket slot << 8) | kind, so that
 // the collectives of different buckets can never be matched with each other.

@@ -349,29 +349,6 @@ class CpuSparseOps final : public SparseOps {
 
 }  // namespace
 
-size_t ElementBytes(ElementType type) {
-  switch (type) {
-    case ElementType::kFloat32:
-      return 4;
-    case ElementType::kBFloat16:
-    case ElementType::kFloat16:
-      return 2;
-  }
-  return 0;
-}
-
-const char* ElementTypeName(ElementType type) {
-  switch (type) {
-    case ElementType::kFloat32:
-      return "float32";
-    case ElementType::kBFloat16:
-      return "bfloat16";
-    case ElementType::kFloat16:
-      return "float16";
-  }
-  return "unknown";
-}
-
 const char* KernelStatusString(KernelStatus status) {
   switch (status) {
     case KernelStatus::kOk:

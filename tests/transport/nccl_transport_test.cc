@@ -127,7 +127,7 @@ class ProcessTransport final : public Transport {
     req.type = static_cast<uint32_t>(type);
     std::vector<char> result;
     absl::Status s =
-        Call(req, {}, data, data ? count * DataTypeSize(type) : 0, o.deadline, &result);
+        Call(req, {}, data, data ? count * kernels::ElementBytes(type) : 0, o.deadline, &result);
     if (s.ok() && !result.empty()) std::memcpy(data, result.data(), result.size());
     return s;
   }

@@ -184,8 +184,8 @@ TEST_P(TransportContractTest, HalfSumsAreWidenedSummedInRankOrderAndRoundedOnce)
           float sum = widen(is_bf16, value(0, i));
           for (int q = 1; q < n; ++q) sum += widen(is_bf16, value(q, i));
           const uint16_t want = is_bf16 ? bf16(sum) : f16(sum);
-          ASSERT_EQ(h[i], want) << DataTypeName(type) << " rank " << r << " of " << n << " element "
-                                << i;
+          ASSERT_EQ(h[i], want) << kernels::ElementTypeName(type) << " rank " << r << " of " << n
+                                << " element " << i;
         }
       });
     }

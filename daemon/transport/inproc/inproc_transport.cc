@@ -152,7 +152,7 @@ class InprocTransport final : public Transport {
   absl::Status AllreduceSum(void* data, size_t count, DataType type,
                             const CollectiveOptions& o) override {
     if (count > 0 && data == nullptr) return absl::InvalidArgumentError("AllreduceSum: null data");
-    const size_t bytes = count * DataTypeSize(type);
+    const size_t bytes = count * kernels::ElementBytes(type);
     std::vector<char> result(bytes);
     Post p{OpKind::kAllreduce, o.tag, data, count, type};
     absl::Status status = Run(p, o, [&]() -> absl::Status {
@@ -160,7 +160,8 @@ class InprocTransport final : public Transport {
         if (hub_->post(r).type != type) {
           return absl::InvalidArgumentError(
               absl::StrCat("AllreduceSum tag ", o.tag, ": data types differ between ranks (",
-                           DataTypeName(type), " vs ", DataTypeName(hub_->post(r).type), ")"));
+                           kernels::ElementTypeName(type), " vs ",
+                           kernels::ElementTypeName(hub_->post(r).type), ")"));
         }
       }
       switch (type) {

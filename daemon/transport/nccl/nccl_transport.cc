@@ -215,10 +215,10 @@ class NcclTransport final : public Transport {
         break;
       default:
         return absl::InvalidArgumentError(
-            absl::StrCat("AllreduceSum: ", DataTypeName(type),
+            absl::StrCat("AllreduceSum: ", kernels::ElementTypeName(type),
                          " is not summed over NCCL (bf16/fp16 sums: the host backends only)"));
     }
-    const size_t bytes = count * DataTypeSize(type);
+    const size_t bytes = count * kernels::ElementBytes(type);
     absl::Time deadline;
     RETURN_IF_ERROR(Begin(o, &deadline));
     absl::Status s = [&]() -> absl::Status {
