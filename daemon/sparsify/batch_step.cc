@@ -710,6 +710,7 @@ absl::StatusOr<StepStats> BatchStep::Finish(size_t i, float* update) {
   it.stats.selected = K;
   it.stats.cre = std::fabs(static_cast<double>(K) / static_cast<double>(it.stats.budget) - 1.0);
   it.stats.apply_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  b.LogStep(it.stats);
   return it.stats;
 }
 

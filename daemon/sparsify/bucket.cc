@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "daemon/common/log.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/status_map.h"
 
@@ -354,8 +355,24 @@ absl::StatusOr<StepStats> BucketState::Step(const float* grad, float* update,
   if (stats.ok()) {
     stats->host_waits = ops_->host_waits() + transport.host_waits() - waits_before;
     stats->rounds = transport.rounds() - rounds_before;
+    LogStep(*stats);
   }
   return stats;
+}
+
+void BucketState::LogStep(const StepStats& s) const {
+  // Off by default (--log_level=debug): one relaxed load when off.
+  MICROD_LOG(
+      Debug,
+      "bucket '%s' step %llu on node %d of %d: k %llu, selected %llu (%llu here), "
+      "%llu round(s), %llu bytes sent, %llu received; select %.3f ms, exchange %.3f ms, "
+      "apply %.3f ms",
+      spec_.name.c_str(), static_cast<unsigned long long>(s.step), job_.node_rank, job_.num_nodes,
+      static_cast<unsigned long long>(s.budget), static_cast<unsigned long long>(s.selected),
+      static_cast<unsigned long long>(s.local_selected), static_cast<unsigned long long>(s.rounds),
+      static_cast<unsigned long long>(s.bytes_sent),
+      static_cast<unsigned long long>(s.bytes_received), s.select_seconds * 1e3,
+      s.exchange_seconds * 1e3, s.apply_seconds * 1e3);
 }
 
 BucketState::Header BucketState::MakeHeader(uint64_t count, uint64_t nonfinite) const {

@@ -197,6 +197,8 @@ class BucketState {
                                             float* update, transport::Transport& transport,
                                             const transport::CollectiveOptions& options,
                                             absl::Time deadline, absl::Time start, StepStats stats);
+  // A step's figures at the debug level (--log_level=debug).
+  void LogStep(const StepStats& stats) const;
   // The rest of a step once Confirm passed (`confirmed`: when), or what a
   // failed Confirm leaves pending (`drop`: undoes what the step did before
   // it, if anything).

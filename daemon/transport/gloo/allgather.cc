@@ -14,7 +14,7 @@ namespace microd::transport::gloo_backend {
 absl::Status GlooTransport::Allgather(const void* in, size_t bytes, void* out,
                                       const CollectiveOptions& o) {
   if (absl::Status s = CheckBuffers("Allgather", bytes, in, out); !s.ok()) return s;
-  return Run("Allgather", o, [&](Timeout timeout) {
+  return Run("Allgather", o, bytes, [&](Timeout timeout) {
     GatherFixed(in, bytes, out, GlooTag(o.tag, GlooKind::kAllgather), timeout);
   });
 }
@@ -22,7 +22,7 @@ absl::Status GlooTransport::Allgather(const void* in, size_t bytes, void* out,
 absl::Status GlooTransport::AllgatherV(const void* in, absl::Span<const size_t> recv_bytes,
                                        void* out, const CollectiveOptions& o) {
   if (absl::Status s = CheckAllgatherV(rank(), size(), in, recv_bytes, out); !s.ok()) return s;
-  return Run("AllgatherV", o, [&](Timeout timeout) {
+  return Run("AllgatherV", o, recv_bytes[rank()], [&](Timeout timeout) {
     GatherV(in, std::vector<size_t>(recv_bytes.begin(), recv_bytes.end()), out,
             GlooTag(o.tag, GlooKind::kAllgatherV), timeout);
   });
@@ -30,7 +30,7 @@ absl::Status GlooTransport::AllgatherV(const void* in, absl::Span<const size_t> 
 
 // An allgather of one byte: unlike gloo::barrier it can be aborted.
 absl::Status GlooTransport::Barrier(const CollectiveOptions& o) {
-  return Run("Barrier", o, [&](Timeout timeout) {
+  return Run("Barrier", o, 1, [&](Timeout timeout) {
     char mine = 1;
     std::vector<char> all(size());
     GatherFixed(&mine, 1, all.data(), GlooTag(o.tag, GlooKind::kBarrier), timeout);

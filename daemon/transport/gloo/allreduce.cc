@@ -43,7 +43,7 @@ void Divide(T* data, size_t count, float divisor) {
 absl::Status GlooTransport::AllreduceSum(void* data, size_t count, DataType type,
                                          const CollectiveOptions& o) {
   if (count > 0 && data == nullptr) return absl::InvalidArgumentError("AllreduceSum: null data");
-  return Run("AllreduceSum", o, [&](Timeout timeout) {
+  return Run("AllreduceSum", o, count * kernels::ElementBytes(type), [&](Timeout timeout) {
     if (count == 0 || size() == 1) return;
     ReduceAny(data, count, type, o.tag, timeout);
   });
@@ -70,7 +70,7 @@ absl::Status GlooTransport::AllreduceAverage(float* data, size_t count, float di
   if (count > 0 && data == nullptr) {
     return absl::InvalidArgumentError("AllreduceAverage: null data");
   }
-  return Run("AllreduceAverage", o, [&](Timeout timeout) {
+  return Run("AllreduceAverage", o, count * sizeof(float), [&](Timeout timeout) {
     if (count == 0) return;
     if (size() == 1) {
       for (size_t i = 0; i < count; ++i) data[i] /= divisor;

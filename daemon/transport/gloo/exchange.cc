@@ -11,7 +11,8 @@ namespace microd::transport::gloo_backend {
 absl::Status GlooTransport::ExchangeRound(std::string_view mine, std::vector<std::string>* from,
                                           const CollectiveOptions& o) {
   if (from == nullptr) return absl::InvalidArgumentError("ExchangeRound: no output");
-  return Run("ExchangeRound", o, [&](Timeout timeout) { Exchange(mine, from, o, timeout); });
+  return Run("ExchangeRound", o, mine.size(),
+             [&](Timeout timeout) { Exchange(mine, from, o, timeout); });
 }
 
 void GlooTransport::Expect(uint32_t tag, size_t inline_bytes) {

@@ -26,6 +26,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "daemon/common/log.h"
 #include "daemon/transport/gloo/record/device.h"
 #include "daemon/transport/link_model.h"
 #include "daemon/transport/transport.h"
@@ -129,7 +130,7 @@ class GlooTransport final : public Transport {
   using Timeout = std::chrono::milliseconds;
 
   template <typename Body>
-  absl::Status Run(const char* op, const CollectiveOptions& o, Body body);
+  absl::Status Run(const char* op, const CollectiveOptions& o, size_t bytes, Body body);
   absl::Status Break(absl::Status status);
   absl::Status ShareLinkModel(const LinkModel& mine, const CollectiveOptions& o);
 
@@ -220,7 +221,8 @@ class GlooTransport final : public Transport {
 absl::Status FromException(const std::exception& e, const char* op, uint32_t tag);
 
 template <typename Body>
-absl::Status GlooTransport::Run(const char* op, const CollectiveOptions& o, Body body) {
+absl::Status GlooTransport::Run(const char* op, const CollectiveOptions& o, size_t bytes,
+                                Body body) {
   if (on_collective_) on_collective_(o.tag);
   {
     absl::MutexLock lock(&mu_);
@@ -240,6 +242,10 @@ absl::Status GlooTransport::Run(const char* op, const CollectiveOptions& o, Body
   } catch (const std::exception& e) {
     return Break(FromException(e, op, o.tag));
   }
+  // Off by default (--log_level=debug): one relaxed load when off.
+  MICROD_LOG(Debug, "gloo %s tag %u (slot %u, kind %u): %zu bytes from rank %d of %d, %.3f ms", op,
+             o.tag, o.tag >> 8, o.tag & 0xffu, bytes, rank(), size(),
+             absl::ToDoubleMilliseconds(absl::Now() - now));
   absl::MutexLock lock(&mu_);
   return broken_;  // an abort during the call fails it even if Gloo returned
 }
