@@ -33,6 +33,7 @@
 #include "daemon/engine/engine_status.h"
 #include "daemon/engine/metrics.h"
 #include "daemon/engine/timeline.h"
+#include "daemon/join_options.h"
 #include "daemon/local/local_server.h"
 #include "daemon/test_hooks.h"
 #include "daemon/transport/gloo/gloo_transport.h"
@@ -237,6 +238,7 @@ absl::Status DaemonImpl::StartCoordinator() {
     co.token = job_token_;
     co.certificate_names_job =
         config_.tls.files() && !config_.tls.ca.empty() && job_token_ == nullptr;
+    co.check_options = CheckJoinOptions;
     co.expected_nodes = config_.nodes;
     co.min_nodes = config_.min_nodes;
     co.max_nodes = config_.max_nodes;

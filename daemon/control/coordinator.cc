@@ -47,17 +47,6 @@ absl::Status ValidateName(const std::string& what, const std::string& name) {
   return absl::OkStatus();
 }
 
-// "--flag=value" lines, by flag.
-std::map<std::string, std::string> OptionLines(const std::string& text) {
-  std::map<std::string, std::string> out;
-  for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
-    const size_t eq = line.find('=');
-    out[std::string(line.substr(0, eq))] =
-        eq == absl::string_view::npos ? "" : std::string(line.substr(eq + 1));
-  }
-  return out;
-}
-
 // 32 bytes from the kernel's random source: an epoch's seal salt.
 std::string FreshSealSalt() {
   auto salt = crypto::RandomBytes(32);
@@ -79,29 +68,6 @@ std::string LinkSaltOf(const std::string& epoch_secret, uint64_t epoch, int a, i
     std::abort();  // no key may come from a salt that is not the epoch's
   }
   return *std::move(salt);
-}
-
-// Whether a node seals its data plane, from its options ("--seal=on").
-bool SealsDataPlane(const std::map<std::string, std::string>& options) {
-  auto it = options.find("--seal");
-  return it != options.end() && it->second == "on";
-}
-
-// Each option that differs between a joining node's and the job's.
-std::vector<std::string> OptionsThatDiffer(const std::string& mine, const std::string& job) {
-  const auto a = OptionLines(mine), b = OptionLines(job);
-  std::vector<std::string> out;
-  for (const auto& [flag, value] : a) {
-    auto it = b.find(flag);
-    const std::string theirs = it == b.end() ? "not set" : it->second;
-    if (theirs != value)
-      out.push_back(absl::StrCat(flag, " is ", value, " there, ", theirs, " in the job"));
-  }
-  for (const auto& [flag, value] : b) {
-    if (a.count(flag) == 0)
-      out.push_back(absl::StrCat(flag, " is not set there, ", value, " in the job"));
-  }
-  return out;
 }
 
 std::string Describe(const BucketInfo& b) {
@@ -235,13 +201,17 @@ absl::Status Coordinator::CheckMember(uint64_t session, int rank, int* caller, b
   return absl::OkStatus();
 }
 
-absl::Status Coordinator::CheckOptionsSent(const std::string& node_name,
-                                           const std::string& options) const {
+absl::Status Coordinator::CheckOptions(const std::string& node_name, const std::string& options,
+                                       bool running) const {
+  if (nodes_.empty() || nodes_[0].options.empty()) return absl::OkStatus();
   // A node that sends no options would skip their check.
-  if (nodes_.empty() || !options.empty() || nodes_[0].options.empty()) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      "node '", node_name, "' may not join: it sent no options, which the job's first node '",
-      nodes_[0].name, "' did (a node's are checked against the job's at its join)"));
+  if (options.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "node '", node_name, "' may not join: it sent no options, which the job's first node '",
+        nodes_[0].name, "' did (a node's are checked against the job's at its join)"));
+  }
+  if (!options_.check_options) return absl::OkStatus();
+  return options_.check_options(node_name, options, nodes_[0].name, nodes_[0].options, running);
 }
 
 absl::Status Coordinator::CheckKeyWrite(int caller, const std::string& key, size_t bytes) {
@@ -429,15 +399,10 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
             "found lost, after the peer timeout)"));
       }
     }
-    if (absl::Status s = CheckOptionsSent(node_name, options); !s.ok()) return s;
-    if (const std::vector<std::string> differ = OptionsThatDiffer(options, nodes_[0].options);
-        !options.empty() && !nodes_[0].options.empty() && !differ.empty()) {
+    if (absl::Status s = CheckOptions(node_name, options, /*running=*/true); !s.ok()) {
       MICROD_LOG(Warning, "coordinator: refused node '%s' joining the running job: %s",
-                 node_name.c_str(), absl::StrJoin(differ, "; ").c_str());
-      return absl::InvalidArgumentError(absl::StrCat("node '", node_name,
-                                                     "' may not join: its options differ from "
-                                                     "the job's: ",
-                                                     absl::StrJoin(differ, "; ")));
+                 node_name.c_str(), std::string(s.message()).c_str());
+      return s;
     }
     Node self;
     self.name = node_name;
@@ -445,18 +410,7 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
     self.options = options;
     return AdmitLocked(std::move(self));
   }
-  if (absl::Status s = CheckOptionsSent(node_name, options); !s.ok()) return s;
-  // Every node seals its data plane or none does (else nothing of it
-  // would connect): said here, naming both.
-  if (!nodes_.empty() && !options.empty() && !nodes_[0].options.empty()) {
-    const bool mine = SealsDataPlane(OptionLines(options));
-    if (mine != SealsDataPlane(OptionLines(nodes_[0].options))) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "node '", node_name, "' may not join: it ", mine ? "seals" : "does not seal",
-          " its data plane and node '", nodes_[0].name, "' ", mine ? "does not" : "does",
-          ": give every node the same --seal (with --seal=auto, the same TLS and --token_file)"));
-    }
-  }
+  if (absl::Status s = CheckOptions(node_name, options, /*running=*/false); !s.ok()) return s;
   for (const Node& n : nodes_) {
     if (n.name == node_name) {
       return absl::AlreadyExistsError(absl::StrCat("node name '", node_name, "' already joined"));

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -32,6 +33,14 @@ struct CoordinatorOptions {
   // Mutual TLS admits the nodes and there is no token: a join's
   // certificate must name this job (tls.h, kJobUriPrefix).
   bool certificate_names_job = false;
+  // Whether a joining node's options (opaque "--flag=value" lines) fit the
+  // job's first node's: the daemon's rule (daemon/join_options.h), which
+  // the coordinator does not read. `running`: the job runs already. Null:
+  // any options fit.
+  std::function<absl::Status(const std::string& node, const std::string& options,
+                             const std::string& first, const std::string& first_options,
+                             bool running)>
+      check_options;
   int expected_nodes = 1;  // n
   absl::Duration peer_timeout = absl::Seconds(10);
   // The stall inspector: a bucket waiting this long on some node is
@@ -264,9 +273,10 @@ class Coordinator {
   absl::Status CheckKeyWrite(int caller, const std::string& key, size_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A joining node sent its options ("--flag=value" lines) if the job's
-  // first node did (the in-process control plane's nodes send none).
-  absl::Status CheckOptionsSent(const std::string& node_name, const std::string& options) const
-      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // first node did (the in-process control plane's nodes send none), and
+  // check_options takes them (`running`: a running job's joiner).
+  absl::Status CheckOptions(const std::string& node_name, const std::string& options,
+                            bool running) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The next epoch's bookkeeping: its secret, its change record; earlier
   // epochs' rendezvous keys, old credentials and change records past the
   // few kept are dropped.

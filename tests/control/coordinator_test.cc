@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "daemon/control/coordinator_client.h"
 #include "daemon/control/services.h"
+#include "daemon/join_options.h"
 #include "gtest/gtest.h"
 #include "microd/v1/admin.grpc.pb.h"
 
@@ -588,6 +589,7 @@ TEST(CoordinatorSeal, ANodeThatDiffersOnSealingIsRefusedAtTheJoin) {
   CoordinatorOptions o;
   o.job_id = "job";
   o.expected_nodes = 2;
+  o.check_options = CheckJoinOptions;  // the daemon's rule
   auto c = *Coordinator::Create(o);
   std::vector<absl::StatusOr<Membership>> m(2, absl::UnknownError(""));
   std::thread t0([&] {
@@ -713,6 +715,7 @@ std::unique_ptr<Coordinator> ElasticCoordinator(
   o.max_nodes = max_nodes;
   o.elastic_timeout = elastic_timeout;
   o.peer_timeout = timeout;
+  o.check_options = CheckJoinOptions;  // the daemon's rule
   return *Coordinator::Create(o);
 }
 
