@@ -452,7 +452,8 @@ void LyingRoundLengthAndExit() {
   const uint64_t claimed = uint64_t{3} << 30;
   std::memcpy(lie.data(), &claimed, sizeof claimed);
   auto forged = liar->createUnboundBuffer(lie.data(), lie.size());
-  forged->send(0, ::gloo::Slot::build(gloo_backend::kRoundSlotPrefix, 77) + (inline_bytes >> 12));
+  forged->send(0, static_cast<uint64_t>(::gloo::Slot::build(gloo_backend::kRoundSlotPrefix, 77)) +
+                      (inline_bytes >> 12));
   CollectiveOptions o;
   o.tag = 77;
   o.deadline = absl::Now() + absl::Seconds(20);

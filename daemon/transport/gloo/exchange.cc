@@ -28,7 +28,8 @@ void GlooTransport::Expect(uint32_t tag, size_t inline_bytes) {
     // finds the next one's notice there already.
     while (queue.size() < kRoundsPosted) queue.push_back(PostRound(tag, inline_bytes));
   } catch (const std::exception& e) {
-    Break(FromException(e, "Expect", tag));
+    // The transport is broken from here on: the next collective says why.
+    (void)Break(FromException(e, "Expect", tag));
   }
 }
 
@@ -37,7 +38,8 @@ void GlooTransport::Expect(uint32_t tag, size_t inline_bytes) {
 // each other's transfers.
 uint64_t GlooTransport::InlineSlot(uint32_t tag, size_t inline_bytes) const {
   static_assert((kMaxInlineBytes >> 12) < (1 << 24), "the inline size fits the slot's low bits");
-  return ::gloo::Slot::build(kRoundSlotPrefix, tag) + (inline_bytes >> 12);
+  // In 64 bits: Slot::operator+ would take the units as a uint8_t.
+  return static_cast<uint64_t>(::gloo::Slot::build(kRoundSlotPrefix, tag)) + (inline_bytes >> 12);
 }
 
 std::unique_ptr<GlooTransport::PostedRound> GlooTransport::PostRound(uint32_t tag,
