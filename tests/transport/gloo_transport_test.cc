@@ -208,11 +208,13 @@ TEST(GlooTransportTest, LargeSumsKeepAFewSegmentsOfScratch) {
   constexpr uint64_t kSegmentBytes = 8 << 20;
   for (const bool long_link : {false, true}) {
     for (int n : {2, 3}) {
-      std::optional<LinkModel> model;
+      // Given, not measured: a model measured on a loaded machine chose
+      // another schedule (issue Z, finding 4: 40 MB of scratch under ASan
+      // beside other tests). The short link is LinkModel's default: 50 us.
+      LinkModel model;
       if (long_link) {
-        model.emplace();
-        model->round_seconds = 0.01;  // posted ahead from 2 ms
-        model->posted_round_seconds = 0.005;
+        model.round_seconds = 0.01;  // posted ahead from 2 ms
+        model.posted_round_seconds = 0.005;
       }
       std::vector<std::unique_ptr<Transport>> group = CreateGlooGroup(n, 0, 1, model);
       ASSERT_EQ(group.size(), size_t(n));
