@@ -7,11 +7,8 @@
 #include "daemon/transport/gloo/gloo_transport.h"
 
 #include <gloo/rendezvous/context.h>
-#include <signal.h>
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <future>
 
 #include "absl/strings/match.h"
