@@ -13,6 +13,7 @@
 #include "daemon/common/status_macros.h"
 #include "daemon/common/status_map.h"
 #include "daemon/sparsify/round_message.h"
+#include "kernels/convert.h"
 
 namespace microd::sparsify {
 
@@ -32,28 +33,27 @@ absl::Status BadMessage(int node, const char* round, const std::string& bucket) 
                                           "'; a bad peer, batch failed on every node"));
 }
 
+// Node r's indices against the elements it selects from: every node checks
+// them alike, before any is used.
+absl::Status CheckIndices(const BucketState& b, int r, absl::Span<const uint32_t> index) {
+  const Range range = b.SenderRange(r);
+  uint64_t outside = 0;
+  for (uint32_t x : index) outside += x < range.begin || x >= range.end;
+  if (outside == 0) return absl::OkStatus();
+  return absl::DataLossError(
+      absl::StrCat("bucket '", b.spec().name, "' step ", b.step(), ": node ", r, " sent ", outside,
+                   " of ", index.size(), " indices outside [", range.begin, ", ", range.end,
+                   "), the elements it selects from; a bad peer, step failed on every node"));
+}
+
 }  // namespace
 
 struct BatchStep::Item {
   BucketState* b = nullptr;
-  bool hist = false;    // micro with the hist controller: candidates, then a threshold
   bool absent = false;  // this node has no gradient for it
   absl::Status failed;  // its own failure, the same on every node
-  StepStats stats;
   absl::Time start;
-  // The bucket's read-only pass (its gradient, scale and velocity): the
-  // values of round 3 and the commit in Finish read through it.
-  kernels::FusedSelectArgs pass;
-  uint64_t count = 0;  // this node's selected indices (hist: candidates)
-  uint64_t nonfinite = 0;
-  float lower = 0;  // hist: the bound the candidates were selected with
-  int rescans = 0;
-  // This node's selection (hist: its candidates' indices and values), read
-  // on the host: the bucket's own buffers on the CPU backend, else copies.
-  absl::Span<const uint32_t> my_index;
-  absl::Span<const float> my_value;  // hist only
-  std::vector<uint32_t> host_index;
-  std::vector<float> host_value;
+  BucketState::Selection sel;                // this node's pass and selection (stats included)
   std::vector<uint32_t> my_bins, my_counts;  // hist: sparse coarse histogram
   std::vector<BucketState::Header> headers;  // every node's
   // hist: every node's sparse coarse histogram (from round 1 or a rescan).
@@ -61,26 +61,15 @@ struct BatchStep::Item {
   HC::CoarsePlan plan;
   std::vector<uint32_t> index;  // I, every node's selection in rank order (until round 3)
   uint64_t selected = 0;        // |I|
-  uint64_t values_at = 0;       // where v at I, summed over nodes, is in BatchStep::sums_
-  double threshold = 0;
+  size_t values_at = 0;         // where the sums at I are in BatchStep::sums_ (bytes)
 
   bool alive() const { return failed.ok(); }
+  bool hist() const { return sel.hist; }
+  StepStats& stats() { return sel.stats; }
+  size_t wire_bytes() const { return kernels::ElementBytes(b->spec().wire); }
 };
 
-bool BatchStep::Batchable(const BucketState& b) {
-  const SparsifyOptions& o = b.options_;
-  if (o.DenseAt(b.step_) || b.spec_.wire != kernels::ElementType::kFloat32) return false;
-  switch (o.sparsifier) {
-    case SparsifierKind::kMicro:
-      return !b.controller_->WantsPrime();
-    case SparsifierKind::kTopK:
-    case SparsifierKind::kHard:
-      return true;
-    case SparsifierKind::kDense:
-      break;
-  }
-  return false;
-}
+bool BatchStep::Batchable(const BucketState& b) { return b.Batchable(); }
 
 BatchStep::BatchStep(transport::Transport& transport, absl::Time deadline)
     : transport_(transport), deadline_(deadline) {}
@@ -111,35 +100,12 @@ absl::Status BatchStep::Exchange(TagKind kind, std::string_view mine,
   return absl::OkStatus();
 }
 
-absl::Status BatchStep::CopyCandidates(Item& it) {
-  BucketState& b = *it.b;
-  if (b.ops_->device() == kernels::Device::kCpu) {
-    // Host memory already: read in place (nothing writes the candidates
-    // before round 3, a rescan's pass aside, which comes back here).
-    it.my_index = absl::MakeConstSpan(b.candidate_index_.get(), it.count);
-    if (it.hist) it.my_value = absl::MakeConstSpan(b.candidate_value_.get(), it.count);
-    return absl::OkStatus();
-  }
-  it.host_index.resize(it.count);
-  RETURN_IF_ERROR(b.Check(b.ops_->CopyToHost(it.host_index.data(), b.candidate_index_.get(),
-                                             it.count * sizeof(uint32_t), b.stream_),
-                          "copy"));
-  it.my_index = it.host_index;
-  if (!it.hist) return absl::OkStatus();
-  it.host_value.resize(it.count);
-  RETURN_IF_ERROR(b.Check(b.ops_->CopyToHost(it.host_value.data(), b.candidate_value_.get(),
-                                             it.count * sizeof(float), b.stream_),
-                          "copy"));
-  it.my_value = it.host_value;
-  return absl::OkStatus();
-}
-
 absl::Status BatchStep::LocalCoarse(Item& it) {
   // Every finite coarse bin from the pass's bound up (the candidates are at
   // or above it), counted on the host copy of the candidates' values.
-  const uint32_t first = HC::CoarseBinOf(it.lower);
+  const uint32_t first = HC::CoarseBinOf(it.sel.lower);
   std::vector<uint32_t> dense(first < HC::kFiniteCoarseBins ? HC::kFiniteCoarseBins - first : 0);
-  for (float v : it.my_value) {
+  for (float v : it.sel.value) {
     const uint32_t bin = HC::CoarseBinOf(v);
     if (bin >= first && bin < HC::kFiniteCoarseBins) ++dense[bin - first];
   }
@@ -156,60 +122,15 @@ absl::Status BatchStep::LocalCoarse(Item& it) {
 absl::Status BatchStep::Add(BucketState* bucket, const float* grad) {
   Item it;
   it.b = bucket;
-  BucketState& b = *bucket;
-  const SparsifyOptions& o = b.options_;
-  it.hist = o.sparsifier == SparsifierKind::kMicro && b.controller_->Refines();
   it.start = absl::Now();
-  it.stats.step = b.step_;
-  it.stats.budget = Budget(o.DensityAt(b.step_), b.spec_.size);
   if (grad == nullptr) {
     it.absent = true;
-    items_.push_back(std::move(it));
-    return absl::OkStatus();
-  }
-  const uint64_t d = b.spec_.size;
-  const int n = b.job_.num_nodes;
-  ASSIGN_OR_RETURN(const float grad_scale, b.ClipScale(grad, it.stats));
-  kernels::FusedSelectArgs args = b.PassArgs(grad, grad_scale);
-  float lambda = 0;
-  switch (o.sparsifier) {
-    case SparsifierKind::kMicro: {
-      const Range part = PartitionRange(d, n, OwnedPartition(b.job_.node_rank, b.step_, n));
-      args.select_begin = part.begin;
-      args.select_end = part.end;
-      args.threshold = it.lower = b.controller_->PassThreshold();
-      it.stats.threshold = args.threshold;
-      break;
-    }
-    case SparsifierKind::kHard:
-      lambda = static_cast<float>(o.hard_threshold > 0
-                                      ? o.hard_threshold
-                                      : 1.0 / (2.0 * std::sqrt(static_cast<double>(b.k_))));
-      args.select_begin = 0;
-      args.select_end = d;
-      args.threshold = lambda;
-      it.stats.threshold = lambda;
-      break;
-    case SparsifierKind::kTopK:
-      args.select_begin = args.select_end = 0;  // top-k selects afterwards
-      break;
-    case SparsifierKind::kDense:
-      return absl::InternalError(absl::StrCat("bucket '", b.spec_.name, "': not batchable"));
-  }
-  ASSIGN_OR_RETURN(kernels::StepScalars scalars, b.SelectPass(args));
-  it.pass = args;
-  it.nonfinite = scalars.nonfinite;
-  it.count = scalars.nonfinite == 0 ? scalars.count : 0;
-  if (o.sparsifier == SparsifierKind::kTopK && it.nonfinite == 0) {
-    RETURN_IF_ERROR(b.Check(b.ops_->TopK(args.acc, d, it.stats.budget, b.candidate_index_.get(),
-                                         b.candidate_value_.get(), b.scalars_.get(), b.stream_),
-                            "top-k"));
-    ASSIGN_OR_RETURN(scalars, b.ReadScalars());
-    it.count = scalars.count;
-  }
-  if (it.nonfinite == 0) {
-    RETURN_IF_ERROR(CopyCandidates(it));
-    if (it.hist) RETURN_IF_ERROR(LocalCoarse(it));
+    it.sel.stats.step = bucket->step();
+    it.sel.stats.budget = Budget(bucket->options().DensityAt(bucket->step()), bucket->spec().size);
+    it.sel.hist = bucket->hist() != nullptr;
+  } else {
+    ASSIGN_OR_RETURN(it.sel, bucket->Select(grad));
+    if (it.hist() && it.sel.nonfinite == 0) RETURN_IF_ERROR(LocalCoarse(it));
   }
   items_.push_back(std::move(it));
   return absl::OkStatus();
@@ -227,19 +148,19 @@ std::string BatchStep::RoundOne() {
   RoundWriter w;
   for (Item& it : items_) {
     const size_t before = w.size();
-    const BucketState::Header h = it.b->MakeHeader(it.count, it.nonfinite);
+    const BucketState::Header h = it.b->MakeHeader(it.sel.count, it.sel.nonfinite);
     w.Put(h);
     w.Put(it.absent ? kAbsent : 0u);
-    if (!it.absent && it.nonfinite == 0) {
-      if (it.hist) {
+    if (!it.absent && it.sel.nonfinite == 0) {
+      if (it.hist()) {
         w.Put(static_cast<uint32_t>(it.my_bins.size()));
         w.PutArray(it.my_bins.data(), it.my_bins.size());
         w.PutArray(it.my_counts.data(), it.my_counts.size());
       } else {
-        w.PutArray(it.my_index.data(), it.my_index.size());
+        w.PutArray(it.sel.index.data(), it.sel.index.size());
       }
     }
-    it.stats.bytes_sent += w.size() - before;
+    it.sel.stats.bytes_sent += w.size() - before;
   }
   return w.Take();
 }
@@ -277,59 +198,64 @@ absl::Status BatchStep::ReadRoundOne(const std::vector<std::string>& from) {
   std::vector<std::vector<bool>> absent(items_.size(), std::vector<bool>(n, false));
   for (int r = 0; r < n; ++r) {
     RoundReader in(from[r]);
-    for (size_t i = 0; i < items_.size(); ++i) {
+    bool apart = false;  // node r's state differs: CheckHeaders names it below
+    for (size_t i = 0; i < items_.size() && !apart; ++i) {
       Item& it = items_[i];
       BucketState& b = *it.b;
       BucketState::Header& h = it.headers[r];
       uint32_t flags = 0;
       if (!in.Get(&h) || !in.Get(&flags) || (flags & ~kAbsent) != 0) {
-        return BadMessage(r, "round 1", b.spec_.name);
+        return BadMessage(r, "round 1", b.spec().name);
       }
+      // Another step or threshold: what follows was cut for another state
+      // (partitions, bounds), so the rest of the message is not read.
+      const BucketState::Header mine = b.MakeHeader(0, 0);
+      apart = h.step != mine.step || h.threshold_bits != mine.threshold_bits;
       absent[i][r] = (flags & kAbsent) != 0;
-      if (absent[i][r] || h.nonfinite != 0) continue;
+      if (apart || absent[i][r] || h.nonfinite != 0) continue;
       // A node's count against what it can select from (its partition this
       // step under MiCRO, its candidate capacity otherwise).
       const Range range = b.SenderRange(r);
       const uint64_t most = std::min(b.SelectionBound(), range.size());
       if (h.count > most) {
         return absl::DataLossError(
-            absl::StrCat("bucket '", b.spec_.name, "' step ", b.step_, ": node ", r,
+            absl::StrCat("bucket '", b.spec().name, "' step ", b.step(), ": node ", r,
                          " says it selected ", h.count, " values, more than the ", most,
                          " it can select from; a bad peer, step failed on every node"));
       }
-      if (it.hist) {
-        if (!ReadCoarse(in, h.count, HC::CoarseBinOf(it.lower), &it.bins[r], &it.counts[r])) {
-          return BadMessage(r, "round 1", b.spec_.name);
+      if (it.hist()) {
+        if (!ReadCoarse(in, h.count, HC::CoarseBinOf(it.sel.lower), &it.bins[r], &it.counts[r])) {
+          return BadMessage(r, "round 1", b.spec().name);
         }
       } else if (!in.GetArray(h.count, &lists[i][r])) {
-        return BadMessage(r, "round 1", b.spec_.name);
+        return BadMessage(r, "round 1", b.spec().name);
       }
-      if (r != transport_.rank()) it.stats.bytes_received += sizeof(h) + sizeof(flags);
+      if (r != transport_.rank()) it.sel.stats.bytes_received += sizeof(h) + sizeof(flags);
     }
-    if (in.left() != 0) return BadMessage(r, "round 1", "(after the last)");
+    if (!apart && in.left() != 0) return BadMessage(r, "round 1", "(after the last)");
   }
   for (size_t i = 0; i < items_.size(); ++i) {
     Item& it = items_[i];
     BucketState& b = *it.b;
+    // The nodes' states differ: the batch fails (before any node is
+    // named absent, whose header says so all the same).
+    const absl::Status checked = b.CheckHeaders(it.headers);
+    if (!checked.ok() && ToClientStatus(checked) != ClientStatus::kNonFinite) return checked;
     for (int r = 0; r < n && it.alive(); ++r) {
       if (absent[i][r]) {
         it.failed = absl::UnavailableError(absl::StrCat(
-            "bucket '", b.spec_.name, "' step ", b.step_, ": node ", r,
+            "bucket '", b.spec().name, "' step ", b.step(), ": node ", r,
             " has no gradient for it (a local process left); not reduced on any node"));
       }
     }
+    if (it.alive()) it.failed = checked;  // a NaN/Inf somewhere
     if (!it.alive()) continue;
-    if (absl::Status s = b.CheckHeaders(it.headers); !s.ok()) {
-      if (ToClientStatus(s) != ClientStatus::kNonFinite) return s;  // the nodes' states differ
-      it.failed = s;
-      continue;
-    }
-    it.stats.node_counts.assign(n, 0);
-    for (int r = 0; r < n; ++r) it.stats.node_counts[r] = it.headers[r].count;
-    it.stats.local_selected = it.headers[transport_.rank()].count;
-    if (it.hist) {
+    it.sel.stats.node_counts.assign(n, 0);
+    for (int r = 0; r < n; ++r) it.sel.stats.node_counts[r] = it.headers[r].count;
+    it.sel.stats.local_selected = it.headers[transport_.rank()].count;
+    if (it.hist()) {
       for (int r = 0; r < n; ++r) {
-        if (r != transport_.rank()) it.stats.bytes_received += it.bins[r].size() * 8 + 4;
+        if (r != transport_.rank()) it.sel.stats.bytes_received += it.bins[r].size() * 8 + 4;
       }
       continue;  // planned from the global histogram below
     }
@@ -337,21 +263,14 @@ absl::Status BatchStep::ReadRoundOne(const std::vector<std::string>& from) {
     // sets are disjoint), the sorted union for top-k and hard.
     uint64_t total = 0;
     for (int r = 0; r < n; ++r) {
-      const Range range = b.SenderRange(r);
-      uint64_t outside = 0;
-      for (uint32_t x : lists[i][r]) outside += x < range.begin || x >= range.end;
-      if (outside != 0) {
-        return absl::DataLossError(absl::StrCat(
-            "bucket '", b.spec_.name, "' step ", b.step_, ": node ", r, " sent ", outside, " of ",
-            lists[i][r].size(), " indices outside [", range.begin, ", ", range.end,
-            "), the elements it selects from; a bad peer, step failed on every node"));
-      }
-      if (r != transport_.rank()) it.stats.bytes_received += lists[i][r].size() * sizeof(uint32_t);
+      RETURN_IF_ERROR(CheckIndices(b, r, lists[i][r]));
+      if (r != transport_.rank())
+        it.sel.stats.bytes_received += lists[i][r].size() * sizeof(uint32_t);
       total += lists[i][r].size();
       it.index.insert(it.index.end(), lists[i][r].begin(), lists[i][r].end());
     }
-    it.stats.sum_of_counts = total;
-    if (b.options_.sparsifier != SparsifierKind::kMicro) {
+    it.sel.stats.sum_of_counts = total;
+    if (b.options().sparsifier != SparsifierKind::kMicro) {
       std::sort(it.index.begin(), it.index.end());
       it.index.erase(std::unique(it.index.begin(), it.index.end()), it.index.end());
     }
@@ -365,19 +284,20 @@ absl::Status BatchStep::Rescans() {
     // Plan every live hist bucket from the global coarse histogram.
     std::vector<Item*> again;
     for (Item& it : items_) {
-      if (!it.hist || !it.alive()) continue;
-      const uint32_t first = HC::CoarseBinOf(it.lower);
+      if (!it.hist() || !it.alive()) continue;
+      const uint32_t first = HC::CoarseBinOf(it.sel.lower);
       std::vector<uint64_t> global(first < HC::kFiniteCoarseBins ? HC::kFiniteCoarseBins - first
                                                                  : 0);
       for (int r = 0; r < n; ++r) {
         for (size_t j = 0; j < it.bins[r].size(); ++j)
           global[it.bins[r][j] - first] += it.counts[r][j];
       }
-      auto* controller = static_cast<HC*>(it.b->controller_.get());
-      it.plan = controller->PlanCoarse(global, it.lower, it.rescans, it.stats.budget);
+      HC* controller = it.b->hist();
+      it.plan =
+          controller->PlanCoarse(global, it.sel.lower, it.sel.stats.rescans, it.sel.stats.budget);
       if (it.plan.kind == HC::CoarsePlan::kBadOverflow) {
-        return absl::DataLossError(absl::StrCat("bucket '", it.b->spec_.name, "' step ",
-                                                it.b->step_,
+        return absl::DataLossError(absl::StrCat("bucket '", it.b->spec().name, "' step ",
+                                                it.b->step(),
                                                 ": the candidates' histogram places the k-th "
                                                 "value above every finite magnitude; a bad peer"));
       }
@@ -391,18 +311,9 @@ absl::Status BatchStep::Rescans() {
     // bound and sends its new coarse histogram (a round of its own; rare).
     RoundWriter w;
     for (Item* it : again) {
-      BucketState& b = *it->b;
-      it->lower = it->plan.rescan_lower;
-      ++it->rescans;
-      it->stats.rescans = it->rescans;
-      // The read-only pass again (its range: this node's partition).
-      kernels::FusedSelectArgs again = it->pass;
-      again.threshold = it->lower;
-      ASSIGN_OR_RETURN(const kernels::StepScalars s, b.SelectPass(again));
-      it->count = s.count;
-      RETURN_IF_ERROR(CopyCandidates(*it));
+      RETURN_IF_ERROR(it->b->Rescan(it->sel, it->plan.rescan_lower));
       RETURN_IF_ERROR(LocalCoarse(*it));
-      w.Put(it->count);
+      w.Put(it->sel.count);
       w.Put(static_cast<uint32_t>(it->my_bins.size()));
       w.PutArray(it->my_bins.data(), it->my_bins.size());
       w.PutArray(it->my_counts.data(), it->my_counts.size());
@@ -414,11 +325,11 @@ absl::Status BatchStep::Rescans() {
       for (Item* it : again) {
         uint64_t count = 0;
         if (!in.Get(&count) || count > it->b->SenderRange(r).size() ||
-            !ReadCoarse(in, count, HC::CoarseBinOf(it->lower), &it->bins[r], &it->counts[r])) {
-          return BadMessage(r, "rescan", it->b->spec_.name);
+            !ReadCoarse(in, count, HC::CoarseBinOf(it->sel.lower), &it->bins[r], &it->counts[r])) {
+          return BadMessage(r, "rescan", it->b->spec().name);
         }
         it->headers[r].count = count;
-        it->stats.node_counts[r] = count;
+        it->sel.stats.node_counts[r] = count;
       }
       if (in.left() != 0) return BadMessage(r, "rescan", "(after the last)");
     }
@@ -440,17 +351,17 @@ std::string BatchStep::RoundTwo() {
   size_t bytes = 0;
   for (size_t i = 0; i < items_.size(); ++i) {
     Item& it = items_[i];
-    if (!it.hist || !it.alive()) continue;
+    if (!it.hist() || !it.alive()) continue;
     Lists& l = lists[i];
     const bool all = it.plan.kind == HC::CoarsePlan::kTakeAll;
     const uint32_t fine_first = it.plan.kth_coarse << (HC::kCoarseShift - HC::kFineShift);
-    for (uint64_t j = 0; j < it.count; ++j) {
-      const uint32_t bin = HC::CoarseBinOf(it.my_value[j]);
+    for (uint64_t j = 0; j < it.sel.count; ++j) {
+      const uint32_t bin = HC::CoarseBinOf(it.sel.value[j]);
       if (all || bin > it.plan.kth_coarse) {
         ++l.above;
       } else if (bin == it.plan.kth_coarse) {
-        l.in_bin.push_back(it.my_index[j]);
-        l.sub.push_back(static_cast<uint8_t>(HC::FineBinOf(it.my_value[j]) - fine_first));
+        l.in_bin.push_back(it.sel.index[j]);
+        l.sub.push_back(static_cast<uint8_t>(HC::FineBinOf(it.sel.value[j]) - fine_first));
       }
     }
     bytes += 8 + l.above * sizeof(uint32_t) + l.in_bin.size() * (sizeof(uint32_t) + 1);
@@ -459,18 +370,18 @@ std::string BatchStep::RoundTwo() {
   w.Reserve(bytes);
   for (size_t i = 0; i < items_.size(); ++i) {
     Item& it = items_[i];
-    if (!it.hist || !it.alive()) continue;
+    if (!it.hist() || !it.alive()) continue;
     const Lists& l = lists[i];
     const bool all = it.plan.kind == HC::CoarsePlan::kTakeAll;
     const size_t before = w.size();
     w.Put(static_cast<uint32_t>(l.above));
-    for (uint64_t j = 0; j < it.count; ++j) {
-      if (all || HC::CoarseBinOf(it.my_value[j]) > it.plan.kth_coarse) w.Put(it.my_index[j]);
+    for (uint64_t j = 0; j < it.sel.count; ++j) {
+      if (all || HC::CoarseBinOf(it.sel.value[j]) > it.plan.kth_coarse) w.Put(it.sel.index[j]);
     }
     w.Put(static_cast<uint32_t>(l.in_bin.size()));
     w.PutArray(l.in_bin.data(), l.in_bin.size());
     w.PutArray(l.sub.data(), l.sub.size());
-    it.stats.bytes_sent += w.size() - before;
+    it.sel.stats.bytes_sent += w.size() - before;
   }
   return w.Take();
 }
@@ -487,12 +398,12 @@ absl::Status BatchStep::ReadRoundTwo(const std::vector<std::string>& from) {
     RoundReader in(from[r]);
     for (size_t i = 0; i < items_.size(); ++i) {
       Item& it = items_[i];
-      if (!it.hist || !it.alive()) continue;
+      if (!it.hist() || !it.alive()) continue;
       Lists& l = got[i][r];
       uint32_t a = 0, m = 0;
       if (!in.Get(&a) || !in.GetView(a, &l.above) || !in.Get(&m) || !in.GetView(m, &l.in_bin) ||
           !in.GetView(m, &l.sub)) {
-        return BadMessage(r, "round 2", it.b->spec_.name);
+        return BadMessage(r, "round 2", it.b->spec().name);
       }
       // What node r sent agrees with the histogram it sent in round 1.
       uint64_t want_above = 0, want_in = 0;
@@ -501,18 +412,18 @@ absl::Status BatchStep::ReadRoundTwo(const std::vector<std::string>& from) {
         if (all || it.bins[r][j] > it.plan.kth_coarse) want_above += it.counts[r][j];
         if (!all && it.bins[r][j] == it.plan.kth_coarse) want_in += it.counts[r][j];
       }
-      if (a != want_above || m != want_in) return BadMessage(r, "round 2", it.b->spec_.name);
-      if (r != transport_.rank()) it.stats.bytes_received += 8 + 4 * (a + m) + m;
+      if (a != want_above || m != want_in) return BadMessage(r, "round 2", it.b->spec().name);
+      if (r != transport_.rank()) it.sel.stats.bytes_received += 8 + 4 * (a + m) + m;
     }
     if (in.left() != 0) return BadMessage(r, "round 2", "(after the last)");
   }
   for (size_t i = 0; i < items_.size(); ++i) {
     Item& it = items_[i];
-    if (!it.hist || !it.alive()) continue;
+    if (!it.hist() || !it.alive()) continue;
     BucketState& b = *it.b;
     uint32_t sub_bin = 0;
     if (it.plan.kind == HC::CoarsePlan::kTakeAll) {
-      it.threshold = std::numeric_limits<float>::denorm_min();
+      it.stats().threshold = std::numeric_limits<float>::denorm_min();
     } else {
       std::vector<int64_t> fine(HC::kFineBins + 1, 0);
       uint64_t above = 0;
@@ -522,11 +433,11 @@ absl::Status BatchStep::ReadRoundTwo(const std::vector<std::string>& from) {
         for (uint64_t j = 0; j < sub.n; ++j) ++fine[sub.Get(j)];
       }
       const uint32_t fine_first = it.plan.kth_coarse << (HC::kCoarseShift - HC::kFineShift);
-      const HC::FineChoice c = HC::ChooseFine(fine, above, it.stats.budget, fine_first, it.lower);
-      it.threshold = c.threshold;
+      const HC::FineChoice c =
+          HC::ChooseFine(fine, above, it.sel.stats.budget, fine_first, it.sel.lower);
+      it.stats().threshold = c.threshold;
       sub_bin = c.sub_bin;
     }
-    it.stats.threshold = it.threshold;
     uint64_t total = 0;
     uint64_t most = it.index.size();
     for (int r = 0; r < n; ++r) most += got[i][r].above.n + got[i][r].in_bin.n;
@@ -539,93 +450,117 @@ absl::Status BatchStep::ReadRoundTwo(const std::vector<std::string>& from) {
       for (uint64_t j = 0; j < l.in_bin.n; ++j) {
         if (l.sub.Get(j) >= sub_bin) it.index.push_back(l.in_bin.Get(j));
       }
-      const Range range = b.SenderRange(r);
-      uint64_t outside = 0;
-      for (size_t j = before; j < it.index.size(); ++j) {
-        outside += it.index[j] < range.begin || it.index[j] >= range.end;
-      }
-      if (outside != 0) {
-        return absl::DataLossError(absl::StrCat(
-            "bucket '", b.spec_.name, "' step ", b.step_, ": node ", r, " sent ", outside, " of ",
-            it.index.size() - before, " indices outside [", range.begin, ", ", range.end,
-            "), the elements it selects from; a bad peer, step failed on every node"));
-      }
-      it.stats.node_counts[r] = it.index.size() - before;
+      RETURN_IF_ERROR(CheckIndices(b, r, absl::MakeConstSpan(it.index).subspan(before)));
+      it.sel.stats.node_counts[r] = it.index.size() - before;
       total += it.index.size() - before;
     }
-    it.stats.local_selected = it.stats.node_counts[transport_.rank()];
-    it.stats.sum_of_counts = total;
+    it.sel.stats.local_selected = it.sel.stats.node_counts[transport_.rank()];
+    it.sel.stats.sum_of_counts = total;
   }
   return absl::OkStatus();
 }
 
-absl::Status BatchStep::ReduceValues() {
-  // This node's accumulated values at every selected index of every live
-  // bucket, one after another; summed in place. The host copies of the
-  // candidates and of I are dropped as I goes to the backend: at a high
-  // density (the warm-up's decay) each is a sizeable part of the bucket.
-  uint64_t total = 0;
-  for (Item& it : items_) {
-    it.my_index = {};
-    it.my_value = {};
-    std::vector<uint32_t>().swap(it.host_index);
-    std::vector<float>().swap(it.host_value);
-    if (it.alive()) total += it.index.size();
-  }
-  sums_.assign(total, 0.0f);
-  uint64_t at = 0;
-  for (Item& it : items_) {
-    if (!it.alive()) continue;
-    BucketState& b = *it.b;
-    const uint64_t K = it.index.size();
-    if (!b.global_index_.Fit(b.ops_, std::max<uint64_t>(K, 1)) ||
-        !b.values_.Fit(b.ops_, std::max<uint64_t>(K, 1))) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("bucket '", b.spec_.name, "': out of memory for ", K, " values"));
+namespace {
+
+constexpr kernels::ElementType kWireTypes[] = {kernels::ElementType::kFloat32,
+                                               kernels::ElementType::kBFloat16,
+                                               kernels::ElementType::kFloat16};
+
+// K values of `type` at byte `at` of every node's message, summed in rank
+// order into `out`: halves widened, summed in fp32 and rounded once (the
+// transports' sums, so the bits of their allreduce). Read a tile at a time
+// (the messages' bytes are unaligned).
+void SumInRankOrder(const std::vector<std::string>& from, size_t at, uint64_t K,
+                    kernels::ElementType type, char* out) {
+  namespace cv = kernels::convert;
+  const bool bf16 = type == kernels::ElementType::kBFloat16;
+  const size_t w = kernels::ElementBytes(type);
+  constexpr uint64_t kTile = 1024;
+  float acc[kTile], theirs[kTile];
+  uint16_t half[kTile];
+  for (uint64_t j = 0; j < K; j += kTile) {
+    const uint64_t m = std::min(kTile, K - j);
+    for (size_t r = 0; r < from.size(); ++r) {
+      const char* p = from[r].data() + at + j * w;
+      float* to = r == 0 ? acc : theirs;
+      if (w == sizeof(float)) {
+        std::memcpy(to, p, m * sizeof(float));
+      } else {
+        std::memcpy(half, p, m * w);
+        for (uint64_t i = 0; i < m; ++i)
+          to[i] = bf16 ? cv::Bf16ToFloat(half[i]) : cv::F16ToFloat(half[i]);
+      }
+      if (r > 0) {
+        for (uint64_t i = 0; i < m; ++i) acc[i] += theirs[i];
+      }
     }
-    RETURN_IF_ERROR(b.Check(b.ops_->CopyToDevice(b.global_index_.get(), it.index.data(),
-                                                 K * sizeof(uint32_t), b.stream_),
-                            "copy"));
-    std::vector<uint32_t>().swap(it.index);
-    it.selected = K;
-    it.values_at = at;
-    RETURN_IF_ERROR(
-        b.Check(b.ops_->GatherSum(it.pass, b.global_index_.get(), K, b.values_.get(), b.stream_),
-                "gather"));
-    RETURN_IF_ERROR(b.Check(
-        b.ops_->CopyToHost(sums_.data() + at, b.values_.get(), K * sizeof(float), b.stream_),
-        "copy"));
-    it.stats.bytes_sent += K * sizeof(float);
-    it.stats.bytes_received += K * sizeof(float);
-    at += K;
+    if (w == sizeof(float)) {
+      std::memcpy(out + j * w, acc, m * w);
+      continue;
+    }
+    for (uint64_t i = 0; i < m; ++i)
+      half[i] = bf16 ? cv::FloatToBf16(acc[i]) : cv::FloatToF16(acc[i]);
+    std::memcpy(out + j * w, half, m * w);
   }
-  const int n = transport_.size();
+}
+
+}  // namespace
+
+absl::Status BatchStep::ReduceValues() {
+  // This node's values at every selected index of every live bucket in its
+  // wire's type, the fp32 buckets first, then bf16, then fp16 (an allreduce
+  // per type when the backend's is cheaper); summed in place. The host
+  // copies of the candidates and of I are dropped as I goes to the backend:
+  // at a high density (the warm-up's decay) each is a sizeable part of the
+  // bucket.
+  size_t bytes = 0;
+  std::vector<size_t> type_end;  // the types' parts of sums_, one after another
+  for (kernels::ElementType type : kWireTypes) {
+    for (Item& it : items_) {
+      if (!it.alive() || it.b->spec().wire != type) continue;
+      it.values_at = bytes;
+      it.selected = it.index.size();
+      bytes += it.selected * it.wire_bytes();
+    }
+    type_end.push_back(bytes);
+  }
+  sums_.assign(bytes, '\0');
+  for (Item& it : items_) {
+    it.sel.index = {};
+    it.sel.value = {};
+    std::vector<uint32_t>().swap(it.sel.host_index);
+    std::vector<float>().swap(it.sel.host_value);
+    if (!it.alive()) continue;
+    RETURN_IF_ERROR(it.b->Values(it.sel, it.index, sums_.data() + it.values_at));
+    std::vector<uint32_t>().swap(it.index);
+    it.stats().bytes_sent += it.selected * it.wire_bytes();
+    it.stats().bytes_received += it.selected * it.wire_bytes();
+  }
   if (direct_values_) {
     // Every node's values to every peer, summed here in rank order: the
     // bits of the allreduce.
     std::vector<std::string> from;
-    const std::string_view bytes(reinterpret_cast<const char*>(sums_.data()),
-                                 sums_.size() * sizeof(float));
-    RETURN_IF_ERROR(Exchange(TagKind::kRound3, bytes, &from));
-    for (int r = 0; r < n; ++r) {
-      if (from[r].size() != total * sizeof(float)) {
-        return BadMessage(r, "round 3", "(its values)");
-      }
+    RETURN_IF_ERROR(Exchange(TagKind::kRound3, sums_, &from));
+    for (int r = 0; r < transport_.size(); ++r) {
+      if (from[r].size() != bytes) return BadMessage(r, "round 3", "(its values)");
     }
-    if (total > 0) std::memcpy(sums_.data(), from[0].data(), total * sizeof(float));
-    constexpr uint64_t kTile = 1024;  // the messages' bytes, read a tile at a time
-    float theirs[kTile];
-    for (int r = 1; r < n; ++r) {
-      for (uint64_t j = 0; j < total; j += kTile) {
-        const uint64_t m = std::min(kTile, total - j);
-        std::memcpy(theirs, from[r].data() + j * sizeof(float), m * sizeof(float));
-        for (uint64_t i = 0; i < m; ++i) sums_[j + i] += theirs[i];
-      }
+    for (Item& it : items_) {
+      if (!it.alive()) continue;
+      SumInRankOrder(from, it.values_at, it.selected, it.b->spec().wire,
+                     sums_.data() + it.values_at);
     }
-  } else {
-    CollectiveOptions o = Options(TagKind::kRound3);
-    o.shape_agreed = true;  // the sizes follow from what every node received
-    RETURN_IF_ERROR(transport_.AllreduceSum(sums_.data(), total, transport::DataType::kFloat32, o));
+    return absl::OkStatus();
+  }
+  CollectiveOptions o = Options(TagKind::kRound3);
+  o.shape_agreed = true;  // the sizes follow from what every node received
+  size_t begin = 0;
+  for (size_t t = 0; t < type_end.size(); ++t) {
+    const size_t w = kernels::ElementBytes(kWireTypes[t]);
+    if (type_end[t] > begin) {
+      RETURN_IF_ERROR(transport_.AllreduceSum(sums_.data() + begin, (type_end[t] - begin) / w,
+                                              kWireTypes[t], o));
+    }
+    begin = type_end[t];
   }
   return absl::OkStatus();
 }
@@ -637,11 +572,12 @@ absl::Status BatchStep::Run() {
   bool any_hist = false;
   uint64_t expected_values = 0;
   for (const Item& it : items_) {
-    any_hist = any_hist || it.hist;
+    any_hist = any_hist || it.hist();
     // What round 3 will carry, from the budgets alone (the same on every
     // node before anything is exchanged): top-k and hard may send n times k.
-    const SparsifierKind kind = it.b->options_.sparsifier;
-    expected_values += it.stats.budget * (kind == SparsifierKind::kMicro ? 2 : transport_.size());
+    const SparsifierKind kind = it.b->options().sparsifier;
+    expected_values +=
+        it.sel.stats.budget * (kind == SparsifierKind::kMicro ? 2 : transport_.size());
   }
   direct_values_ = transport_.DirectCheaper(expected_values * sizeof(float));
   // What each round's messages may take, from the budgets (the same on
@@ -649,9 +585,9 @@ absl::Status BatchStep::Run() {
   // with room for them, so that rounds 2 and 3 cost one trip.
   size_t round1 = 0, round2 = 0;
   for (const Item& it : items_) {
-    round1 +=
-        sizeof(BucketState::Header) + 4 + (it.hist ? 2048 : 2 * it.stats.budget * sizeof(uint32_t));
-    if (it.hist) round2 += 8 + 2 * it.stats.budget * (sizeof(uint32_t) + 1);
+    round1 += sizeof(BucketState::Header) + 4 +
+              (it.hist() ? 2048 : 2 * it.sel.stats.budget * sizeof(uint32_t));
+    if (it.hist()) round2 += 8 + 2 * it.sel.stats.budget * (sizeof(uint32_t) + 1);
   }
   transport_.Expect(Options(TagKind::kRound1).tag, round1);
   if (any_hist) transport_.Expect(Options(TagKind::kRound2).tag, round2);
@@ -669,7 +605,7 @@ absl::Status BatchStep::Run() {
   }
   const absl::Time selected = absl::Now();
   for (Item& it : items_) {
-    it.stats.select_seconds = absl::ToDoubleSeconds(selected - it.start);
+    it.sel.stats.select_seconds = absl::ToDoubleSeconds(selected - it.start);
   }
   RETURN_IF_ERROR(ReduceValues());
   reduced_ = true;
@@ -678,8 +614,8 @@ absl::Status BatchStep::Run() {
   rounds_ = transport_.rounds() - rounds_before;
   const absl::Time reduced = absl::Now();
   for (Item& it : items_) {
-    it.stats.exchange_seconds = absl::ToDoubleSeconds(reduced - selected);
-    it.stats.rounds = rounds_;
+    it.sel.stats.exchange_seconds = absl::ToDoubleSeconds(reduced - selected);
+    it.sel.stats.rounds = rounds_;
   }
   return confirmed;
 }
@@ -692,26 +628,7 @@ absl::StatusOr<StepStats> BatchStep::Finish(size_t i, float* update) {
   Item& it = items_[i];
   if (!it.alive()) return it.failed;
   if (update == nullptr) return absl::InvalidArgumentError("batched step: null update");
-  BucketState& b = *it.b;
-  const absl::Time start = absl::Now();
-  const uint64_t K = it.selected;
-  // The state committed (e += g, zeroed at I), then the update: v / W at
-  // I, zero elsewhere (it may be the gradient's buffer: after the commit).
-  RETURN_IF_ERROR(b.Commit(it.pass, K, update));
-  RETURN_IF_ERROR(b.Check(b.ops_->CopyToDevice(b.values_.get(), sums_.data() + it.values_at,
-                                               K * sizeof(float), b.stream_),
-                          "copy"));
-  RETURN_IF_ERROR(b.Check(b.ops_->ScatterAverage(b.values_.get(), b.global_index_.get(), K,
-                                                 static_cast<float>(b.job_.world_size), update,
-                                                 b.spec_.size, /*out_zeroed=*/true, b.stream_),
-                          "scatter"));
-  ++b.step_;
-  if (b.controller_ != nullptr) b.controller_->Commit(K, it.stats.budget);
-  it.stats.selected = K;
-  it.stats.cre = std::fabs(static_cast<double>(K) / static_cast<double>(it.stats.budget) - 1.0);
-  it.stats.apply_seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  b.LogStep(it.stats);
-  return it.stats;
+  return it.b->Apply(it.sel, it.selected, sums_.data() + it.values_at, update);
 }
 
 }  // namespace microd::sparsify

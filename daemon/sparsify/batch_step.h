@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// The step of several buckets of a node at once (docs/design.md section 1,
-// as bucket.h runs it for one), with each of its collective phases one
-// direct round (Transport::ExchangeRound) that carries every bucket of the
-// batch: a step of many buckets costs the rounds of one.
+// The sparse step of docs/design.md section 1 for one bucket of a node or
+// several at once, through the phases of BucketState (bucket.h), with each
+// collective phase one direct round (Transport::ExchangeRound) that
+// carries every bucket of the batch: a step of many buckets costs the
+// rounds of one. A bucket stepped alone (BucketState::Step) is a batch of
+// one.
 //
 //   round 1: per bucket, the header (count, NaN/Inf count, step, threshold
 //            bits) and, for the `paper` controller, top-k and hard, the
@@ -10,18 +12,19 @@
 //            histogram of the candidates (every finite bin from the pass's
 //            lower bound, sparse).
 //            Every node then knows the global histogram, so the window
-//            Resolve would move is found locally; a rescan (too few
+//            holding the k-th value is found locally; a rescan (too few
 //            candidates, rare) costs a round of its own.
 //   round 2 (hist): each node's candidates at or above the coarse bin of
 //            the k-th value, each with its fine sub-bin there: every node
-//            sums the fine histogram, picks the threshold as Resolve does,
-//            and keeps each node's candidates above it.
-//   round 3: the values at every selected index, summed in rank order (a
-//            direct round where the link model says it is cheaper,
-//            Transport::DirectCheaper, else the backend's allreduce).
+//            sums the fine histogram, picks the threshold (ChooseFine), and
+//            keeps each node's candidates above it.
+//   round 3: the values at every selected index in the bucket's wire type
+//            (fp32, or rounded to bf16/fp16), summed in rank order, halves
+//            in fp32 and rounded once (a direct round where the link model
+//            says it is cheaper, Transport::DirectCheaper, else the
+//            backend's allreduce, one per wire type): the same bits.
 // So `paper`, top-k and hard take 2 rounds, `hist` 3, whatever the number
-// of buckets. The results are the bits bucket.h computes for each bucket
-// alone (same thresholds, same sets, sums in rank order).
+// of buckets, with the bits of each bucket stepped alone.
 //
 // A bucket with a NaN/Inf on some node, or missing on some node (its
 // process left), fails alone; the others go on. A transport failure or a
@@ -43,9 +46,7 @@ namespace microd::sparsify {
 
 class BatchStep {
  public:
-  // Whether `bucket`'s next step can run in a batch: a sparse step (past the
-  // warm-up) of micro (a `hist` controller already primed), top-k or hard,
-  // with fp32 values on the wire.
+  // Whether `bucket`'s next step can run in a batch (BucketState::Batchable).
   static bool Batchable(const BucketState& bucket);
 
   // Batches of one transport run one after another, in the same order on
@@ -90,8 +91,6 @@ class BatchStep {
   std::string RoundTwo();
   absl::Status ReadRoundTwo(const std::vector<std::string>& from);
   absl::Status ReduceValues();
-  // This node's candidate (or selected) indices and values on the host.
-  absl::Status CopyCandidates(Item& it);
   // The local coarse histogram of the candidates, sparse.
   absl::Status LocalCoarse(Item& it);
   transport::CollectiveOptions Options(transport::TagKind kind) const;
@@ -107,7 +106,7 @@ class BatchStep {
   bool reduced_ = false;        // every round's transfers arrived
   bool confirmed_ = false;      // and Confirm passed
   bool direct_values_ = false;  // round 3 is a direct round (else an allreduce)
-  std::vector<float> sums_;     // round 3: the live buckets' values, summed over nodes
+  std::string sums_;            // round 3: the live buckets' values, summed over nodes
 };
 
 }  // namespace microd::sparsify

@@ -13,6 +13,7 @@
 #include "daemon/common/log.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/status_map.h"
+#include "daemon/sparsify/batch_step.h"
 
 namespace microd::sparsify {
 
@@ -21,31 +22,6 @@ using transport::CollectiveOptions;
 using transport::DataType;
 using transport::MakeTag;
 using transport::TagKind;
-
-// The owned partition's candidates of a `micro` step, as the controller sees them.
-class BucketState::Candidates final : public CandidateSet {
- public:
-  // `pass`: the step's read-only pass, selecting from the owned partition.
-  Candidates(BucketState* bucket, const kernels::FusedSelectArgs& pass, uint64_t count)
-      : bucket_(bucket), pass_(pass), count_(count) {}
-  const float* values() const override { return bucket_->candidate_value_.get(); }
-  uint64_t count() const override { return count_; }
-  absl::Status Rescan(float threshold) override {
-    BucketState& b = *bucket_;
-    // The pass again with the lower threshold (nothing is stored: the sums
-    // are recomputed; rescans are rare).
-    kernels::FusedSelectArgs again = pass_;
-    again.threshold = threshold;
-    ASSIGN_OR_RETURN(const kernels::StepScalars s, b.SelectPass(again));
-    count_ = s.count;
-    return absl::OkStatus();
-  }
-
- private:
-  BucketState* const bucket_;
-  const kernels::FusedSelectArgs pass_;
-  uint64_t count_;
-};
 
 BucketState::BucketState(const BucketSpec& spec, const JobShape& job,
                          const SparsifyOptions& options, kernels::SparseOps* ops)
@@ -332,32 +308,192 @@ absl::StatusOr<StepStats> BucketState::Step(const float* grad, float* update,
   DropPending();  // a step kept from an epoch before, not taken up
   const uint64_t waits_before = ops_->host_waits() + transport.host_waits();
   const uint64_t rounds_before = transport.rounds();
-  absl::StatusOr<StepStats> stats = absl::InternalError("unknown sparsifier");
   // The warm-up's second velocity is not needed past it.
-  const bool dense = options_.DenseAt(step_);
+  const bool dense = options_.sparsifier == SparsifierKind::kDense || options_.DenseAt(step_);
   if (!dense && warmup_velocity_.ok()) warmup_velocity_ = DeviceBuffer<float>();
-  if (dense) {
-    stats = StepDense(grad, update, transport, deadline);
-  } else {
-    switch (options_.sparsifier) {
-      case SparsifierKind::kMicro:
-        stats = StepMicro(grad, update, transport, deadline);
-        break;
-      case SparsifierKind::kTopK:
-      case SparsifierKind::kHard:
-        stats = StepUnion(grad, update, transport, deadline);
-        break;
-      case SparsifierKind::kDense:
-        stats = StepDense(grad, update, transport, deadline);
-        break;
-    }
-  }
+  absl::StatusOr<StepStats> stats = dense ? StepDense(grad, update, transport, deadline)
+                                          : StepSparse(grad, update, transport, deadline);
   if (stats.ok()) {
     stats->host_waits = ops_->host_waits() + transport.host_waits() - waits_before;
     stats->rounds = transport.rounds() - rounds_before;
-    LogStep(*stats);
+    if (dense) LogStep(*stats);  // Apply logs a sparse step's
   }
   return stats;
+}
+
+absl::StatusOr<StepStats> BucketState::StepSparse(const float* grad, float* update,
+                                                  transport::Transport& transport,
+                                                  absl::Time deadline) {
+  StepStats prime;
+  if (controller_ != nullptr && controller_->WantsPrime()) {
+    const int n = job_.num_nodes;
+    const Range part = PartitionRange(spec_.size, n, OwnedPartition(job_.node_rank, step_, n));
+    ASSIGN_OR_RETURN(const float grad_scale, ClipScale(grad, prime));
+    CollectiveOptions options;
+    options.deadline = deadline;
+    prime.budget = Budget(options_.DensityAt(step_), spec_.size);
+    RETURN_IF_ERROR(PrimeController(grad, grad_scale, part, transport, options, prime));
+  }
+  auto batch = std::make_shared<BatchStep>(transport, deadline);
+  RETURN_IF_ERROR(batch->Add(this, grad));
+  if (absl::Status s = batch->Run(); !s.ok()) {
+    if (batch->unconfirmed()) {
+      pending_ = std::make_unique<Pending>(Pending{
+          [batch, update](absl::Time) { return batch->Finish(0, update); }, nullptr, absl::Now()});
+    }
+    return s;
+  }
+  ASSIGN_OR_RETURN(StepStats stats, batch->Finish(0, update));
+  stats.bytes_sent += prime.bytes_sent;
+  stats.bytes_received += prime.bytes_received;
+  return stats;
+}
+
+bool BucketState::Batchable() const {
+  if (options_.sparsifier == SparsifierKind::kDense || options_.DenseAt(step_)) return false;
+  return controller_ == nullptr || !controller_->WantsPrime();
+}
+
+HistogramController* BucketState::hist() const {
+  if (controller_ == nullptr || !controller_->Refines()) return nullptr;
+  return static_cast<HistogramController*>(controller_.get());
+}
+
+absl::StatusOr<BucketState::Selection> BucketState::Select(const float* grad) {
+  Selection s;
+  s.stats.step = step_;
+  s.stats.budget = Budget(options_.DensityAt(step_), spec_.size);
+  s.hist = hist() != nullptr;
+  ASSIGN_OR_RETURN(const float grad_scale, ClipScale(grad, s.stats));
+  s.pass = PassArgs(grad, grad_scale);
+  switch (options_.sparsifier) {
+    case SparsifierKind::kMicro: {
+      const Range part = SenderRange(job_.node_rank);
+      s.pass.select_begin = part.begin;
+      s.pass.select_end = part.end;
+      s.pass.threshold = s.lower = controller_->PassThreshold();
+      break;
+    }
+    case SparsifierKind::kHard:
+      s.pass.select_begin = 0;
+      s.pass.select_end = spec_.size;
+      s.pass.threshold = static_cast<float>(options_.hard_threshold > 0
+                                                ? options_.hard_threshold
+                                                : 1.0 / (2.0 * std::sqrt(static_cast<double>(k_))));
+      break;
+    case SparsifierKind::kTopK:
+      s.pass.select_begin = s.pass.select_end = 0;  // top-k selects afterwards
+      break;
+    case SparsifierKind::kDense:
+      return absl::InternalError(absl::StrCat("bucket '", spec_.name, "': not sparse"));
+  }
+  s.stats.threshold = s.pass.threshold;
+  ASSIGN_OR_RETURN(kernels::StepScalars scalars, SelectPass(s.pass));
+  s.nonfinite = scalars.nonfinite;
+  if (s.nonfinite != 0) return s;
+  if (options_.sparsifier == SparsifierKind::kTopK) {
+    RETURN_IF_ERROR(Check(ops_->TopK(s.pass.acc, spec_.size, s.stats.budget, candidate_index_.get(),
+                                     candidate_value_.get(), scalars_.get(), stream_),
+                          "top-k"));
+    ASSIGN_OR_RETURN(scalars, ReadScalars());
+  }
+  s.count = scalars.count;
+  RETURN_IF_ERROR(CopySelection(s));
+  return s;
+}
+
+absl::Status BucketState::Rescan(Selection& s, float lower) {
+  // The pass again with the lower bound (nothing is stored: the sums are
+  // recomputed; rescans are rare).
+  kernels::FusedSelectArgs again = s.pass;
+  again.threshold = s.lower = lower;
+  ASSIGN_OR_RETURN(const kernels::StepScalars scalars, SelectPass(again));
+  s.count = scalars.count;
+  ++s.stats.rescans;
+  return CopySelection(s);
+}
+
+absl::Status BucketState::CopySelection(Selection& s) {
+  if (ops_->device() == kernels::Device::kCpu) {
+    // Host memory already: read in place (nothing writes the candidates
+    // before Values but a rescan, which comes back here).
+    s.index = absl::MakeConstSpan(candidate_index_.get(), s.count);
+    if (s.hist) s.value = absl::MakeConstSpan(candidate_value_.get(), s.count);
+    return absl::OkStatus();
+  }
+  s.host_index.resize(s.count);
+  RETURN_IF_ERROR(Check(ops_->CopyToHost(s.host_index.data(), candidate_index_.get(),
+                                         s.count * sizeof(uint32_t), stream_),
+                        "copy"));
+  s.index = s.host_index;
+  if (!s.hist) return absl::OkStatus();
+  s.host_value.resize(s.count);
+  RETURN_IF_ERROR(Check(ops_->CopyToHost(s.host_value.data(), candidate_value_.get(),
+                                         s.count * sizeof(float), stream_),
+                        "copy"));
+  s.value = s.host_value;
+  return absl::OkStatus();
+}
+
+absl::Status BucketState::Values(const Selection& s, absl::Span<const uint32_t> index, void* out) {
+  const uint64_t K = index.size();
+  const uint64_t room = std::max<uint64_t>(K, 1);
+  const bool half = spec_.wire != kernels::ElementType::kFloat32;
+  if (!global_index_.Fit(ops_, room) || !values_.Fit(ops_, room) ||
+      (half && !wire_values_.Fit(ops_, room))) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("bucket '", spec_.name, "': out of memory for ", K, " values"));
+  }
+  RETURN_IF_ERROR(
+      Check(ops_->CopyToDevice(global_index_.get(), index.data(), K * sizeof(uint32_t), stream_),
+            "copy"));
+  RETURN_IF_ERROR(
+      Check(ops_->GatherSum(s.pass, global_index_.get(), K, values_.get(), stream_), "gather"));
+  if (!half) {
+    return Check(ops_->CopyToHost(out, values_.get(), K * sizeof(float), stream_), "copy");
+  }
+  // Rounded to the wire's type (Commit keeps what rounding drops).
+  RETURN_IF_ERROR(Check(
+      ops_->FloatToHalf(values_.get(), spec_.wire, K, wire_values_.get(), stream_), "rounding"));
+  return Check(ops_->CopyToHost(out, wire_values_.get(), K * sizeof(uint16_t), stream_), "copy");
+}
+
+absl::StatusOr<StepStats> BucketState::Apply(Selection& s, uint64_t K, const void* sums,
+                                             float* update) {
+  const absl::Time start = absl::Now();
+  if (spec_.wire == kernels::ElementType::kFloat32) {
+    RETURN_IF_ERROR(
+        Check(ops_->CopyToDevice(values_.get(), sums, K * sizeof(float), stream_), "copy"));
+  } else {
+    RETURN_IF_ERROR(
+        Check(ops_->CopyToDevice(wire_values_.get(), sums, K * sizeof(uint16_t), stream_), "copy"));
+    RETURN_IF_ERROR(Check(
+        ops_->HalfToFloat(wire_values_.get(), spec_.wire, K, values_.get(), stream_), "widen"));
+    // A sum past the type's range (fp16: 65504) is Inf on every node alike.
+    RETURN_IF_ERROR(
+        Check(ops_->CountNonFinite(values_.get(), K, scalars_.get(), stream_), "overflow check"));
+    ASSIGN_OR_RETURN(const kernels::StepScalars overflow, ReadScalars());
+    if (overflow.nonfinite != 0) {
+      return absl::OutOfRangeError(
+          absl::StrCat("bucket '", spec_.name, "' step ", step_, ": ", overflow.nonfinite,
+                       " selected values overflow ", kernels::ElementTypeName(spec_.wire),
+                       " on the wire (--wire_dtype=bucket); run with --wire_dtype=fp32"));
+    }
+  }
+  // The state committed (e += g, zeroed at I), then the update: v / W at
+  // I, zero elsewhere (it may be the gradient's buffer: after the commit).
+  RETURN_IF_ERROR(Commit(s.pass, K, update));
+  RETURN_IF_ERROR(Check(ops_->ScatterAverage(values_.get(), global_index_.get(), K,
+                                             static_cast<float>(job_.world_size), update,
+                                             spec_.size, /*out_zeroed=*/true, stream_),
+                        "scatter"));
+  ++step_;
+  if (controller_ != nullptr) controller_->Commit(K, s.stats.budget);
+  s.stats.selected = K;
+  s.stats.cre = std::fabs(static_cast<double>(K) / static_cast<double>(s.stats.budget) - 1.0);
+  s.stats.apply_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  LogStep(s.stats);
+  return s.stats;
 }
 
 void BucketState::LogStep(const StepStats& s) const {
@@ -424,125 +560,6 @@ absl::Status BucketState::CheckHeaders(const std::vector<Header>& headers) const
             absl::StrJoin(bad, ", "), "; step skipped, residual unchanged")),
         ClientStatus::kNonFinite);
   }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<uint64_t> BucketState::GatherIndices(const std::vector<Header>& headers,
-                                                    transport::Transport& transport,
-                                                    const CollectiveOptions& options,
-                                                    StepStats& stats) {
-  std::vector<size_t> bytes(job_.num_nodes);
-  uint64_t total = 0;
-  stats.node_counts.resize(job_.num_nodes);
-  const uint64_t capacity = SelectionBound();
-  for (int r = 0; r < job_.num_nodes; ++r) {
-    const uint64_t most = std::min(capacity, SenderRange(r).size());
-    if (headers[r].count > most) {
-      return absl::DataLossError(
-          absl::StrCat("bucket '", spec_.name, "' step ", step_, ": node ", r, " says it selected ",
-                       headers[r].count, " values, more than the ", most,
-                       " it can select from; a bad peer, step failed on every node"));
-    }
-    stats.node_counts[r] = headers[r].count;
-    bytes[r] = headers[r].count * sizeof(uint32_t);
-    total += headers[r].count;
-  }
-  stats.local_selected = headers[job_.node_rank].count;
-  stats.sum_of_counts = total;
-  if (!global_index_.Fit(ops_, std::max<uint64_t>(total, 1))) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("bucket '", spec_.name, "': out of memory for ", total, " indices"));
-  }
-  stats.bytes_sent += bytes[job_.node_rank];
-  stats.bytes_received += total * sizeof(uint32_t) - bytes[job_.node_rank];
-  CollectiveOptions o = options;
-  o.tag = MakeTag(spec_.slot, TagKind::kIndices);
-  o.shape_agreed = true;  // every node sizes it from the same headers
-  RETURN_IF_ERROR(transport.AllgatherV(candidate_index_.get(), bytes, global_index_.get(), o));
-  // Every node's indices checked against its range, the counts read back at once.
-  const int n = job_.num_nodes;
-  uint64_t at = 0;
-  for (int r = 0; r < n; ++r) {
-    const Range range = SenderRange(r);
-    RETURN_IF_ERROR(
-        Check(ops_->CountOutside(global_index_.get() + at, headers[r].count, range.begin, range.end,
-                                 scalars_.get() + 1 + r, stream_),
-              "index check"));
-    at += headers[r].count;
-  }
-  std::vector<kernels::StepScalars> outside(n);
-  RETURN_IF_ERROR(Check(ops_->CopyToHost(outside.data(), scalars_.get() + 1,
-                                         n * sizeof(kernels::StepScalars), stream_),
-                        "copy"));
-  for (int r = 0; r < n; ++r) {
-    if (outside[r].count != 0) {
-      const Range range = SenderRange(r);
-      return absl::DataLossError(absl::StrCat(
-          "bucket '", spec_.name, "' step ", step_, ": node ", r, " sent ", outside[r].count,
-          " of ", headers[r].count, " indices outside [", range.begin, ", ", range.end,
-          "), the elements it selects from; a bad peer, step failed on every node"));
-    }
-  }
-  return total;
-}
-
-absl::Status BucketState::ReduceValues(uint64_t K, const kernels::FusedSelectArgs& pass,
-                                       transport::Transport& transport,
-                                       const CollectiveOptions& options, StepStats& stats) {
-  if (!values_.Fit(ops_, std::max<uint64_t>(K, 1))) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("bucket '", spec_.name, "': out of memory for ", K, " values"));
-  }
-  CollectiveOptions o = options;
-  o.tag = MakeTag(spec_.slot, TagKind::kValues);
-  o.shape_agreed = true;  // K follows from the indices every node has
-  const bool half_wire = spec_.wire != kernels::ElementType::kFloat32;
-  if (half_wire) {
-    if (!wire_values_.Fit(ops_, std::max<uint64_t>(K, 1))) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("bucket '", spec_.name, "': out of memory for ", K, " values"));
-    }
-    // The values rounded to the wire's type (Commit keeps what rounding drops).
-    RETURN_IF_ERROR(
-        Check(ops_->GatherSum(pass, global_index_.get(), K, values_.get(), stream_), "gather"));
-    RETURN_IF_ERROR(Check(
-        ops_->FloatToHalf(values_.get(), spec_.wire, K, wire_values_.get(), stream_), "rounding"));
-    stats.bytes_sent += K * sizeof(uint16_t);
-    stats.bytes_received += K * sizeof(uint16_t);
-    RETURN_IF_ERROR(transport.AllreduceSum(wire_values_.get(), K, spec_.wire, o));
-    RETURN_IF_ERROR(Check(
-        ops_->HalfToFloat(wire_values_.get(), spec_.wire, K, values_.get(), stream_), "widen"));
-    // A sum past the type's range (fp16: 65504) is Inf on every node alike.
-    RETURN_IF_ERROR(
-        Check(ops_->CountNonFinite(values_.get(), K, scalars_.get(), stream_), "overflow check"));
-    ASSIGN_OR_RETURN(const kernels::StepScalars overflow, ReadScalars());
-    if (overflow.nonfinite != 0) {
-      return absl::OutOfRangeError(
-          absl::StrCat("bucket '", spec_.name, "' step ", step_, ": ", overflow.nonfinite,
-                       " selected values overflow ", kernels::ElementTypeName(spec_.wire),
-                       " on the wire (--wire_dtype=bucket); run with --wire_dtype=fp32"));
-    }
-  } else {
-    RETURN_IF_ERROR(
-        Check(ops_->GatherSum(pass, global_index_.get(), K, values_.get(), stream_), "gather"));
-    stats.bytes_sent += K * sizeof(float);
-    stats.bytes_received += K * sizeof(float);
-    RETURN_IF_ERROR(transport.AllreduceSum(values_.get(), K, DataType::kFloat32, o));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status BucketState::ApplyValues(uint64_t K, const kernels::FusedSelectArgs& pass,
-                                      float* update, StepStats& stats) {
-  const absl::Time apply_start = absl::Now();
-  RETURN_IF_ERROR(Commit(pass, K, update));
-  RETURN_IF_ERROR(Check(ops_->ScatterAverage(values_.get(), global_index_.get(), K,
-                                             static_cast<float>(job_.world_size), update,
-                                             spec_.size, /*out_zeroed=*/true, stream_),
-                        "scatter"));
-  stats.apply_seconds = absl::ToDoubleSeconds(absl::Now() - apply_start);
-  stats.selected = K;
-  stats.cre = std::fabs(static_cast<double>(K) / static_cast<double>(stats.budget) - 1.0);
   return absl::OkStatus();
 }
 
@@ -617,78 +634,6 @@ absl::Status BucketState::Commit(const kernels::FusedSelectArgs& pass, uint64_t 
   return Check(ops_->ZeroAt(velocity_.get(), global_index_.get(), K, stream_), "velocity masking");
 }
 
-absl::StatusOr<StepStats> BucketState::StepMicro(const float* grad, float* update,
-                                                 transport::Transport& transport,
-                                                 absl::Time deadline) {
-  const absl::Time start = absl::Now();
-  StepStats stats;
-  stats.step = step_;
-  stats.budget = Budget(options_.DensityAt(step_), spec_.size);
-  const int n = job_.num_nodes;
-  const Range part = PartitionRange(spec_.size, n, OwnedPartition(job_.node_rank, step_, n));
-  ASSIGN_OR_RETURN(const float grad_scale, ClipScale(grad, stats));
-  CollectiveOptions options;
-  options.deadline = deadline;
-  if (controller_->WantsPrime()) {
-    RETURN_IF_ERROR(PrimeController(grad, grad_scale, part, transport, options, stats));
-  }
-  const float pass_threshold = controller_->PassThreshold();
-
-  kernels::FusedSelectArgs args = PassArgs(grad, grad_scale);
-  args.select_begin = part.begin;
-  args.select_end = part.end;
-  args.threshold = pass_threshold;
-  ASSIGN_OR_RETURN(kernels::StepScalars scalars, SelectPass(args));
-
-  options.tag = MakeTag(spec_.slot, TagKind::kHeader);
-  ASSIGN_OR_RETURN(std::vector<Header> headers,
-                   ExchangeHeaders(scalars.count, scalars.nonfinite, transport, options, stats));
-
-  float threshold = pass_threshold;
-  if (controller_->Refines()) {
-    Candidates candidates(this, args, scalars.count);
-    ControllerContext ctx = ControllerContextFor(transport, options, stats);
-    ctx.rescans = &stats.rescans;
-    // After the checked header exchange: the controller's rounds (and any
-    // rescans) follow from histograms summed over every node, alike everywhere.
-    ctx.options.shape_agreed = true;
-    ASSIGN_OR_RETURN(threshold, controller_->Resolve(candidates, ctx));
-    RETURN_IF_ERROR(Check(ops_->TrimBelow(candidate_index_.get(), candidate_value_.get(),
-                                          candidates.count(), threshold, scalars_.get(), stream_),
-                          "trim"));
-    ASSIGN_OR_RETURN(scalars, ReadScalars());
-    // Final per-node counts (the header's were candidate counts).
-    const Header mine = MakeHeader(scalars.count, 0);
-    stats.bytes_sent += sizeof(Header);
-    stats.bytes_received += (n - 1) * sizeof(Header);
-    CollectiveOptions final_counts = options;
-    final_counts.shape_agreed = true;  // the headers' size, as above
-    RETURN_IF_ERROR(transport.Allgather(&mine, sizeof(Header), headers.data(), final_counts));
-  }
-  stats.threshold = threshold;
-  stats.select_seconds = absl::ToDoubleSeconds(absl::Now() - start);
-
-  ASSIGN_OR_RETURN(const uint64_t K, GatherIndices(headers, transport, options, stats));
-  return ReduceAndCommit(K, args, update, transport, options, deadline, start, stats);
-}
-
-absl::StatusOr<StepStats> BucketState::ReduceAndCommit(
-    uint64_t K, const kernels::FusedSelectArgs& args, float* update,
-    transport::Transport& transport, const CollectiveOptions& options, absl::Time deadline,
-    absl::Time start, StepStats stats) {
-  RETURN_IF_ERROR(ReduceValues(K, args, transport, options, stats));
-  return Confirmed(transport, deadline,
-                   [this, K, args, update, stats,
-                    start](absl::Time confirmed) mutable -> absl::StatusOr<StepStats> {
-                     stats.exchange_seconds =
-                         absl::ToDoubleSeconds(confirmed - start) - stats.select_seconds;
-                     RETURN_IF_ERROR(ApplyValues(K, args, update, stats));
-                     ++step_;
-                     if (controller_ != nullptr) controller_->Commit(K, stats.budget);
-                     return stats;
-                   });
-}
-
 absl::Status BucketState::PrimeController(const float* grad, float grad_scale, Range part,
                                           transport::Transport& transport,
                                           const CollectiveOptions& options, StepStats& stats) {
@@ -733,8 +678,6 @@ ControllerContext BucketState::ControllerContextFor(transport::Transport& transp
                                                     const CollectiveOptions& options,
                                                     StepStats& stats) const {
   ControllerContext ctx;
-  ctx.ops = ops_;
-  ctx.stream = stream_;
   ctx.transport = &transport;
   ctx.options = options;
   ctx.options.tag = MakeTag(spec_.slot, TagKind::kHistogram);
@@ -742,48 +685,6 @@ ControllerContext BucketState::ControllerContextFor(transport::Transport& transp
   ctx.bytes_sent = &stats.bytes_sent;
   ctx.bytes_received = &stats.bytes_received;
   return ctx;
-}
-
-absl::StatusOr<StepStats> BucketState::StepUnion(const float* grad, float* update,
-                                                 transport::Transport& transport,
-                                                 absl::Time deadline) {
-  const absl::Time start = absl::Now();
-  StepStats stats;
-  stats.step = step_;
-  stats.budget = Budget(options_.DensityAt(step_), spec_.size);
-  const bool hard = options_.sparsifier == SparsifierKind::kHard;
-  const float lambda = static_cast<float>(options_.hard_threshold > 0
-                                              ? options_.hard_threshold
-                                              : 1.0 / (2.0 * std::sqrt(static_cast<double>(k_))));
-  ASSIGN_OR_RETURN(const float grad_scale, ClipScale(grad, stats));
-
-  kernels::FusedSelectArgs args = PassArgs(grad, grad_scale);
-  args.select_begin = 0;
-  args.select_end = hard ? spec_.size : 0;  // topk selects afterwards
-  args.threshold = lambda;
-  ASSIGN_OR_RETURN(kernels::StepScalars scalars, SelectPass(args));
-  const uint64_t nonfinite = scalars.nonfinite;
-  if (!hard && nonfinite == 0) {
-    RETURN_IF_ERROR(Check(ops_->TopK(args.acc, spec_.size, stats.budget, candidate_index_.get(),
-                                     candidate_value_.get(), scalars_.get(), stream_),
-                          "top-k"));
-    ASSIGN_OR_RETURN(scalars, ReadScalars());
-  }
-  stats.threshold = hard ? lambda : 0.0;
-  stats.select_seconds = absl::ToDoubleSeconds(absl::Now() - start);
-
-  CollectiveOptions options;
-  options.deadline = deadline;
-  options.tag = MakeTag(spec_.slot, TagKind::kHeader);
-  ASSIGN_OR_RETURN(
-      const std::vector<Header> headers,
-      ExchangeHeaders(nonfinite == 0 ? scalars.count : 0, nonfinite, transport, options, stats));
-  ASSIGN_OR_RETURN(const uint64_t total, GatherIndices(headers, transport, options, stats));
-  // The union of every node's indices: overlaps build up to n * k.
-  RETURN_IF_ERROR(
-      Check(ops_->SortUnique(global_index_.get(), total, scalars_.get(), stream_), "union"));
-  ASSIGN_OR_RETURN(scalars, ReadScalars());
-  return ReduceAndCommit(scalars.count, args, update, transport, options, deadline, start, stats);
 }
 
 absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* update,
@@ -862,12 +763,12 @@ absl::StatusOr<StepStats> BucketState::StepDense(const float* grad, float* updat
 }
 
 absl::StatusOr<StepStats> BucketState::Confirmed(transport::Transport& transport,
-                                                 absl::Time deadline, Apply apply,
+                                                 absl::Time deadline, Rest rest,
                                                  std::function<void()> drop) {
   // Every node got every transfer before any commits (a no-op unless asked).
   const absl::Status s = transport.Confirm(deadline);
-  if (s.ok()) return apply(absl::Now());
-  pending_ = std::make_unique<Pending>(Pending{std::move(apply), std::move(drop), absl::Now()});
+  if (s.ok()) return rest(absl::Now());
+  pending_ = std::make_unique<Pending>(Pending{std::move(rest), std::move(drop), absl::Now()});
   return s;
 }
 
@@ -877,7 +778,7 @@ absl::StatusOr<StepStats> BucketState::RollForward() {
         absl::StrCat("bucket '", spec_.name, "': no step to roll forward"));
   }
   const std::unique_ptr<Pending> p = std::move(pending_);
-  return p->apply(p->confirm_failed);
+  return p->rest(p->confirm_failed);
 }
 
 void BucketState::DropPending() {

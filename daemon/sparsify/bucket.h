@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "daemon/sparsify/controller.h"
 #include "daemon/sparsify/device_buffer.h"
 #include "daemon/sparsify/options.h"
@@ -131,43 +132,82 @@ class BucketState {
   // The threshold controller's state (Save's `controller`), without the
   // residual's copy.
   std::string controller_state() const { return controller_ ? controller_->Save() : ""; }
+  const SparsifyOptions& options() const { return options_; }
 
- private:
-  friend class BatchStep;  // the batched step (batch_step.h) runs the same phases
-  class Candidates;
+  // The phases of a sparse step, which BatchStep (batch_step.h) runs for
+  // one bucket or many, and Step for this one alone (a batch of one): the
+  // step written once. Select, then (hist) Rescan until the candidates
+  // suffice, then Values at the indices every node's selection gave, then
+  // Apply with the values summed over the nodes. Nothing before Apply
+  // changes the state.
+  //
+  // Whether the next step can run in a batch: a sparse step (past the
+  // warm-up) whose threshold controller, if any, is primed.
+  bool Batchable() const;
+  // This node's part of a step so far.
+  struct Selection {
+    StepStats stats;  // step, budget, clipped; the threshold (hist: the bound)
+    // The read-only pass (gradient, scale, velocity): Values and Apply read
+    // the accumulated values through it.
+    kernels::FusedSelectArgs pass;
+    uint64_t count = 0;      // indices selected (hist: candidates); 0 with a NaN/Inf
+    uint64_t nonfinite = 0;  // NaN/Inf values the pass saw
+    bool hist = false;       // candidates above `lower`; the threshold still to find
+    float lower = 0;
+    // The selection on the host, ascending: the bucket's own buffers on the
+    // CPU backend (until the next phase), else the copies below.
+    absl::Span<const uint32_t> index;
+    absl::Span<const float> value;  // hist only
+    std::vector<uint32_t> host_index;
+    std::vector<float> host_value;
+  };
+  // The pass over `grad` (this node's gradient, which must hold the same
+  // values until Apply). A kernel failure is returned.
+  absl::StatusOr<Selection> Select(const float* grad);
+  // hist: the pass again with a lower bound (too few candidates on all nodes).
+  absl::Status Rescan(Selection& s, float lower);
+  // What every node sends first: what decides the step's later rounds (the
+  // step and the bits of the pass's threshold, which must agree on every
+  // node) and its counts.
   struct Header {
     uint64_t count;
     uint64_t nonfinite;
-    // What, beside the counts, decides the step's later collectives (their
-    // number and sizes): the step and the bits of the pass's threshold (the
-    // controller's state). They must agree on every node.
     uint64_t step;
     uint64_t threshold_bits;
   };
   Header MakeHeader(uint64_t count, uint64_t nonfinite) const;
-
-  BucketState(const BucketSpec& spec, const JobShape& job, const SparsifyOptions& options,
-              kernels::SparseOps* ops);
-  absl::Status Allocate();
-  absl::Status Check(kernels::KernelStatus status, const char* what) const;
-  absl::StatusOr<kernels::StepScalars> ReadScalars() const;
-  // Allgathers headers; fails on every node if the nodes are at different
-  // steps or thresholds (FailedPrecondition: states restored from checkpoints
-  // of different steps), or if any node saw a non-finite value. The step's
-  // later collectives follow from these headers (CollectiveOptions::shape_agreed).
-  // The headers of every node: FailedPrecondition when the nodes are at
-  // different steps or thresholds, a non-finite error (ClientStatus
-  // kNonFinite) naming the nodes that saw a NaN/Inf.
+  // FailedPrecondition when the nodes are at different steps or thresholds
+  // (states restored from checkpoints of different steps), a non-finite
+  // error (ClientStatus kNonFinite) naming the nodes that saw a NaN/Inf.
   absl::Status CheckHeaders(const std::vector<Header>& headers) const;
-  absl::StatusOr<std::vector<Header>> ExchangeHeaders(uint64_t count, uint64_t nonfinite,
-                                                      transport::Transport& transport,
-                                                      const transport::CollectiveOptions& options,
-                                                      StepStats& stats);
   // What node r may send this step: the indices it selects from (its
   // partition under MiCRO, the whole bucket otherwise) and how many at most
   // (its largest share: any partition, the bucket, top-k's budget).
   Range SenderRange(int r) const;
   uint64_t SelectionBound() const;
+  // The `hist` controller (null for any other).
+  HistogramController* hist() const;
+  // This node's values at `index` (I: every node's selection in rank order,
+  // the sorted union for top-k and hard; K entries) written to `out` (host,
+  // K elements of spec().wire: fp32, or rounded to bf16/fp16); I is kept
+  // for Apply.
+  absl::Status Values(const Selection& s, absl::Span<const uint32_t> index, void* out);
+  // With `sums` (K elements of the wire's type: every node's values summed
+  // in rank order, halves in fp32 and rounded once): the state committed,
+  // the averaged update written to `update` (d elements; it may be the
+  // gradient's buffer), the step advanced. An error changes nothing.
+  absl::StatusOr<StepStats> Apply(Selection& s, uint64_t K, const void* sums, float* update);
+
+ private:
+  BucketState(const BucketSpec& spec, const JobShape& job, const SparsifyOptions& options,
+              kernels::SparseOps* ops);
+  absl::Status Allocate();
+  absl::Status Check(kernels::KernelStatus status, const char* what) const;
+  absl::StatusOr<kernels::StepScalars> ReadScalars() const;
+  absl::StatusOr<std::vector<Header>> ExchangeHeaders(uint64_t count, uint64_t nonfinite,
+                                                      transport::Transport& transport,
+                                                      const transport::CollectiveOptions& options,
+                                                      StepStats& stats);
   // The candidates' room for step `step` (by its density: O(k)).
   uint64_t RoomAt(uint64_t step) const;
   // The pass (`args` as PassArgs gave them, range and threshold set) with
@@ -175,36 +215,14 @@ class BucketState {
   // hold, they grow to hold it all and the pass runs again. `args` keeps
   // the outputs it ran with.
   absl::StatusOr<kernels::StepScalars> SelectPass(kernels::FusedSelectArgs& args);
-  // Allgather-v of the candidates' indices into global_index_; returns the
-  // total. A peer's count over its capacity or an index outside its range
-  // fails the step on every node (each checks what every node sent), naming
-  // that node, before anything is allocated or indexed with them.
-  absl::StatusOr<uint64_t> GatherIndices(const std::vector<Header>& headers,
-                                         transport::Transport& transport,
-                                         const transport::CollectiveOptions& options,
-                                         StepStats& stats);
-  // Step 8 at global_index_[0..K): the values (the pass's sums there)
-  // reduced into values_.
-  absl::Status ReduceValues(uint64_t K, const kernels::FusedSelectArgs& pass,
-                            transport::Transport& transport,
-                            const transport::CollectiveOptions& options, StepStats& stats);
-  // Steps 9-10, once every node got every transfer: Commit, the update.
-  absl::Status ApplyValues(uint64_t K, const kernels::FusedSelectArgs& pass, float* update,
-                           StepStats& stats);
-  // Steps 8-10 of a step that selected K values (its stats so far):
-  // ReduceValues, then, once Confirmed, ApplyValues and the step advanced.
-  absl::StatusOr<StepStats> ReduceAndCommit(uint64_t K, const kernels::FusedSelectArgs& args,
-                                            float* update, transport::Transport& transport,
-                                            const transport::CollectiveOptions& options,
-                                            absl::Time deadline, absl::Time start, StepStats stats);
   // A step's figures at the debug level (--log_level=debug).
   void LogStep(const StepStats& stats) const;
   // The rest of a step once Confirm passed (`confirmed`: when), or what a
   // failed Confirm leaves pending (`drop`: undoes what the step did before
   // it, if anything).
-  using Apply = std::function<absl::StatusOr<StepStats>(absl::Time confirmed)>;
+  using Rest = std::function<absl::StatusOr<StepStats>(absl::Time confirmed)>;
   absl::StatusOr<StepStats> Confirmed(transport::Transport& transport, absl::Time deadline,
-                                      Apply apply, std::function<void()> drop = nullptr);
+                                      Rest rest, std::function<void()> drop = nullptr);
 
   // What the controller's collectives need: this step's transport, deadline,
   // budget and byte accounting, under the bucket's histogram tag.
@@ -215,10 +233,11 @@ class BucketState {
   absl::Status PrimeController(const float* grad, float grad_scale, Range part,
                                transport::Transport& transport,
                                const transport::CollectiveOptions& options, StepStats& stats);
-  absl::StatusOr<StepStats> StepMicro(const float* grad, float* update, transport::Transport& t,
-                                      absl::Time deadline);
-  absl::StatusOr<StepStats> StepUnion(const float* grad, float* update, transport::Transport& t,
-                                      absl::Time deadline);
+  // A sparse step: the controller primed if it asks, then a batch of one.
+  absl::StatusOr<StepStats> StepSparse(const float* grad, float* update, transport::Transport& t,
+                                       absl::Time deadline);
+  // The candidates (or selection) on the host, as Selection holds them.
+  absl::Status CopySelection(Selection& s);
   // Local clipping: the factor the pass scales g by (1 unless its norm is too
   // large), folded into the pass: no clipped copy.
   absl::StatusOr<float> ClipScale(const float* grad, StepStats& stats);
@@ -279,7 +298,7 @@ class BucketState {
   DeviceBuffer<uint16_t> wire_values_;  // the values as sent, with a bf16/fp16 wire
   DeviceBuffer<kernels::StepScalars> scalars_;
   struct Pending {
-    Apply apply;
+    Rest rest;
     std::function<void()> drop;
     absl::Time confirm_failed;
   };

@@ -117,7 +117,8 @@ HistogramController::CoarsePlan HistogramController::PlanCoarse(const std::vecto
     plan.rescan_lower = RescanBound(lower, rescans);
     return plan;
   }
-  // The window of Resolve, moved up while the k-th value lies above it.
+  // The window of kCoarseBins bins from the bound, moved up while the k-th
+  // value lies above it.
   uint32_t first = first0;
   auto overflow = [&](uint32_t from) {
     uint64_t o = 0;
@@ -244,102 +245,6 @@ absl::Status HistogramController::Prime(const std::vector<float>& sample, double
   lower_bound_ = pending_lower_bound_ = std::max(bound, kSmallestPositive);
   primed_ = true;
   return absl::OkStatus();
-}
-
-absl::Status HistogramController::BadOverflow(int64_t local, int64_t global,
-                                              const ControllerContext& ctx) {
-  // Who claimed the values: every node's own count, gathered once.
-  const int n = ctx.transport->size();
-  std::vector<int64_t> counts(n);
-  RETURN_IF_ERROR(ctx.transport->Allgather(&local, sizeof local, counts.data(), ctx.options));
-  std::vector<std::string> claims;
-  for (int r = 0; r < n; ++r) {
-    if (counts[r] != 0) claims.push_back(absl::StrCat("node ", r, " (", counts[r], ")"));
-  }
-  return absl::DataLossError(absl::StrCat(
-      "histogram: ", global,
-      " candidates above the largest finite magnitude, where there can "
-      "be none: a bad peer; ",
-      claims.empty() ? std::string("every node reports none of them, so a peer altered the sum")
-                     : absl::StrCat("claimed by ", absl::StrJoin(claims, ", "))));
-}
-
-absl::StatusOr<float> HistogramController::Resolve(CandidateSet& candidates,
-                                                   const ControllerContext& ctx) {
-  kernels::SparseOps& ops = *ctx.ops;
-  const uint64_t k = ctx.k;
-  if (!device_bins_.Reserve(&ops, std::max(kCoarseBins, kFineBins) + 1)) {
-    return absl::ResourceExhaustedError("histogram: out of device memory");
-  }
-  std::vector<int64_t> coarse(kCoarseBins + 1);
-  std::vector<int64_t> fine(kFineBins + 1);
-  int64_t local_overflow = 0;  // this node's count above the last window, before the sum
-
-  // Runs LogHistogram on the candidates and sums it across nodes.
-  auto global_histogram = [&](uint32_t shift, uint32_t first, uint32_t num,
-                              std::vector<int64_t>& out) -> absl::Status {
-    const kernels::KernelStatus ks = ops.LogHistogram(
-        candidates.values(), candidates.count(), shift, first, num, device_bins_.get(), ctx.stream);
-    if (ks != kernels::KernelStatus::kOk) {
-      return absl::InternalError(
-          absl::StrCat("histogram kernel: ", kernels::KernelStatusString(ks)));
-    }
-    // The allreduce runs on a host copy: the histograms are tiny.
-    if (ops.CopyToHost(out.data(), device_bins_.get(), (num + 1) * sizeof(int64_t), ctx.stream) !=
-        kernels::KernelStatus::kOk) {
-      return absl::InternalError("histogram: copy to host failed");
-    }
-    local_overflow = out[num];
-    if (ctx.bytes_sent != nullptr) *ctx.bytes_sent += (num + 1) * sizeof(int64_t);
-    if (ctx.bytes_received != nullptr) *ctx.bytes_received += (num + 1) * sizeof(int64_t);
-    return ctx.transport->AllreduceSum(out.data(), num + 1, transport::DataType::kInt64,
-                                       ctx.options);
-  };
-
-  float lower = lower_bound_;
-  int rescans = 0;
-  uint32_t first = Bits(lower) >> kCoarseShift;
-  for (;;) {
-    RETURN_IF_ERROR(global_histogram(kCoarseShift, first, kCoarseBins, coarse));
-    int64_t total = 0;
-    for (int64_t c : coarse) total += c;
-    if (static_cast<uint64_t>(total) < k) {
-      if (lower <= kSmallestPositive) {
-        // Fewer than k non-zero values in the whole bucket: take them all.
-        pending_lower_bound_ = kSmallestPositive;
-        if (ctx.rescans != nullptr) *ctx.rescans = rescans;
-        return kSmallestPositive;
-      }
-      // Too few candidates: lower the bound 256x, then to every non-zero value.
-      lower = RescanBound(lower, rescans);
-      ++rescans;
-      RETURN_IF_ERROR(candidates.Rescan(lower));
-      first = Bits(lower) >> kCoarseShift;
-      continue;
-    }
-    if (static_cast<uint64_t>(coarse[kCoarseBins]) >= k) {
-      // The k-th value lies above the window: move it up, at most to the
-      // largest finite magnitude. Past it only a peer that adds to the sum
-      // what it does not hold keeps the count up (every node sees the same
-      // sum, so every node stops here together).
-      if (first + kCoarseBins >= kFiniteCoarseBins) {
-        return BadOverflow(local_overflow, coarse[kCoarseBins], ctx);
-      }
-      first += kCoarseBins;
-      continue;
-    }
-    break;
-  }
-  if (ctx.rescans != nullptr) *ctx.rescans = rescans;
-
-  uint64_t above = 0;
-  const int kth_bin = KthCoarseBin(coarse, k, &above);
-  pending_lower_bound_ = NextLowerBound(coarse, first, lower, k);
-
-  // Refine the k-th bin.
-  const uint32_t fine_first = (first + kth_bin) << (kCoarseShift - kFineShift);
-  RETURN_IF_ERROR(global_histogram(kFineShift, fine_first, kFineBins, fine));
-  return ChooseFine(fine, above, k, fine_first, lower).threshold;
 }
 
 std::unique_ptr<ThresholdController> CreateController(ControllerKind kind, uint64_t k) {

@@ -3,15 +3,14 @@
 //
 // Life cycle, once per step and in this order on every node:
 //   1. PassThreshold(): the threshold the fused pass selects with: the final
-//      one for `paper`, a lower bound that keeps a few candidates for `hist`.
-//   2. Resolve(): sees this node's candidates and returns the step's final
-//      threshold. It may run collectives (the same ones on every node, since
-//      its decisions depend only on global sums) and ask for a rescan of the
-//      owned partition. It changes no persistent state.
-//   3. Commit(K): the step succeeded with K selected globally; advance.
+//      one for `paper`, a lower bound that keeps a few candidates for `hist`
+//      (Refines), whose final threshold the step finds from the candidates'
+//      global histogram (PlanCoarse, then ChooseFine; PlanCoarse may ask for
+//      a rescan of the owned partition with a lower bound).
+//   2. Commit(K): the step succeeded with K selected globally; advance.
 // A failed step never reaches Commit, so the controller is as it was.
 // Before the first step's pass, a controller that WantsPrime() gets a sample
-// of the step's accumulated gradient (Prime, a collective like Resolve).
+// of the step's accumulated gradient (Prime, a collective).
 #pragma once
 
 #include <cstdint>
@@ -27,36 +26,23 @@
 
 namespace microd::sparsify {
 
-// This node's selected candidates, owned by the step.
-class CandidateSet {
- public:
-  virtual ~CandidateSet() = default;
-  virtual const float* values() const = 0;  // device memory, count() entries
-  virtual uint64_t count() const = 0;
-  // Re-selects the owned partition with a lower threshold.
-  virtual absl::Status Rescan(float threshold) = 0;
-};
-
+// What Prime's collective needs.
 struct ControllerContext {
-  kernels::SparseOps* ops = nullptr;
-  void* stream = nullptr;
   transport::Transport* transport = nullptr;
   transport::CollectiveOptions options;  // deadline and the controller's tag
   uint64_t k = 1;                        // budget of the whole bucket
   uint64_t* bytes_sent = nullptr;        // payload accounting of the step
   uint64_t* bytes_received = nullptr;
-  int* rescans = nullptr;  // how many rescans the step needed
 };
 
 class ThresholdController {
  public:
   virtual ~ThresholdController() = default;
   virtual float PassThreshold() const = 0;
-  virtual absl::StatusOr<float> Resolve(CandidateSet& candidates, const ControllerContext& ctx) = 0;
   // `budget`: the step's k (it changes during a density warm-up).
   virtual void Commit(uint64_t selected, uint64_t budget) = 0;
-  // True when Resolve may return a threshold above PassThreshold (the step
-  // then trims its candidates and gathers the final counts).
+  // True when the step finds the threshold above PassThreshold from the
+  // candidates' global histogram (HistogramController's plan functions).
   virtual bool Refines() const = 0;
   // True before the first step when PassThreshold would otherwise come from
   // no information at all.
@@ -81,9 +67,6 @@ class PaperController final : public ThresholdController {
  public:
   explicit PaperController(uint64_t k);  // tau_0 from the target budget
   float PassThreshold() const override { return static_cast<float>(tau_); }
-  absl::StatusOr<float> Resolve(CandidateSet&, const ControllerContext&) override {
-    return PassThreshold();
-  }
   void Commit(uint64_t selected, uint64_t budget) override;
   bool Refines() const override { return false; }
   std::string Save() const override;
@@ -121,7 +104,6 @@ class HistogramController final : public ThresholdController {
 
   HistogramController();
   float PassThreshold() const override { return lower_bound_; }
-  absl::StatusOr<float> Resolve(CandidateSet& candidates, const ControllerContext& ctx) override;
   void Commit(uint64_t selected, uint64_t budget) override;
   bool Refines() const override { return true; }
   bool WantsPrime() const override { return !primed_; }
@@ -130,13 +112,13 @@ class HistogramController final : public ThresholdController {
   std::string Save() const override;
   absl::Status Load(const std::string& bytes) override;
 
-  // The batched step (batch_step.h) makes Resolve's decisions from global
-  // histograms its rounds delivered, with the same functions.
+  // The step (batch_step.h) finds the threshold from the global histograms
+  // its rounds deliver, with these functions.
   //
   // What the global coarse histogram of a step's candidates says:
   // `global[b - first]` counts the candidates in coarse bin b, for every
   // finite bin b from first = bits(lower) >> kCoarseShift. Sets the next
-  // step's lower bound (as Resolve does) unless a rescan is needed.
+  // step's lower bound unless a rescan is needed.
   struct CoarsePlan {
     enum Kind {
       kRefine,       // the k-th value lies in bin kth_coarse; `above` lie above it
@@ -165,14 +147,9 @@ class HistogramController final : public ThresholdController {
   static uint32_t FineBinOf(float magnitude);
 
  private:
-  // The sum says k or more candidates lie above every finite magnitude:
-  // DataLoss naming the nodes that claim them (one allgather of `local`).
-  absl::Status BadOverflow(int64_t local, int64_t global, const ControllerContext& ctx);
-
-  bool primed_ = false;                // a lower bound was set (by Prime or a step)
-  DeviceBuffer<int64_t> device_bins_;  // histogram scratch, kept across steps
-  float lower_bound_;                  // tau_lo of the coming step
-  float pending_lower_bound_;          // set by Resolve, taken by Commit
+  bool primed_ = false;        // a lower bound was set (by Prime or a step)
+  float lower_bound_;          // tau_lo of the coming step
+  float pending_lower_bound_;  // set by PlanCoarse, taken by Commit
 };
 
 std::unique_ptr<ThresholdController> CreateController(ControllerKind kind, uint64_t k);

@@ -46,13 +46,11 @@ using DataType = kernels::ElementType;
 // the collectives of different buckets can never be matched with each other.
 enum class TagKind : uint32_t {
   kControl = 0,    // barriers and set-up
-  kHeader = 1,     // per-node header: selected count and status flags
-  kIndices = 2,    // allgather-v of selected indices
-  kValues = 3,     // allreduce of the values at the selected indices
-  kHistogram = 4,  // threshold controller histograms
+  kHeader = 1,     // per-node header of a dense step: status flags
+  kHistogram = 4,  // the hist controller's prime
   kDense = 5,      // dense allreduce of a whole bucket
-  // The rounds of a batched step (sparsify/batch_step.h): the slot is then
-  // the batch's sequence number, not a bucket's.
+  // The rounds of a sparse step (sparsify/batch_step.h), slot 0: the
+  // batches of a transport run one after another.
   kRound1 = 8,   // headers, and indices or coarse histograms
   kRound2 = 9,   // candidates near the threshold (hist)
   kRound3 = 10,  // values

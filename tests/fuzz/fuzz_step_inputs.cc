@@ -24,10 +24,10 @@ namespace {
 using microd::fuzz::Input;
 using microd::transport::CollectiveOptions;
 using microd::transport::DataType;
-using microd::transport::TagKind;
 using microd::transport::Transport;
 
-// Node 1's transport: its headers and indices come from the input.
+// Node 1's transport: the messages of its step's rounds (headers, indices,
+// histograms, values) begin with bytes from the input.
 class LyingTransport final : public Transport {
  public:
   LyingTransport(Transport* inner, Input* input) : inner_(inner), input_(input) {}
@@ -36,27 +36,22 @@ class LyingTransport final : public Transport {
   const char* name() const override { return "lying"; }
   absl::Status Allgather(const void* in, size_t bytes, void* out,
                          const CollectiveOptions& o) override {
-    if ((o.tag & 0xFF) != static_cast<uint32_t>(TagKind::kHeader)) {
-      return inner_->Allgather(in, bytes, out, o);
-    }
-    std::vector<uint8_t> lie(static_cast<const uint8_t*>(in),
-                             static_cast<const uint8_t*>(in) + bytes);
-    const std::vector<uint8_t> mine = input_->Bytes(bytes);
-    if (!mine.empty()) std::memcpy(lie.data(), mine.data(), mine.size());
-    return inner_->Allgather(lie.data(), bytes, out, o);
+    return inner_->Allgather(in, bytes, out, o);
   }
   absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv_bytes, void* out,
                           const CollectiveOptions& o) override {
-    const size_t bytes = recv_bytes[rank()];
-    std::vector<uint8_t> lie(bytes);
-    if (in != nullptr && bytes > 0) std::memcpy(lie.data(), in, bytes);
-    const std::vector<uint8_t> mine = input_->Bytes(bytes);
-    if (!mine.empty()) std::memcpy(lie.data(), mine.data(), mine.size());
-    return inner_->AllgatherV(lie.data(), recv_bytes, out, o);
+    return inner_->AllgatherV(in, recv_bytes, out, o);
   }
   absl::Status AllreduceSum(void* data, size_t count, DataType type,
                             const CollectiveOptions& o) override {
     return inner_->AllreduceSum(data, count, type, o);
+  }
+  absl::Status ExchangeRound(std::string_view mine, std::vector<std::string>* from,
+                             const CollectiveOptions& o) override {
+    std::string lie(mine);
+    const std::vector<uint8_t> bytes = input_->Bytes(lie.size());
+    if (!bytes.empty()) std::memcpy(lie.data(), bytes.data(), bytes.size());
+    return inner_->ExchangeRound(lie, from, o);
   }
   absl::Status Barrier(const CollectiveOptions& o) override { return inner_->Barrier(o); }
   void Abort(const absl::Status& reason) override { inner_->Abort(reason); }

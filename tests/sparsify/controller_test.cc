@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -141,36 +143,6 @@ TEST(HistogramController, FewerNonZerosThanBudgetSelectsExactlyTheNonZeros) {
   EXPECT_EQ(stats[0].threshold, double(std::numeric_limits<float>::denorm_min()));
 }
 
-// A node's owned partition as the controller sees it: candidates are the
-// values at or above the last scan's threshold.
-class FakeCandidates final : public CandidateSet {
- public:
-  explicit FakeCandidates(std::vector<float> partition) : partition_(std::move(partition)) {}
-  void Scan(float threshold) {
-    selected_.clear();
-    for (float v : partition_) {
-      if (std::fabs(v) >= threshold) selected_.push_back(v);
-    }
-  }
-  const float* values() const override { return selected_.data(); }
-  uint64_t count() const override { return selected_.size(); }
-  absl::Status Rescan(float threshold) override {
-    ++rescans;
-    Scan(threshold);
-    return absl::OkStatus();
-  }
-  uint64_t CountAtOrAbove(float threshold) const {
-    uint64_t c = 0;
-    for (float v : partition_) c += std::fabs(v) >= threshold;
-    return c;
-  }
-  int rescans = 0;
-
- private:
-  std::vector<float> partition_;
-  std::vector<float> selected_;
-};
-
 std::vector<float> HeavyTailed(uint64_t n, float scale, uint64_t seed) {
   std::vector<float> v(n);
   for (uint64_t i = 0; i < n; ++i) {
@@ -181,39 +153,53 @@ std::vector<float> HeavyTailed(uint64_t n, float scale, uint64_t seed) {
   return v;
 }
 
-TEST(HistogramController, ScaleDropRescansAndStillHitsTheBudget) {
+// One step of a bucket per node, on `transports` (node r's at r).
+std::vector<absl::StatusOr<StepStats>> StepAll(std::vector<std::unique_ptr<BucketState>>& b,
+                                               const std::vector<transport::Transport*>& transports,
+                                               const std::vector<std::vector<float>>& grads) {
+  const int n = static_cast<int>(b.size());
+  std::vector<absl::StatusOr<StepStats>> out(n, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      std::vector<float> u(grads[r].size());
+      out[r] =
+          b[r]->Step(grads[r].data(), u.data(), *transports[r], absl::Now() + absl::Seconds(30));
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+// The gradients fell far below the controller's bound (here: a bound
+// loaded 1,000x above every value): too few candidates on every node, so
+// every node rescans its partition and the step still hits the budget.
+TEST(HistogramController, ABoundAboveEveryValueRescansAndStillHitsTheBudget) {
+  const int n = 3;
+  const uint64_t d = 100000, k = 1000;
   auto ops = kernels::CreateCpuSparseOps();
-  auto group = transport::CreateInprocGroup(1);
-  const uint64_t k = 1000;
-  HistogramController c;
-  ControllerContext ctx;
-  ctx.ops = ops.get();
-  ctx.transport = group[0].get();
-  ctx.options.deadline = absl::Now() + absl::Seconds(30);
-  ctx.k = k;
-  int rescans = 0;
-  ctx.rescans = &rescans;
-
-  // Step 0 keeps everything; its histogram sets the next lower bound.
-  FakeCandidates first(HeavyTailed(100000, 1.0f, 1));
-  first.Scan(c.PassThreshold());
-  auto tau0 = c.Resolve(first, ctx);
-  ASSERT_TRUE(tau0.ok()) << tau0.status();
-  EXPECT_NEAR(double(first.CountAtOrAbove(*tau0)), double(k), 0.02 * k);
-  c.Commit(first.CountAtOrAbove(*tau0), k);
-  const float bound = c.PassThreshold();
-  EXPECT_LT(bound, *tau0);
-  EXPECT_NEAR(double(first.CountAtOrAbove(bound)), 4.0 * k, 0.5 * k);
-
-  // The gradients shrink 10,000x: nothing reaches the old bound.
-  FakeCandidates second(HeavyTailed(100000, 1e-4f, 2));
-  second.Scan(bound);
-  ASSERT_LT(second.count(), k);
-  auto tau1 = c.Resolve(second, ctx);
-  ASSERT_TRUE(tau1.ok()) << tau1.status();
-  EXPECT_GE(second.rescans, 1);
-  EXPECT_EQ(rescans, second.rescans);
-  EXPECT_NEAR(double(second.CountAtOrAbove(*tau1)), double(k), 0.02 * k);
+  auto group = transport::CreateInprocGroup(n);
+  SparsifyOptions o;
+  o.density = double(k) / double(d);
+  const float lower = 1e6f;
+  std::string controller(1, '\1');  // primed, then the bound
+  controller.append(reinterpret_cast<const char*>(&lower), sizeof lower);
+  std::vector<std::unique_ptr<BucketState>> b;
+  std::vector<transport::Transport*> transports;
+  std::vector<std::vector<float>> grads;
+  for (int r = 0; r < n; ++r) {
+    b.push_back(*BucketState::Create({"b", d, 0}, {n, r, n}, o, ops.get()));
+    ASSERT_TRUE(b[r]->Load({0, std::vector<float>(d, 0.0f), {}, controller}).ok());
+    transports.push_back(group[r].get());
+    grads.push_back(HeavyTailed(d, 1.0f, r + 1));
+  }
+  const auto stats = StepAll(b, transports, grads);
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(stats[r].ok()) << stats[r].status();
+    EXPECT_GE(stats[r]->rescans, 1) << "node " << r;
+    EXPECT_NEAR(double(stats[r]->selected), double(k), 0.02 * k) << "node " << r;
+    EXPECT_LT(stats[r]->threshold, lower);
+  }
 }
 
 TEST(HistogramController, TinyBucketSelectsAtLeastOne) {
@@ -225,18 +211,17 @@ TEST(HistogramController, TinyBucketSelectsAtLeastOne) {
   }
 }
 
-// A peer that adds to every histogram sum `extra` candidates above the
-// window it was asked about, and claims them when asked.
+// A peer whose first round claims `claim` candidates in the largest finite
+// magnitude's coarse bin, which it then does not send.
 class OverflowingPeer final : public transport::Transport {
  public:
-  OverflowingPeer(transport::Transport* inner, int64_t extra) : inner_(inner), extra_(extra) {}
+  OverflowingPeer(transport::Transport* inner, uint64_t claim) : inner_(inner), claim_(claim) {}
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
   const char* name() const override { return "overflowing"; }
   absl::Status Allgather(const void* in, size_t bytes, void* out,
                          const transport::CollectiveOptions& o) override {
-    if (bytes != sizeof(int64_t)) return inner_->Allgather(in, bytes, out, o);
-    return inner_->Allgather(&extra_, bytes, out, o);
+    return inner_->Allgather(in, bytes, out, o);
   }
   absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv_bytes, void* out,
                           const transport::CollectiveOptions& o) override {
@@ -244,8 +229,22 @@ class OverflowingPeer final : public transport::Transport {
   }
   absl::Status AllreduceSum(void* data, size_t count, transport::DataType type,
                             const transport::CollectiveOptions& o) override {
-    if (type == transport::DataType::kInt64) static_cast<int64_t*>(data)[count - 1] += extra_;
     return inner_->AllreduceSum(data, count, type, o);
+  }
+  absl::Status ExchangeRound(std::string_view mine, std::vector<std::string>* from,
+                             const transport::CollectiveOptions& o) override {
+    if ((o.tag & 0xFF) != uint32_t(transport::TagKind::kRound1)) {
+      return inner_->ExchangeRound(mine, from, o);
+    }
+    // One bucket: its header, flags, then the sparse histogram.
+    BucketState::Header h;
+    std::memcpy(&h, mine.data(), sizeof h);
+    h.count = claim_;
+    std::string lie(reinterpret_cast<const char*>(&h), sizeof h);
+    const uint32_t flags = 0, m = 1, bin = HistogramController::kFiniteCoarseBins - 1;
+    const uint32_t count = static_cast<uint32_t>(claim_);
+    for (uint32_t x : {flags, m, bin, count}) lie.append(reinterpret_cast<const char*>(&x), 4);
+    return inner_->ExchangeRound(lie, from, o);
   }
   absl::Status Barrier(const transport::CollectiveOptions& o) override {
     return inner_->Barrier(o);
@@ -254,37 +253,36 @@ class OverflowingPeer final : public transport::Transport {
 
  private:
   transport::Transport* const inner_;
-  const int64_t extra_;
+  const uint64_t claim_;
 };
 
 // Before: every node moved its window up forever (each allreduce succeeded,
 // so no deadline fired). Now the step fails on every node, naming the peer.
 TEST(HistogramController, APeerClaimingValuesAboveEveryFiniteOneFailsTheStep) {
   const int n = 3;
-  const uint64_t k = 100;
+  const uint64_t d = 10000, k = 100;
   auto ops = kernels::CreateCpuSparseOps();
   auto group = transport::CreateInprocGroup(n);
-  OverflowingPeer liar(group[1].get(), static_cast<int64_t>(k));
-  std::vector<absl::Status> results(n);
-  std::vector<std::thread> threads;
+  OverflowingPeer liar(group[1].get(), k);
+  SparsifyOptions o;
+  o.density = double(k) / double(d);
+  std::vector<std::unique_ptr<BucketState>> b;
+  std::vector<transport::Transport*> transports;
+  std::vector<std::vector<float>> grads;
   for (int r = 0; r < n; ++r) {
-    threads.emplace_back([&, r] {
-      HistogramController c;
-      ControllerContext ctx;
-      ctx.ops = ops.get();
-      ctx.transport = r == 1 ? static_cast<transport::Transport*>(&liar) : group[r].get();
-      ctx.options.deadline = absl::Now() + absl::Seconds(30);
-      ctx.k = k;
-      FakeCandidates mine(HeavyTailed(10000, 1.0f, r + 1));
-      mine.Scan(c.PassThreshold());
-      results[r] = c.Resolve(mine, ctx).status();
-    });
+    b.push_back(*BucketState::Create({"b", d, 0}, {n, r, n}, o, ops.get()));
+    transports.push_back(group[r].get());
+    grads.push_back(HeavyTailed(d, 1.0f, r + 1));
   }
-  for (auto& t : threads) t.join();
+  for (const auto& s : StepAll(b, transports, grads)) ASSERT_TRUE(s.ok()) << s.status();  // primes
+  transports[1] = &liar;
+  const auto stats = StepAll(b, transports, grads);
   for (int r = 0; r < n; ++r) {
-    EXPECT_EQ(results[r].code(), absl::StatusCode::kDataLoss) << "node " << r << ": " << results[r];
-    EXPECT_NE(results[r].message().find("claimed by node 1 (100)"), std::string::npos)
-        << results[r];
+    EXPECT_EQ(stats[r].status().code(), absl::StatusCode::kDataLoss)
+        << "node " << r << ": " << stats[r].status();
+    EXPECT_NE(stats[r].status().message().find("node 1's round 2 message"), std::string::npos)
+        << stats[r].status();
+    EXPECT_EQ(b[r]->step(), 1u) << "node " << r << ": the state as before the step";
   }
 }
 

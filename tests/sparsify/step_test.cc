@@ -805,8 +805,8 @@ TEST(StepBuildUp, TopKAndHardBuildUpMicroDoesNot) {
 }
 
 // What the host waits for per step (each wait a round trip to a GPU): the
-// count readbacks a step needs, none per node. The index checks of every node
-// are read back at once (they were one wait per node), so the count is the
+// readbacks and copies a step needs, none per node: every node's indices
+// and values arrive in one host message per round, so the count is the
 // same for 2, 3 and 4 nodes.
 TEST(StepHostWaits, DoNotGrowWithTheNumberOfNodes) {
   struct Want {
@@ -815,13 +815,12 @@ TEST(StepHostWaits, DoNotGrowWithTheNumberOfNodes) {
     uint64_t waits;  // per step after the first
     const char* what;
   };
+  constexpr const char* kValues = "I to the device, the values to the host and their sums back";
   const Want wants[] = {
-      {SparsifierKind::kMicro, ControllerKind::kPaper, 2, "pass counts, index checks"},
-      {SparsifierKind::kMicro, ControllerKind::kHistogram, 5,
-       "pass counts, 2 histograms, trimmed count, index checks"},
-      {SparsifierKind::kTopK, ControllerKind::kPaper, 4,
-       "pass counts, top-k count, index checks, union count"},
-      {SparsifierKind::kHard, ControllerKind::kPaper, 3, "pass counts, index checks, union count"},
+      {SparsifierKind::kMicro, ControllerKind::kPaper, 4, kValues},
+      {SparsifierKind::kMicro, ControllerKind::kHistogram, 4, kValues},
+      {SparsifierKind::kTopK, ControllerKind::kPaper, 5, kValues},
+      {SparsifierKind::kHard, ControllerKind::kPaper, 4, kValues},
       {SparsifierKind::kDense, ControllerKind::kPaper, 1, "non-finite count"},
   };
   const uint64_t d = 30011;
@@ -845,8 +844,9 @@ TEST(StepHostWaits, DoNotGrowWithTheNumberOfNodes) {
         for (int r = 0; r < n; ++r) {
           ASSERT_EQ(stats[r].rescans, 0);
           EXPECT_EQ(stats[r].host_waits, want.waits)
-              << SparsifierName(want.sparsifier) << "/" << ControllerName(want.controller) << " ("
-              << want.what << "), node " << r << " of " << n << ", step " << t;
+              << SparsifierName(want.sparsifier) << "/" << ControllerName(want.controller)
+              << " (the pass's count, top-k's, " << want.what << "), node " << r << " of " << n
+              << ", step " << t;
         }
       }
     }
@@ -1030,40 +1030,59 @@ TEST(StepWarmUp, NonFiniteDuringTheDenseWarmUpChangesNothing) {
 class HostileTransport final : public transport::Transport {
  public:
   enum class Lie { kHugeCount, kIndexOutOfBucket, kIndexInAnotherPartition };
-  HostileTransport(transport::Transport* inner, Lie lie, uint64_t d)
-      : inner_(inner), lie_(lie), d_(d) {}
+  HostileTransport(transport::Transport* inner, Lie lie, uint64_t d, bool hist)
+      : inner_(inner), lie_(lie), d_(d), hist_(hist) {}
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
   const char* name() const override { return "hostile"; }
   absl::Status Allgather(const void* in, size_t bytes, void* out,
                          const transport::CollectiveOptions& o) override {
-    if (armed_ && lie_ == Lie::kHugeCount &&
-        (o.tag & 0xFF) == uint32_t(transport::TagKind::kHeader) && bytes >= sizeof(uint64_t)) {
-      std::vector<char> lied(static_cast<const char*>(in), static_cast<const char*>(in) + bytes);
-      const uint64_t huge = uint64_t{1} << 40;
-      std::memcpy(lied.data(), &huge, sizeof huge);  // the header's count
-      return inner_->Allgather(lied.data(), bytes, out, o);
-    }
     return inner_->Allgather(in, bytes, out, o);
   }
   absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv_bytes, void* out,
                           const transport::CollectiveOptions& o) override {
-    const size_t mine = recv_bytes[rank()] / sizeof(uint32_t);
-    if (!armed_ || lie_ == Lie::kHugeCount || mine == 0) {
-      return inner_->AllgatherV(in, recv_bytes, out, o);
-    }
-    const uint32_t* index = static_cast<const uint32_t*>(in);
-    std::vector<uint32_t> lied(index, index + mine);
-    if (lie_ == Lie::kIndexOutOfBucket) {
-      lied[mine / 2] = static_cast<uint32_t>(d_ + 7);
-    } else {
-      for (uint32_t& i : lied) i = static_cast<uint32_t>((i + d_ / 2) % d_);
-    }
-    return inner_->AllgatherV(lied.data(), recv_bytes, out, o);
+    return inner_->AllgatherV(in, recv_bytes, out, o);
   }
   absl::Status AllreduceSum(void* data, size_t count, transport::DataType type,
                             const transport::CollectiveOptions& o) override {
     return inner_->AllreduceSum(data, count, type, o);
+  }
+  // The step's one bucket: round 1 is its header, flags and (top-k, hard)
+  // its indices; round 2 (hist) starts with the indices above the k-th
+  // value's bin.
+  absl::Status ExchangeRound(std::string_view mine, std::vector<std::string>* from,
+                             const transport::CollectiveOptions& o) override {
+    const uint32_t kind = o.tag & 0xFF;
+    std::string lied(mine);
+    if (armed_ && lie_ == Lie::kHugeCount && kind == uint32_t(transport::TagKind::kRound1)) {
+      const uint64_t huge = uint64_t{1} << 40;
+      std::memcpy(lied.data(), &huge, sizeof huge);  // the header's count
+    }
+    const auto indices_in = hist_ ? transport::TagKind::kRound2 : transport::TagKind::kRound1;
+    if (armed_ && lie_ != Lie::kHugeCount && kind == uint32_t(indices_in)) {
+      uint64_t count = 0;
+      size_t at = 0;
+      if (hist_) {
+        uint32_t above = 0;
+        std::memcpy(&above, lied.data(), sizeof above);
+        count = above;
+        at = sizeof above;
+      } else {
+        std::memcpy(&count, lied.data(), sizeof count);
+        at = sizeof(sparsify::BucketState::Header) + sizeof(uint32_t);
+      }
+      for (uint64_t j = 0; j < count; ++j) {
+        uint32_t i;
+        std::memcpy(&i, lied.data() + at + 4 * j, 4);
+        if (lie_ == Lie::kIndexOutOfBucket) {
+          if (j == count / 2) i = static_cast<uint32_t>(d_ + 7);
+        } else {
+          i = static_cast<uint32_t>((i + d_ / 2) % d_);
+        }
+        std::memcpy(lied.data() + at + 4 * j, &i, 4);
+      }
+    }
+    return inner_->ExchangeRound(lied, from, o);
   }
   absl::Status Barrier(const transport::CollectiveOptions& o) override {
     return inner_->Barrier(o);
@@ -1075,6 +1094,7 @@ class HostileTransport final : public transport::Transport {
   transport::Transport* const inner_;
   const Lie lie_;
   const uint64_t d_;
+  const bool hist_;  // micro's default controller: indices in round 2
   bool armed_ = false;
 };
 
@@ -1094,7 +1114,7 @@ TEST_P(StepHostilePeer, FailsTheStepOnEveryNodeNamingThePeer) {
   o.density = 0.02;
   auto ops = kernels::CreateCpuSparseOps();
   auto group = transport::CreateInprocGroup(n);
-  HostileTransport liar(group[1].get(), c.lie, d);
+  HostileTransport liar(group[1].get(), c.lie, d, c.sparsifier == SparsifierKind::kMicro);
   std::vector<std::unique_ptr<BucketState>> buckets;
   for (int r = 0; r < n; ++r) {
     auto b = BucketState::Create({"grads.0", d, 3}, {n, r, n}, o, ops.get());
@@ -1157,13 +1177,13 @@ class FailingValuesTransport final : public transport::Transport {
   }
   absl::Status AllreduceSum(void* data, size_t count, transport::DataType type,
                             const transport::CollectiveOptions& o) override {
-    const uint32_t kind = o.tag & 0xFF;
-    if (armed_ && (kind == uint32_t(transport::TagKind::kValues) ||
-                   kind == uint32_t(transport::TagKind::kDense))) {
-      armed_ = false;
-      return absl::UnavailableError("link down (test)");
-    }
+    if (Fails(o)) return absl::UnavailableError("link down (test)");
     return inner_->AllreduceSum(data, count, type, o);
+  }
+  absl::Status ExchangeRound(std::string_view mine, std::vector<std::string>* from,
+                             const transport::CollectiveOptions& o) override {
+    if (Fails(o)) return absl::UnavailableError("link down (test)");
+    return inner_->ExchangeRound(mine, from, o);
   }
   absl::Status Barrier(const transport::CollectiveOptions& o) override {
     return inner_->Barrier(o);
@@ -1172,6 +1192,17 @@ class FailingValuesTransport final : public transport::Transport {
   void Arm() { armed_ = true; }
 
  private:
+  // The values' round (direct or an allreduce), or the dense allreduce.
+  bool Fails(const transport::CollectiveOptions& o) {
+    const uint32_t kind = o.tag & 0xFF;
+    if (!armed_ || (kind != uint32_t(transport::TagKind::kRound3) &&
+                    kind != uint32_t(transport::TagKind::kDense))) {
+      return false;
+    }
+    armed_ = false;
+    return true;
+  }
+
   transport::Transport* const inner_;
   bool armed_ = false;
 };

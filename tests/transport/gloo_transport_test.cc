@@ -348,7 +348,7 @@ TEST(GlooTransportTest, EachCollectiveIsLoggedAtTheDebugLevelOnly) {
     RunRanks(group, [&](int r, Transport& t) {
       std::vector<float> v(1000, 1.0f);
       CollectiveOptions o;
-      o.tag = MakeTag(5, TagKind::kValues);
+      o.tag = MakeTag(5, TagKind::kRound3);
       ASSERT_TRUE(t.AllreduceSum(v.data(), v.size(), DataType::kFloat32, o).ok());
     });
   };
@@ -364,7 +364,7 @@ TEST(GlooTransportTest, EachCollectiveIsLoggedAtTheDebugLevelOnly) {
   int found = 0;
   for (const std::string& l : lines) {
     if (absl::StrContains(l,
-                          "gloo AllreduceSum tag 1283 (slot 5, kind 3): 4000 bytes from rank ") &&
+                          "gloo AllreduceSum tag 1290 (slot 5, kind 10): 4000 bytes from rank ") &&
         absl::StrContains(l, " of 2, ")) {
       ++found;
     }
