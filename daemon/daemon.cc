@@ -764,52 +764,11 @@ absl::Status DaemonConfig::Validate() const {
                    MICROD_HAVE_NCCL ? "gloo or nccl" : "gloo; nccl needs a CUDA build", ")")));
   }
   if (absl::Status s = sparsify.Validate(); !s.ok()) return Bad("options", s);
+  RETURN_IF_ERROR(ValidateShape());
+  RETURN_IF_ERROR(ValidateSecurity());
   if (wire_bucket_dtype && transport == "nccl") {
     return Bad("--wire_dtype", absl::InvalidArgumentError(
                                    "bucket needs --transport=gloo (NCCL takes fp32 buckets)"));
-  }
-  if (local_size < 1 || local_size > control::kMaxLocalSize) {
-    return Bad("--local_size", absl::InvalidArgumentError(
-                                   absl::StrCat("must be in [1, ", control::kMaxLocalSize, "]")));
-  }
-  if (nodes < 1) return Bad("--nodes", absl::InvalidArgumentError("must be at least 1"));
-  if (min_nodes < 0 || min_nodes > nodes) {
-    return Bad("--min_nodes", absl::InvalidArgumentError(absl::StrCat(
-                                  "must be in [0, --nodes=", nodes, "], not ", min_nodes)));
-  }
-  if (elastic_timeout_s < 0 || elastic_timeout_s > 86400) {
-    return Bad("--elastic_timeout_s", absl::InvalidArgumentError(absl::StrCat(
-                                          "must be in [0, 86400], not ", elastic_timeout_s)));
-  }
-  if (max_nodes != 0 && (max_nodes < nodes || max_nodes > control::kMaxNodes)) {
-    return Bad("--max_nodes",
-               absl::InvalidArgumentError(absl::StrCat("must be 0 or in [--nodes=", nodes, ", ",
-                                                       control::kMaxNodes, "], not ", max_nodes)));
-  }
-  if (seal != "auto" && seal != "on" && seal != "off") {
-    return Bad("--seal", absl::InvalidArgumentError(
-                             absl::StrCat("must be auto, on or off, not '", seal, "'")));
-  }
-  if (seal == "on" && transport == "nccl") {
-    return Bad("--seal", absl::UnimplementedError(
-                             "the NCCL data plane cannot be sealed (its transfers run on the GPU "
-                             "and NCCL has no cipher): use --transport=gloo, or --seal=off"));
-  }
-  if (seal == "on" && !tls.enabled() && token.empty()) {
-    return Bad("--seal", absl::InvalidArgumentError(
-                             "needs a secret to key the data plane from: TLS on the control "
-                             "plane (--tls_ca, --tls_cert, --tls_key) or a job token "
-                             "(--token_file)"));
-  }
-  if (seal_failure != "job" && seal_failure != "step") {
-    return Bad("--seal_failure", absl::InvalidArgumentError(absl::StrCat(
-                                     "must be job or step, not '", seal_failure, "'")));
-  }
-  if (seal_failure == "step" && (!elastic() || !SealsDataPlane())) {
-    return Bad("--seal_failure",
-               absl::InvalidArgumentError(
-                   "step needs an elastic job (--min_nodes: its processes take the failed step "
-                   "again in the next epoch) with a sealed data plane (--seal)"));
   }
   if (elastic() && transport == "nccl") {
     return Bad(max_nodes > nodes ? "--max_nodes" : "--min_nodes",
@@ -856,6 +815,57 @@ absl::Status DaemonConfig::Validate() const {
   if (max_processes < 1 || max_buffers_per_process < 1) {
     return Bad("limits", absl::InvalidArgumentError(
                              "--max_processes and --max_buffers_per_process must be at least 1"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DaemonConfig::ValidateShape() const {
+  if (local_size < 1 || local_size > control::kMaxLocalSize) {
+    return Bad("--local_size", absl::InvalidArgumentError(
+                                   absl::StrCat("must be in [1, ", control::kMaxLocalSize, "]")));
+  }
+  if (nodes < 1) return Bad("--nodes", absl::InvalidArgumentError("must be at least 1"));
+  if (min_nodes < 0 || min_nodes > nodes) {
+    return Bad("--min_nodes", absl::InvalidArgumentError(absl::StrCat(
+                                  "must be in [0, --nodes=", nodes, "], not ", min_nodes)));
+  }
+  if (elastic_timeout_s < 0 || elastic_timeout_s > 86400) {
+    return Bad("--elastic_timeout_s", absl::InvalidArgumentError(absl::StrCat(
+                                          "must be in [0, 86400], not ", elastic_timeout_s)));
+  }
+  if (max_nodes != 0 && (max_nodes < nodes || max_nodes > control::kMaxNodes)) {
+    return Bad("--max_nodes",
+               absl::InvalidArgumentError(absl::StrCat("must be 0 or in [--nodes=", nodes, ", ",
+                                                       control::kMaxNodes, "], not ", max_nodes)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DaemonConfig::ValidateSecurity() const {
+  if (seal != "auto" && seal != "on" && seal != "off") {
+    return Bad("--seal", absl::InvalidArgumentError(
+                             absl::StrCat("must be auto, on or off, not '", seal, "'")));
+  }
+  if (seal == "on" && transport == "nccl") {
+    return Bad("--seal", absl::UnimplementedError(
+                             "the NCCL data plane cannot be sealed (its transfers run on the GPU "
+                             "and NCCL has no cipher): use --transport=gloo, or --seal=off"));
+  }
+  if (seal == "on" && !tls.enabled() && token.empty()) {
+    return Bad("--seal", absl::InvalidArgumentError(
+                             "needs a secret to key the data plane from: TLS on the control "
+                             "plane (--tls_ca, --tls_cert, --tls_key) or a job token "
+                             "(--token_file)"));
+  }
+  if (seal_failure != "job" && seal_failure != "step") {
+    return Bad("--seal_failure", absl::InvalidArgumentError(absl::StrCat(
+                                     "must be job or step, not '", seal_failure, "'")));
+  }
+  if (seal_failure == "step" && (!elastic() || !SealsDataPlane())) {
+    return Bad("--seal_failure",
+               absl::InvalidArgumentError(
+                   "step needs an elastic job (--min_nodes: its processes take the failed step "
+                   "again in the next epoch) with a sealed data plane (--seal)"));
   }
   if (absl::Status s = control::CheckTlsFiles(tls, /*server=*/!coordinator_listen.empty());
       !s.ok()) {

@@ -103,6 +103,10 @@ struct DaemonConfig {
 
   // Each setting in its range; the error names the flag.
   absl::Status Validate() const;
+  // Validate's parts: the job's shape (nodes, processes, elastic bounds),
+  // and its security (--seal, --seal_failure, TLS and the certificate).
+  absl::Status ValidateShape() const;
+  absl::Status ValidateSecurity() const;
   // Whether this node seals its data plane (--seal, resolved).
   bool SealsDataPlane() const;
 };

@@ -458,6 +458,10 @@ void Engine::Reconfigure() {
   runner_.SetTransport(transport_);
   negotiator_ = NewNegotiator();
   poll_thread_ = std::thread([this, first = membership_.first_batch] { PollLoop(first); });
+  Announce(next->second, pending);
+}
+
+void Engine::Announce(const std::string& change, const std::vector<Work>& pending) {
   // Every process learns its place first, then that its step was not applied.
   std::vector<std::pair<uint64_t, local::ProcessInfo>> told;
   {
@@ -468,7 +472,7 @@ void Engine::Reconfigure() {
   }
   for (const auto& [client, info] : told) {
     if (server_ != nullptr)
-      server_->NotifyMembership(client, membership_.epoch, info, next->second);
+      server_->NotifyMembership(client, membership_.epoch, info, change);
   }
   std::vector<EngineState::Fenced> fenced;
   {
@@ -485,7 +489,7 @@ void Engine::Reconfigure() {
                                      "bucket '", w.bucket->name,
                                      "': this step was not applied: the job's "
                                      "membership changed (",
-                                     next->second, "); epoch ", membership_.epoch, ": node ",
+                                     change, "); epoch ", membership_.epoch, ": node ",
                                      membership_.node_rank, " of ", membership_.node_count,
                                      ", world size ", membership_.world_size, "; submit it again")),
                                  ClientStatus::kMembership));
@@ -511,7 +515,8 @@ absl::Status Engine::Reconfigured(const control::Membership& next, const std::st
              membership_.node_rank, static_cast<unsigned long long>(next.epoch), next.node_rank,
              next.node_count, change.c_str());
   ASSIGN_OR_RETURN(std::unique_ptr<transport::Transport> t, options_.new_transport(next));
-  RETURN_IF_ERROR(AgreeOnState(*t, next, /*joining=*/joining_ && !adopted_));
+  RETURN_IF_ERROR(
+      AgreeOnState(*t, next, /*joining=*/joining_ && !adopted_, options_.op_timeout, *this));
   const sparsify::JobShape shape{next.node_count, next.node_rank, next.world_size};
   // The data plane two epochs back, released once the lock is (its
   // connections close and its threads end: not under the engine's lock).
@@ -546,102 +551,29 @@ absl::Status Engine::Reconfigured(const control::Membership& next, const std::st
   return absl::OkStatus();
 }
 
-// What a node states of its state in AgreeOnState's rounds: "J" (a node
-// that joins), or "S" (a node of the job), the steps it confirmed, a tab,
-// 1 if it holds one more unconfirmed (else 0), a newline, then each bucket's
-// name, step and controller state, one line each, sorted.
-struct Stated {
-  char kind = 0;  // 'S', 'J', or 0: nothing
-  uint64_t confirmed = 0;
-  bool unconfirmed = false;
-  std::string lines;
-};
-
-namespace {
-
-absl::StatusOr<Stated> ParseStated(const std::string& m, size_t node, uint64_t epoch) {
-  Stated st;
-  if (m.empty()) return st;
-  st.kind = m[0];
-  if (m == "J") return st;
-  const size_t nl = m.find('\n');
-  if (st.kind == 'S' && nl != std::string::npos) {
-    std::vector<absl::string_view> f = absl::StrSplit(absl::string_view(m).substr(1, nl - 1), '\t');
-    int flag = -1;
-    if (f.size() == 2 && absl::SimpleAtoi(f[0], &st.confirmed) && absl::SimpleAtoi(f[1], &flag) &&
-        (flag == 0 || flag == 1)) {
-      st.unconfirmed = flag == 1;
-      st.lines = m.substr(nl + 1);
-      return st;
-    }
+std::vector<BucketStated> Engine::Buckets() {
+  std::vector<BucketStated> out;
+  absl::MutexLock lock(&state_.mu);
+  for (Bucket* b : state_.table.WithState()) {
+    if (b->state != nullptr)
+      out.push_back({b->name, b->state->step(), b->state->controller_state()});
   }
-  return absl::DataLossError(absl::StrCat("node ", node, " of epoch ", epoch,
-                                          " sent a bad statement of its state: '",
-                                          absl::CEscape(m.substr(0, 64)), "'"));
+  return out;
 }
 
-std::string Shown(const Stated& st) {
-  return absl::StrCat(
-      st.lines.empty() ? "no bucket state" : absl::StrReplaceAll(st.lines, {{"\n", "; "}}), "; ",
-      st.confirmed, " step(s) confirmed");
-}
-
-}  // namespace
-
-uint64_t Engine::ConfirmedLocked() const {
+uint64_t Engine::Confirmed() {
+  absl::MutexLock lock(&state_.mu);
   return state_.confirmed_before + (transport_ != nullptr ? transport_->confirmed() : 0);
 }
 
-absl::Status Engine::StateRound(transport::Transport& t, const control::Membership& m, bool joining,
-                                uint32_t slot, std::vector<Stated>* stated) {
-  std::string mine = "J";
-  if (!joining) {
-    std::vector<std::string> lines;
-    absl::MutexLock lock(&state_.mu);
-    for (Bucket* b : state_.table.WithState()) {
-      if (b->state == nullptr) continue;
-      lines.push_back(absl::StrCat(absl::CEscape(b->name), "\t", b->state->step(), "\t",
-                                   absl::BytesToHexString(b->state->controller_state())));
-    }
-    std::sort(lines.begin(), lines.end());
-    mine = absl::StrCat("S", ConfirmedLocked(), "\t", runner_.has_unconfirmed() ? 1 : 0, "\n",
-                        absl::StrJoin(lines, "\n"));
-  }
-  std::vector<std::string> from;
-  transport::CollectiveOptions o;
-  o.tag = transport::MakeTag(slot, transport::TagKind::kControl);
-  o.deadline = absl::Now() + options_.op_timeout;
-  RETURN_IF_ERROR(t.ExchangeRound(mine, &from, o));
-  stated->clear();
-  for (size_t r = 0; r < from.size(); ++r) {
-    ASSIGN_OR_RETURN(Stated st, ParseStated(from[r], r, m.epoch));
-    stated->push_back(std::move(st));
-  }
-  return absl::OkStatus();
-}
+bool Engine::HasUnconfirmed() { return runner_.has_unconfirmed(); }
 
-void Engine::SettleUnconfirmed(const std::vector<Stated>& stated, const control::Membership& m) {
-  // Some node passed Confirm only if every node reached it, each holding
-  // every transfer of the step: then whoever did not commits it now (its
-  // works answered with their results). Else no node committed it, and
-  // whoever holds it drops it (its works submitted again).
-  uint64_t most = 0;
-  for (const Stated& st : stated) {
-    if (st.kind == 'S') most = std::max(most, st.confirmed);
-  }
-  uint64_t mine;
-  {
-    absl::MutexLock lock(&state_.mu);
-    mine = ConfirmedLocked();
-  }
-  if (most <= mine) {
+void Engine::Settle(bool commit) {
+  if (!commit) {
     runner_.DropUnconfirmed();
-    MICROD_LOG(Warning,
-               "node %d: no node committed the step whose confirmation failed here: dropped "
-               "(its submissions are taken again)",
-               m.node_rank);
     return;
   }
+  // Its works are answered with their results, no longer held.
   const std::vector<Work> done = runner_.RollForward();
   absl::MutexLock lock(&state_.mu);
   ++state_.confirmed_before;
@@ -651,71 +583,21 @@ void Engine::SettleUnconfirmed(const std::vector<Stated>& stated, const control:
                               [&](const Work& x) { return x.answer == w.answer; }),
                held.end());
   }
-  MICROD_LOG(Warning,
-             "node %d: the step whose confirmation failed here was committed by the other nodes: "
-             "rolled forward (%zu bucket(s) answered with its results)",
-             m.node_rank, done.size());
 }
 
-absl::Status Engine::AgreeOnState(transport::Transport& t, const control::Membership& m,
-                                  bool joining) {
-  std::vector<Stated> stated;
-  RETURN_IF_ERROR(StateRound(t, m, joining, 1, &stated));
-  // A step left unconfirmed somewhere (--seal_failure=step): settled
-  // alike on every node, then stated again.
-  if (std::any_of(stated.begin(), stated.end(),
-                  [](const Stated& st) { return st.kind == 'S' && st.unconfirmed; })) {
-    if (runner_.has_unconfirmed()) SettleUnconfirmed(stated, m);
-    RETURN_IF_ERROR(StateRound(t, m, joining, 7, &stated));
-  }
-  // Every node that was in the job must hold the same; a step the lost
-  // node's data reached on some nodes only (its last round) cannot be
-  // undone, and the job fails, naming it.
-  int source = -1;
-  for (size_t r = 0; r < stated.size(); ++r) {
-    if (stated[r].kind != 'S') continue;
-    if (source < 0) source = static_cast<int>(r);
-    const Stated& ours = stated[joining ? source : m.node_rank];
-    if (stated[r].confirmed == ours.confirmed && stated[r].lines == ours.lines) continue;
-    return absl::FailedPreconditionError(absl::StrCat(
-        "node ", r, " of epoch ", m.epoch, " holds its buckets at other steps than node ",
-        joining ? source : m.node_rank,
-        " (the lost node's last step reached only some nodes); there: ", Shown(stated[r]),
-        "; here: ", Shown(ours)));
-  }
-  if (!joining) return absl::OkStatus();
-  if (source < 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("no node of epoch ", m.epoch, " holds the job's state"));
-  }
-  std::map<std::string, StepRunner::Adopted> adopted;
-  for (absl::string_view line : absl::StrSplit(stated[source].lines, '\n', absl::SkipEmpty())) {
-    std::vector<absl::string_view> f = absl::StrSplit(line, '\t');
-    std::string name;
-    StepRunner::Adopted a;
-    if (f.size() != 3 || !absl::CUnescape(f[0], &name) || !absl::SimpleAtoi(f[1], &a.step)) {
-      return absl::DataLossError(
-          absl::StrCat("node ", source, " sent a bad line of the job's state: '", line, "'"));
-    }
-    a.controller = absl::HexStringToBytes(f[2]);
-    adopted[name] = std::move(a);
-  }
-  MICROD_LOG(Info, "node %d of %d: joined at epoch %llu with the job's state of %zu bucket(s)",
-             m.node_rank, m.node_count, static_cast<unsigned long long>(m.epoch), adopted.size());
-  runner_.Adopt(std::move(adopted));
+void Engine::Adopt(std::map<std::string, BucketStated> buckets, uint64_t confirmed) {
+  runner_.Adopt(std::move(buckets));
   adopted_ = true;
-  {
-    absl::MutexLock lock(&state_.mu);
-    state_.confirmed_before = stated[source].confirmed;  // this node confirmed none
-  }
-  return absl::OkStatus();
+  absl::MutexLock lock(&state_.mu);
+  state_.confirmed_before = confirmed;
 }
 
 void Engine::Loop() {
   if (joining_) {
     // Joined the running job: the job's state first, before any step. A
     // node lost meanwhile: the next epoch's data plane, as for the others.
-    if (absl::Status s = AgreeOnState(*CurrentTransport(), membership_, /*joining=*/true);
+    if (absl::Status s = AgreeOnState(*CurrentTransport(), membership_, /*joining=*/true,
+                                      options_.op_timeout, *this);
         !s.ok() && (absl::IsFailedPrecondition(s) || !Hold({}, s))) {
       Fail(absl::Status(s.code(), absl::StrCat("node ", membership_.node_rank,
                                                ": joining the running job: ", s.message())),

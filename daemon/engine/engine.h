@@ -39,6 +39,7 @@
 #include "daemon/engine/engine_state.h"
 #include "daemon/engine/negotiator.h"
 #include "daemon/engine/options.h"
+#include "daemon/engine/state_agreement.h"
 #include "daemon/engine/stats.h"
 #include "daemon/engine/step_memory.h"
 #include "daemon/engine/step_runner.h"
@@ -48,9 +49,7 @@
 
 namespace microd::engine {
 
-struct Stated;  // what a node states of its state in a new epoch (engine.cc)
-
-class Engine final : public local::LocalHandler, private JobControl {
+class Engine final : public local::LocalHandler, private JobControl, private StateHolder {
  public:
   // `client` (negotiation), `transport` and `ops` must outlive the engine.
   Engine(EngineOptions options, control::Membership membership, control::ControlPlane* client,
@@ -128,20 +127,16 @@ class Engine final : public local::LocalHandler, private JobControl {
  private:
   absl::Status Reconfigured(const control::Membership& next, const std::string& change,
                             std::vector<Work>* pending);
-  // The first round on a new epoch's data plane `t`: every node that was in
-  // the job must hold each bucket at the same step and threshold (else
-  // DataLoss naming both); a node that `joining` takes that state (its
-  // residual zero: StepRunner::Adopt).
-  // A step left unconfirmed on some node (--seal_failure=step: a Confirm
-  // refused) is settled first: committed where other nodes committed it
-  // (rolled forward), else dropped everywhere.
-  absl::Status AgreeOnState(transport::Transport& t, const control::Membership& m, bool joining);
-  // One round of AgreeOnState (`slot`): what every node states.
-  absl::Status StateRound(transport::Transport& t, const control::Membership& m, bool joining,
-                          uint32_t slot, std::vector<Stated>* stated);
-  void SettleUnconfirmed(const std::vector<Stated>& stated, const control::Membership& m);
-  // The steps this node confirmed, every data plane's.
-  uint64_t ConfirmedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu);
+  // The epoch running: every local process told its place (`change`: what
+  // changed), then the fenced submissions and the `pending` ones answered.
+  void Announce(const std::string& change, const std::vector<Work>& pending);
+  // StateHolder: what the first rounds of an epoch (AgreeOnState) read
+  // of this node's state and change in it. Engine thread, between plans.
+  std::vector<BucketStated> Buckets() override;
+  uint64_t Confirmed() override;
+  bool HasUnconfirmed() override;
+  void Settle(bool commit) override;
+  void Adopt(std::map<std::string, BucketStated> buckets, uint64_t confirmed) override;
 
   // Answers the work's submissions (once).
   void Complete(const Work& w, const absl::Status& status);

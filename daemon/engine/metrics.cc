@@ -56,13 +56,9 @@ std::string StateName(microd::v1::JobState s) {
   return absl::AsciiStrToLower(absl::StripPrefix(microd::v1::JobState_Name(s), "JOB_STATE_"));
 }
 
-}  // namespace
-
-std::vector<MetricFamily> MetricsCollector::Collect() const {
-  microd::v1::GetStatusResponse st;
-  std::vector<BucketStats> buckets;
-  source_(&st, &buckets);
-  std::vector<MetricFamily> out;
+// The job's and the node's families.
+void AddJobFamilies(const microd::v1::GetStatusResponse& st, std::vector<MetricFamily>* families) {
+  std::vector<MetricFamily>& out = *families;
   auto gauge = [&](const std::string& name, const std::string& help, double v) {
     MetricFamily f = Family(name, help, MetricType::Gauge);
     f.metric.push_back(Value(MetricType::Gauge, v));
@@ -127,7 +123,13 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
     f.metric.push_back(Value(MetricType::Counter, st.cycle_reductions()));
     out.push_back(std::move(f));
   }
-  // Per bucket.
+}
+
+// Each bucket's families.
+void AddBucketFamilies(const microd::v1::GetStatusResponse& st,
+                       const std::vector<BucketStats>& buckets,
+                       std::vector<MetricFamily>* families) {
+  std::vector<MetricFamily>& out = *families;
   struct PerBucket {
     const char* name;
     const char* help;
@@ -191,6 +193,17 @@ std::vector<MetricFamily> MetricsCollector::Collect() const {
   }
   out.push_back(std::move(cre));
   out.push_back(std::move(phases));
+}
+
+}  // namespace
+
+std::vector<MetricFamily> MetricsCollector::Collect() const {
+  microd::v1::GetStatusResponse st;
+  std::vector<BucketStats> buckets;
+  source_(&st, &buckets);
+  std::vector<MetricFamily> out;
+  AddJobFamilies(st, &out);
+  AddBucketFamilies(st, buckets, &out);
   return out;
 }
 

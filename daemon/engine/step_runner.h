@@ -21,6 +21,7 @@
 #include "daemon/engine/engine_state.h"
 #include "daemon/engine/negotiator.h"
 #include "daemon/engine/options.h"
+#include "daemon/engine/state_agreement.h"
 #include "daemon/engine/step_memory.h"
 #include "daemon/engine/timeline.h"
 #include "daemon/sparsify/bucket.h"
@@ -50,11 +51,7 @@ class StepRunner {
   // A node that joined a running job: the job's state of each bucket by
   // name (its step and threshold controller), which EnsureState gives the
   // bucket's state it makes, with a zero residual. Engine thread only.
-  struct Adopted {
-    uint64_t step = 0;
-    std::string controller;
-  };
-  void Adopt(std::map<std::string, Adopted> adopted) { adopted_ = std::move(adopted); }
+  void Adopt(std::map<std::string, BucketStated> adopted) { adopted_ = std::move(adopted); }
   // The bucket's sparsifier state, made at its first step (or when a saved
   // state is loaded into it). Engine thread only.
   absl::Status EnsureState(Bucket& bucket);
@@ -157,7 +154,7 @@ class StepRunner {
   const EngineOptions& options_;
   const control::Membership& membership_;
   transport::Transport* transport_;  // the current epoch's (SetTransport)
-  std::map<std::string, Adopted> adopted_;
+  std::map<std::string, BucketStated> adopted_;
   kernels::SparseOps* const ops_;
   StepMemory* const memory_;
   EngineState* const state_;
