@@ -471,8 +471,7 @@ void Engine::Announce(const std::string& change, const std::vector<Work>& pendin
     }
   }
   for (const auto& [client, info] : told) {
-    if (server_ != nullptr)
-      server_->NotifyMembership(client, membership_.epoch, info, change);
+    if (server_ != nullptr) server_->NotifyMembership(client, membership_.epoch, info, change);
   }
   std::vector<EngineState::Fenced> fenced;
   {
