@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "daemon/common/crypto.h"
 #include "daemon/common/log.h"
+#include "daemon/common/status_macros.h"
 #include "kernels/element_type.h"
 
 namespace microd::control {
@@ -93,7 +94,10 @@ const char* JobStateName(JobState state) {
 }
 
 Coordinator::Coordinator(CoordinatorOptions options)
-    : options_(std::move(options)), seal_salt_(FreshSealSalt()) {
+    : options_(std::move(options)),
+      admission_(options_.job_id, options_.token, options_.certificate_names_job),
+      stalls_(options_.stall_warning, options_.stall_abort),
+      seal_salt_(FreshSealSalt()) {
   watchdog_ = std::thread([this] { Watchdog(); });
 }
 
@@ -260,80 +264,6 @@ absl::Status Coordinator::CheckKeyWrite(int caller, const std::string& key, size
   return absl::OkStatus();
 }
 
-void Coordinator::LogWrongToken(const std::string& node_name, const std::string& peer_host) {
-  absl::MutexLock lock(&log_mu_);
-  const absl::Time now = absl::Now();
-  if (now - last_token_log_ < absl::Seconds(1)) {
-    ++unlogged_token_refusals_;
-    return;
-  }
-  std::string more;
-  if (unlogged_token_refusals_ > 0) {
-    more = absl::StrCat(" (and ", unlogged_token_refusals_, " more refusals not shown)");
-  }
-  MICROD_LOG(Warning, "coordinator: refused node '%s' from %s: wrong job token%s",
-             node_name.c_str(), peer_host.empty() ? "(unknown)" : peer_host.c_str(), more.c_str());
-  last_token_log_ = now;
-  unlogged_token_refusals_ = 0;
-}
-
-absl::Status Coordinator::CheckToken(const std::string& token_proof, const std::string& job_id,
-                                     const std::string& node_name, const std::string& peer_host) {
-  if (options_.token == nullptr) return absl::OkStatus();
-  const absl::Time now = absl::Now();
-  {
-    absl::MutexLock lock(&log_mu_);
-    auto it = token_failures_.find(peer_host);
-    if (it != token_failures_.end() && now < it->second.refused_until) {
-      return absl::UnavailableError(absl::StrCat(
-          "too many wrong job tokens from ", peer_host.empty() ? "this caller" : peer_host,
-          ": its joins are refused for another ",
-          absl::ToInt64Milliseconds(it->second.refused_until - now), " ms"));
-    }
-  }
-  const bool right = options_.token->Proves(token_proof, job_id, node_name);
-  absl::MutexLock lock(&log_mu_);
-  if (right) {
-    token_failures_.erase(peer_host);
-    return absl::OkStatus();
-  }
-  if (token_failures_.size() >= kMaxTokenFailureHosts) {
-    // Forget the hosts no longer refused; if every one still is, the oldest pause.
-    for (auto it = token_failures_.begin(); it != token_failures_.end();) {
-      it = it->second.refused_until <= now ? token_failures_.erase(it) : std::next(it);
-    }
-    if (token_failures_.size() >= kMaxTokenFailureHosts) token_failures_.clear();
-  }
-  TokenFailures& f = token_failures_[peer_host];
-  if (++f.wrong >= kFreeTokenTries) {
-    const int doublings = std::min(f.wrong - kFreeTokenTries, 6);  // 1 s .. 64 s
-    f.refused_until = now + absl::Seconds(1 << doublings);
-  }
-  return absl::UnauthenticatedError("wrong job token");
-}
-
-absl::Status Coordinator::CheckCertificateJob(const std::vector<std::string>& uris,
-                                              const std::string& node_name,
-                                              const std::string& peer_host) const {
-  std::vector<std::string> jobs;
-  for (const std::string& uri : uris) {
-    if (absl::StartsWith(uri, kJobUriPrefix)) jobs.push_back(uri.substr(strlen(kJobUriPrefix)));
-  }
-  const std::string who =
-      absl::StrCat("node '", node_name, "' (", peer_host.empty() ? "?" : peer_host, ")");
-  if (jobs.empty()) {
-    if (!options_.certificate_names_job) return absl::OkStatus();
-    return absl::PermissionDeniedError(absl::StrCat(
-        who, ": its certificate names no job, and job '", options_.job_id,
-        "' has no job token: it admits only certificates that name it (a URI subjectAltName ",
-        JobUri(options_.job_id), ")"));
-  }
-  if (std::find(jobs.begin(), jobs.end(), options_.job_id) != jobs.end()) return absl::OkStatus();
-  return absl::PermissionDeniedError(absl::StrCat(who, ": its certificate is for job(s) '",
-                                                  absl::StrJoin(jobs, "', '"), "', not job '",
-                                                  options_.job_id, "'"));
-}
-
 absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
                                              const std::string& node_name, int local_size,
                                              const std::string& token_proof, int requested_rank,
@@ -342,16 +272,8 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
                                              const std::vector<std::string>& certificate_uris) {
   // The token first: an unauthenticated caller learns nothing of the job
   // (not even the number of nodes, from a rank out of range).
-  if (absl::Status s = CheckToken(token_proof, job_id, node_name, peer_host); !s.ok()) {
-    if (absl::IsUnauthenticated(s)) LogWrongToken(node_name, peer_host);
-    return s;
-  }
-  // The certificate's job, where it names one: the job id the caller sent
-  // is only its word.
-  if (absl::Status s = CheckCertificateJob(certificate_uris, node_name, peer_host); !s.ok()) {
-    MICROD_LOG(Warning, "coordinator: refused %s", std::string(s.message()).c_str());
-    return s;
-  }
+  // And the job its certificate names, if any.
+  RETURN_IF_ERROR(admission_.Admit(token_proof, job_id, node_name, peer_host, certificate_uris));
   if (absl::Status s = ValidateName("job id", job_id); !s.ok()) return s;
   if (absl::Status s = ValidateName("node name", node_name); !s.ok()) return s;
   if (local_size < 1 || local_size > kMaxLocalSize) {
@@ -514,8 +436,7 @@ void Coordinator::FormEpochLocked(const std::vector<int>& lost, const std::strin
   schedule_.clear();
   pending_.clear();
   for (Node& n : nodes_) n.polled = schedule_base_;
-  stalls_.clear();
-  stall_logged_.clear();
+  stalls_.Clear();
   epoch_first_batch_ = schedule_base_;
   marker_batch_ = UINT64_MAX;
   BeginEpochLocked(cause);
@@ -579,8 +500,7 @@ Membership Coordinator::AdmitLocked(Node joiner) {
   // What was reported and not scheduled is dropped: each node answers it
   // MICROD_ERR_MEMBERSHIP at the change, and its processes submit it again.
   pending_.clear();
-  stalls_.clear();
-  stall_logged_.clear();
+  stalls_.Clear();
   joiner.rank = static_cast<int>(nodes_.size());
   joiner.credential = FreshCredential(&given);
   joiner.last_seen = absl::Now();
@@ -866,7 +786,7 @@ absl::StatusOr<HeartbeatAnswer> Coordinator::Heartbeat(uint64_t session, int ran
   int caller = -1;
   bool stale = false;
   if (absl::Status s = CheckMember(session, rank, &caller, &stale); !s.ok()) return s;
-  HeartbeatAnswer answer{state_, failure_, stalls_, epoch_};
+  HeartbeatAnswer answer{state_, failure_, stalls_.reports(), epoch_};
   if (stale) {
     // A survivor of a change: its new membership; what it waits for is
     // reported again once it runs in the new epoch.
@@ -881,77 +801,17 @@ absl::StatusOr<HeartbeatAnswer> Coordinator::Heartbeat(uint64_t session, int ran
 void Coordinator::InspectStalls(absl::Time now) {
   if (ShortLocked()) {
     // Nothing runs: what every node waits for is nodes.
-    stalls_ = {absl::StrCat("the job has ", nodes_.size(), " node(s), fewer than its minimum of ",
-                            min_nodes(),
-                            " (--min_nodes): nothing runs until nodes join, for up to ",
-                            absl::FormatDuration(absl::Trunc(
-                                options_.elastic_timeout - (now - short_since_), absl::Seconds(1))),
-                            " more (--elastic_timeout_s)")};
-    stall_logged_.clear();
+    stalls_.Short(
+        absl::StrCat("the job has ", nodes_.size(), " node(s), fewer than its minimum of ",
+                     min_nodes(), " (--min_nodes): nothing runs until nodes join, for up to ",
+                     absl::FormatDuration(absl::Trunc(
+                         options_.elastic_timeout - (now - short_since_), absl::Seconds(1))),
+                     " more (--elastic_timeout_s)"));
     return;
   }
-  // By bucket: the longest wait any node reports, and what each node says.
-  struct Seen {
-    double seconds = 0;
-    std::map<int, const BucketWait*> by_rank;
-  };
-  std::map<std::string, Seen> seen;
-  for (const Node& n : nodes_) {
-    for (const BucketWait& w : n.waiting) {
-      Seen& s = seen[w.name];
-      s.seconds = std::max(s.seconds, w.seconds);
-      s.by_rank[n.rank] = &w;
-    }
-  }
-  std::vector<std::string> stalls;
-  std::string abort;
-  std::map<std::string, absl::Time> logged;
-  for (const auto& [name, s] : seen) {
-    if (s.seconds < absl::ToDoubleSeconds(options_.stall_warning)) continue;
-    std::vector<std::string> ready, missing;
-    for (const Node& n : nodes_) {
-      const std::string who = absl::StrCat("node ", n.rank, " (", n.name, ")");
-      auto it = s.by_rank.find(n.rank);
-      if (it == s.by_rank.end()) {
-        missing.push_back(absl::StrCat(who, ": no local process submitted it"));
-      } else if (it->second->missing.empty()) {
-        ready.push_back(who);
-      } else {
-        std::vector<std::string> procs;
-        for (const auto& [local_rank, pid] : it->second->missing) {
-          procs.push_back(pid > 0 ? absl::StrCat(local_rank, " (pid ", pid, ")")
-                                  : absl::StrCat(local_rank, " (not connected)"));
-        }
-        missing.push_back(absl::StrCat(who, ": local process(es) ", absl::StrJoin(procs, ", "),
-                                       " did not submit it"));
-      }
-    }
-    // Ready everywhere and still not run: what runs before it is stuck, or
-    // the nodes disagree on what runs next.
-    const std::string text =
-        missing.empty()
-            ? absl::StrCat("bucket '", name, "' stalled for ", static_cast<int64_t>(s.seconds),
-                           " s: ready on every node and not run (a step before it is stuck, or "
-                           "the nodes disagree on what runs next)")
-            : absl::StrCat("bucket '", name, "' stalled for ", static_cast<int64_t>(s.seconds),
-                           " s: ready on ", ready.empty() ? "no node" : absl::StrJoin(ready, ", "),
-                           "; waiting for ", absl::StrJoin(missing, "; "));
-    stalls.push_back(text);
-    auto it = stall_logged_.find(name);
-    const bool log = it == stall_logged_.end() || now - it->second >= options_.stall_warning;
-    logged[name] = log ? now : it->second;
-    if (log) MICROD_LOG(Warning, "coordinator: stall: %s", text.c_str());
-    if (options_.stall_abort > absl::ZeroDuration() &&
-        s.seconds >= absl::ToDoubleSeconds(options_.stall_abort) && abort.empty()) {
-      abort = text;
-    }
-  }
-  stalls_ = std::move(stalls);
-  stall_logged_ = std::move(logged);
-  if (!abort.empty()) {
-    FailLocked(
-        absl::StrCat(abort, " (--stall_abort_s ", absl::ToInt64Seconds(options_.stall_abort), ")"));
-  }
+  std::vector<StallInspector::NodeWaits> nodes;
+  for (const Node& n : nodes_) nodes.push_back({n.rank, n.name, &n.waiting});
+  if (std::string abort = stalls_.Inspect(now, nodes); !abort.empty()) FailLocked(abort);
 }
 
 absl::Status Coordinator::Leave(uint64_t session, int rank) {

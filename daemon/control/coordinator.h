@@ -20,7 +20,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "daemon/control/admission.h"
 #include "daemon/control/job_token.h"
+#include "daemon/control/stall_inspector.h"
 #include "daemon/control/types.h"
 #include "daemon/rendezvous/kv_store.h"
 
@@ -145,7 +147,7 @@ class Coordinator {
   // and the error says how many arrived). requested_rank -1 takes a free rank.
   // `token_proof`: the node's JobToken::JoinProof (the token itself never
   // travels). `peer_host`: where the call came from (wrong proofs are
-  // counted per host: after kFreeTokenTries in a row, that host's joins are
+  // counted per host: after Admission::kFreeTries in a row, that host's joins are
   // refused (Unavailable) for 1 s, then 2 s, ... up to 64 s, without a look
   // at the proof).
   // An elastic job that runs with fewer than max_nodes admits the node at
@@ -281,39 +283,18 @@ class Coordinator {
   // epochs' rendezvous keys, old credentials and change records past the
   // few kept are dropped.
   void BeginEpochLocked(const std::string& cause) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // "wrong job token" lines, at most one a second (with how many were not shown).
-  void LogWrongToken(const std::string& node_name, const std::string& peer_host);
   absl::Status JobError() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailLocked(const std::string& reason, bool log = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AssignRanks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TrimSchedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Watchdog();
-  // The stall inspector, once per watchdog tick: stalls_ from every node's
-  // waiting buckets; logs new reports (and each again every warning period);
-  // fails the job past the abort limit.
+  // The stall inspector, once per watchdog tick (stall_inspector.h); fails
+  // the job past the abort limit.
   void InspectStalls(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const CoordinatorOptions options_;
   rendezvous::InMemoryKeyValueStore store_;
-  // The token's check and the pause of a host that guessed wrong too often.
-  // The jobs a join's certificate names (its URIs) include this one, or it
-  // names none and none is required (certificate_names_job).
-  absl::Status CheckCertificateJob(const std::vector<std::string>& uris,
-                                   const std::string& node_name,
-                                   const std::string& peer_host) const;
-  absl::Status CheckToken(const std::string& token_proof, const std::string& job_id,
-                          const std::string& node_name, const std::string& peer_host);
-  struct TokenFailures {
-    int wrong = 0;  // wrong tokens in a row
-    absl::Time refused_until = absl::InfinitePast();
-  };
-  static constexpr int kFreeTokenTries = 5;
-  static constexpr size_t kMaxTokenFailureHosts = 4096;
-
-  absl::Mutex log_mu_;
-  std::map<std::string, TokenFailures> token_failures_ ABSL_GUARDED_BY(log_mu_);
-  absl::Time last_token_log_ ABSL_GUARDED_BY(log_mu_) = absl::InfinitePast();
-  int unlogged_token_refusals_ ABSL_GUARDED_BY(log_mu_) = 0;
+  Admission admission_;  // the token, the certificate, the pause of wrong guessers
 
   mutable absl::Mutex mu_;
   JobState state_ ABSL_GUARDED_BY(mu_) = JobState::kForming;
@@ -325,7 +306,7 @@ class Coordinator {
   std::map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);
   std::deque<ScheduleBatch> schedule_ ABSL_GUARDED_BY(mu_);
   uint64_t schedule_base_ ABSL_GUARDED_BY(mu_) = 0;
-  std::vector<std::string> stalls_ ABSL_GUARDED_BY(mu_);
+  StallInspector stalls_ ABSL_GUARDED_BY(mu_);
   // Since when the job has had fewer than min_nodes (InfiniteFuture: not),
   // and the change that made it so.
   absl::Time short_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
@@ -353,7 +334,6 @@ class Coordinator {
   std::string held_failure_ ABSL_GUARDED_BY(mu_);
   uint64_t held_epoch_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time held_until_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
-  std::map<std::string, absl::Time> stall_logged_ ABSL_GUARDED_BY(mu_);  // by bucket
   // The log index of the batch that marks the last change, if a node joined
   // (UINT64_MAX: the last change, if any, was a loss).
   uint64_t marker_batch_ ABSL_GUARDED_BY(mu_) = UINT64_MAX;

@@ -1,0 +1,87 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "daemon/control/stall_inspector.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "daemon/common/log.h"
+
+namespace microd::control {
+
+void StallInspector::Short(std::string why) {
+  reports_ = {std::move(why)};
+  logged_.clear();
+}
+
+void StallInspector::Clear() {
+  reports_.clear();
+  logged_.clear();
+}
+
+std::string StallInspector::Inspect(absl::Time now, const std::vector<NodeWaits>& nodes) {
+  // By bucket: the longest wait any node reports, and what each node says.
+  struct Seen {
+    double seconds = 0;
+    std::map<int, const BucketWait*> by_rank;
+  };
+  std::map<std::string, Seen> seen;
+  for (const NodeWaits& n : nodes) {
+    for (const BucketWait& w : *n.waiting) {
+      Seen& s = seen[w.name];
+      s.seconds = std::max(s.seconds, w.seconds);
+      s.by_rank[n.rank] = &w;
+    }
+  }
+  std::vector<std::string> stalls;
+  std::string abort;
+  std::map<std::string, absl::Time> logged;
+  for (const auto& [name, s] : seen) {
+    if (s.seconds < absl::ToDoubleSeconds(warning_)) continue;
+    std::vector<std::string> ready, missing;
+    for (const NodeWaits& n : nodes) {
+      const std::string who = absl::StrCat("node ", n.rank, " (", n.name, ")");
+      auto it = s.by_rank.find(n.rank);
+      if (it == s.by_rank.end()) {
+        missing.push_back(absl::StrCat(who, ": no local process submitted it"));
+      } else if (it->second->missing.empty()) {
+        ready.push_back(who);
+      } else {
+        std::vector<std::string> procs;
+        for (const auto& [local_rank, pid] : it->second->missing) {
+          procs.push_back(pid > 0 ? absl::StrCat(local_rank, " (pid ", pid, ")")
+                                  : absl::StrCat(local_rank, " (not connected)"));
+        }
+        missing.push_back(absl::StrCat(who, ": local process(es) ", absl::StrJoin(procs, ", "),
+                                       " did not submit it"));
+      }
+    }
+    // Ready everywhere and still not run: what runs before it is stuck, or
+    // the nodes disagree on what runs next.
+    const std::string text =
+        missing.empty()
+            ? absl::StrCat("bucket '", name, "' stalled for ", static_cast<int64_t>(s.seconds),
+                           " s: ready on every node and not run (a step before it is stuck, or "
+                           "the nodes disagree on what runs next)")
+            : absl::StrCat("bucket '", name, "' stalled for ", static_cast<int64_t>(s.seconds),
+                           " s: ready on ", ready.empty() ? "no node" : absl::StrJoin(ready, ", "),
+                           "; waiting for ", absl::StrJoin(missing, "; "));
+    stalls.push_back(text);
+    auto it = logged_.find(name);
+    const bool log = it == logged_.end() || now - it->second >= warning_;
+    logged[name] = log ? now : it->second;
+    if (log) MICROD_LOG(Warning, "coordinator: stall: %s", text.c_str());
+    if (abort_ > absl::ZeroDuration() &&
+        s.seconds >= absl::ToDoubleSeconds(abort_) && abort.empty()) {
+      abort = text;
+    }
+  }
+  reports_ = std::move(stalls);
+  logged_ = std::move(logged);
+  if (abort.empty()) return "";
+  return absl::StrCat(abort, " (--stall_abort_s ", absl::ToInt64Seconds(abort_), ")");
+}
+
+}  // namespace microd::control
