@@ -46,7 +46,7 @@ void Admission::LogWrongToken(const std::string& node_name, const std::string& p
 }
 
 absl::Status Admission::CheckToken(const std::string& token_proof, const std::string& job_id,
-                                     const std::string& node_name, const std::string& peer_host) {
+                                   const std::string& node_name, const std::string& peer_host) {
   if (token_ == nullptr) return absl::OkStatus();
   const absl::Time now = absl::Now();
   {

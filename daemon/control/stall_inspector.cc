@@ -73,8 +73,8 @@ std::string StallInspector::Inspect(absl::Time now, const std::vector<NodeWaits>
     const bool log = it == logged_.end() || now - it->second >= warning_;
     logged[name] = log ? now : it->second;
     if (log) MICROD_LOG(Warning, "coordinator: stall: %s", text.c_str());
-    if (abort_ > absl::ZeroDuration() &&
-        s.seconds >= absl::ToDoubleSeconds(abort_) && abort.empty()) {
+    if (abort_ > absl::ZeroDuration() && s.seconds >= absl::ToDoubleSeconds(abort_) &&
+        abort.empty()) {
       abort = text;
     }
   }

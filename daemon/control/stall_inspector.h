@@ -19,8 +19,7 @@ namespace microd::control {
 class StallInspector {
  public:
   // `abort`: zero for never.
-  StallInspector(absl::Duration warning, absl::Duration abort)
-      : warning_(warning), abort_(abort) {}
+  StallInspector(absl::Duration warning, absl::Duration abort) : warning_(warning), abort_(abort) {}
 
   // A node as the inspector sees it.
   struct NodeWaits {

@@ -37,6 +37,7 @@ Engine::Engine(EngineOptions options, control::Membership membership, control::C
       ops_(ops),
       joining_(membership_.epoch > 0 && membership_.graceful),
       state_(options_.local_size, options_.dense_floor),
+      recovery_(options_.membership_wait, options_.elastic, options_.seal_failure_step),
       memory_(MakeStepMemory(options_.device_resident, options_.device, ops)),
       runner_(options_, membership_, transport, ops, memory_.get(), &state_, this) {
   absl::MutexLock lock(&state_.mu);
@@ -73,17 +74,16 @@ void Engine::Stop(const absl::Status& reason) {
 
 void Engine::Fail(const absl::Status& reason, bool report) {
   std::vector<Work> pending;
-  std::vector<EngineState::Fenced> fenced;  // refused by the fence, not answered yet
+  std::vector<Fence::Parked> fenced;  // refused by the fence, not answered yet
   {
     absl::MutexLock lock(&state_.mu);
     if (!state_.failed.ok()) return;
     state_.failed = JobFailed(reason);
-    fenced.swap(state_.fenced);
+    fenced = state_.fence.TakeParked();
     pending = state_.table.TakeAllSubmitted();
     for (Work& w : state_.in_flight) pending.push_back(std::move(w));
     state_.in_flight.clear();
-    for (Work& w : state_.held) pending.push_back(std::move(w));
-    state_.held.clear();
+    for (Work& w : recovery_.End()) pending.push_back(std::move(w));
     state_.table.DropNewlyReady();
   }
   const bool ended = reason.code() == absl::StatusCode::kFailedPrecondition ||
@@ -102,7 +102,7 @@ void Engine::Fail(const absl::Status& reason, bool report) {
   CurrentOwner()->Abort(reason);
   const absl::Status status = JobFailed(reason);
   for (const Work& w : pending) Complete(w, status);
-  for (const EngineState::Fenced& f : fenced) {
+  for (const Fence::Parked& f : fenced) {
     if (server_ != nullptr) server_->Complete(f.client, f.ticket, f.buffer_id, status);
   }
 }
@@ -113,7 +113,7 @@ absl::StatusOr<local::ProcessInfo> Engine::OnHello(uint64_t client, int requeste
   if (!state_.failed.ok()) return state_.failed;
   auto rank = state_.table.Hello(client, requested_local_rank, pid);
   if (!rank.ok()) return rank.status();
-  state_.fence[client] = 0;
+  state_.fence.Connect(client);
   return InfoOf(*rank);
 }
 
@@ -160,14 +160,13 @@ absl::Status Engine::OnSubmit(uint64_t client, uint32_t buffer_id, uint64_t tick
                               std::optional<uint32_t> changes_seen) {
   absl::MutexLock lock(&state_.mu);
   if (!state_.failed.ok()) return state_.failed;
-  if (changes_seen.has_value() && *changes_seen < state_.fence[client]) {
+  if (const Fence::Verdict v = state_.fence.Check(client, changes_seen);
+      v != Fence::Verdict::kPass) {
     // Made before the process heard of a change: not for the new epoch.
     const std::string bucket = state_.table.BufferName(client, buffer_id);
-    if (state_.changes > state_.notified) {
-      state_.fenced.push_back({client, buffer_id, ticket, bucket});  // told first, then answered
-      return absl::OkStatus();
-    }
-    return FencedStatus(bucket);
+    if (v == Fence::Verdict::kRefuse) return FencedStatus(bucket);
+    state_.fence.Park({client, buffer_id, ticket, bucket});  // told first, then answered
+    return absl::OkStatus();
   }
   auto ready = state_.table.Submit(client, buffer_id, ticket);
   if (!ready.ok()) return ready.status();
@@ -190,7 +189,7 @@ void Engine::OnDisconnect(uint64_t client, bool clean, const std::string& why) {
       }
     }
     reason = state_.table.Disconnect(client, clean, why, membership_.node_rank);
-    state_.fence.erase(client);
+    state_.fence.Disconnect(client);
   }
   if (abandoned.asked > 0) {
     AnswerStateRequest(
@@ -240,7 +239,7 @@ void Engine::PollLoop(uint64_t next) {
       // reconfigured (which waits for this one to end). A heartbeat may have
       // brought the new epoch's session before a poll failed with the old
       // one: this poll would then go on, finding nothing, for good.
-      if (state_.stop || !state_.failed.ok() || state_.recovering) return;
+      if (state_.stop || !state_.failed.ok() || recovery_.recovering()) return;
     }
     // Short polls, so that a stopping engine is never held up for long.
     auto batches = client_->Poll(next, absl::Now() + std::min(options_.op_timeout, kPollSlice));
@@ -259,7 +258,7 @@ void Engine::PollLoop(uint64_t next) {
     absl::MutexLock lock(&state_.mu);
     // Polled with a new epoch's session while the engine recovers: the next
     // epoch's poll reads them again, from its first batch.
-    if (state_.recovering) return;
+    if (recovery_.recovering()) return;
     bool marker = false;
     for (auto& b : *batches) {
       marker = marker || b.change_epoch != 0;
@@ -306,11 +305,8 @@ bool Engine::Hold(const std::vector<Work>& works, const absl::Status& why) {
   // peer; nor is a sealed transfer that failed verification (an attacker on
   // a link): it fails the job, naming the link, unless --seal_failure=step
   // makes it fail the step on every node (the coordinator's next epoch).
+  if (!recovery_.Holdable(why)) return false;
   const bool refused = absl::IsDataLoss(why);
-  if (!options_.elastic || absl::IsInvalidArgument(why) ||
-      (refused && !options_.seal_failure_step)) {
-    return false;
-  }
   bool first = false;
   std::shared_ptr<transport::Transport> t;
   {
@@ -321,9 +317,8 @@ bool Engine::Hold(const std::vector<Work>& works, const absl::Status& why) {
       auto it = std::find_if(in_flight.begin(), in_flight.end(),
                              [&](const Work& x) { return x.answer == w.answer; });
       if (it != in_flight.end()) in_flight.erase(it);
-      state_.held.push_back(w);
     }
-    first = StartRecovering(why);
+    first = recovery_.Hold(works, why);  // under the engine's lock: Fail ends it after
     t = current_;
   }
   if (first) {
@@ -343,15 +338,6 @@ bool Engine::Hold(const std::vector<Work>& works, const absl::Status& why) {
   return true;
 }
 
-bool Engine::StartRecovering(const absl::Status& why) {
-  if (state_.recovering) return false;
-  state_.recovering = true;
-  state_.recover_started = absl::Now();
-  state_.recover_until = state_.recover_started + options_.membership_wait;
-  state_.recover_cause = why;
-  return true;
-}
-
 void Engine::OnMembership(const control::Membership& membership, const std::string& change) {
   const absl::Status why =
       absl::UnavailableError(absl::StrCat("the job's membership changed: ", change));
@@ -366,38 +352,17 @@ void Engine::OnMembership(const control::Membership& membership, const std::stri
   {
     absl::MutexLock lock(&state_.mu);
     if (!state_.failed.ok() || state_.stop) return;
-    // An epoch this node took already (its membership delivered twice: a
-    // heartbeat's answer after the poll's marker), or an older one.
-    if (membership.epoch <= std::max(membership_.epoch, state_.latest_epoch)) return;
-    state_.latest_epoch = membership.epoch;
-    state_.next_membership = {membership, change};
-    // A node joined: the change comes after the old epoch's last batch
-    // (RunBatch); nothing in flight is cut.
-    if (membership.graceful && !state_.recovering) return;
-    StartRecovering(why);
+    if (!recovery_.Offer(membership, change, membership_.epoch)) return;
     t = current_;
   }
   t->Abort(why);  // what runs on the old data plane ends now
 }
 
-bool Engine::AwaitVerdict() {
-  auto decided = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu) {
-    return state_.next_membership.has_value() || !state_.failed.ok() || state_.stop;
-  };
-  state_.mu.AwaitWithDeadline(absl::Condition(&decided), state_.recover_until);
-  return state_.failed.ok() && !state_.stop;
-}
-
 void Engine::Reconfigure() {
-  std::optional<std::pair<control::Membership, std::string>> next;
-  absl::Status cause;
-  {
-    absl::MutexLock lock(&state_.mu);
-    if (!AwaitVerdict()) return;
-    next = std::move(state_.next_membership);
-    state_.next_membership.reset();
-    cause = state_.recover_cause;
-  }
+  Recovery::Verdict verdict = recovery_.Await();
+  if (verdict.ended) return;
+  std::optional<std::pair<control::Membership, std::string>> next = std::move(verdict.next);
+  const absl::Status cause = verdict.cause;
   if (!next.has_value()) {
     Fail(absl::Status(
              cause.code(),
@@ -433,17 +398,9 @@ void Engine::Reconfigure() {
     // Another node lost meanwhile (two lost a few heartbeats apart), or a
     // refusal: this epoch's data plane could not connect; the next epoch's
     // may.
-    std::optional<std::pair<control::Membership, std::string>> newer;
-    {
-      absl::MutexLock lock(&state_.mu);
-      if (!AwaitVerdict()) return;
-      if (state_.next_membership.has_value() &&
-          state_.next_membership->first.epoch > next->first.epoch) {
-        newer = std::move(state_.next_membership);
-        state_.next_membership.reset();
-      }
-    }
-    if (!newer.has_value()) {
+    Recovery::Verdict newer = recovery_.Await(next->first.epoch);
+    if (newer.ended) return;
+    if (!newer.next.has_value()) {
       Fail(absl::Status(s.code(), absl::StrCat("node ", membership_.node_rank,
                                                ": the job's next membership epoch: ", s.message())),
            /*report=*/true);
@@ -452,8 +409,8 @@ void Engine::Reconfigure() {
     MICROD_LOG(Warning, "node %d: epoch %llu did not connect (%s); epoch %llu instead",
                membership_.node_rank, static_cast<unsigned long long>(next->first.epoch),
                std::string(s.message()).c_str(),
-               static_cast<unsigned long long>(newer->first.epoch));
-    next = std::move(newer);
+               static_cast<unsigned long long>(newer.next->first.epoch));
+    next = std::move(newer.next);
   }
   runner_.SetTransport(transport_);
   negotiator_ = NewNegotiator();
@@ -473,13 +430,12 @@ void Engine::Announce(const std::string& change, const std::vector<Work>& pendin
   for (const auto& [client, info] : told) {
     if (server_ != nullptr) server_->NotifyMembership(client, membership_.epoch, info, change);
   }
-  std::vector<EngineState::Fenced> fenced;
+  std::vector<Fence::Parked> fenced;
   {
     absl::MutexLock lock(&state_.mu);
-    state_.notified = state_.changes;
-    fenced.swap(state_.fenced);
+    fenced = state_.fence.Told();
   }
-  for (const EngineState::Fenced& f : fenced) {
+  for (const Fence::Parked& f : fenced) {
     if (server_ != nullptr)
       server_->Complete(f.client, f.ticket, f.buffer_id, FencedStatus(f.bucket));
   }
@@ -493,11 +449,7 @@ void Engine::Announce(const std::string& change, const std::vector<Work>& pendin
                                      ", world size ", membership_.world_size, "; submit it again")),
                                  ClientStatus::kMembership));
   }
-  double took;
-  {
-    absl::MutexLock lock(&state_.mu);
-    took = state_.last_recovery_seconds;
-  }
+  const double took = recovery_.last_seconds();
   MICROD_LOG(Warning,
              "node %d of %d: membership epoch %llu running, %.3f s after the first sign of the "
              "change (%zu pending submission(s) answered MICROD_ERR_MEMBERSHIP)",
@@ -527,12 +479,10 @@ absl::Status Engine::Reconfigured(const control::Membership& next, const std::st
   // The new epoch: every pending submission is answered, nothing is cached,
   // the schedule starts at the epoch's first batch.
   *pending = state_.table.TakeAllSubmitted();
-  ++state_.changes;
-  for (auto& [client, changes] : state_.fence) ++changes;
+  state_.fence.Change();
   for (Work& w : state_.in_flight) pending->push_back(std::move(w));
   state_.in_flight.clear();
-  for (Work& w : state_.held) pending->push_back(std::move(w));
-  state_.held.clear();
+  for (Work& w : recovery_.Done()) pending->push_back(std::move(w));
   state_.table.ResetCache();
   state_.schedule.clear();
   state_.log_run = 0;
@@ -544,9 +494,6 @@ absl::Status Engine::Reconfigured(const control::Membership& next, const std::st
   previous_ = std::move(current_);
   current_ = std::shared_ptr<transport::Transport>(std::move(t));
   transport_ = current_.get();
-  state_.recovering = false;
-  state_.recover_cause = absl::OkStatus();
-  state_.last_recovery_seconds = absl::ToDoubleSeconds(absl::Now() - state_.recover_started);
   return absl::OkStatus();
 }
 
@@ -573,15 +520,9 @@ void Engine::Settle(bool commit) {
     return;
   }
   // Its works are answered with their results, no longer held.
-  const std::vector<Work> done = runner_.RollForward();
+  recovery_.Release(runner_.RollForward());
   absl::MutexLock lock(&state_.mu);
   ++state_.confirmed_before;
-  auto& held = state_.held;
-  for (const Work& w : done) {
-    held.erase(std::remove_if(held.begin(), held.end(),
-                              [&](const Work& x) { return x.answer == w.answer; }),
-               held.end());
-  }
 }
 
 void Engine::Adopt(std::map<std::string, BucketStated> buckets, uint64_t confirmed) {
@@ -604,12 +545,12 @@ void Engine::Loop() {
     }
   }
   for (;;) {
-    bool recovering;
+    bool running;
     {
       absl::MutexLock lock(&state_.mu);
-      recovering = state_.recovering && state_.failed.ok() && !state_.stop;
+      running = state_.failed.ok() && !state_.stop;
     }
-    if (recovering) {
+    if (running && recovery_.recovering()) {
       Reconfigure();
       continue;
     }
@@ -617,14 +558,11 @@ void Engine::Loop() {
     std::optional<Plan> plan = negotiator_->Next();
     if (!plan.has_value()) return;
     Run(*plan);
+    // A node joined: the plan that held the old epoch's last batch ended
+    // on every node (a job that ended meanwhile recovers nothing). Under
+    // the engine's lock, so that its waits see it.
     absl::MutexLock lock(&state_.mu);
-    if (state_.change_due) {
-      // The plan that held the old epoch's last batch ended on every node.
-      state_.change_due = false;
-      if (state_.failed.ok() && !state_.stop) {
-        StartRecovering(absl::UnavailableError("the job's membership changed: a node joined"));
-      }
-    }
+    recovery_.StartIfDue();
   }
 }
 
@@ -664,7 +602,7 @@ void Engine::RunBatch(const control::ScheduleBatch& batch, bool cached,
     absl::MutexLock lock(&state_.mu);
     ++(cached ? state_.cache_batches : state_.batches);
     if (!state_.failed.ok()) return;
-    if (batch.change_epoch != 0) state_.change_due = true;
+    if (batch.change_epoch != 0) recovery_.ChangeDue();
     for (const auto& [name, message] : batch.errors) {
       Bucket& b = state_.table.bucket(name);
       ++b.stats.failures;
@@ -710,7 +648,7 @@ EngineSnapshot Engine::Snapshot(bool with_history) const {
   s.refused_transfers =
       state_.refused_before + (transport_ != nullptr ? transport_->refused_transfers() : 0);
   s.epoch = membership_.epoch;
-  s.last_recovery_seconds = state_.last_recovery_seconds;
+  s.last_recovery_seconds = recovery_.last_seconds();
   s.buckets = state_.table.Stats(with_history);
   return s;
 }

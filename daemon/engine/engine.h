@@ -39,6 +39,7 @@
 #include "daemon/engine/engine_state.h"
 #include "daemon/engine/negotiator.h"
 #include "daemon/engine/options.h"
+#include "daemon/engine/recovery.h"
 #include "daemon/engine/state_agreement.h"
 #include "daemon/engine/stats.h"
 #include "daemon/engine/step_memory.h"
@@ -95,6 +96,7 @@ class Engine final : public local::LocalHandler, private JobControl, private Sta
   absl::Status WithRootCause(const absl::Status& local) override;
   void Finish(const Work& work, const absl::Status& status) override;
   bool Hold(const std::vector<Work>& works, const absl::Status& why) override;
+  bool recovering() const override { return recovery_.recovering(); }
   // Elastic: on the engine's thread, once recovering: waits for the next
   // epoch's membership (or the job's failure, or recover_until), connects
   // its data plane, checks that every node holds its buckets at the same
@@ -102,11 +104,6 @@ class Engine final : public local::LocalHandler, private JobControl, private Sta
   // afresh and completes every pending submission with
   // MICROD_ERR_MEMBERSHIP, each process told its place first.
   void Reconfigure();
-  // Enters recovery (once) for `why`; true if this call did.
-  bool StartRecovering(const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu);
-  // Waits until a membership arrives, the job fails or stops, or
-  // recover_until; false when it failed or stops (Fail answered the rest).
-  bool AwaitVerdict() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_.mu);
   // What a local process is told of its place in the current membership.
   // A submission refused by the fence (MICROD_WIRE_CAP_FENCE).
   absl::Status FencedStatus(const std::string& bucket) const;
@@ -184,6 +181,7 @@ class Engine final : public local::LocalHandler, private JobControl, private Sta
   bool adopted_ = false;  // ...and took it (engine thread only)
 
   EngineState state_;
+  Recovery recovery_;  // its own lock, taken after state_.mu if both
   const std::unique_ptr<StepMemory> memory_;
   StepRunner runner_;
   std::unique_ptr<Negotiator> negotiator_;  // made at Start

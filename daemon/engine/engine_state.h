@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // What the engine's parts share, under one mutex: the job's state, the
-// process table, the schedule read from the coordinator and the work of the
-// running batch; and how a part ends the job or answers a Work.
+// process table, the schedule read from the coordinator, the work of the
+// running batch and the fence; and how a part ends the job or answers a
+// Work. An elastic job's recovery keeps its own (recovery.h).
 #pragma once
 
 #include <cstdint>
@@ -15,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "daemon/control/control_plane.h"
+#include "daemon/engine/fence.h"
 #include "daemon/engine/process_table.h"
 
 namespace microd::engine {
@@ -53,49 +55,17 @@ struct EngineState {
   absl::Time last_submit ABSL_GUARDED_BY(mu) = absl::InfinitePast();
   // The running batch's work not yet answered (Fail() answers it).
   std::vector<Work> in_flight ABSL_GUARDED_BY(mu);
-  // The fence (MICROD_WIRE_CAP_FENCE): per connected process, the changes of
-  // membership it must have read before it submits. `changes` made,
-  // `notified` told to the processes; a submission refused by the fence
-  // while a change is being told is answered once it is (`fenced`).
-  struct Fenced {
-    uint64_t client = 0;
-    uint32_t buffer_id = 0;
-    uint64_t ticket = 0;
-    std::string bucket;
-  };
-  std::map<uint64_t, uint32_t> fence ABSL_GUARDED_BY(mu);
-  uint64_t changes ABSL_GUARDED_BY(mu) = 0;
-  uint64_t notified ABSL_GUARDED_BY(mu) = 0;
-  std::vector<Fenced> fenced ABSL_GUARDED_BY(mu);
+  Fence fence ABSL_GUARDED_BY(mu);  // fence.h
   StateRequest state_request ABSL_GUARDED_BY(mu);
   bool state_request_ready ABSL_GUARDED_BY(mu) = false;  // every local process asked
   uint64_t batches ABSL_GUARDED_BY(mu) = 0;
   uint64_t cache_batches ABSL_GUARDED_BY(mu) = 0;
   uint64_t cycle_reductions ABSL_GUARDED_BY(mu) = 0;
-  // Elastic jobs: a step failed on the data plane, or the membership
-  // changed. The engine holds the failed steps' submissions (`held`) until
-  // the next epoch's membership arrives (`next_membership`, with what
-  // changed) or `recover_until`, then reconfigures (engine.cc).
-  bool recovering ABSL_GUARDED_BY(mu) = false;
-  absl::Time recover_started ABSL_GUARDED_BY(mu);
-  absl::Time recover_until ABSL_GUARDED_BY(mu);
-  double last_recovery_seconds ABSL_GUARDED_BY(mu) = 0;
   // Sealed transfers refused on the data planes of earlier epochs.
   uint64_t refused_before ABSL_GUARDED_BY(mu) = 0;
   // Steps confirmed before the current data plane's (Transport::confirmed):
   // on the earlier ones, adopted when joining, or rolled forward.
   uint64_t confirmed_before ABSL_GUARDED_BY(mu) = 0;
-  absl::Status recover_cause ABSL_GUARDED_BY(mu);
-  std::vector<Work> held ABSL_GUARDED_BY(mu);
-  std::optional<std::pair<control::Membership, std::string>> next_membership ABSL_GUARDED_BY(mu);
-  // The latest epoch whose membership this node took (as next_membership,
-  // or running): one delivered again (a heartbeat's answer after the
-  // poll's marker) or an older one changes nothing, so that no epoch's data
-  // plane is ever made twice.
-  uint64_t latest_epoch ABSL_GUARDED_BY(mu) = 0;
-  // A node joined: the batch that marks the change ran (the engine
-  // reconfigures once the plan that held it ends).
-  bool change_due ABSL_GUARDED_BY(mu) = false;
 };
 
 // The engine, as its parts see it.
@@ -113,6 +83,9 @@ class JobControl {
   // epoch (the coordinator decides); false: not elastic, or the job failed
   // already: the caller fails them as before.
   virtual bool Hold(const std::vector<Work>& works, const absl::Status& why) { return false; }
+  // An elastic job recovers (recovery.h): nothing runs until the engine
+  // reconfigured. Lock-free: a wait on EngineState::mu may ask.
+  virtual bool recovering() const { return false; }
 };
 
 // The status every submission gets once the job failed for `why`.

@@ -25,7 +25,7 @@ class CoordinatorNegotiator final : public Negotiator {
       absl::MutexLock lock(&state_->mu);
       auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
         return state_->stop || state_->table.has_newly_ready() || !state_->schedule.empty() ||
-               state_->state_request_ready || state_->recovering;
+               state_->state_request_ready || job_->recovering();
       };
       state_->mu.AwaitWithTimeout(absl::Condition(&has_work), absl::Seconds(1));
       if (state_->stop) return std::nullopt;
@@ -34,10 +34,10 @@ class CoordinatorNegotiator final : public Negotiator {
         state_->schedule.clear();
         return plan;
       }
-      if (state_->recovering) return plan;  // the engine reconfigures first
+      if (job_->recovering()) return plan;  // the engine reconfigures first
       // While an elastic job recovers, what becomes ready is reported in
       // the next epoch.
-      if (!state_->recovering) report = state_->table.TakeNewlyReady();
+      if (!job_->recovering()) report = state_->table.TakeNewlyReady();
       if (!state_->schedule.empty()) {
         plan.batches.push_back(std::move(state_->schedule.front()));
         state_->schedule.pop_front();
@@ -136,7 +136,7 @@ std::optional<Plan> CycleNegotiator::Next() {
       return !state_->schedule.empty() || state_->table.any_cached_ready();
     };
     auto go = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
-      return state_->stop || state_->state_request_ready || state_->recovering ||
+      return state_->stop || state_->state_request_ready || job_->recovering() ||
              (pending() && (state_->changed || progressed_));
     };
     // A change (a submission, a schedule batch) starts a cycle at once.
@@ -146,7 +146,7 @@ std::optional<Plan> CycleNegotiator::Next() {
     state_->mu.AwaitWithTimeout(absl::Condition(&go),
                                 pending() ? absl::Milliseconds(1) : absl::Seconds(1));
     if (state_->stop) return std::nullopt;
-    if (state_->recovering) {  // the engine reconfigures first
+    if (job_->recovering()) {  // the engine reconfigures first
       progressed_ = false;
       return Plan{};
     }
@@ -351,7 +351,7 @@ void CycleNegotiator::ReportLoop() {
         state_->table.DropNewlyReady();
         continue;
       }
-      if (state_->recovering) continue;  // reported in the next epoch
+      if (job_->recovering()) continue;  // reported in the next epoch
       report = state_->table.TakeNewlyReady();
     }
     if (report.empty()) continue;
