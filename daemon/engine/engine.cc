@@ -181,7 +181,7 @@ void Engine::OnDisconnect(uint64_t client, bool clean, const std::string& why) {
   {
     absl::MutexLock lock(&state_.mu);
     StateRequest& q = state_.state_request;
-    if (q.asked > 0 && !state_.state_request_ready) {
+    if (q.asked > 0 && !state_.state_request.ready) {
       auto rank = state_.table.LocalRankOf(client);
       if (rank.ok() && q.tickets[*rank] == 0) {
         abandoned = std::move(q);
@@ -488,8 +488,8 @@ absl::Status Engine::Reconfigured(const control::Membership& next, const std::st
   state_.log_run = 0;
   state_.changed = false;
   membership_ = next;
-  state_.refused_before += transport_->refused_transfers();
-  state_.confirmed_before += transport_->confirmed();
+  refused_before_ += transport_->refused_transfers();
+  confirmed_before_ += transport_->confirmed();
   retired = std::move(previous_);
   previous_ = std::move(current_);
   current_ = std::shared_ptr<transport::Transport>(std::move(t));
@@ -509,7 +509,7 @@ std::vector<BucketStated> Engine::Buckets() {
 
 uint64_t Engine::Confirmed() {
   absl::MutexLock lock(&state_.mu);
-  return state_.confirmed_before + (transport_ != nullptr ? transport_->confirmed() : 0);
+  return confirmed_before_ + (transport_ != nullptr ? transport_->confirmed() : 0);
 }
 
 bool Engine::HasUnconfirmed() { return runner_.has_unconfirmed(); }
@@ -522,14 +522,14 @@ void Engine::Settle(bool commit) {
   // Its works are answered with their results, no longer held.
   recovery_.Release(runner_.RollForward());
   absl::MutexLock lock(&state_.mu);
-  ++state_.confirmed_before;
+  ++confirmed_before_;
 }
 
 void Engine::Adopt(std::map<std::string, BucketStated> buckets, uint64_t confirmed) {
   runner_.Adopt(std::move(buckets));
   adopted_ = true;
   absl::MutexLock lock(&state_.mu);
-  state_.confirmed_before = confirmed;
+  confirmed_before_ = confirmed;
 }
 
 void Engine::Loop() {
@@ -582,7 +582,7 @@ void Engine::RunInCycle(const InCycle& in_cycle, bool count_batch) {
   {
     absl::MutexLock lock(&state_.mu);
     if (!state_.failed.ok()) return;
-    if (count_batch) ++state_.cache_batches;
+    if (count_batch) ++state_.counts.cache_batches;
     const absl::Time now = absl::Now();
     for (size_t i : in_cycle.ids) {
       Bucket& b = state_.table.cached(i);
@@ -600,7 +600,7 @@ void Engine::RunBatch(const control::ScheduleBatch& batch, bool cached,
   std::vector<std::pair<Work, absl::Status>> refused;
   {
     absl::MutexLock lock(&state_.mu);
-    ++(cached ? state_.cache_batches : state_.batches);
+    ++(cached ? state_.counts.cache_batches : state_.counts.batches);
     if (!state_.failed.ok()) return;
     if (batch.change_epoch != 0) recovery_.ChangeDue();
     for (const auto& [name, message] : batch.errors) {
@@ -640,13 +640,13 @@ EngineSnapshot Engine::Snapshot(bool with_history) const {
   absl::MutexLock lock(&state_.mu);
   EngineSnapshot s;
   s.failure = state_.failed.ok() ? "" : std::string(state_.failed.message());
-  s.batches = state_.batches;
-  s.cache_batches = state_.cache_batches;
-  s.cycle_reductions = state_.cycle_reductions;
+  s.batches = state_.counts.batches;
+  s.cache_batches = state_.counts.cache_batches;
+  s.cycle_reductions = state_.counts.cycle_reductions;
   s.transport_scratch_bytes = transport_ != nullptr ? transport_->scratch_bytes() : 0;
   s.sealed = transport_ != nullptr && transport_->sealed();
   s.refused_transfers =
-      state_.refused_before + (transport_ != nullptr ? transport_->refused_transfers() : 0);
+      refused_before_ + (transport_ != nullptr ? transport_->refused_transfers() : 0);
   s.epoch = membership_.epoch;
   s.last_recovery_seconds = recovery_.last_seconds();
   s.buckets = state_.table.Stats(with_history);

@@ -181,6 +181,11 @@ class Engine final : public local::LocalHandler, private JobControl, private Sta
   bool adopted_ = false;  // ...and took it (engine thread only)
 
   EngineState state_;
+  // Sealed transfers refused on the data planes of earlier epochs.
+  uint64_t refused_before_ ABSL_GUARDED_BY(state_.mu) = 0;
+  // Steps confirmed before the current data plane's (Transport::confirmed):
+  // on the earlier ones, adopted when joining, or rolled forward.
+  uint64_t confirmed_before_ ABSL_GUARDED_BY(state_.mu) = 0;
   Recovery recovery_;  // its own lock, taken after state_.mu if both
   const std::unique_ptr<StepMemory> memory_;
   StepRunner runner_;

@@ -32,6 +32,7 @@ struct StateRequest {
   std::vector<uint64_t> clients;  // by local rank
   std::vector<uint64_t> tickets;  // by local rank, 0: not asked yet
   int asked = 0;
+  bool ready = false;  // every local process asked
 };
 
 struct EngineState {
@@ -57,15 +58,13 @@ struct EngineState {
   std::vector<Work> in_flight ABSL_GUARDED_BY(mu);
   Fence fence ABSL_GUARDED_BY(mu);  // fence.h
   StateRequest state_request ABSL_GUARDED_BY(mu);
-  bool state_request_ready ABSL_GUARDED_BY(mu) = false;  // every local process asked
-  uint64_t batches ABSL_GUARDED_BY(mu) = 0;
-  uint64_t cache_batches ABSL_GUARDED_BY(mu) = 0;
-  uint64_t cycle_reductions ABSL_GUARDED_BY(mu) = 0;
-  // Sealed transfers refused on the data planes of earlier epochs.
-  uint64_t refused_before ABSL_GUARDED_BY(mu) = 0;
-  // Steps confirmed before the current data plane's (Transport::confirmed):
-  // on the earlier ones, adopted when joining, or rolled forward.
-  uint64_t confirmed_before ABSL_GUARDED_BY(mu) = 0;
+  // Batches run, by how they were agreed, and buckets the cycle reduced.
+  struct Counts {
+    uint64_t batches = 0;
+    uint64_t cache_batches = 0;
+    uint64_t cycle_reductions = 0;
+  };
+  Counts counts ABSL_GUARDED_BY(mu);
 };
 
 // The engine, as its parts see it.

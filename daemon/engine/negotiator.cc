@@ -4,9 +4,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "daemon/engine/cycle_message.h"
 
@@ -25,7 +29,7 @@ class CoordinatorNegotiator final : public Negotiator {
       absl::MutexLock lock(&state_->mu);
       auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
         return state_->stop || state_->table.has_newly_ready() || !state_->schedule.empty() ||
-               state_->state_request_ready || job_->recovering();
+               state_->state_request.ready || job_->recovering();
       };
       state_->mu.AwaitWithTimeout(absl::Condition(&has_work), absl::Seconds(1));
       if (state_->stop) return std::nullopt;
@@ -58,6 +62,52 @@ class CoordinatorNegotiator final : public Negotiator {
   JobControl* const job_;
 };
 
+// One long-lived thread that runs a task beside its caller, who then waits
+// for it: the cycle's speculative passes (a thread a cycle cost its start).
+class Beside {
+ public:
+  Beside() : thread_([this] { Loop(); }) {}
+  ~Beside() {
+    {
+      absl::MutexLock lock(&mu_);
+      quit_ = true;
+    }
+    thread_.join();
+  }
+  void Start(std::function<void()> task) {
+    absl::MutexLock lock(&mu_);
+    task_ = std::move(task);
+  }
+  void Wait() {
+    absl::MutexLock lock(&mu_);
+    auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return task_ == nullptr; };
+    mu_.Await(absl::Condition(&idle));
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        absl::MutexLock lock(&mu_);
+        auto woken = [this]()
+                         ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return task_ != nullptr || quit_; };
+        mu_.Await(absl::Condition(&woken));
+        if (task_ == nullptr) return;  // quit, nothing left to run
+        task = task_;
+      }
+      task();
+      absl::MutexLock lock(&mu_);
+      task_ = nullptr;
+    }
+  }
+
+  absl::Mutex mu_;
+  std::function<void()> task_ ABSL_GUARDED_BY(mu_);
+  bool quit_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;  // last: it starts once the rest is built
+};
+
 class CycleNegotiator final : public Negotiator {
  public:
   CycleNegotiator(const EngineOptions& options, const control::Membership& membership,
@@ -73,6 +123,7 @@ class CycleNegotiator final : public Negotiator {
         state_(state),
         job_(job) {
     report_thread_ = std::thread([this] { ReportLoop(); });
+    if (speculate_) beside_ = std::make_unique<Beside>();
   }
 
   std::optional<Plan> Next() override;
@@ -127,6 +178,7 @@ class CycleNegotiator final : public Negotiator {
   std::atomic<bool> quit_{false};
   sparsify::DeviceBuffer<kernels::StepScalars> scalars_;
   std::thread report_thread_;
+  std::unique_ptr<Beside> beside_;  // the speculative passes' thread
 };
 
 std::optional<Plan> CycleNegotiator::Next() {
@@ -136,7 +188,7 @@ std::optional<Plan> CycleNegotiator::Next() {
       return !state_->schedule.empty() || state_->table.any_cached_ready();
     };
     auto go = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
-      return state_->stop || state_->state_request_ready || job_->recovering() ||
+      return state_->stop || state_->state_request.ready || job_->recovering() ||
              (pending() && (state_->changed || progressed_));
     };
     // A change (a submission, a schedule batch) starts a cycle at once.
@@ -288,12 +340,10 @@ Plan CycleNegotiator::Cycle() {
   // The ready sparse buckets' local passes run beside the exchange (they
   // touch no transport and no state a step would see).
   std::shared_ptr<Speculation> speculation;
-  std::thread passes;
-  if (speculate_ && !sparse.empty()) {
-    passes = std::thread([&] { speculation = speculate_(sparse); });
-  }
+  const bool speculating = beside_ != nullptr && !sparse.empty();
+  if (speculating) beside_->Start([&] { speculation = speculate_(sparse); });
   auto theirs = Exchange(mine);
-  if (passes.joinable()) passes.join();
+  if (speculating) beside_->Wait();
   if (!theirs.ok()) {
     if (!state_->job_failed() && !job_->Hold({}, theirs.status())) {
       job_->Fail(job_->WithRootCause(theirs.status()), /*report=*/true);

@@ -52,7 +52,8 @@ bool Recovery::StartIfDue() {
 
 Recovery::Verdict Recovery::Await(uint64_t after) {
   absl::MutexLock lock(&mu_);
-  auto decided = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return next_.has_value() || ended_; };
+  auto decided = [this]()
+                     ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return next_.has_value() || ended_; };
   mu_.AwaitWithDeadline(absl::Condition(&decided), until_);
   Verdict v;
   v.ended = ended_;

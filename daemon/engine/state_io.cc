@@ -57,7 +57,7 @@ absl::Status Engine::OnState(uint64_t client, bool save, local::StateDirectory d
       }
       q.clients[*rank] = client;
       q.tickets[*rank] = ticket;
-      if (++q.asked == options_.local_size) state_.state_request_ready = true;
+      if (++q.asked == options_.local_size) state_.state_request.ready = true;
       return absl::OkStatus();
     }
   }
@@ -70,10 +70,9 @@ void Engine::RunStateRequest() {
   StateRequest q;
   {
     absl::MutexLock lock(&state_.mu);
-    if (!state_.state_request_ready) return;
+    if (!state_.state_request.ready) return;
     q = std::move(state_.state_request);
     state_.state_request = StateRequest{};
-    state_.state_request_ready = false;
   }
   absl::Status s = q.save ? SaveState(q) : LoadState(q);
   if (!q.save &&

@@ -190,7 +190,7 @@ void StepRunner::FinishInCycleConfirmed(const std::vector<Work>& works, const In
     {
       absl::MutexLock lock(&state_->mu);
       const double share = static_cast<double>(d) / static_cast<double>(total);
-      ++state_->cycle_reductions;
+      ++state_->counts.cycle_reductions;
       w.bucket->stats.state_bytes = w.bucket->velocity.size() * sizeof(float);
       w.bucket->stats.AddDense(in_cycle.local_sum_seconds * share,
                                in_cycle.exchange_seconds * share, absl::ToDoubleSeconds(t1 - t0));

@@ -17,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "daemon/transport/inproc/inproc_transport.h"
 #include "gtest/gtest.h"
+#include "tests/transport/forwarding.h"
 
 namespace microd::engine {
 namespace {
@@ -156,33 +157,14 @@ TEST(StateAgreement, AStepNoNodeCommittedIsDropped) {
 }
 
 // A peer whose statement does not parse: every node fails naming it.
-class Garbling final : public transport::Transport {
+class Garbling final : public transport::Forwarding {
  public:
-  explicit Garbling(transport::Transport* inner) : t_(inner) {}
-  int rank() const override { return t_->rank(); }
-  int size() const override { return t_->size(); }
+  explicit Garbling(transport::Transport* inner) : Forwarding(inner) {}
   const char* name() const override { return "garbling"; }
-  absl::Status Allgather(const void* in, size_t bytes, void* out,
-                         const transport::CollectiveOptions& o) override {
-    return t_->Allgather(in, bytes, out, o);
-  }
-  absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv, void* out,
-                          const transport::CollectiveOptions& o) override {
-    return t_->AllgatherV(in, recv, out, o);
-  }
-  absl::Status AllreduceSum(void* data, size_t count, transport::DataType type,
-                            const transport::CollectiveOptions& o) override {
-    return t_->AllreduceSum(data, count, type, o);
-  }
-  absl::Status Barrier(const transport::CollectiveOptions& o) override { return t_->Barrier(o); }
   absl::Status ExchangeRound(std::string_view, std::vector<std::string>* from,
                              const transport::CollectiveOptions& o) override {
-    return t_->ExchangeRound("S12\tmaybe\n", from, o);
+    return inner_->ExchangeRound("S12\tmaybe\n", from, o);
   }
-  void Abort(const absl::Status& reason) override { t_->Abort(reason); }
-
- private:
-  transport::Transport* const t_;
 };
 
 TEST(StateAgreement, AStatementThatDoesNotParseFailsEveryNodeNamingIt) {

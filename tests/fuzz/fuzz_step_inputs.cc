@@ -18,6 +18,7 @@
 #include "daemon/transport/inproc/inproc_transport.h"
 #include "kernels/sparse_ops.h"
 #include "tests/fuzz/input.h"
+#include "tests/transport/forwarding.h"
 
 namespace {
 
@@ -28,24 +29,10 @@ using microd::transport::Transport;
 
 // Node 1's transport: the messages of its step's rounds (headers, indices,
 // histograms, values) begin with bytes from the input.
-class LyingTransport final : public Transport {
+class LyingTransport final : public microd::transport::Forwarding {
  public:
-  LyingTransport(Transport* inner, Input* input) : inner_(inner), input_(input) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
+  LyingTransport(Transport* inner, Input* input) : Forwarding(inner), input_(input) {}
   const char* name() const override { return "lying"; }
-  absl::Status Allgather(const void* in, size_t bytes, void* out,
-                         const CollectiveOptions& o) override {
-    return inner_->Allgather(in, bytes, out, o);
-  }
-  absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv_bytes, void* out,
-                          const CollectiveOptions& o) override {
-    return inner_->AllgatherV(in, recv_bytes, out, o);
-  }
-  absl::Status AllreduceSum(void* data, size_t count, DataType type,
-                            const CollectiveOptions& o) override {
-    return inner_->AllreduceSum(data, count, type, o);
-  }
   absl::Status ExchangeRound(std::string_view mine, std::vector<std::string>* from,
                              const CollectiveOptions& o) override {
     std::string lie(mine);
@@ -53,11 +40,9 @@ class LyingTransport final : public Transport {
     if (!bytes.empty()) std::memcpy(lie.data(), bytes.data(), bytes.size());
     return inner_->ExchangeRound(lie, from, o);
   }
-  absl::Status Barrier(const CollectiveOptions& o) override { return inner_->Barrier(o); }
   void Abort(const absl::Status& reason) override { inner_->Abort(reason); }
 
  private:
-  Transport* const inner_;
   Input* const input_;
 };
 

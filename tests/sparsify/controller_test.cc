@@ -17,6 +17,7 @@
 #include "daemon/sparsify/bucket.h"
 #include "daemon/transport/inproc/inproc_transport.h"
 #include "gtest/gtest.h"
+#include "tests/transport/forwarding.h"
 
 namespace microd::sparsify {
 namespace {
@@ -213,24 +214,10 @@ TEST(HistogramController, TinyBucketSelectsAtLeastOne) {
 
 // A peer whose first round claims `claim` candidates in the largest finite
 // magnitude's coarse bin, which it then does not send.
-class OverflowingPeer final : public transport::Transport {
+class OverflowingPeer final : public transport::Forwarding {
  public:
-  OverflowingPeer(transport::Transport* inner, uint64_t claim) : inner_(inner), claim_(claim) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
+  OverflowingPeer(transport::Transport* inner, uint64_t claim) : Forwarding(inner), claim_(claim) {}
   const char* name() const override { return "overflowing"; }
-  absl::Status Allgather(const void* in, size_t bytes, void* out,
-                         const transport::CollectiveOptions& o) override {
-    return inner_->Allgather(in, bytes, out, o);
-  }
-  absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv_bytes, void* out,
-                          const transport::CollectiveOptions& o) override {
-    return inner_->AllgatherV(in, recv_bytes, out, o);
-  }
-  absl::Status AllreduceSum(void* data, size_t count, transport::DataType type,
-                            const transport::CollectiveOptions& o) override {
-    return inner_->AllreduceSum(data, count, type, o);
-  }
   absl::Status ExchangeRound(std::string_view mine, std::vector<std::string>* from,
                              const transport::CollectiveOptions& o) override {
     if ((o.tag & 0xFF) != uint32_t(transport::TagKind::kRound1)) {
@@ -246,13 +233,9 @@ class OverflowingPeer final : public transport::Transport {
     for (uint32_t x : {flags, m, bin, count}) lie.append(reinterpret_cast<const char*>(&x), 4);
     return inner_->ExchangeRound(lie, from, o);
   }
-  absl::Status Barrier(const transport::CollectiveOptions& o) override {
-    return inner_->Barrier(o);
-  }
   void Abort(const absl::Status& reason) override { inner_->Abort(reason); }
 
  private:
-  transport::Transport* const inner_;
   const uint64_t claim_;
 };
 

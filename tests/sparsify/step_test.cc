@@ -21,6 +21,7 @@
 #include "daemon/transport/inproc/inproc_transport.h"
 #include "gtest/gtest.h"
 #include "kernels/sparse_ops.h"
+#include "tests/transport/forwarding.h"
 
 namespace microd::sparsify {
 namespace {
@@ -1027,26 +1028,12 @@ TEST(StepWarmUp, NonFiniteDuringTheDenseWarmUpChangesNothing) {
 // larger than it can have selected, or indices outside what it selects from.
 // Every node fails the step with an error naming node 1, before anything is
 // allocated for or indexed with the lie (clean under ASan).
-class HostileTransport final : public transport::Transport {
+class HostileTransport final : public transport::Forwarding {
  public:
   enum class Lie { kHugeCount, kIndexOutOfBucket, kIndexInAnotherPartition };
   HostileTransport(transport::Transport* inner, Lie lie, uint64_t d, bool hist)
-      : inner_(inner), lie_(lie), d_(d), hist_(hist) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
+      : Forwarding(inner), lie_(lie), d_(d), hist_(hist) {}
   const char* name() const override { return "hostile"; }
-  absl::Status Allgather(const void* in, size_t bytes, void* out,
-                         const transport::CollectiveOptions& o) override {
-    return inner_->Allgather(in, bytes, out, o);
-  }
-  absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv_bytes, void* out,
-                          const transport::CollectiveOptions& o) override {
-    return inner_->AllgatherV(in, recv_bytes, out, o);
-  }
-  absl::Status AllreduceSum(void* data, size_t count, transport::DataType type,
-                            const transport::CollectiveOptions& o) override {
-    return inner_->AllreduceSum(data, count, type, o);
-  }
   // The step's one bucket: round 1 is its header, flags and (top-k, hard)
   // its indices; round 2 (hist) starts with the indices above the k-th
   // value's bin.
@@ -1084,14 +1071,10 @@ class HostileTransport final : public transport::Transport {
     }
     return inner_->ExchangeRound(lied, from, o);
   }
-  absl::Status Barrier(const transport::CollectiveOptions& o) override {
-    return inner_->Barrier(o);
-  }
   void Abort(const absl::Status& reason) override { inner_->Abort(reason); }
   void Arm() { armed_ = true; }
 
  private:
-  transport::Transport* const inner_;
   const Lie lie_;
   const uint64_t d_;
   const bool hist_;  // micro's default controller: indices in round 2
@@ -1161,20 +1144,10 @@ INSTANTIATE_TEST_SUITE_P(
 // A transport that fails the step's last collective (the values'
 // allreduce, or the dense one) on every node once armed: the step's whole
 // selection has run, nothing is left to fail after it.
-class FailingValuesTransport final : public transport::Transport {
+class FailingValuesTransport final : public transport::Forwarding {
  public:
-  explicit FailingValuesTransport(transport::Transport* inner) : inner_(inner) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
+  explicit FailingValuesTransport(transport::Transport* inner) : Forwarding(inner) {}
   const char* name() const override { return "failing"; }
-  absl::Status Allgather(const void* in, size_t bytes, void* out,
-                         const transport::CollectiveOptions& o) override {
-    return inner_->Allgather(in, bytes, out, o);
-  }
-  absl::Status AllgatherV(const void* in, absl::Span<const size_t> recv_bytes, void* out,
-                          const transport::CollectiveOptions& o) override {
-    return inner_->AllgatherV(in, recv_bytes, out, o);
-  }
   absl::Status AllreduceSum(void* data, size_t count, transport::DataType type,
                             const transport::CollectiveOptions& o) override {
     if (Fails(o)) return absl::UnavailableError("link down (test)");
@@ -1184,9 +1157,6 @@ class FailingValuesTransport final : public transport::Transport {
                              const transport::CollectiveOptions& o) override {
     if (Fails(o)) return absl::UnavailableError("link down (test)");
     return inner_->ExchangeRound(mine, from, o);
-  }
-  absl::Status Barrier(const transport::CollectiveOptions& o) override {
-    return inner_->Barrier(o);
   }
   void Abort(const absl::Status& reason) override { inner_->Abort(reason); }
   void Arm() { armed_ = true; }
@@ -1203,7 +1173,6 @@ class FailingValuesTransport final : public transport::Transport {
     return true;
   }
 
-  transport::Transport* const inner_;
   bool armed_ = false;
 };
 
