@@ -25,27 +25,9 @@
 namespace microd::control {
 namespace {
 
-// microd.v1.DataType's values, by name (the step is fp32 for every one);
-// null for a value that is no bucket's type.
-const char* DataTypeName(int dtype) {
-  return kernels::IsBucketType(dtype)
-             ? kernels::ElementTypeName(static_cast<kernels::ElementType>(dtype))
-             : nullptr;
-}
-constexpr int64_t kMaxBucketCount = 0xFFFFFFFFll;
-
 uint64_t RandomSession() {
   std::random_device rd;
   return (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ 1;
-}
-
-absl::Status ValidateName(const std::string& what, const std::string& name) {
-  if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(what, " is empty"));
-  if (name.size() > kMaxNameBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " has ", name.size(), " bytes (limit ", kMaxNameBytes, ")"));
-  }
-  return absl::OkStatus();
 }
 
 // 32 bytes from the kernel's random source: an epoch's seal salt.
@@ -69,12 +51,6 @@ std::string LinkSaltOf(const std::string& epoch_secret, uint64_t epoch, int a, i
     std::abort();  // no key may come from a salt that is not the epoch's
   }
   return *std::move(salt);
-}
-
-std::string Describe(const BucketInfo& b) {
-  const char* type = DataTypeName(b.dtype);
-  return absl::StrCat(type != nullptr ? type : "dtype " + std::to_string(b.dtype), " x ", b.count,
-                      b.dense ? " dense" : "");
 }
 
 }  // namespace
@@ -130,7 +106,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(CoordinatorOpti
         absl::StrCat("coordinator: the minimum node count must be in [0, ", options.expected_nodes,
                      "] (the node count), got ", options.min_nodes));
   }
-  if (absl::Status s = ValidateName("job id", options.job_id); !s.ok()) return s;
+  if (absl::Status s = CheckName("job id", options.job_id); !s.ok()) return s;
   return std::make_unique<Coordinator>(std::move(options));
 }
 
@@ -274,8 +250,8 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
   // (not even the number of nodes, from a rank out of range).
   // And the job its certificate names, if any.
   RETURN_IF_ERROR(admission_.Admit(token_proof, job_id, node_name, peer_host, certificate_uris));
-  if (absl::Status s = ValidateName("job id", job_id); !s.ok()) return s;
-  if (absl::Status s = ValidateName("node name", node_name); !s.ok()) return s;
+  if (absl::Status s = CheckName("job id", job_id); !s.ok()) return s;
+  if (absl::Status s = CheckName("node name", node_name); !s.ok()) return s;
   if (local_size < 1 || local_size > kMaxLocalSize) {
     return absl::InvalidArgumentError(
         absl::StrCat("local size must be in [1, ", kMaxLocalSize, "], got ", local_size));
@@ -432,12 +408,10 @@ void Coordinator::FormEpochLocked(const std::vector<int>& lost, const std::strin
   nodes_ = std::move(next);
   // The schedule starts afresh at the next index: what was reported and
   // not scheduled is dropped, and every node reports again.
-  schedule_base_ += schedule_.size();
-  schedule_.clear();
-  pending_.clear();
-  for (Node& n : nodes_) n.polled = schedule_base_;
+  schedule_.Restart();
+  for (Node& n : nodes_) n.polled = schedule_.base();
   stalls_.Clear();
-  epoch_first_batch_ = schedule_base_;
+  epoch_first_batch_ = schedule_.base();
   marker_batch_ = UINT64_MAX;
   BeginEpochLocked(cause);
   MICROD_LOG(Warning, "coordinator: membership epoch %llu: %s; %zu nodes go on: %s",
@@ -492,14 +466,14 @@ Membership Coordinator::AdmitLocked(Node joiner) {
   }
   // The old epoch ends after what is logged: the marker is its last batch.
   ScheduleBatch marker;
-  marker.index = schedule_base_ + schedule_.size();
+  marker.index = schedule_.end();
   marker.change_epoch = epoch_ + 1;
-  schedule_.push_back(marker);
+  schedule_.Append(marker);
   marker_batch_ = marker.index;
   epoch_first_batch_ = marker.index + 1;
   // What was reported and not scheduled is dropped: each node answers it
   // MICROD_ERR_MEMBERSHIP at the change, and its processes submit it again.
-  pending_.clear();
+  schedule_.DropPending();
   stalls_.Clear();
   joiner.rank = static_cast<int>(nodes_.size());
   joiner.credential = FreshCredential(&given);
@@ -577,26 +551,7 @@ absl::StatusOr<std::vector<std::string>> Coordinator::KeyGet(uint64_t session,
 absl::Status Coordinator::Report(uint64_t session, int rank, const std::vector<BucketInfo>& ready,
                                  uint64_t seq) {
   if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("node rank ", rank, " is negative"));
-  if (ready.size() > kMaxBucketsPerReport) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(ready.size(), " buckets in one report (limit ", kMaxBucketsPerReport, ")"));
-  }
-  std::set<std::string> names;
-  for (const BucketInfo& b : ready) {
-    if (absl::Status s = ValidateName("bucket name", b.name); !s.ok()) return s;
-    if (DataTypeName(b.dtype) == nullptr) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("bucket '", b.name, "': unsupported data type ", b.dtype));
-    }
-    if (b.count < 1 || b.count > kMaxBucketCount) {
-      return absl::InvalidArgumentError(absl::StrCat("bucket '", b.name, "': element count ",
-                                                     b.count, " out of range [1, 2^32)"));
-    }
-    if (!names.insert(b.name).second) {
-      return absl::InvalidArgumentError(absl::StrCat("bucket '", b.name, "' reported twice"));
-    }
-  }
-
+  RETURN_IF_ERROR(ScheduleLog::CheckReport(ready));
   absl::MutexLock lock(&mu_);
   if (absl::Status s = CheckMember(session, rank); !s.ok()) return s;
   if (absl::Status s = JobError(); !s.ok()) return s;
@@ -613,71 +568,39 @@ absl::Status Coordinator::Report(uint64_t session, int rank, const std::vector<B
     if (seq != 0) nodes_[rank].report_seq = seq;
     return absl::OkStatus();
   }
-  if (nodes_[rank].joined_epoch > 0) {
-    // A node that joined the running job must hold the job's buckets.
-    for (const BucketInfo& b : ready) {
-      auto it = layout_.find(b.name);
-      if (it == layout_.end()) continue;
-      const BucketInfo& job = it->second;
-      if (job.dtype == b.dtype && job.count == b.count && job.dense == b.dense) continue;
-      const std::string why = absl::StrCat(
-          "node ", rank, " ('", nodes_[rank].name, "'), which joined at epoch ",
-          nodes_[rank].joined_epoch, ", has bucket '", b.name, "' as ", Describe(b),
-          ", and the job has it as ", Describe(job), ": refused, and dropped from the job");
-      if (static_cast<int>(nodes_.size()) - 1 >= min_nodes() ||
-          options_.elastic_timeout > absl::ZeroDuration()) {
-        FormEpochLocked({rank}, why);
-        NoteShortLocked(why);
-      } else {
-        FailLocked(why);
-      }
-      return absl::InvalidArgumentError(why);
-    }
-  }
-  for (const BucketInfo& b : ready) {
-    auto it = pending_.find(b.name);
-    if (it != pending_.end() && it->second.by_rank.count(rank) != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "bucket '", b.name, "' already reported by node ", rank, " and not scheduled yet"));
-    }
-  }
+  RETURN_IF_ERROR(JoinerDiffers(rank, ready));
+  RETURN_IF_ERROR(schedule_.CheckNotPending(rank, ready));
   if (seq != 0) nodes_[rank].report_seq = seq;
-  const int n = static_cast<int>(nodes_.size());
-  std::vector<std::pair<uint64_t, std::string>> complete;
-  for (const BucketInfo& b : ready) {
-    Pending& p = pending_[b.name];
-    if (p.by_rank.empty()) p.order = report_order_++;
-    p.by_rank[rank] = b;
-    if (static_cast<int>(p.by_rank.size()) == n) complete.push_back({p.order, b.name});
-  }
+  std::vector<std::string> names;
+  for (const Node& n : nodes_) names.push_back(n.name);
   // Below the job's minimum, nothing runs until nodes join (which drops
   // what is pending: each node submits it again in the next epoch).
-  if (complete.empty() || ShortLocked()) return absl::OkStatus();
-  // Everything this report completed is one batch, in first-report order.
-  std::sort(complete.begin(), complete.end());
-  ScheduleBatch batch;
-  batch.index = schedule_base_ + schedule_.size();
-  for (const auto& [order, name] : complete) {
-    const Pending& p = pending_[name];
-    const BucketInfo& first = p.by_rank.begin()->second;
-    bool agree = true;
-    for (const auto& [r, b] : p.by_rank) {
-      agree = agree && b.dtype == first.dtype && b.count == first.count && b.dense == first.dense;
+  schedule_.Add(rank, ready, names, /*hold=*/ShortLocked());
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::JoinerDiffers(int rank, const std::vector<BucketInfo>& ready) {
+  if (nodes_[rank].joined_epoch == 0) return absl::OkStatus();
+  // A node that joined the running job must hold the job's buckets.
+  for (const BucketInfo& b : ready) {
+    const BucketInfo* job = schedule_.Scheduled(b.name);
+    if (job == nullptr ||
+        (job->dtype == b.dtype && job->count == b.count && job->dense == b.dense)) {
+      continue;
     }
-    if (agree) {
-      batch.scheduled.push_back(first);
-      layout_[name] = first;
+    const std::string why = absl::StrCat(
+        "node ", rank, " ('", nodes_[rank].name, "'), which joined at epoch ",
+        nodes_[rank].joined_epoch, ", has bucket '", b.name, "' as ", Describe(b),
+        ", and the job has it as ", Describe(*job), ": refused, and dropped from the job");
+    if (static_cast<int>(nodes_.size()) - 1 >= min_nodes() ||
+        options_.elastic_timeout > absl::ZeroDuration()) {
+      FormEpochLocked({rank}, why);
+      NoteShortLocked(why);
     } else {
-      std::vector<std::string> parts;
-      for (const auto& [r, b] : p.by_rank) {
-        parts.push_back(absl::StrCat("node ", r, " (", nodes_[r].name, "): ", Describe(b)));
-      }
-      batch.errors.push_back({name, absl::StrCat("bucket '", name, "' differs between nodes: ",
-                                                 absl::StrJoin(parts, "; "))});
+      FailLocked(why);
     }
-    pending_.erase(name);
+    return absl::InvalidArgumentError(why);
   }
-  schedule_.push_back(std::move(batch));
   return absl::OkStatus();
 }
 
@@ -692,7 +615,7 @@ absl::StatusOr<std::vector<ScheduleBatch>> Coordinator::Poll(uint64_t session, i
     // The answer that carried the node's new membership was lost: the node
     // asks again with its old session, and is answered the same.
     const Node& n = nodes_[caller];
-    const bool again = marker_batch_ != UINT64_MAX && marker_batch_ >= schedule_base_ &&
+    const bool again = marker_batch_ != UINT64_MAX && marker_batch_ >= schedule_.base() &&
                        next <= marker_batch_ && !n.old_credentials.empty() &&
                        n.old_credentials.back() == session;
     if (!again) return CheckMember(session, rank);  // "membership changed"
@@ -702,17 +625,17 @@ absl::StatusOr<std::vector<ScheduleBatch>> Coordinator::Poll(uint64_t session, i
                                                      " after having seen up to ",
                                                      nodes_[rank].polled));
     }
-    if (next > schedule_base_ + schedule_.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "batch ", next, " does not exist yet (next is ", schedule_base_ + schedule_.size(), ")"));
+    if (next > schedule_.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("batch ", next, " does not exist yet (next is ", schedule_.end(), ")"));
     }
     nodes_[rank].polled = next;
     TrimSchedule();
   }
   const uint64_t epoch = epoch_;
   auto ready = [this, next, epoch]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return schedule_base_ + schedule_.size() > next || state_ == JobState::kFailed ||
-           state_ == JobState::kFinished || epoch_ != epoch;
+    return schedule_.end() > next || state_ == JobState::kFailed || state_ == JobState::kFinished ||
+           epoch_ != epoch;
   };
   mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
   if (epoch_ != epoch) {
@@ -732,19 +655,18 @@ absl::StatusOr<std::vector<ScheduleBatch>> Coordinator::Poll(uint64_t session, i
   }
   // Batches already in the log are delivered even after a failure, so that
   // every node sees the same errors (a mismatch) before the failure itself.
-  if (schedule_base_ + schedule_.size() <= next) {
+  if (schedule_.end() <= next) {
     if (absl::Status s = JobError(); !s.ok()) return s;
   }
   // A node that has not taken its next epoch's session reads up to the
   // marker only.
   const bool before_change = stale || nodes_[caller].next_credential != 0;
-  const uint64_t end = before_change
-                           ? std::min(schedule_base_ + schedule_.size(), marker_batch_ + 1)
-                           : schedule_base_ + schedule_.size();
+  const uint64_t end =
+      before_change ? std::min(schedule_.end(), marker_batch_ + 1) : schedule_.end();
   std::vector<ScheduleBatch> out;
-  for (uint64_t i = std::max(next, schedule_base_); i < end && out.size() < kMaxBatchesPerPoll;
+  for (uint64_t i = std::max(next, schedule_.base()); i < end && out.size() < kMaxBatchesPerPoll;
        ++i) {
-    out.push_back(schedule_[i - schedule_base_]);
+    out.push_back(schedule_.at(i));
   }
   if (before_change && !out.empty() && out.back().index == marker_batch_) {
     // The marker: from here on the node speaks with its new session.
@@ -763,10 +685,7 @@ absl::StatusOr<std::vector<ScheduleBatch>> Coordinator::Poll(uint64_t session, i
 void Coordinator::TrimSchedule() {
   uint64_t seen_by_all = UINT64_MAX;
   for (const Node& n : nodes_) seen_by_all = std::min(seen_by_all, n.polled);
-  while (!schedule_.empty() && schedule_base_ < seen_by_all) {
-    schedule_.pop_front();
-    ++schedule_base_;
-  }
+  schedule_.Trim(seen_by_all);
 }
 
 absl::StatusOr<HeartbeatAnswer> Coordinator::Heartbeat(uint64_t session, int rank,
@@ -776,7 +695,7 @@ absl::StatusOr<HeartbeatAnswer> Coordinator::Heartbeat(uint64_t session, int ran
         absl::StrCat(waiting.size(), " waiting buckets (limit ", kMaxBucketsPerReport, ")"));
   }
   for (const BucketWait& w : waiting) {
-    if (absl::Status s = ValidateName("bucket name", w.name); !s.ok()) return s;
+    if (absl::Status s = CheckName("bucket name", w.name); !s.ok()) return s;
     if (w.missing.size() > 4096 || !(w.seconds >= 0)) {
       return absl::InvalidArgumentError(absl::StrCat("bucket '", w.name, "': bad wait report"));
     }

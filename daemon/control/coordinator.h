@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 #include "daemon/control/admission.h"
 #include "daemon/control/job_token.h"
+#include "daemon/control/schedule_log.h"
 #include "daemon/control/stall_inspector.h"
 #include "daemon/control/types.h"
 #include "daemon/rendezvous/kv_store.h"
@@ -127,9 +128,7 @@ constexpr size_t kKeptChanges = 256;
 constexpr size_t kKeptCredentials = 8;
 
 // Limits on what a request may carry.
-constexpr size_t kMaxNameBytes = 256;
 constexpr int kMaxLocalSize = 4096;
-constexpr size_t kMaxBucketsPerReport = 65536;
 constexpr size_t kMaxBatchesPerPoll = 1024;
 constexpr int kMaxNodes = 65536;
 
@@ -226,10 +225,6 @@ class Coordinator {
     std::string options;        // what it joined with ("--flag=value" lines)
     uint64_t joined_epoch = 0;  // > 0: it joined the running job then
   };
-  struct Pending {
-    uint64_t order = 0;                 // first report, for a stable schedule
-    std::map<int, BucketInfo> by_rank;  // what each node reported
-  };
 
   // The call presents `session` and speaks for node `rank` (-1: a call that
   // names no rank): the session must be the credential of that node, or of
@@ -287,6 +282,10 @@ class Coordinator {
   void FailLocked(const std::string& reason, bool log = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AssignRanks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TrimSchedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A node that joined the running job reported a bucket unlike the job's:
+  // the error, the node dropped (or the job failed below its minimum).
+  absl::Status JoinerDiffers(int rank, const std::vector<BucketInfo>& ready)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Watchdog();
   // The stall inspector, once per watchdog tick (stall_inspector.h); fails
   // the job past the abort limit.
@@ -300,12 +299,7 @@ class Coordinator {
   JobState state_ ABSL_GUARDED_BY(mu_) = JobState::kForming;
   std::string failure_ ABSL_GUARDED_BY(mu_);
   std::vector<Node> nodes_ ABSL_GUARDED_BY(mu_);  // join order; by rank once running
-  // Negotiation: buckets reported by some nodes, and the schedule log
-  // (batches [schedule_base_, schedule_base_ + schedule_.size())).
-  uint64_t report_order_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<std::string, Pending> pending_ ABSL_GUARDED_BY(mu_);
-  std::deque<ScheduleBatch> schedule_ ABSL_GUARDED_BY(mu_);
-  uint64_t schedule_base_ ABSL_GUARDED_BY(mu_) = 0;
+  ScheduleLog schedule_ ABSL_GUARDED_BY(mu_);     // negotiation (schedule_log.h)
   StallInspector stalls_ ABSL_GUARDED_BY(mu_);
   // Since when the job has had fewer than min_nodes (InfiniteFuture: not),
   // and the change that made it so.
@@ -338,9 +332,6 @@ class Coordinator {
   // (UINT64_MAX: the last change, if any, was a loss).
   uint64_t marker_batch_ ABSL_GUARDED_BY(mu_) = UINT64_MAX;
   uint64_t epoch_first_batch_ ABSL_GUARDED_BY(mu_) = 0;  // where this epoch's log begins
-  // Every bucket scheduled so far, as the job has it (what a node that
-  // joins later must report alike).
-  std::map<std::string, BucketInfo> layout_ ABSL_GUARDED_BY(mu_);
 
   absl::Notification stop_;
   std::thread watchdog_;
