@@ -246,9 +246,9 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
                                              absl::Time deadline, const std::string& peer_host,
                                              const std::string& options,
                                              const std::vector<std::string>& certificate_uris) {
-  // The token first: an unauthenticated caller learns nothing of the job
-  // (not even the number of nodes, from a rank out of range).
-  // And the job its certificate names, if any.
+  // The token (and the job its certificate names, if any) first: an
+  // unauthenticated caller learns nothing of the job (not even the number
+  // of nodes, from a rank out of range).
   RETURN_IF_ERROR(admission_.Admit(token_proof, job_id, node_name, peer_host, certificate_uris));
   if (absl::Status s = CheckName("job id", job_id); !s.ok()) return s;
   if (absl::Status s = CheckName("node name", node_name); !s.ok()) return s;
@@ -274,39 +274,7 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
       return absl::FailedPreconditionError(
           absl::StrCat("job already has its ", options_.expected_nodes, " nodes"));
     }
-    // A running elastic job: one change at a time.
-    auto settled = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return state_ != JobState::kRunning || !DrainingLocked();
-    };
-    mu_.AwaitWithDeadline(absl::Condition(&settled), deadline);
-    if (absl::Status s = JobError(); !s.ok()) return s;
-    if (DrainingLocked()) {
-      return absl::DeadlineExceededError(
-          "join: the job's last change of membership was still in progress at the deadline");
-    }
-    if (static_cast<int>(nodes_.size()) >= max_nodes()) {
-      return absl::FailedPreconditionError(absl::StrCat("the job runs with ", nodes_.size(),
-                                                        " nodes, the most it takes (", max_nodes(),
-                                                        ", --max_nodes)"));
-    }
-    for (const Node& n : nodes_) {
-      if (n.name == node_name) {
-        return absl::AlreadyExistsError(absl::StrCat(
-            "node name '", node_name, "' is node ", n.rank,
-            " of the running job (a replacement may take a lost node's name once it is "
-            "found lost, after the peer timeout)"));
-      }
-    }
-    if (absl::Status s = CheckOptions(node_name, options, /*running=*/true); !s.ok()) {
-      MICROD_LOG(Warning, "coordinator: refused node '%s' joining the running job: %s",
-                 node_name.c_str(), std::string(s.message()).c_str());
-      return s;
-    }
-    Node self;
-    self.name = node_name;
-    self.local_size = local_size;
-    self.options = options;
-    return AdmitLocked(std::move(self));
+    return JoinRunningLocked(node_name, local_size, options, deadline);
   }
   if (absl::Status s = CheckOptions(node_name, options, /*running=*/false); !s.ok()) return s;
   for (const Node& n : nodes_) {
@@ -347,6 +315,45 @@ absl::StatusOr<Membership> Coordinator::Join(const std::string& job_id,
     if (n.name == node_name) return MembershipOf(n.rank);
   }
   return absl::InternalError(absl::StrCat("join: node '", node_name, "' not in the job"));
+}
+
+absl::StatusOr<Membership> Coordinator::JoinRunningLocked(const std::string& node_name,
+                                                          int local_size,
+                                                          const std::string& options,
+                                                          absl::Time deadline) {
+  // A running elastic job: one change at a time.
+  auto settled = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return state_ != JobState::kRunning || !DrainingLocked();
+  };
+  mu_.AwaitWithDeadline(absl::Condition(&settled), deadline);
+  if (absl::Status s = JobError(); !s.ok()) return s;
+  if (DrainingLocked()) {
+    return absl::DeadlineExceededError(
+        "join: the job's last change of membership was still in progress at the deadline");
+  }
+  if (static_cast<int>(nodes_.size()) >= max_nodes()) {
+    return absl::FailedPreconditionError(absl::StrCat("the job runs with ", nodes_.size(),
+                                                      " nodes, the most it takes (", max_nodes(),
+                                                      ", --max_nodes)"));
+  }
+  for (const Node& n : nodes_) {
+    if (n.name == node_name) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("node name '", node_name, "' is node ", n.rank,
+                       " of the running job (a replacement may take a lost node's name once it is "
+                       "found lost, after the peer timeout)"));
+    }
+  }
+  if (absl::Status s = CheckOptions(node_name, options, /*running=*/true); !s.ok()) {
+    MICROD_LOG(Warning, "coordinator: refused node '%s' joining the running job: %s",
+               node_name.c_str(), std::string(s.message()).c_str());
+    return s;
+  }
+  Node self;
+  self.name = node_name;
+  self.local_size = local_size;
+  self.options = options;
+  return AdmitLocked(std::move(self));
 }
 
 Membership Coordinator::MembershipOf(int rank) const {

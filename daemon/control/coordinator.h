@@ -248,6 +248,11 @@ class Coordinator {
   // (the last rank), begins after the batches logged so far (a marker
   // batch); each node takes its new credential when it polls the marker.
   Membership AdmitLocked(Node joiner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Join's running-job half: one change at a time, within --max_nodes, a
+  // name not taken, options the job's (then AdmitLocked).
+  absl::StatusOr<Membership> JoinRunningLocked(const std::string& node_name, int local_size,
+                                               const std::string& options, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Every credential any node holds or held (none is ever given twice), and
   // a random one not among `given` (added to it).
   std::set<uint64_t> CredentialsGivenLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
