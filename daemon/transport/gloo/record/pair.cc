@@ -644,6 +644,63 @@ void PairImpl::FailReading(absl::Status status) {
   FailIncoming();
 }
 
+bool PairImpl::LengthRead() {
+  const uint32_t length = DecodeLength(length_);
+  if (absl::Status s = CheckRecordLength(length, sealed_); !s.ok()) {
+    FailReading(absl::DataLossError(absl::StrCat(Link(), ": node ", peer_, " sent ", s.message())));
+    return false;
+  }
+  stage_ = ReadStage::kRecord;
+  in_need_ = sealed_ ? length : kHeaderBytes;
+  in_have_ = 0;
+  // Open records: the payload's length, from the record's.
+  in_payload_left_ = sealed_ ? 0 : length - kHeaderBytes;
+  return true;
+}
+
+bool PairImpl::RecordRead() {
+  const unsigned char* header = in_.data();
+  if (sealed_) {
+    const uint64_t number = recv_cipher_->records();
+    if (!recv_cipher_->Open(length_, in_.data(), in_need_, plain_.data())) {
+      device_->CountRefusedRecord();
+      FailReading(absl::DataLossError(absl::StrCat(
+          "the sealed transfer from node ", peer_, " to node ", self_, " (record ", number,
+          " on lane ", device_->options().lane,
+          ") failed verification (altered, replayed, reordered, or not sealed by that node "
+          "on this connection): nothing of it was used; the link is closed")));
+      return false;
+    }
+    header = plain_.data();
+  }
+  auto h = DecodeHeader(header);
+  const size_t payload = sealed_ ? in_need_ - kHeaderBytes - kTagBytes : in_payload_left_;
+  absl::Status s = h.ok() ? absl::OkStatus() : h.status();
+  if (s.ok() && h->payload != payload) {
+    s = absl::DataLossError(absl::StrCat("a record whose header says ", h->payload,
+                                         " payload bytes and whose length ", payload));
+  }
+  if (s.ok()) s = OnHeader(*h);
+  if (!s.ok()) {
+    FailReading(absl::DataLossError(
+        absl::StrCat(Link(), ": node ", peer_, " broke the data-plane protocol: ", s.message())));
+    return false;
+  }
+  stage_ = ReadStage::kLength;
+  in_have_ = 0;
+  if (h->type != RecordType::kData) return true;
+  if (sealed_) {
+    Deliver(plain_.data() + kHeaderBytes, h->payload);
+    if (in_received_ == in_total_) FinishIncoming();
+  } else if (h->payload > 0) {
+    stage_ = ReadStage::kPayload;
+    in_payload_left_ = h->payload;
+  } else if (in_received_ == in_total_) {
+    FinishIncoming();
+  }
+  return true;
+}
+
 void PairImpl::ReadSome(int fd) {
   size_t budget = kReadBudget;
   while (budget > 0 && !failed_) {
@@ -690,66 +747,14 @@ void PairImpl::ReadSome(int fd) {
     }
     budget -= std::min(budget, static_cast<size_t>(n));
     switch (stage_) {
-      case ReadStage::kLength: {
+      case ReadStage::kLength:
         in_have_ += static_cast<size_t>(n);
-        if (in_have_ < kLengthBytes) break;
-        const uint32_t length = DecodeLength(length_);
-        if (absl::Status s = CheckRecordLength(length, sealed_); !s.ok()) {
-          FailReading(
-              absl::DataLossError(absl::StrCat(Link(), ": node ", peer_, " sent ", s.message())));
-          return;
-        }
-        stage_ = ReadStage::kRecord;
-        in_need_ = sealed_ ? length : kHeaderBytes;
-        in_have_ = 0;
-        // Open records: the payload's length, from the record's.
-        in_payload_left_ = sealed_ ? 0 : length - kHeaderBytes;
+        if (in_have_ == kLengthBytes && !LengthRead()) return;
         break;
-      }
-      case ReadStage::kRecord: {
+      case ReadStage::kRecord:
         in_have_ += static_cast<size_t>(n);
-        if (in_have_ < in_need_) break;
-        const unsigned char* header = in_.data();
-        if (sealed_) {
-          const uint64_t number = recv_cipher_->records();
-          if (!recv_cipher_->Open(length_, in_.data(), in_need_, plain_.data())) {
-            device_->CountRefusedRecord();
-            FailReading(absl::DataLossError(absl::StrCat(
-                "the sealed transfer from node ", peer_, " to node ", self_, " (record ", number,
-                " on lane ", device_->options().lane,
-                ") failed verification (altered, replayed, reordered, or not sealed by that node "
-                "on this connection): nothing of it was used; the link is closed")));
-            return;
-          }
-          header = plain_.data();
-        }
-        auto h = DecodeHeader(header);
-        const size_t payload = sealed_ ? in_need_ - kHeaderBytes - kTagBytes : in_payload_left_;
-        absl::Status s = h.ok() ? absl::OkStatus() : h.status();
-        if (s.ok() && h->payload != payload) {
-          s = absl::DataLossError(absl::StrCat("a record whose header says ", h->payload,
-                                               " payload bytes and whose length ", payload));
-        }
-        if (s.ok()) s = OnHeader(*h);
-        if (!s.ok()) {
-          FailReading(absl::DataLossError(absl::StrCat(
-              Link(), ": node ", peer_, " broke the data-plane protocol: ", s.message())));
-          return;
-        }
-        stage_ = ReadStage::kLength;
-        in_have_ = 0;
-        if (h->type != RecordType::kData) break;
-        if (sealed_) {
-          Deliver(plain_.data() + kHeaderBytes, h->payload);
-          if (in_received_ == in_total_) FinishIncoming();
-        } else if (h->payload > 0) {
-          stage_ = ReadStage::kPayload;
-          in_payload_left_ = h->payload;
-        } else if (in_received_ == in_total_) {
-          FinishIncoming();
-        }
+        if (in_have_ == in_need_ && !RecordRead()) return;
         break;
-      }
       case ReadStage::kPayload:
         in_received_ += static_cast<uint64_t>(n);
         in_payload_left_ -= static_cast<uint64_t>(n);

@@ -157,6 +157,11 @@ class PairImpl final : public ::gloo::transport::Pair, private Loop::Handler {
   void WantWrite(bool want) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reads what arrived (at most a budget), record by record.
   void ReadSome(int fd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(read_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+  // ReadSome's stages complete: a record's length (checked), a record
+  // (opened if sealed, its header checked and taken). False: the read
+  // failed (FailReading called).
+  bool LengthRead() ABSL_EXCLUSIVE_LOCKS_REQUIRED(read_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+  bool RecordRead() ABSL_EXCLUSIVE_LOCKS_REQUIRED(read_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // Fails the link from the reading side (the loop's thread).
   void FailReading(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(read_mu_)
       ABSL_LOCKS_EXCLUDED(mu_);
