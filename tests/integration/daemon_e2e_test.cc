@@ -596,7 +596,11 @@ void ExpectBelowTheMinimum(bool join) {
                        {2, 0, 0, 0});
   auto status = cluster.Status(0);
   ASSERT_TRUE(status.ok()) << status.status();
-  EXPECT_EQ(status->membership_epoch(), 2u);
+  // The two losses form one epoch, or two when the coordinator's watchdog
+  // finds the nodes silent one tick apart (their last heartbeats a moment
+  // apart; seen under ASan and load): then the join forms the third.
+  EXPECT_GE(status->membership_epoch(), 2u);
+  EXPECT_LE(status->membership_epoch(), 3u);
   EXPECT_EQ(status->node_count(), 2);
   EXPECT_EQ(status->job_state(), microd::v1::JOB_STATE_RUNNING) << status->failure();
 }
