@@ -50,46 +50,10 @@ namespace {
 // job and serves its socket (deploy/README.md, the Kubernetes probes).
 constexpr char kHealthService[] = "microd";
 
-// An error as main prints it: "<what>: <status>".
-absl::Status Bad(const std::string& what, const absl::Status& s) {
-  return absl::Status(s.code(), absl::StrCat(what, ": ", s.ToString()));
-}
-
 std::string HostName() {
   char buf[256] = {0};
   if (gethostname(buf, sizeof buf - 1) != 0) return "node";
   return buf;
-}
-
-// Whether serving on `address` is allowed: only this machine reaches it, or
-// whoever connects is authenticated (mutual TLS: a CA the clients'
-// certificates must chain to; for the coordinator also a job token), or
-// --insecure says the network is trusted. TLS with a server certificate
-// alone encrypts but lets anyone in.
-absl::Status CheckExposure(const std::string& flag, const std::string& address,
-                           const DaemonConfig& c, bool token_counts) {
-  const bool clients_authenticated = !c.tls.ca.empty() || (token_counts && !c.token.empty());
-  if (control::IsLocalOnly(address) || clients_authenticated) return absl::OkStatus();
-  const std::string tls_alone =
-      c.tls.enabled() ? " (TLS with --tls_cert alone authenticates nobody who connects)" : "";
-  if (c.insecure) {
-    MICROD_LOG(Warning,
-               "%s %s is reachable from the network without client "
-               "authentication%s (--insecure)%s",
-               flag.c_str(), address.c_str(), token_counts ? " or a job token" : "",
-               tls_alone.c_str());
-    return absl::OkStatus();
-  }
-  return Bad(flag,
-             absl::FailedPreconditionError(absl::StrCat(
-                 "refusing to serve on ", address,
-                 ", which other hosts reach, without authenticating who connects", tls_alone,
-                 ": anyone who reaches it could ",
-                 token_counts ? "join the job, read its state or end it" : "read the job's state",
-                 ". Give --tls_ca (mutual TLS: every client presents a certificate it "
-                 "signed) with --tls_cert and --tls_key",
-                 token_counts ? ", or --token_file" : "",
-                 ", listen on loopback, or pass --insecure on a trusted network")));
 }
 
 // The engine's options, from the configuration and the data plane chosen.
@@ -248,21 +212,21 @@ absl::Status DaemonImpl::StartCoordinator() {
     co.stall_abort = absl::Seconds(config_.stall_abort_s);
     co.served_by_node0 = !config_.coordinator_only;
     auto c = control::Coordinator::Create(co);
-    if (!c.ok()) return Bad("coordinator", c.status());
+    if (!c.ok()) return FlagError("coordinator", c.status());
     coordinator_ = std::move(c).value();
     coordinator_service_ = std::make_unique<control::CoordinatorService>(coordinator_.get());
-    RETURN_IF_ERROR(CheckExposure("--coordinator_listen", listen, config_, /*token_counts=*/true));
+    RETURN_IF_ERROR(config_.CheckExposure("--coordinator_listen", listen, /*token_counts=*/true));
     control::ControlServerOptions so;
     so.credentials = control::ServerCredentialsFor(CoordinatorTls());
     so.reflection = false;  // nothing to browse on the job's own port
     auto server = control::ControlServer::Start(listen, {coordinator_service_.get()}, so);
-    if (!server.ok()) return Bad("coordinator", server.status());
+    if (!server.ok()) return FlagError("coordinator", server.status());
     coordinator_server_ = std::move(server).value();
     if (coordinator_address_.empty()) {
       // Where this node reaches the coordinator it serves: its listen
       // address (on a multi-homed host that may not be loopback).
       auto self = control::SelfDialAddress(listen, coordinator_server_->port());
-      if (!self.ok()) return Bad("--coordinator_listen", self.status());
+      if (!self.ok()) return FlagError("--coordinator_listen", self.status());
       coordinator_address_ = *self;
     }
     MICROD_LOG(Info, "coordinator listening on %s for %d nodes%s",
@@ -273,8 +237,8 @@ absl::Status DaemonImpl::StartCoordinator() {
     }
   }
   if (coordinator_address_.empty()) {
-    return Bad("--coordinator",
-               absl::InvalidArgumentError("give --coordinator or --coordinator_listen"));
+    return FlagError("--coordinator",
+                     absl::InvalidArgumentError("give --coordinator or --coordinator_listen"));
   }
   return absl::OkStatus();
 }
@@ -337,7 +301,7 @@ void DaemonImpl::FillStatus(const v1::GetStatusRequest& req, v1::GetStatusRespon
 
 absl::Status DaemonImpl::StartAdmin() {
   const std::string address = config_.admin;
-  RETURN_IF_ERROR(CheckExposure("--admin", address, config_, /*token_counts=*/false));
+  RETURN_IF_ERROR(config_.CheckExposure("--admin", address, /*token_counts=*/false));
   control::ControlServerOptions so;
   so.reflection = true;
   // Status calls are short; a timeline capture holds one thread for its
@@ -353,7 +317,7 @@ absl::Status DaemonImpl::StartAdmin() {
   if (unix_socket) {
     std::string warning;
     if (absl::Status s = PrepareSocketPath(path, SOCK_STREAM, &warning); !s.ok()) {
-      return Bad("--admin", s);
+      return FlagError("--admin", s);
     }
     if (!warning.empty()) MICROD_LOG(Warning, "%s", warning.c_str());
   } else if (control::IsLocalOnly(address)) {
@@ -368,9 +332,9 @@ absl::Status DaemonImpl::StartAdmin() {
   const mode_t old_umask = unix_socket ? umask(SocketUmask(allow_gid)) : 0;
   auto admin = control::ControlServer::Start(address, {&admin_service_}, so);
   if (unix_socket) umask(old_umask);
-  if (!admin.ok()) return Bad("--admin", admin.status());
+  if (!admin.ok()) return FlagError("--admin", admin.status());
   if (unix_socket) {
-    if (absl::Status s = RestrictSocket(path, allow_gid); !s.ok()) return Bad("--admin", s);
+    if (absl::Status s = RestrictSocket(path, allow_gid); !s.ok()) return FlagError("--admin", s);
   }
   admin_ = std::move(admin).value();
   // Health: "" is SERVING while the process answers (liveness); "microd"
@@ -387,8 +351,8 @@ absl::Status DaemonImpl::StartAdmin() {
     std::string why;
     auto gpu_ops = kernels::CreateCudaSparseOps(config_.cuda_device, &why);
     if (gpu_ops == nullptr) {
-      return Bad("--transport=nccl", absl::FailedPreconditionError(absl::StrCat(
-                                         "no usable GPU ", config_.cuda_device, ": ", why)));
+      return FlagError("--transport=nccl", absl::FailedPreconditionError(absl::StrCat(
+                                               "no usable GPU ", config_.cuda_device, ": ", why)));
     }
     absl::MutexLock lock(&mu_);
     ops_ = std::move(gpu_ops);
@@ -405,7 +369,7 @@ absl::Status DaemonImpl::StartMetrics() {
         FillStatus({}, r, b);
       });
   auto server = engine::MetricsServer::Start(address, std::move(collector));
-  if (!server.ok()) return Bad("--metrics", server.status());
+  if (!server.ok()) return FlagError("--metrics", server.status());
   metrics_ = std::move(server).value();
   MICROD_LOG(Info, "metrics on http://%s:%d/metrics", address.substr(0, address.rfind(':')).c_str(),
              metrics_->port());
@@ -420,7 +384,7 @@ absl::Status DaemonImpl::StartTimeline() {
   if (path.empty()) return absl::OkStatus();
   auto file =
       engine::TimelineFile::Start(&timeline_, path, absl::Seconds(config_.timeline_flush_s));
-  if (!file.ok()) return Bad("--timeline", file.status());
+  if (!file.ok()) return FlagError("--timeline", file.status());
   timeline_file_ = std::move(file).value();
   MICROD_LOG(Info, "timeline of the last %llu steps in %s",
              static_cast<unsigned long long>(config_.timeline_steps), path.c_str());
@@ -477,13 +441,13 @@ absl::Status DaemonImpl::Join(const std::string& options) {
   // must name 127.0.0.1 too, or --tls_server_name.
   cco.tls = CoordinatorTls();
   auto created = control::CoordinatorClient::Create(cco);
-  if (!created.ok()) return Bad("coordinator client", created.status());
+  if (!created.ok()) return FlagError("coordinator client", created.status());
   {
     absl::MutexLock lock(&mu_);
     client_ = std::move(created).value();
   }
   auto joined = client_->Join(absl::Now() + config_.join_timeout);
-  if (!joined.ok()) return Bad("join", joined.status());
+  if (!joined.ok()) return FlagError("join", joined.status());
   {
     absl::MutexLock lock(&mu_);
     membership_ = *joined;
@@ -502,7 +466,7 @@ absl::Status DaemonImpl::StartDataPlane(const engine::EngineOptions& eo) {
     auto data_address = control::ChooseDataPlaneAddress(
         config_.hostname, config_.coordinator_listen, coordinator_address_,
         membership_.observed_host, absl::Now() + config_.join_timeout);
-    if (!data_address.ok()) return Bad("--hostname", data_address.status());
+    if (!data_address.ok()) return FlagError("--hostname", data_address.status());
     MICROD_LOG(Info, "data plane on %s (%s)", data_address->address.c_str(),
                data_address->why.c_str());
     transport::GlooOptions& go = gloo_options_;
@@ -551,7 +515,7 @@ absl::Status DaemonImpl::StartDataPlane(const engine::EngineOptions& eo) {
       }
     }
     auto created = transport::CreateGlooTransport(first);
-    if (!created.ok()) return Bad("transport", created.status());
+    if (!created.ok()) return FlagError("transport", created.status());
     transport_ = std::move(created).value();
     ops_ = kernels::CreateCpuSparseOps();
     if (const transport::LinkModel* m = transport_->link_model(); m != nullptr && m->ranks > 1) {
@@ -574,12 +538,12 @@ absl::Status DaemonImpl::StartDataPlane(const engine::EngineOptions& eo) {
   no.store = client_.get();
   no.timeout = config_.op_timeout;
   auto created = transport::CreateNcclTransport(no);
-  if (!created.ok()) return Bad("transport", created.status());
+  if (!created.ok()) return FlagError("transport", created.status());
   transport_ = std::move(created).value();
   MICROD_LOG(Info, "reducing on GPU %d over NCCL (CUDA buffers only)", eo.device);
   return absl::OkStatus();
 #else
-  return Bad("--transport", absl::UnimplementedError("nccl needs a CUDA build"));
+  return FlagError("--transport", absl::UnimplementedError("nccl needs a CUDA build"));
 #endif
 }
 
@@ -608,10 +572,10 @@ absl::StatusOr<std::shared_ptr<const transport::SealKeys>> DaemonImpl::SealKeysO
       m.node_rank, m.link_salts, job_token_ != nullptr ? job_token_->data_plane_secret() : "",
       config_.job_id, m.epoch);
   if (!keys.ok()) {
-    return Bad("--seal",
-               absl::FailedPreconditionError(absl::StrCat(
-                   "no keys for epoch ", m.epoch, " of the data plane (", keys.status().message(),
-                   "): is the coordinator older than this node?")));
+    return FlagError("--seal",
+                     absl::FailedPreconditionError(absl::StrCat(
+                         "no keys for epoch ", m.epoch, " of the data plane (",
+                         keys.status().message(), "): is the coordinator older than this node?")));
   }
   return std::shared_ptr<const transport::SealKeys>(std::move(keys).value());
 }
@@ -632,7 +596,7 @@ absl::Status DaemonImpl::Serve(const engine::EngineOptions& eo) {
   lo.stuck_after = config_.op_timeout;
   lo.cuda_resident_device = eo.device_resident ? eo.device : -1;
   auto server = local::LocalServer::Start(lo, engine_.get());
-  if (!server.ok()) return Bad("--socket", server.status());
+  if (!server.ok()) return FlagError("--socket", server.status());
   {
     absl::MutexLock lock(&mu_);
     local_server_ = std::move(server).value();
@@ -671,7 +635,7 @@ absl::Status DaemonImpl::Serve(const engine::EngineOptions& eo) {
 absl::Status DaemonImpl::Start(const std::function<void()>& serving) {
   if (!config_.token.empty()) {
     auto token = control::JobToken::FromToken(config_.token);
-    if (!token.ok()) return Bad("--token_file", token.status());
+    if (!token.ok()) return FlagError("--token_file", token.status());
     job_token_ = *std::move(token);
     if (config_.token.size() < 16) {
       MICROD_LOG(Warning,
@@ -706,7 +670,7 @@ absl::Status DaemonImpl::Start(const std::function<void()>& serving) {
               ? absl::OkStatus()
               : engine::CheckOptionsAgree(*transport_, eo, absl::Now() + config_.op_timeout);
       !s.ok()) {
-    return Bad("options", s);
+    return FlagError("options", s);
   }
   {
     absl::MutexLock lock(&mu_);
@@ -750,155 +714,18 @@ void DaemonImpl::Stop(const std::string& why) {
   if (coordinator_server_ != nullptr) coordinator_server_->Shutdown(absl::Now() + absl::Seconds(1));
 }
 
-bool DaemonConfig::SealsDataPlane() const {
-  if (seal == "on") return true;
-  if (seal == "off") return false;
-  return transport != "nccl" && (tls.enabled() || !token.empty());
-}
-
-absl::Status DaemonConfig::Validate() const {
-  if (transport != "gloo" && !(MICROD_HAVE_NCCL && transport == "nccl")) {
-    return Bad("--transport",
-               absl::UnimplementedError(absl::StrCat(
-                   "'", transport, "' is not available in this build (",
-                   MICROD_HAVE_NCCL ? "gloo or nccl" : "gloo; nccl needs a CUDA build", ")")));
-  }
-  if (absl::Status s = sparsify.Validate(); !s.ok()) return Bad("options", s);
-  RETURN_IF_ERROR(ValidateShape());
-  RETURN_IF_ERROR(ValidateSecurity());
-  if (wire_bucket_dtype && transport == "nccl") {
-    return Bad("--wire_dtype", absl::InvalidArgumentError(
-                                   "bucket needs --transport=gloo (NCCL takes fp32 buckets)"));
-  }
-  if (elastic() && transport == "nccl") {
-    return Bad(max_nodes > nodes ? "--max_nodes" : "--min_nodes",
-               absl::UnimplementedError("elastic membership needs --transport=gloo for now (a new "
-                                        "NCCL communicator per epoch is not built yet)"));
-  }
-  if (cuda_device < 0) return Bad("--cuda_device", absl::InvalidArgumentError("must be >= 0"));
-  if (cycle_floats > (uint64_t{1} << 20)) {
-    return Bad("--cycle_floats", absl::InvalidArgumentError("must be at most 1048576"));
-  }
-  if (data_connections < 0 || data_connections > 16) {
-    return Bad("--data_connections", absl::InvalidArgumentError(absl::StrCat(
-                                         "must be in [0, 16], not ", data_connections)));
-  }
-  if (!link_model.empty()) {
-    if (auto m = transport::ParseLinkModel(link_model); !m.ok())
-      return Bad("--link_model", m.status());
-  }
-  if (gloo_io_nice < 0 || gloo_io_nice > 19) {
-    return Bad("--gloo_io_nice",
-               absl::InvalidArgumentError(absl::StrCat("must be in [0, 19], not ", gloo_io_nice)));
-  }
-  if (op_timeout <= absl::ZeroDuration() || peer_timeout <= absl::ZeroDuration() ||
-      hello_timeout <= absl::ZeroDuration() || join_timeout <= absl::ZeroDuration()) {
-    return Bad("timeouts", absl::InvalidArgumentError("timeouts must be positive"));
-  }
-  if (stall_warning_s < 1 || stall_abort_s < 0) {
-    return Bad("--stall_warning_s",
-               absl::InvalidArgumentError("--stall_warning_s must be at least 1 and "
-                                          "--stall_abort_s at least 0"));
-  }
-  if (timeline_steps < 1 || timeline_steps > 100000000 || timeline_every < 1 ||
-      !(timeline_flush_s > 0)) {
-    return Bad("--timeline_steps",
-               absl::InvalidArgumentError("--timeline_steps must be in [1, 100000000], "
-                                          "--timeline_every at least 1 and --timeline_flush_s "
-                                          "positive"));
-  }
-  if (coordinator_only && (coordinator_listen.empty() || !coordinator.empty())) {
-    return Bad("--coordinator_only",
-               absl::InvalidArgumentError(
-                   "serves the coordinator: give --coordinator_listen, and no --coordinator"));
-  }
-  if (max_processes < 1 || max_buffers_per_process < 1) {
-    return Bad("limits", absl::InvalidArgumentError(
-                             "--max_processes and --max_buffers_per_process must be at least 1"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status DaemonConfig::ValidateShape() const {
-  if (local_size < 1 || local_size > control::kMaxLocalSize) {
-    return Bad("--local_size", absl::InvalidArgumentError(
-                                   absl::StrCat("must be in [1, ", control::kMaxLocalSize, "]")));
-  }
-  if (nodes < 1) return Bad("--nodes", absl::InvalidArgumentError("must be at least 1"));
-  if (min_nodes < 0 || min_nodes > nodes) {
-    return Bad("--min_nodes", absl::InvalidArgumentError(absl::StrCat(
-                                  "must be in [0, --nodes=", nodes, "], not ", min_nodes)));
-  }
-  if (elastic_timeout_s < 0 || elastic_timeout_s > 86400) {
-    return Bad("--elastic_timeout_s", absl::InvalidArgumentError(absl::StrCat(
-                                          "must be in [0, 86400], not ", elastic_timeout_s)));
-  }
-  if (max_nodes != 0 && (max_nodes < nodes || max_nodes > control::kMaxNodes)) {
-    return Bad("--max_nodes",
-               absl::InvalidArgumentError(absl::StrCat("must be 0 or in [--nodes=", nodes, ", ",
-                                                       control::kMaxNodes, "], not ", max_nodes)));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status DaemonConfig::ValidateSecurity() const {
-  if (seal != "auto" && seal != "on" && seal != "off") {
-    return Bad("--seal", absl::InvalidArgumentError(
-                             absl::StrCat("must be auto, on or off, not '", seal, "'")));
-  }
-  if (seal == "on" && transport == "nccl") {
-    return Bad("--seal", absl::UnimplementedError(
-                             "the NCCL data plane cannot be sealed (its transfers run on the GPU "
-                             "and NCCL has no cipher): use --transport=gloo, or --seal=off"));
-  }
-  if (seal == "on" && !tls.enabled() && token.empty()) {
-    return Bad("--seal", absl::InvalidArgumentError(
-                             "needs a secret to key the data plane from: TLS on the control "
-                             "plane (--tls_ca, --tls_cert, --tls_key) or a job token "
-                             "(--token_file)"));
-  }
-  if (seal_failure != "job" && seal_failure != "step") {
-    return Bad("--seal_failure", absl::InvalidArgumentError(absl::StrCat(
-                                     "must be job or step, not '", seal_failure, "'")));
-  }
-  if (seal_failure == "step" && (!elastic() || !SealsDataPlane())) {
-    return Bad("--seal_failure",
-               absl::InvalidArgumentError(
-                   "step needs an elastic job (--min_nodes: its processes take the failed step "
-                   "again in the next epoch) with a sealed data plane (--seal)"));
-  }
-  if (absl::Status s = control::CheckTlsFiles(tls, /*server=*/!coordinator_listen.empty());
-      !s.ok()) {
-    return Bad("TLS", s);
-  }
-  if (!tls.cert.empty() && !tls.ca.empty() && token.empty()) {
-    // Mutual TLS alone admits the nodes: the certificate must say which job
-    // (any certificate of a CA shared by several jobs would join them all).
-    auto uris = control::CertificateUris(tls.cert);
-    if (!uris.ok()) return Bad("--tls_cert", uris.status());
-    if (std::find(uris->begin(), uris->end(), control::JobUri(job_id)) == uris->end()) {
-      return Bad("--tls_cert",
-                 absl::InvalidArgumentError(absl::StrCat(
-                     tls.cert, " does not name job '", job_id,
-                     "': with mutual TLS and no job token, every node's certificate must name "
-                     "the job (a URI subjectAltName ",
-                     control::JobUri(job_id), "), or give the job a token (--token_file)")));
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Create(DaemonConfig c) {
   // A dense job has no velocity to correct.
   if (c.sparsify.sparsifier == sparsify::SparsifierKind::kDense) c.sparsify.momentum = 0.0;
   RETURN_IF_ERROR(c.Validate());
   std::vector<std::string> remedies = sparsify::ApplyRemedies(c.remedies, &c.sparsify);
   if (c.sparsify.warmup_dense_above > 0 && c.sparsify.warmup_density == 0.0) {
-    return Bad("--warmup_dense_above",
-               absl::InvalidArgumentError(
-                   "marks which steps of the warm-up's density decay run dense, and there is no "
-                   "decay: give the warm-up's flags, or --remedies=warmup,min_k for the default "
-                   "one"));
+    return FlagError(
+        "--warmup_dense_above",
+        absl::InvalidArgumentError(
+            "marks which steps of the warm-up's density decay run dense, and there is no "
+            "decay: give the warm-up's flags, or --remedies=warmup,min_k for the default "
+            "one"));
   }
   if (c.sparsify.momentum > 0) {
     remedies.push_back(absl::StrFormat(

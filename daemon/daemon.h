@@ -109,7 +109,15 @@ struct DaemonConfig {
   absl::Status ValidateSecurity() const;
   // Whether this node seals its data plane (--seal, resolved).
   bool SealsDataPlane() const;
+  // Whether serving on `address` (the flag `flag`) is allowed: only this
+  // machine reaches it, or whoever connects is authenticated (mutual TLS;
+  // a job token where `token_counts`), or --insecure (a warning then).
+  absl::Status CheckExposure(const std::string& flag, const std::string& address,
+                             bool token_counts) const;
 };
+
+// An error as main prints it: "<what>: <status>".
+absl::Status FlagError(const std::string& what, const absl::Status& s);
 
 class DaemonImpl;
 

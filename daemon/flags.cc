@@ -179,29 +179,26 @@ ABSL_FLAG(std::string, log_format, "text",
 namespace microd {
 namespace {
 
-absl::Status Bad(const std::string& flag, const absl::Status& s) {
-  return absl::Status(s.code(), absl::StrCat(flag, ": ", s.ToString()));
-}
-
 // The secret in `path` (trailing white space dropped; "" for no path).
 absl::StatusOr<std::string> ReadSecretFile(const std::string& flag, const std::string& path) {
   if (path.empty()) return std::string();
   std::ifstream in(path);
-  if (!in) return Bad(flag, absl::NotFoundError(absl::StrCat("cannot read ", path)));
+  if (!in) return FlagError(flag, absl::NotFoundError(absl::StrCat("cannot read ", path)));
   std::stringstream ss;
   ss << in.rdbuf();
   std::string secret(absl::StripTrailingAsciiWhitespace(ss.str()));
-  if (secret.empty()) return Bad(flag, absl::InvalidArgumentError(absl::StrCat(path, " is empty")));
+  if (secret.empty())
+    return FlagError(flag, absl::InvalidArgumentError(absl::StrCat(path, " is empty")));
   return secret;
 }
 
 absl::Status ReadSparsify(DaemonConfig* c) {
   auto sp = sparsify::ParseSparsifier(absl::GetFlag(FLAGS_sparsifier));
-  if (!sp.ok()) return Bad("--sparsifier", sp.status());
+  if (!sp.ok()) return FlagError("--sparsifier", sp.status());
   auto ct = sparsify::ParseController(absl::GetFlag(FLAGS_controller));
-  if (!ct.ok()) return Bad("--controller", ct.status());
+  if (!ct.ok()) return FlagError("--controller", ct.status());
   auto remedies = sparsify::ParseRemedies(absl::GetFlag(FLAGS_remedies));
-  if (!remedies.ok()) return Bad("--remedies", remedies.status());
+  if (!remedies.ok()) return FlagError("--remedies", remedies.status());
   sparsify::SparsifyOptions& o = c->sparsify;
   o.sparsifier = *sp;
   o.controller = *ct;
@@ -220,12 +217,12 @@ absl::Status ReadSparsify(DaemonConfig* c) {
   c->remedies = *remedies;
   const std::string nonfinite = absl::GetFlag(FLAGS_nonfinite);
   if (nonfinite != "fail" && nonfinite != "skip") {
-    return Bad("--nonfinite", absl::InvalidArgumentError("must be fail or skip"));
+    return FlagError("--nonfinite", absl::InvalidArgumentError("must be fail or skip"));
   }
   c->skip_nonfinite = nonfinite == "skip";
   const std::string wire = absl::GetFlag(FLAGS_wire_dtype);
   if (wire != "fp32" && wire != "bucket") {
-    return Bad("--wire_dtype", absl::InvalidArgumentError("must be fp32 or bucket"));
+    return FlagError("--wire_dtype", absl::InvalidArgumentError("must be fp32 or bucket"));
   }
   c->wire_bucket_dtype = wire == "bucket";
   c->stats_history = absl::GetFlag(FLAGS_stats_history);
@@ -254,9 +251,9 @@ absl::Status ApplyEnvironment() {
 
 absl::Status ConfigureLog() {
   auto level = log::ParseLevel(absl::GetFlag(FLAGS_log_level));
-  if (!level.ok()) return Bad("--log_level", level.status());
+  if (!level.ok()) return FlagError("--log_level", level.status());
   auto format = log::ParseFormat(absl::GetFlag(FLAGS_log_format));
-  if (!format.ok()) return Bad("--log_format", format.status());
+  if (!format.ok()) return FlagError("--log_format", format.status());
   log::SetLevel(*level);
   log::SetFormat(*format);
   return absl::OkStatus();

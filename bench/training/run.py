@@ -208,7 +208,7 @@ def main():
     ap.add_argument("--momentum", type=float, default=0.9,
                     help="SGD momentum (DDP) = the daemons' momentum correction (microd)")
     ap.add_argument("--methods", default="", help="comma-separated subset of: " +
-                    ", ".join(m[0] for m in METHODS))
+                    ", ".join(m[0] for m in METHODS).replace("%", "%%"))
     ap.add_argument("--update", action="store_true",
                     help="keep the other methods' results already in --out")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds per method")

@@ -283,6 +283,10 @@ class Coordinator {
   // epochs' rendezvous keys, old credentials and change records past the
   // few kept are dropped.
   void BeginEpochLocked(const std::string& cause) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // 32 bytes from the kernel's random source: an epoch's seal salt (the
+  // process ends if there are none: no key may come from a salt that is
+  // not random).
+  static std::string FreshSealSalt();
   absl::Status JobError() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailLocked(const std::string& reason, bool log = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AssignRanks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

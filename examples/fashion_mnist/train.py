@@ -20,7 +20,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import microd.torch as mt
+try:
+    import microd.torch as mt
+except ModuleNotFoundError:  # run from the repository, the package not installed
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                    "client", "python"))
+    import microd.torch as mt
 
 DATA = "/usr/share/datasets/fashion-mnist"
 

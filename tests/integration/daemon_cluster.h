@@ -123,6 +123,8 @@ class DaemonCluster {
       live.push_back(coordinator_pid_);
     }
     WaitAll(live, std::chrono::seconds(20));
+    // A failed test prints the end of every daemon's log (CI keeps no files).
+    if (::testing::Test::HasFailure()) PrintLogTails();
     // MICROD_TEST_KEEP=1 keeps the daemons' logs and the outputs.
     if (const char* keep = std::getenv("MICROD_TEST_KEEP"); keep != nullptr && *keep == '1') {
       std::fprintf(stderr, "kept %s\n", dir_.c_str());
@@ -130,6 +132,28 @@ class DaemonCluster {
     }
     std::error_code ignored;
     std::filesystem::remove_all(dir_, ignored);
+  }
+
+  // The last lines of each log of this cluster's folder, on stderr.
+  void PrintLogTails() const {
+    constexpr size_t kLines = 25;
+    std::error_code ec;
+    std::vector<std::string> logs;
+    for (const auto& e : std::filesystem::directory_iterator(dir_, ec)) {
+      if (e.path().extension() == ".log") logs.push_back(e.path().string());
+    }
+    std::sort(logs.begin(), logs.end());
+    for (const std::string& path : logs) {
+      std::ifstream in(path);
+      std::vector<std::string> lines;
+      for (std::string line; std::getline(in, line);) {
+        lines.push_back(std::move(line));
+        if (lines.size() > 4 * kLines) lines.erase(lines.begin(), lines.end() - kLines);
+      }
+      if (lines.size() > kLines) lines.erase(lines.begin(), lines.end() - kLines);
+      std::fprintf(stderr, "--- the end of %s\n%s\n", path.c_str(),
+                   absl::StrJoin(lines, "\n").c_str());
+    }
   }
 
   std::string socket(int r) const { return absl::StrCat(dir_, "/node", r, "/microd.sock"); }

@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -126,19 +127,30 @@ TEST(Hardening, ATrainerReadingItsCompletionsLateKeepsTheJob) {
   EXPECT_EQ(status->job_state(), microd::v1::JOB_STATE_RUNNING) << status->failure();
 }
 
-// Runs steps on every node until `stop` (or 100,000 steps), counting them;
-// each node's first failure, and when it came.
+// Runs steps on every node until step `stop_at` (or 100,000 steps),
+// counting them; each node's first failure, and when it came.
 struct Steady {
-  std::atomic<bool> stop{false};
+  std::atomic<int> stop_at{100000};
   std::vector<std::atomic<int>> steps;
   std::vector<std::atomic<int64_t>> failed_at_ms;
   explicit Steady(int n) : steps(n), failed_at_ms(n) {}
+  // Every node stops at the same step, one no node has started yet. (A
+  // flag each node read after its own step let one node start a step the
+  // others never submitted, and its trainer waited 30 s for it: the flake
+  // CI saw, reproduced under load in 3 runs.) A node can have started
+  // the step its count names, never the one after: every node has to
+  // submit a step before any completes it.
+  void StopSoon() {
+    int most = 0;
+    for (const auto& c : steps) most = std::max(most, c.load());
+    stop_at = most + 2;
+  }
 };
 
 std::vector<std::string> RunUntilStopped(DaemonCluster& cluster, int n, Steady& s) {
   return OnEveryNode(n, [&](int r) {
     Trainer t(cluster.socket(r), r, 3, 1000);
-    for (int i = 0; i < 100000 && !s.stop; ++i) {
+    for (int i = 0; i < s.stop_at; ++i) {
       if (std::string e = t.Step(n); !e.empty()) {
         s.failed_at_ms[r] = absl::ToUnixMillis(absl::Now());
         return e;
@@ -169,7 +181,7 @@ TEST(Hardening, Node0PausedShorterThanThePeerTimeoutKeepsTheJob) {
     for (int i = 0; i < 100 && s.steps[1] < before + 20; ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
-    s.stop = true;
+    s.StopSoon();
   });
   const auto results = RunUntilStopped(cluster, kNodes, s);
   pauser.join();
