@@ -199,6 +199,9 @@ struct ClientSnapshot {
   size_t queued = 0;  // messages waiting in its outbox
 };
 
+// `src` into a wire message's text field: cut to fit, always terminated.
+void CopyMessage(char* dst, const std::string& src);
+
 class LocalServer {
  public:
   // Creates the socket (its directory 0700 if missing; a stale socket is
