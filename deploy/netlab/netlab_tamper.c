@@ -14,9 +14,10 @@
  *                  --whole-messages, 0-3 are a record's length and 4-35
  *                  its header, the framing), inverted; then everything
  *                  passes;
- *   --mode replay  the first one's payload is kept; the first later one
- *                  (at least --gap-ms later) of the same connection and
- *                  length whose bytes differ gets the kept bytes instead:
+ *   --mode replay  the first one of each connection and length is kept
+ *                  (64 at most); the first later one (at least --gap-ms
+ *                  after the kept one) of a kept connection and length
+ *                  whose bytes differ gets the kept bytes instead:
  *                  bytes of an earlier transfer, captured on the wire, in
  *                  place of a later one's. Then everything passes.
  *
@@ -56,7 +57,7 @@
 
 #include "netlab_nfq.h"
 
-enum { kMaxSkip = 16, kMaxPacket = 1 << 16 };
+enum { kMaxSkip = 16, kMaxPacket = 1 << 16, kMaxKept = 64 };
 static const char kTool[] = "microd-netlab-tamper";
 
 static int mode_replay, whole_messages;
@@ -69,13 +70,18 @@ static uint64_t start_ns, after_ns, gap_ns;
 static int done;
 static volatile sig_atomic_t stop_requested;
 
-/* The kept packet (replay). */
-static int kept;
-static uint32_t kept_src, kept_dst;
-static uint16_t kept_sport, kept_dport;
-static size_t kept_len;
-static unsigned char kept_payload[kMaxPacket];
-static uint64_t kept_ns;
+/* The kept packets (replay): the first of each connection and length, up
+ * to kMaxKept (the first pick alone may be of a size its connection never
+ * sends again, and the attack would never come). */
+struct kept_packet {
+  uint32_t src, dst;
+  uint16_t sport, dport;
+  size_t len;
+  uint64_t ns;
+  unsigned char payload[kMaxPacket];
+};
+static struct kept_packet kept[kMaxKept];
+static int kept_count;
 
 static uint64_t now_ns(void) {
   struct timespec ts;
@@ -171,24 +177,31 @@ static int on_packet(struct nfq_q_handle* qh, struct nfgenmsg* msg, struct nfq_d
     fflush(stdout);
     return nfq_set_verdict(qh, id, NF_ACCEPT, (uint32_t)total, pkt);
   }
-  if (!kept) {
-    kept = 1;
-    kept_src = src, kept_dst = dst, kept_sport = sport, kept_dport = dport;
-    kept_len = len;
-    memcpy(kept_payload, payload, len);
-    kept_ns = now_ns();
+  struct kept_packet* k = NULL;
+  for (int i = 0; i < kept_count && k == NULL; ++i) {
+    struct kept_packet* c = &kept[i];
+    if (c->src == src && c->dst == dst && c->sport == sport && c->dport == dport && c->len == len) {
+      k = c;
+    }
+  }
+  if (k == NULL) {
+    if (kept_count < kMaxKept) {
+      k = &kept[kept_count++];
+      k->src = src, k->dst = dst, k->sport = sport, k->dport = dport, k->len = len;
+      memcpy(k->payload, payload, len);
+      k->ns = now_ns();
+    }
     return nfq_set_verdict(qh, id, NF_ACCEPT, 0, NULL);
   }
-  if (src != kept_src || dst != kept_dst || sport != kept_sport || dport != kept_dport ||
-      len != kept_len || now_ns() - kept_ns < gap_ns || memcmp(payload, kept_payload, len) == 0) {
+  if (now_ns() - k->ns < gap_ns || memcmp(payload, k->payload, len) == 0) {
     return nfq_set_verdict(qh, id, NF_ACCEPT, 0, NULL);
   }
-  memcpy(payload, kept_payload, len);
+  memcpy(payload, k->payload, len);
   tcp_checksum(pkt, ihl, (size_t)total);
   done = 1;
   print_link("replayed", src, sport, dst, dport);
   printf(" payload %zu from %llu ms before\n", len,
-         (unsigned long long)((now_ns() - kept_ns) / 1000000ull));
+         (unsigned long long)((now_ns() - k->ns) / 1000000ull));
   fflush(stdout);
   return nfq_set_verdict(qh, id, NF_ACCEPT, (uint32_t)total, pkt);
 }
