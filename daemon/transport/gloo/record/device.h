@@ -71,6 +71,9 @@ class LinkError : public ::gloo::IoException {
   absl::Status status_;
 };
 
+// Throws `s` as a LinkError (how the transport's calls report to Gloo).
+[[noreturn]] inline void Throw(absl::Status s) { throw LinkError(std::move(s)); }
+
 class Device : public ::gloo::transport::Device {
  public:
   // Records that failed verification, and connections refused at the
