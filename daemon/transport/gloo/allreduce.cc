@@ -208,145 +208,182 @@ void GlooTransport::ReduceLarge(T* data, size_t count, uint32_t tag, Timeout tim
 // segment is summed (and divided, for an average) while the next one is on
 // the wire.
 template <typename T>
-void GlooTransport::ReduceLargeOn(size_t lane, T* data, size_t count, uint32_t tag, Timeout timeout,
-                                  float divisor) {
-  const int n = size();
-  const int r = rank();
-  std::vector<size_t> chunk, offset;
-  Chunks(count, n, &chunk, &offset);
-  // The same segment count on every rank (from count and the link model,
-  // alike everywhere).
-  const bool ahead = model_.round_seconds >= kLongLinkSeconds;
-  const size_t segment_bytes =
-      ahead ? kSegmentBytes : std::max(kMinSegmentBytes, kStepSegmentBytes / (n - 1));
-  const size_t chunk_bytes = (count / n) * sizeof(T);
-  const int segments = static_cast<int>(
-      std::clamp<size_t>((chunk_bytes + segment_bytes - 1) / segment_bytes, 1, kMaxSegments));
-  auto seg_begin = [&](int j, int k) { return chunk[j] * k / segments; };
-  auto seg_len = [&](int j, int k) { return seg_begin(j, k + 1) - seg_begin(j, k); };
-  // Scratch: the other n - 1 contributions to a segment of my chunk, side by
-  // side in one of `window` slots used in turn (my own stays in place). A
-  // segment's slot is free again once it is summed; in step, its receives
-  // are posted a round after the segment two back was summed; on a long
-  // link they are posted `window` segments ahead. So the scratch holds a few
-  // segments, not the chunk: a large dense bucket costs a fixed tile beyond
-  // itself.
-  const int window = std::min(segments, ahead ? 3 : 2);
-  const size_t slot_len = static_cast<size_t>(n - 1) * ((chunk[r] + segments - 1) / segments);
-  T* scratch = static_cast<T*>(Scratch(slot_len * window * sizeof(T) + sizeof(T), lane));
-  auto contributions = [&](int k) { return scratch + (k % window) * slot_len; };
-  // Where rank q's contribution to segment k goes in its slot.
-  auto place = [&](int q, int k) { return static_cast<size_t>(q < r ? q : q - 1) * seg_len(r, k); };
-
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  ActiveScope scope{this};
-  T dummy{};
-  std::unique_ptr<Buffer> whole =
-      Track(count > 0 ? static_cast<void*>(data) : &dummy, count * sizeof(T), lane);
-  std::vector<std::unique_ptr<Buffer>> parts(segments);
-  for (int k = 0; k < segments; ++k) {
-    const size_t len = seg_len(r, k);
-    parts[k] = Track(len > 0 ? contributions(k) : &dummy, len * (n - 1) * sizeof(T), lane);
+class GlooTransport::LargeReduce {
+ public:
+  // The plan (chunks, segments, the scratch's slots, the rounds) and the
+  // buffers, tracked for Abort.
+  LargeReduce(GlooTransport* t, size_t lane, T* data, size_t count, uint32_t tag, float divisor)
+      : t_(t),
+        lane_(lane),
+        data_(data),
+        divisor_(divisor),
+        n_(t->size()),
+        r_(t->rank()),
+        ahead_(t->model_.round_seconds >= kLongLinkSeconds),
+        scope_(t),
+        rs_slot_(::gloo::Slot::build(kReduceScatterSlotPrefix, tag)),
+        ag_slot_(::gloo::Slot::build(kAllgatherSlotPrefix, tag)) {
+    Chunks(count, n_, &chunk_, &offset_);
+    // The same segment count on every rank (from count and the link model,
+    // alike everywhere).
+    const size_t segment_bytes =
+        ahead_ ? kSegmentBytes : std::max(kMinSegmentBytes, kStepSegmentBytes / (n_ - 1));
+    const size_t chunk_bytes = (count / n_) * sizeof(T);
+    segments_ = static_cast<int>(
+        std::clamp<size_t>((chunk_bytes + segment_bytes - 1) / segment_bytes, 1, kMaxSegments));
+    // Scratch: the other n - 1 contributions to a segment of my chunk, side
+    // by side in one of `window_` slots used in turn (my own stays in
+    // place). A segment's slot is free again once it is summed; in step,
+    // its receives are posted a round after the segment two back was
+    // summed; on a long link they are posted `window_` segments ahead. So
+    // the scratch holds a few segments, not the chunk: a large dense
+    // bucket costs a fixed tile beyond itself.
+    window_ = std::min(segments_, ahead_ ? 3 : 2);
+    slot_len_ = static_cast<size_t>(n_ - 1) * ((chunk_[r_] + segments_ - 1) / segments_);
+    scratch_ = static_cast<T*>(t->Scratch(slot_len_ * window_ * sizeof(T) + sizeof(T), lane));
+    whole_ = t->Track(count > 0 ? static_cast<void*>(data) : &dummy_, count * sizeof(T), lane);
+    parts_.resize(segments_);
+    for (int k = 0; k < segments_; ++k) {
+      const size_t len = SegLen(r_, k);
+      parts_[k] = t->Track(len > 0 ? Contributions(k) : &dummy_, len * (n_ - 1) * sizeof(T), lane);
+    }
+    // The rounds, in the same order on every rank. In round s rank r sends
+    // to r + s and receives from r - s: segment `rs` of the receiver's chunk
+    // (reduce-scatter) and, behind it on the same connection, the summed
+    // segment `ag` of the sender's own chunk (allgather); -1: none. Segment
+    // k is shared (ag) in the rounds that carry segment k + 1's
+    // contributions (rs), so each round is one transfer per link and way.
+    for (int s = 1; s < n_; ++s) rounds_.push_back({0, -1, s});
+    for (int k = 0; k < segments_; ++k) {
+      for (int s = 1; s < n_; ++s) rounds_.push_back({k + 1 < segments_ ? k + 1 : -1, k, s});
+    }
   }
-  const ::gloo::Slot rs_slot = ::gloo::Slot::build(kReduceScatterSlotPrefix, tag);
-  const ::gloo::Slot ag_slot = ::gloo::Slot::build(kAllgatherSlotPrefix, tag);
-  // The rounds, in the same order on every rank. In round s rank r sends to
-  // r + s and receives from r - s: segment `rs` of the receiver's chunk
-  // (reduce-scatter) and, behind it on the same connection, the summed
-  // segment `ag` of the sender's own chunk (allgather); -1: none. Segment k
-  // is shared (ag) in the rounds that carry segment k + 1's contributions
-  // (rs), so each round is one transfer per link and way.
+
+  // Round by round, every rank in step. On a long link the receives are
+  // posted ahead, before the first send (the allgather's all at once, the
+  // reduce-scatter's `window_` segments ahead, as slots free up): a
+  // receive's notice then reaches its sender rounds ahead, and each round
+  // costs a one-way trip instead of a round trip. On a short one the
+  // rounds stay in step: posted ahead, a rank done with round m sends round
+  // m + 1 into a receiver still taking round m from another, and the
+  // converging transfers stall TCP (1 Gbit/s, 0.3 ms round trips:
+  // 1.65-2.08 s instead of 1.31 s). Each receive has its own place, and the
+  // waits count them round by round.
+  void Run(std::chrono::steady_clock::time_point deadline) {
+    if (lane_ == 0) t_->CountRounds(rounds_.size());  // the lanes' rounds run side by side
+    if (ahead_) {
+      for (const Round& x : rounds_) PostAg(x);
+      for (int k = 0; k < window_; ++k) PostSegment(k);
+    }
+    for (const Round& x : rounds_) RunRound(x, deadline);
+  }
+
+ private:
   struct Round {
     int rs, ag, s;
   };
-  std::vector<Round> rounds;
-  for (int s = 1; s < n; ++s) rounds.push_back({0, -1, s});
-  for (int k = 0; k < segments; ++k) {
-    for (int s = 1; s < n; ++s) rounds.push_back({k + 1 < segments ? k + 1 : -1, k, s});
+  size_t SegBegin(int j, int k) const { return chunk_[j] * k / segments_; }
+  size_t SegLen(int j, int k) const { return SegBegin(j, k + 1) - SegBegin(j, k); }
+  T* Contributions(int k) const { return scratch_ + (k % window_) * slot_len_; }
+  // Where rank q's contribution to segment k goes in its slot.
+  size_t Place(int q, int k) const {
+    return static_cast<size_t>(q < r_ ? q : q - 1) * SegLen(r_, k);
   }
-  if (lane == 0) CountRounds(rounds.size());  // the lanes' rounds run side by side
-  // Round by round, every rank in step. On a long link the receives are
-  // posted ahead, before the first send (the allgather's all at once, the
-  // reduce-scatter's `window` segments ahead, as slots free up): a
-  // receive's notice then reaches its sender rounds ahead, and each round
-  // costs a one-way trip instead of a round trip. On a short one the rounds
-  // stay in step: posted ahead, a rank done with round m sends round m + 1
-  // into a receiver still taking round m from another, and the converging
-  // transfers stall TCP (1 Gbit/s, 0.3 ms round trips: 1.65-2.08 s instead
-  // of 1.31 s). Each receive has its own place, and the waits below count
-  // them round by round.
-  auto post_rs = [&](const Round& x) {
-    const int from = (r - x.s + n) % n;
-    if (x.rs >= 0 && seg_len(r, x.rs) > 0) {
-      parts[x.rs]->recv(from, rs_slot + static_cast<uint8_t>(x.rs), place(from, x.rs) * sizeof(T),
-                        seg_len(r, x.rs) * sizeof(T));
+  int From(const Round& x) const { return (r_ - x.s + n_) % n_; }
+
+  void PostRs(const Round& x) {
+    const int from = From(x);
+    if (x.rs >= 0 && SegLen(r_, x.rs) > 0) {
+      parts_[x.rs]->recv(from, rs_slot_ + static_cast<uint8_t>(x.rs), Place(from, x.rs) * sizeof(T),
+                         SegLen(r_, x.rs) * sizeof(T));
     }
-  };
-  auto post_ag = [&](const Round& x) {
-    const int from = (r - x.s + n) % n;
-    if (x.ag >= 0 && seg_len(from, x.ag) > 0) {
-      whole->recv(from, ag_slot + static_cast<uint8_t>(x.ag),
-                  (offset[from] + seg_begin(from, x.ag)) * sizeof(T),
-                  seg_len(from, x.ag) * sizeof(T));
+  }
+  void PostAg(const Round& x) {
+    const int from = From(x);
+    if (x.ag >= 0 && SegLen(from, x.ag) > 0) {
+      whole_->recv(from, ag_slot_ + static_cast<uint8_t>(x.ag),
+                   (offset_[from] + SegBegin(from, x.ag)) * sizeof(T),
+                   SegLen(from, x.ag) * sizeof(T));
     }
-  };
+  }
   // Ahead: the reduce-scatter receives of segment k, posted once segment
-  // k - window is summed (its slot free).
-  auto post_segment = [&](int k) {
-    if (k >= segments) return;
-    for (const Round& x : rounds) {
-      if (x.rs == k) post_rs(x);
+  // k - window_ is summed (its slot free).
+  void PostSegment(int k) {
+    if (k >= segments_) return;
+    for (const Round& x : rounds_) {
+      if (x.rs == k) PostRs(x);
     }
-  };
+  }
   // Sums segment k of my chunk into place, in rank order (and divides it,
   // for an average): every contribution is in. Ahead, its slot then takes
-  // segment k + window's.
-  auto sum = [&](int k) {
-    const size_t len = seg_len(r, k);
+  // segment k + window_'s.
+  void Sum(int k) {
+    const size_t len = SegLen(r_, k);
     if (len > 0) {
-      T* out = data + offset[r] + seg_begin(r, k);
-      SumInRankOrderInPlace(contributions(k), len, n, r, len, out);
-      Divide(out, len, divisor);
+      T* out = data_ + offset_[r_] + SegBegin(r_, k);
+      SumInRankOrderInPlace(Contributions(k), len, n_, r_, len, out);
+      Divide(out, len, divisor_);
     }
-    if (ahead) post_segment(k + window);
-  };
-  if (ahead) {
-    for (const Round& x : rounds) post_ag(x);
-    for (int k = 0; k < window; ++k) post_segment(k);
+    if (ahead_) PostSegment(k + window_);
   }
-  int summed = 0;
-  for (const Round& x : rounds) {
-    const int to = (r + x.s) % n;
-    if (!ahead) {
-      post_rs(x);
-      post_ag(x);
+  // One round's sends (a segment summed while its reduce-scatter part is on
+  // the wire) and its waits.
+  void RunRound(const Round& x, std::chrono::steady_clock::time_point deadline) {
+    const int to = (r_ + x.s) % n_;
+    if (!ahead_) {
+      PostRs(x);
+      PostAg(x);
     }
-    const int from = (r - x.s + n) % n;
+    const int from = From(x);
     int recvs_rs = 0, recvs_ag = 0, sends = 0;
     if (x.rs >= 0) {
-      if (seg_len(r, x.rs) > 0) ++recvs_rs;
-      const size_t bytes = seg_len(to, x.rs) * sizeof(T);
+      if (SegLen(r_, x.rs) > 0) ++recvs_rs;
+      const size_t bytes = SegLen(to, x.rs) * sizeof(T);
       if (bytes > 0) {
-        whole->send(to, rs_slot + static_cast<uint8_t>(x.rs),
-                    (offset[to] + seg_begin(to, x.rs)) * sizeof(T), bytes);
+        whole_->send(to, rs_slot_ + static_cast<uint8_t>(x.rs),
+                     (offset_[to] + SegBegin(to, x.rs)) * sizeof(T), bytes);
         ++sends;
       }
     }
     if (x.ag >= 0) {
-      if (seg_len(from, x.ag) > 0) ++recvs_ag;
-      // Summed while this round's reduce-scatter part is on the wire.
-      if (summed <= x.ag) sum(summed++);
-      const size_t bytes = seg_len(r, x.ag) * sizeof(T);
+      if (SegLen(from, x.ag) > 0) ++recvs_ag;
+      if (summed_ <= x.ag) Sum(summed_++);
+      const size_t bytes = SegLen(r_, x.ag) * sizeof(T);
       if (bytes > 0) {
-        whole->send(to, ag_slot + static_cast<uint8_t>(x.ag),
-                    (offset[r] + seg_begin(r, x.ag)) * sizeof(T), bytes);
+        whole_->send(to, ag_slot_ + static_cast<uint8_t>(x.ag),
+                     (offset_[r_] + SegBegin(r_, x.ag)) * sizeof(T), bytes);
         ++sends;
       }
     }
-    for (int i = 0; i < recvs_rs; ++i) WaitRecv(parts[x.rs].get(), deadline);
-    for (int i = 0; i < recvs_ag; ++i) WaitRecv(whole.get(), deadline);
-    for (int i = 0; i < sends; ++i) WaitSend(whole.get(), deadline);
+    for (int i = 0; i < recvs_rs; ++i) WaitRecv(parts_[x.rs].get(), deadline);
+    for (int i = 0; i < recvs_ag; ++i) WaitRecv(whole_.get(), deadline);
+    for (int i = 0; i < sends; ++i) WaitSend(whole_.get(), deadline);
   }
+
+  GlooTransport* const t_;
+  const size_t lane_;
+  T* const data_;
+  const float divisor_;
+  const int n_, r_;
+  const bool ahead_;
+  std::vector<size_t> chunk_, offset_;
+  int segments_ = 1, window_ = 1;
+  size_t slot_len_ = 0;
+  T* scratch_ = nullptr;
+  T dummy_{};
+  ActiveScope scope_;  // before the buffers: it untracks them once they are gone
+  std::unique_ptr<Buffer> whole_;
+  std::vector<std::unique_ptr<Buffer>> parts_;
+  const ::gloo::Slot rs_slot_, ag_slot_;
+  std::vector<Round> rounds_;
+  int summed_ = 0;
+};
+
+template <typename T>
+void GlooTransport::ReduceLargeOn(size_t lane, T* data, size_t count, uint32_t tag, Timeout timeout,
+                                  float divisor) {
+  LargeReduce<T> reduce(this, lane, data, count, tag, divisor);
+  reduce.Run(std::chrono::steady_clock::now() + timeout);
 }
 
 }  // namespace microd::transport::gloo_backend

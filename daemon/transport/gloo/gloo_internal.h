@@ -184,6 +184,9 @@ class GlooTransport final : public Transport {
   template <typename T>
   void ReduceLargeOn(size_t lane, T* data, size_t count, uint32_t tag, Timeout timeout,
                      float divisor);
+  // One large allreduce on one lane: its plan, buffers and rounds.
+  template <typename T>
+  class LargeReduce;
   void ReduceAny(void* data, size_t count, DataType type, uint32_t tag, Timeout timeout);
 
   // Working memory of the large allreduce, one per lane, kept between
