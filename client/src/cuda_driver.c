@@ -157,11 +157,10 @@ static mcu_result attribute(int attr, mcu_deviceptr p, uint64_t* value) {
   return g.pointer_get_attribute(value, attr, p);
 }
 
-microd_status mcuda_prepare(const void* ptr, uint64_t count, mcuda_buffer* out, char* err,
-                            size_t errlen) {
-  memset(out, 0, sizeof *out);
-  microd_status s = load(err, errlen);
-  if (s != MICROD_OK) return s;
+/* Whether CUDA IPC can share the allocation `ptr` is in: device memory from
+ * cudaMalloc, not managed, not from a stream-ordered pool, legacy-IPC
+ * capable. */
+static microd_status check_shareable(const void* ptr, char* err, size_t errlen) {
   const mcu_deviceptr p = (mcu_deviceptr)(uintptr_t)ptr;
   uint64_t v = 0;
   mcu_result r = attribute(MCU_POINTER_ATTRIBUTE_MEMORY_TYPE, p, &v);
@@ -208,7 +207,19 @@ microd_status mcuda_prepare(const void* ptr, uint64_t count, mcuda_buffer* out, 
              ptr);
     return MICROD_ERR_UNSUPPORTED;
   }
-  r = attribute(MCU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p, &v);
+  return MICROD_OK;
+}
+
+microd_status mcuda_prepare(const void* ptr, uint64_t count, mcuda_buffer* out, char* err,
+                            size_t errlen) {
+  memset(out, 0, sizeof *out);
+  microd_status s = load(err, errlen);
+  if (s != MICROD_OK) return s;
+  const mcu_deviceptr p = (mcu_deviceptr)(uintptr_t)ptr;
+  s = check_shareable(ptr, err, errlen);
+  if (s != MICROD_OK) return s;
+  uint64_t v = 0;
+  mcu_result r = attribute(MCU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p, &v);
   if (r != MCU_SUCCESS)
     return driver_error(r, "cuPointerGetAttribute(DEVICE_ORDINAL)", err, errlen);
   const int ordinal = (int)(int32_t)(uint32_t)(v & 0xFFFFFFFFu);
