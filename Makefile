@@ -1,5 +1,8 @@
 # Thin wrapper: everything real lives in CMake and scripts/.
-#   make test   installs what is missing, configures, builds and runs every test
+#   make test   installs what is missing, configures, builds and runs the tests
+#               (all but the few long ones, each a minute or more)
+#   make test-long  the long ones: the smoke run of every benchmark, elastic and
+#               long training runs, packaging (.ci/run runs both)
 #   make demo   the main job: Fashion-MNIST through a local cluster, MiCRO vs dense
 #               (DEMO_ARGS="--epochs 5 --density 0.001" etc.)
 #   make bench  every benchmark, then one report beside PyTorch DDP
@@ -21,7 +24,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all deps configure build test test-asan test-tsan fuzz coverage gpu-bundle gpu-bundle-check demo bench clean \
+.PHONY: all deps configure build test test-long test-asan test-tsan fuzz coverage gpu-bundle gpu-bundle-check demo bench clean \
 	image image-test format format-check
 
 all: build
@@ -36,7 +39,10 @@ build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
 test: build
-	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600 -LE long
+
+test-long: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 1500 -L long
 
 test-asan: deps
 	bash scripts/sanitize.sh address
