@@ -477,7 +477,10 @@ absl::Status DaemonImpl::StartDataPlane(const engine::EngineOptions& eo) {
     go.timeout = config_.op_timeout;
     go.io_nice = config_.gloo_io_nice;
     go.connections = config_.data_connections;
-    go.confirm = config_.seal_failure == "step";
+    // Every step ends with a Confirm round where a step could otherwise be
+    // applied on some nodes and not others: a refused transfer that fails
+    // the step only, and a node lost in an elastic job (docs/design.md).
+    go.confirm = config_.seal_failure == "step" || config_.elastic();
     go.on_collective = ExitAtFromEnvironment();
     if (!config_.link_model.empty()) {
       ASSIGN_OR_RETURN(go.link_model, transport::ParseLinkModel(config_.link_model));

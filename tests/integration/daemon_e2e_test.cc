@@ -611,19 +611,35 @@ TEST(DaemonElastic, BelowTheMinimumTheJobFailsAfterTheElasticTimeout) {
 }
 
 // A node lost in a given phase of a step: node 2's daemon exits (as a
-// SIGKILL would: MICROD_TEST_EXIT_AT) when it enters its 7th collective of
-// `kind`, a few steps in. The others end that step the same way (every
-// bucket it had not completed is answered MICROD_ERR_MEMBERSHIP on both,
-// none applied anywhere), go on as a job of 2, and every step is bit for bit
-// the reference of 3 nodes, then 2 from where each bucket changed.
-void ExpectLossInPhase(transport::TagKind kind) {
+// SIGKILL would: MICROD_TEST_EXIT_AT) in its `nth` collective of `kind`, a
+// few steps in: as it enters it, or (`peers` 1) once that round's message
+// reached node 0 and not node 1. The others end that step the same way
+// (both apply it, or neither and every bucket it had not completed is
+// answered MICROD_ERR_MEMBERSHIP on both), go on as a job of 2, and every
+// step is bit for bit the reference of 3 nodes, then 2 from where each
+// bucket changed. `sparsifier`: the daemons' flags and the reference's
+// options.
+struct Sparsifier {
+  std::vector<std::string> flags;
+  sparsify::SparsifyOptions options;
+};
+Sparsifier SparsifierOf(sparsify::SparsifierKind kind) {
+  Sparsifier s;
+  s.options.sparsifier = kind;
+  s.flags = {absl::StrCat("--sparsifier=", sparsify::SparsifierName(kind))};
+  return s;
+}
+
+// `kind`: MICROD_TEST_EXIT_AT's, a tag kind or (above 255) a whole tag.
+void ExpectLossAt(uint32_t kind, int peers, const Sparsifier& sparsifier, int nth) {
   const std::vector<BucketSpec> buckets = {{"fc", 100003}, {"b", 1000}};
   const long steps = 12;
   ClusterOptions o{CacheFlags(true)};
   o.extra.push_back("--min_nodes=2");
-  o.env = [kind](int r) {
-    return r == 2 ? std::vector<std::string>{absl::StrCat(
-                        "MICROD_TEST_EXIT_AT=", static_cast<int>(kind), ":7")}
+  o.extra.insert(o.extra.end(), sparsifier.flags.begin(), sparsifier.flags.end());
+  o.env = [kind, peers, nth](int r) {
+    return r == 2 ? std::vector<std::string>{absl::StrCat("MICROD_TEST_EXIT_AT=", kind, ":", nth,
+                                                          ":", peers)}
                   : std::vector<std::string>{};
   };
   DaemonCluster cluster(3, 1, o);
@@ -633,7 +649,8 @@ void ExpectLossInPhase(transport::TagKind kind) {
       WaitAll({cluster.clients()[0], cluster.clients()[1]}, std::chrono::seconds(90));
   const std::vector<int> lost = WaitAll({cluster.clients()[2]}, std::chrono::seconds(30));
   EXPECT_EQ(lost[0], 3) << "node 2's process: its daemon is gone";
-  EXPECT_TRUE(absl::StrContains(ReadFile(cluster.dir() + "/daemon2.log"), "MICROD_TEST_EXIT_AT"));
+  EXPECT_TRUE(absl::StrContains(ReadFile(cluster.dir() + "/daemon2.log"),
+                                absl::StrCat("message sent to ", peers, " peer(s)")));
   cluster.Forget(2);
   // Where each bucket changed: its first result after the survivors' EPOCH
   // line (the same on both).
@@ -662,7 +679,8 @@ void ExpectLossInPhase(transport::TagKind kind) {
   EXPECT_LT(at, steps - 1);
   std::printf("node 2 lost in step %ld (buckets changed at %s)\n", at,
               absl::StrJoin(from, ", ").c_str());
-  const auto ref = PhasedReference(3, 1, buckets, steps, {{{0, 1, 2}, {0}}, {{0, 1}, from}});
+  const auto ref =
+      PhasedReference(3, 1, buckets, steps, {{{0, 1, 2}, {0}}, {{0, 1}, from}}, sparsifier.options);
   std::vector<size_t> results = {steps * buckets.size(), steps * buckets.size()};
   ExpectElasticOutputs(cluster, ref, buckets, codes, results, {1, 1});
   // What node 2 had completed is the job's too.
@@ -676,6 +694,12 @@ void ExpectLossInPhase(transport::TagKind kind) {
   }
 }
 
+void ExpectLossInPhase(
+    transport::TagKind kind, int peers = 0,
+    const Sparsifier& sparsifier = SparsifierOf(sparsify::SparsifierKind::kMicro)) {
+  ExpectLossAt(static_cast<uint32_t>(kind), peers, sparsifier, 7);
+}
+
 TEST(DaemonElastic, ANodeLostBeforeTheFirstExchangeOfAStep) {
   ExpectLossInPhase(transport::TagKind::kRound1);
 }
@@ -684,6 +708,44 @@ TEST(DaemonElastic, ANodeLostDuringTheIndexExchange) {
 }
 TEST(DaemonElastic, ANodeLostDuringTheValueExchange) {
   ExpectLossInPhase(transport::TagKind::kRound3);
+}
+
+// Issue Z, "the split": a node killed after its last round reached some
+// peers and not others left one survivor a step ahead, and the elastic job
+// failed naming the steps. Every step of an elastic job now ends with a
+// Confirm round: nobody applies a step until every node got every transfer,
+// and the next epoch settles a step some node confirmed (it rolls forward
+// on the others). For each sparsifier, node 2 dies once its last round of a
+// step (the values; dense: the cycle, the buckets' sums in it) went to
+// node 0 and not node 1; and, with micro, once its selection's rounds did,
+// and its Confirm.
+class LossAfterOnePeer : public ::testing::TestWithParam<sparsify::SparsifierKind> {};
+TEST_P(LossAfterOnePeer, TheSurvivorsApplyTheStepAlike) {
+  const sparsify::SparsifierKind kind = GetParam();
+  ExpectLossInPhase(kind == sparsify::SparsifierKind::kDense ? transport::TagKind::kCycle
+                                                             : transport::TagKind::kRound3,
+                    1, SparsifierOf(kind));
+}
+INSTANTIATE_TEST_SUITE_P(Sparsifiers, LossAfterOnePeer,
+                         ::testing::Values(sparsify::SparsifierKind::kMicro,
+                                           sparsify::SparsifierKind::kHard,
+                                           sparsify::SparsifierKind::kTopK,
+                                           sparsify::SparsifierKind::kDense),
+                         [](const ::testing::TestParamInfo<sparsify::SparsifierKind>& info) {
+                           return std::string(sparsify::SparsifierName(info.param));
+                         });
+TEST(DaemonElastic, ANodeLostAfterItsHeadersReachedOnePeer) {
+  ExpectLossInPhase(transport::TagKind::kRound1, 1);
+}
+TEST(DaemonElastic, ANodeLostAfterItsHistogramsReachedOnePeer) {
+  ExpectLossInPhase(transport::TagKind::kRound2, 1);
+}
+// Node 0 got every Confirm and applies the step; node 1 holds it and rolls
+// it forward in the next epoch. (Confirm's whole tag: slot 6 of the control
+// kind, whose other slots measure the links.)
+TEST(DaemonElastic, ANodeLostAfterItsConfirmReachedOnePeer) {
+  ExpectLossAt(transport::MakeTag(6, transport::TagKind::kControl), 1,
+               SparsifierOf(sparsify::SparsifierKind::kMicro), 7);
 }
 
 TEST(DaemonFaults, SizeMismatchBetweenNodesIsReportedEverywhere) {

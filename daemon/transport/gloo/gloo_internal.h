@@ -92,7 +92,9 @@ class GlooTransport final : public Transport {
   GlooTransport(std::shared_ptr<::gloo::Context> lane, std::shared_ptr<record::Device> device,
                 absl::Duration default_timeout, bool sealed, bool confirm);
   // Called as each collective begins, with its tag (GlooOptions).
-  void SetOnCollective(std::function<void(uint32_t tag)> f) { on_collective_ = std::move(f); }
+  void SetOnCollective(std::function<void(uint32_t tag, int peers)> f) {
+    on_collective_ = std::move(f);
+  }
   void AddLanes(std::vector<std::shared_ptr<::gloo::Context>> lanes,
                 std::vector<std::shared_ptr<record::Device>> devices);
 
@@ -213,7 +215,7 @@ class GlooTransport final : public Transport {
   std::atomic<uint64_t> scratch_bytes_{0};  // over every lane's scratch
   absl::Mutex mu_;
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
-  std::function<void(uint32_t tag)> on_collective_;
+  std::function<void(uint32_t tag, int peers)> on_collective_;
   absl::Mutex active_mu_;
   std::vector<Buffer*> active_ ABSL_GUARDED_BY(active_mu_);
   bool aborted_ ABSL_GUARDED_BY(active_mu_) = false;
@@ -226,7 +228,7 @@ absl::Status FromException(const std::exception& e, const char* op, uint32_t tag
 template <typename Body>
 absl::Status GlooTransport::Run(const char* op, const CollectiveOptions& o, size_t bytes,
                                 Body body) {
-  if (on_collective_) on_collective_(o.tag);
+  if (on_collective_) on_collective_(o.tag, 0);
   {
     absl::MutexLock lock(&mu_);
     if (!broken_.ok()) return broken_;

@@ -56,12 +56,15 @@ struct GlooOptions {
   // DataLoss naming the link (and breaks the transport). Null: connections
   // are authenticated by the rendezvous alone and records go unsealed.
   std::shared_ptr<const SealKeys> seal;
-  // Transport::Confirm takes a round (--seal_failure=step); else nothing.
+  // Transport::Confirm takes a round (elastic jobs, --seal_failure=step);
+  // else nothing.
   bool confirm = false;
   // Called on the calling thread as each collective begins, with its tag
-  // (null: nothing): the seam the end-to-end tests lose a node through
-  // (daemon/test_hooks.h).
-  std::function<void(uint32_t tag)> on_collective;
+  // and `peers` 0, and in a direct round (ExchangeRound) again after its
+  // message went to each peer, with how many have it (null: nothing). The
+  // seam the end-to-end tests lose a node through (daemon/test_hooks.h);
+  // while it is set, a direct round sends to one peer at a time.
+  std::function<void(uint32_t tag, int peers)> on_collective;
 };
 
 // Connects the full mesh (blocking until every rank arrived or the timeout).
