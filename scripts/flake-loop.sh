@@ -29,7 +29,7 @@ failed=0
 log=$(mktemp -d)
 for i in $(seq 1 "$loops"); do
   start=$(date +%s)
-  if (cd "$build" && ctest -j2 --timeout 600 -R "$regex" >"$log/loop$i.log" 2>&1); then
+  if (cd "$build" && ctest -j2 --timeout 600 --output-on-failure -R "$regex" >"$log/loop$i.log" 2>&1); then
     echo "loop $i: passed ($(( $(date +%s) - start )) s)"
     rm -f "$log/loop$i.log"
   else
