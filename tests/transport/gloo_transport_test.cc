@@ -320,6 +320,22 @@ int Threads() {
   if (d != nullptr) closedir(d);
   return n - 2;  // . and ..
 }
+// Each thread's id, name and state ("1234 (name) S"), for a failure message.
+std::string ThreadList() {
+  std::string out;
+  DIR* d = opendir("/proc/self/task");
+  while (d != nullptr) {
+    const dirent* e = readdir(d);
+    if (e == nullptr) break;
+    if (e->d_name[0] == '.') continue;
+    std::ifstream in(std::string("/proc/self/task/") + e->d_name + "/stat");
+    std::string line;
+    std::getline(in, line);
+    out += line.substr(0, line.find(' ', line.rfind(')') + 2)) + "\n";
+  }
+  if (d != nullptr) closedir(d);
+  return out;
+}
 // Bytes the heap holds for the program (allocated and not freed): what a
 // leak grows, unlike the resident size, which keeps what the allocator's
 // arenas hold for reuse.
@@ -395,7 +411,8 @@ TEST(GlooTransportTest, FiftyEpochsOfDataPlanesLeaveNothingBehind) {
     previous = std::move(current);
     current = epoch();
   }
-  EXPECT_LE(Threads(), threads) << "threads of earlier epochs' data planes";
+  EXPECT_LE(SettledThreads(threads), threads) << "threads of earlier epochs' data planes:\n"
+                                              << ThreadList();
   const uint64_t now = HeapInUse();
   EXPECT_LE(now, heap + heap / 20) << "in use " << now << " bytes, was " << heap;
 }

@@ -44,6 +44,12 @@ inline void RunRanks(std::vector<std::unique_ptr<Transport>>& group,
   for (auto& t : threads) t.join();
 }
 
+// Threads of this process once those joined have left it: a joined thread
+// may stay listed in /proc/self/task for a moment (the kernel wakes the
+// joiner before it removes the task; under load, long enough to count it).
+// Waits up to `settle` for the count to fall to `at_most`, and returns it.
+int SettledThreads(int at_most, absl::Duration settle = absl::Seconds(10));
+
 class TransportContractTest : public ::testing::TestWithParam<TransportBackend> {
  protected:
   void SetUp() override {
