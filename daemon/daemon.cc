@@ -616,9 +616,12 @@ absl::Status DaemonImpl::Serve(const engine::EngineOptions& eo) {
     timeline_.SetNode(m.node_rank, config_.node_name);
     engine_->OnMembership(m, change);
   });
-  // Buckets waiting for half the warning time go to the stall inspector.
+  // Buckets waiting a second or more go to the stall inspector: past the
+  // warning time it reports them as stalls, before that as waits (what a
+  // trainer whose wait timed out is told).
   client_->SetWaitingProvider(
-      [e = engine_.get(), at_least = absl::Seconds(config_.stall_warning_s) / 2] {
+      [e = engine_.get(),
+       at_least = std::min(absl::Seconds(1), absl::Seconds(config_.stall_warning_s) / 2)] {
         return e->Waiting(at_least);
       });
   engine_->Start();

@@ -25,6 +25,10 @@
 #define DEFAULT_SOCKET "/run/microd/microd.sock"
 #define DEFAULT_TIMEOUT_MS 60000
 #define READ_SLICE_MS 20
+/* How long a timed-out wait waits for the daemon's account of it. */
+#define WAITING_ANSWER_MS 1000
+/* Room for an error message: a timed-out wait's carries the daemon's account. */
+#define ERROR_BYTES 1280
 #define MAX_BUCKET_ELEMENTS 0xFFFFFFFFull
 
 typedef struct buffer {
@@ -65,10 +69,13 @@ struct microd_client {
   microd_wire_register_ack register_ack;
   microd_status broken; /* MICROD_OK while the connection is usable */
   char broken_message[MICROD_WIRE_MESSAGE_BYTES];
-  char last_error[512];
+  /* WAITING_ANSWERs read, and the text of the last one. */
+  uint64_t waiting_answers;
+  char waiting_text[MICROD_WIRE_WAITING_BYTES];
+  char last_error[ERROR_BYTES];
 };
 
-static __thread char tls_error[512];
+static __thread char tls_error[ERROR_BYTES];
 
 static int64_t now_ms(void) {
   struct timespec ts;
@@ -81,7 +88,7 @@ static microd_status fail(microd_client* c, microd_status status, const char* fm
   char* dst = c != NULL ? c->last_error : tls_error;
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(dst, 512, fmt, ap);
+  vsnprintf(dst, ERROR_BYTES, fmt, ap);
   va_end(ap);
   return status;
 }
@@ -121,6 +128,7 @@ static void read_one(microd_client* c, int timeout_ms) {
     microd_wire_completion done;
     microd_wire_error err;
     microd_wire_membership membership;
+    microd_wire_waiting_answer waiting;
     char bytes[MICROD_WIRE_MAX_BYTES + 1];
   } m;
   ssize_t n;
@@ -160,6 +168,10 @@ static void read_one(microd_client* c, int timeout_ms) {
       c->info.node_rank = mm->node_rank;
       c->info.node_count = mm->node_count;
     }
+  } else if (m.h.type == MICROD_MSG_WAITING_ANSWER && n == sizeof(microd_wire_waiting_answer)) {
+    m.waiting.text[MICROD_WIRE_WAITING_BYTES - 1] = '\0';
+    snprintf(c->waiting_text, sizeof c->waiting_text, "%s", m.waiting.text);
+    ++c->waiting_answers;
   } else if (m.h.type == MICROD_MSG_REGISTER_ACK && n == sizeof(microd_wire_register_ack)) {
     c->register_ack = m.reg;
     c->have_register_ack = 1;
@@ -774,6 +786,43 @@ microd_status microd_allreduce_cuda_async(microd_client* c, int32_t buffer_id, v
   return submit(c, buffer_id, cuda_stream, ticket);
 }
 
+/* A wait that timed out: the error names the ticket's bucket and, from a
+ * daemon that can say (MICROD_WIRE_CAP_WAITING), what the bucket waits for:
+ * local processes, nodes or a step in flight. */
+static microd_status timed_out(microd_client* c, uint64_t ticket, int32_t timeout_ms) {
+  char name[MICROD_WIRE_NAME_BYTES] = "?";
+  char why[MICROD_WIRE_WAITING_BYTES] = "";
+  pthread_mutex_lock(&c->mu);
+  const ticket_entry* t = find_ticket(c, ticket);
+  const int32_t id = t != NULL ? t->buffer_id : -1;
+  if (id >= 0 && id < c->nbuffers) snprintf(name, sizeof name, "%s", c->buffers[id].name);
+  int ask = id >= 0 && (c->daemon_caps & MICROD_WIRE_CAP_WAITING) != 0 && c->broken == MICROD_OK;
+  const uint64_t before = c->waiting_answers;
+  if (ask) {
+    microd_wire_waiting w;
+    memset(&w, 0, sizeof w);
+    microd_wire_header_init(&w.h, MICROD_MSG_WAITING, sizeof w);
+    w.buffer_id = (uint32_t)id;
+    ask = microd_wire_send(c->fd, &w, sizeof w, -1) == 0;
+  }
+  pthread_mutex_unlock(&c->mu);
+  const int64_t until = now_ms() + WAITING_ANSWER_MS;
+  while (ask) {
+    pthread_mutex_lock(&c->mu);
+    const int got = c->waiting_answers != before;
+    if (got) snprintf(why, sizeof why, "%s", c->waiting_text);
+    const int over = got || c->broken != MICROD_OK;
+    pthread_mutex_unlock(&c->mu);
+    const int64_t left = until - now_ms();
+    if (over || left <= 0) break;
+    pthread_mutex_lock(&c->read_mu);
+    read_one(c, (int)(left < READ_SLICE_MS ? left : READ_SLICE_MS));
+    pthread_mutex_unlock(&c->read_mu);
+  }
+  return fail(c, MICROD_ERR_TIMEOUT, "ticket %llu (bucket '%s') not complete after %d ms%s%s",
+              (unsigned long long)ticket, name, timeout_ms, why[0] != '\0' ? ": " : "", why);
+}
+
 microd_status microd_wait(microd_client* c, uint64_t ticket, int32_t timeout_ms) {
   if (!check_handle(c)) return fail(NULL, MICROD_ERR_INVALID_ARGUMENT, "invalid handle");
   const int64_t deadline = timeout_ms < 0 ? INT64_MAX : now_ms() + timeout_ms;
@@ -801,10 +850,7 @@ microd_status microd_wait(microd_client* c, uint64_t ticket, int32_t timeout_ms)
     }
     pthread_mutex_unlock(&c->mu);
     const int64_t left = deadline - now_ms();
-    if (left <= 0) {
-      return fail(c, MICROD_ERR_TIMEOUT, "ticket %llu not complete after %d ms",
-                  (unsigned long long)ticket, timeout_ms);
-    }
+    if (left <= 0) return timed_out(c, ticket, timeout_ms);
     pthread_mutex_lock(&c->read_mu);
     read_one(c, (int)(left < READ_SLICE_MS ? left : READ_SLICE_MS));
     pthread_mutex_unlock(&c->read_mu);

@@ -49,6 +49,9 @@ class ControlPlane {
   // OK while the job runs, else why it failed or ended, as of now (after a
   // local error this finds the root cause another node reported).
   virtual absl::Status RefreshJobStatus() = 0;
+  // The coordinator's reports of buckets stalled or waiting (the stall
+  // inspector's), as this node last heard them; each begins "bucket 'NAME' ".
+  virtual std::vector<std::string> Reports() const { return {}; }
 };
 
 // One node's control plane over a Coordinator in this process (tests): the

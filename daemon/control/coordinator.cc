@@ -393,6 +393,7 @@ absl::StatusOr<HeartbeatAnswer> Coordinator::Heartbeat(uint64_t session, int ran
   bool stale = false;
   if (absl::Status s = CheckMember(session, rank, &caller, &stale); !s.ok()) return s;
   HeartbeatAnswer answer{state_, failure_, stalls_.reports(), epoch_};
+  answer.waits = stalls_.waits();
   if (stale) {
     // A survivor of a change: its new membership; what it waits for is
     // reported again once it runs in the new epoch.

@@ -94,6 +94,7 @@ struct HeartbeatAnswer {
   // membership now (new rank, node count, session), and what changed.
   std::optional<Membership> membership;
   std::string change;
+  std::vector<std::string> waits;  // the stall inspector's buckets waiting, not stalled yet
 };
 
 struct NodeSnapshot {

@@ -141,6 +141,13 @@ std::vector<std::string> CoordinatorClient::stalls() const {
   return stalls_;
 }
 
+std::vector<std::string> CoordinatorClient::Reports() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> all = stalls_;
+  all.insert(all.end(), waits_.begin(), waits_.end());
+  return all;
+}
+
 void CoordinatorClient::MarkFailed(const absl::Status& status) {
   std::function<void(const absl::Status&)> callback;
   {
@@ -239,6 +246,7 @@ grpc::Status CoordinatorClient::HeartbeatOnce(absl::Duration timeout) {
     {
       absl::MutexLock lock(&mu_);
       stalls_.assign(resp.stalls().begin(), resp.stalls().end());
+      waits_.assign(resp.waits().begin(), resp.waits().end());
     }
     // A new epoch: this node survived a change of membership.
     if (resp.has_membership()) TakeMembership(resp.membership(), resp.change());

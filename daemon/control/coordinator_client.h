@@ -91,6 +91,7 @@ class CoordinatorClient final : public rendezvous::KeyValueStore, public Control
   void SetWaitingProvider(std::function<std::vector<BucketWait>()> provider);
   // The stall inspector's reports, as of the last heartbeat answer.
   std::vector<std::string> stalls() const;
+  std::vector<std::string> Reports() const override;
   // This node's membership as of now (an elastic job's changes included).
   Membership membership() const;
 
@@ -130,6 +131,7 @@ class CoordinatorClient final : public rendezvous::KeyValueStore, public Control
   std::function<void(const absl::Status&)> on_failure_ ABSL_GUARDED_BY(mu_);
   std::function<std::vector<BucketWait>()> waiting_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> stalls_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> waits_ ABSL_GUARDED_BY(mu_);
   absl::Notification stop_;
   std::thread heartbeat_;
 };

@@ -155,6 +155,7 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
   resp->set_state(ToProto(r->state));
   resp->set_failure(r->failure);
   for (const std::string& s : r->stalls) resp->add_stalls(s);
+  for (const std::string& s : r->waits) resp->add_waits(s);
   resp->set_epoch(r->epoch);
   if (r->membership.has_value()) ToProto(*r->membership, resp->mutable_membership());
   resp->set_change(r->change);

@@ -13,11 +13,13 @@ namespace microd::control {
 
 void StallInspector::Short(std::string why) {
   reports_ = {std::move(why)};
+  waits_.clear();
   logged_.clear();
 }
 
 void StallInspector::Clear() {
   reports_.clear();
+  waits_.clear();
   logged_.clear();
 }
 
@@ -35,11 +37,11 @@ std::string StallInspector::Inspect(absl::Time now, const std::vector<NodeWaits>
       s.by_rank[n.rank] = &w;
     }
   }
-  std::vector<std::string> stalls;
+  std::vector<std::string> stalls, waits;
   std::string abort;
   std::map<std::string, absl::Time> logged;
   for (const auto& [name, s] : seen) {
-    if (s.seconds < absl::ToDoubleSeconds(warning_)) continue;
+    const bool stalled = s.seconds >= absl::ToDoubleSeconds(warning_);
     std::vector<std::string> ready, missing;
     for (const NodeWaits& n : nodes) {
       const std::string who = absl::StrCat("node ", n.rank, " (", n.name, ")");
@@ -60,14 +62,20 @@ std::string StallInspector::Inspect(absl::Time now, const std::vector<NodeWaits>
     }
     // Ready everywhere and still not run: what runs before it is stuck, or
     // the nodes disagree on what runs next.
+    const std::string head = absl::StrCat("bucket '", name, "' ", stalled ? "stalled" : "waiting",
+                                          " for ", static_cast<int64_t>(s.seconds), " s: ");
     const std::string text =
         missing.empty()
-            ? absl::StrCat("bucket '", name, "' stalled for ", static_cast<int64_t>(s.seconds),
-                           " s: ready on every node and not run (a step before it is stuck, or "
+            ? absl::StrCat(head,
+                           "ready on every node and not run (a step before it is stuck, or "
                            "the nodes disagree on what runs next)")
-            : absl::StrCat("bucket '", name, "' stalled for ", static_cast<int64_t>(s.seconds),
-                           " s: ready on ", ready.empty() ? "no node" : absl::StrJoin(ready, ", "),
-                           "; waiting for ", absl::StrJoin(missing, "; "));
+            : absl::StrCat(head, "ready on ",
+                           ready.empty() ? "no node" : absl::StrJoin(ready, ", "), "; waiting for ",
+                           absl::StrJoin(missing, "; "));
+    if (!stalled) {
+      waits.push_back(text);
+      continue;
+    }
     stalls.push_back(text);
     auto it = logged_.find(name);
     const bool log = it == logged_.end() || now - it->second >= warning_;
@@ -78,6 +86,7 @@ std::string StallInspector::Inspect(absl::Time now, const std::vector<NodeWaits>
       abort = text;
     }
   }
+  waits_ = std::move(waits);
   reports_ = std::move(stalls);
   logged_ = std::move(logged);
   if (abort.empty()) return "";

@@ -3,7 +3,9 @@
 // heartbeat says have waited long, and the local processes that have not
 // submitted them, the reports of buckets stalled past --stall_warning_s
 // (each logged when new and again every warning period), and the one that
-// ends the job past --stall_abort_s. Not thread-safe: the coordinator calls
+// ends the job past --stall_abort_s; and, for buckets that wait less than
+// that, what each waits for (not logged: a trainer whose wait timed out
+// asks its daemon, which has them from its heartbeats). Not thread-safe: the coordinator calls
 // it under its lock.
 #pragma once
 
@@ -35,11 +37,15 @@ class StallInspector {
   void Short(std::string why);
   void Clear();
   const std::vector<std::string>& reports() const { return reports_; }
+  // The buckets some node reported waiting, not stalled yet: "bucket 'x'
+  // waiting for 3 s: ready on ...; waiting for node 2 (...): ...".
+  const std::vector<std::string>& waits() const { return waits_; }
 
  private:
   const absl::Duration warning_;
   const absl::Duration abort_;
   std::vector<std::string> reports_;
+  std::vector<std::string> waits_;
   std::map<std::string, absl::Time> logged_;  // by bucket
 };
 

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <numeric>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "daemon/common/log.h"
@@ -199,6 +200,29 @@ std::vector<control::BucketWait> Engine::Waiting(absl::Duration at_least, size_t
   absl::MutexLock lock(&state_.mu);
   if (!state_.failed.ok()) return {};
   return state_.table.Waiting(absl::Now(), at_least, limit);
+}
+
+std::string Engine::OnWaiting(uint64_t client, uint32_t buffer_id) {
+  std::string name, here;
+  bool others = false;
+  {
+    absl::MutexLock lock(&state_.mu);
+    if (!state_.failed.ok()) return absl::StrCat("the job failed: ", state_.failed.message());
+    const int r = membership_.node_rank;
+    std::string node = absl::StrCat("node ", r);
+    if (r >= 0 && static_cast<size_t>(r) < membership_.node_names.size()) {
+      absl::StrAppend(&node, " (", membership_.node_names[r], ")");
+    }
+    here = state_.table.WaitingFor(client, buffer_id, absl::Now(), node, &name, &others);
+  }
+  if (!others || client_ == nullptr) return here;
+  const std::string prefix = absl::StrCat("bucket '", name, "' ");
+  for (const std::string& report : client_->Reports()) {
+    if (absl::StartsWith(report, prefix)) return absl::StrCat(here, "; the coordinator: ", report);
+  }
+  return absl::StrCat(here,
+                      "; the coordinator has no report of it yet (nodes report waits of a "
+                      "second or more, a heartbeat apart)");
 }
 
 absl::Status Engine::WithRootCause(const absl::Status& local) {

@@ -83,6 +83,9 @@ class Engine final : public local::LocalHandler, private JobControl, private Sta
   // (state_io.cc).
   absl::Status OnState(uint64_t client, bool save, local::StateDirectory dir,
                        uint64_t ticket) override;
+  // What a process's buffer waits for: the process table's account, and,
+  // for a bucket ready here, the coordinator's report of the other nodes.
+  std::string OnWaiting(uint64_t client, uint32_t buffer_id) override;
 
   // Statistics of every bucket; the per-step histories only if asked for.
   EngineSnapshot Snapshot(bool with_history = false) const;

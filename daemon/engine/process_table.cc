@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "daemon/common/status_map.h"
 
 namespace microd::engine {
@@ -256,25 +257,61 @@ bool ProcessTable::any_cached_ready() const {
   return std::find(cached_ready_.begin(), cached_ready_.end(), true) != cached_ready_.end();
 }
 
+std::vector<std::pair<int, int>> ProcessTable::Missing(const Bucket& b) const {
+  std::map<int, pid_t> pid_of;  // local rank -> pid of the connected process
+  for (const auto& [id, p] : processes_) pid_of[p.local_rank] = p.pid;
+  std::vector<std::pair<int, int>> missing;
+  for (int r = 0; r < L_; ++r) {
+    if (b.tickets[r] != 0) continue;
+    auto it = pid_of.find(r);
+    missing.push_back({r, it == pid_of.end() ? 0 : static_cast<int>(it->second)});
+  }
+  return missing;
+}
+
 std::vector<control::BucketWait> ProcessTable::Waiting(absl::Time now, absl::Duration at_least,
                                                        size_t limit) const {
   std::vector<control::BucketWait> out;
-  std::map<int, pid_t> pid_of;  // local rank -> pid of the connected process
-  for (const auto& [id, p] : processes_) pid_of[p.local_rank] = p.pid;
   for (const auto& [name, b] : buckets_) {
     if (b.submitted == 0 || now - b.first_at < at_least) continue;
-    control::BucketWait w{name, absl::ToDoubleSeconds(now - b.first_at), {}};
-    for (int r = 0; r < L_; ++r) {
-      if (b.tickets[r] != 0) continue;
-      auto it = pid_of.find(r);
-      w.missing.push_back({r, it == pid_of.end() ? 0 : static_cast<int>(it->second)});
-    }
-    out.push_back(std::move(w));
+    out.push_back({name, absl::ToDoubleSeconds(now - b.first_at), Missing(b)});
   }
   std::sort(out.begin(), out.end(),
             [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
   if (out.size() > limit) out.resize(limit);
   return out;
+}
+
+std::string ProcessTable::WaitingFor(uint64_t client, uint32_t buffer_id, absl::Time now,
+                                     const std::string& node, std::string* name,
+                                     bool* others) const {
+  *others = false;
+  auto pit = processes_.find(client);
+  if (pit == processes_.end()) return "the daemon knows no such process";
+  auto nit = pit->second.buffers.find(buffer_id);
+  if (nit == pit->second.buffers.end()) return "the daemon knows no such buffer";
+  *name = nit->second;
+  const Bucket& b = buckets_.at(*name);
+  if (b.tickets[pit->second.local_rank] == 0) {
+    return absl::StrCat("bucket '", *name, "' is in a step on ", node,
+                        " (its transfers wait for the other nodes)");
+  }
+  const int64_t waited = absl::ToInt64Seconds(now - b.first_at);
+  if (b.submitted < L_) {
+    std::vector<std::string> procs;
+    for (const auto& [local_rank, pid] : Missing(b)) {
+      procs.push_back(pid > 0 ? absl::StrCat(local_rank, " (pid ", pid, ")")
+                              : absl::StrCat(local_rank, " (not connected)"));
+    }
+    return absl::StrCat("bucket '", *name, "' was submitted on ", node, " ", waited, " s ago by ",
+                        b.submitted, " of its ", L_,
+                        " local processes; waiting for local process(es) ",
+                        absl::StrJoin(procs, ", "), " to submit it");
+  }
+  *others = true;
+  return absl::StrCat("bucket '", *name, "' is ready on ", node, " (its ", L_,
+                      " local process(es) submitted it ", waited,
+                      " s ago) and waits for the other nodes");
 }
 
 std::vector<BucketStats> ProcessTable::Stats(bool with_history) const {

@@ -153,11 +153,19 @@ class ProcessTable {
 
   // Buckets some local process submitted at least `at_least` before `now`
   // that have not run, longest first (at most `limit`).
+  // What a process's submitted buffer waits for, in words, as this node
+  // (`node`: "node 2 (name)") sees it: its bucket's name in *name; *others
+  // set when the bucket is ready here and waits for the other nodes.
+  std::string WaitingFor(uint64_t client, uint32_t buffer_id, absl::Time now,
+                         const std::string& node, std::string* name, bool* others) const;
   std::vector<control::BucketWait> Waiting(absl::Time now, absl::Duration at_least,
                                            size_t limit) const;
   std::vector<BucketStats> Stats(bool with_history) const;
 
  private:
+  // The local processes that have not submitted b: (local rank, pid; 0 when
+  // not connected).
+  std::vector<std::pair<int, int>> Missing(const Bucket& b) const;
   struct Process {
     int local_rank = -1;
     pid_t pid = 0;

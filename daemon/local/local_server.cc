@@ -53,6 +53,8 @@ size_t ExpectedSize(uint16_t type) {
       return sizeof(microd_wire_goodbye);
     case MICROD_MSG_STATE:
       return sizeof(microd_wire_state);
+    case MICROD_MSG_WAITING:
+      return sizeof(microd_wire_waiting);
     default:
       return 0;  // not a client-to-daemon message
   }
@@ -454,6 +456,7 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
     microd_wire_register_cuda reg_cuda;
     microd_wire_submit submit;
     microd_wire_state state;
+    microd_wire_waiting waiting;
     char bytes[MICROD_WIRE_MAX_BYTES + 1];
   } m;
   alignas(cmsghdr) char control[CMSG_SPACE(4 * sizeof(int))];
@@ -537,6 +540,8 @@ bool LocalServer::HandleMessage(uint64_t id, Client& c) {
       return HandleSubmit(id, c, m.submit);
     case MICROD_MSG_STATE:
       return HandleState(id, c, m.state, fds);
+    case MICROD_MSG_WAITING:
+      return HandleWaiting(id, c, m.waiting);
     case MICROD_MSG_GOODBYE:
       Drop(id, true, "goodbye");
       return false;
@@ -580,7 +585,7 @@ bool LocalServer::HandleHello(uint64_t id, Client& c, const ::microd_wire_hello&
   microd_wire_hello_ack ack{};
   microd_wire_header_init(&ack.h, MICROD_MSG_HELLO_ACK, sizeof ack);
   // Every build answers REGISTER_CUDA (a CPU build with UNSUPPORTED).
-  ack.h.reserved = MICROD_WIRE_CAP_REGISTER_CUDA;
+  ack.h.reserved = MICROD_WIRE_CAP_REGISTER_CUDA | MICROD_WIRE_CAP_WAITING;
   ack.status = 0;
   ack.local_rank = info->local_rank;
   ack.local_size = info->local_size;
@@ -620,6 +625,25 @@ bool LocalServer::HandleSubmit(uint64_t id, Client& c, const ::microd_wire_submi
       handler_->OnSubmit(id, submit.buffer_id, submit.ticket,
                          fenced ? std::optional<uint32_t>(submit.reserved) : std::nullopt);
   if (!s.ok()) Complete(id, submit.ticket, submit.buffer_id, s);
+  return true;
+}
+
+bool LocalServer::HandleWaiting(uint64_t id, Client& c, const ::microd_wire_waiting& w) {
+  if (w.reserved != 0 || c.buffers.count(w.buffer_id) == 0) {
+    Refuse(id, static_cast<int>(ClientStatus::kInvalidArgument),
+           absl::StrCat("waiting: unknown buffer id ", w.buffer_id, " or reserved field ",
+                        w.reserved, " (0)"));
+    return false;
+  }
+  microd_wire_waiting_answer a{};
+  microd_wire_header_init(&a.h, MICROD_MSG_WAITING_ANSWER, sizeof a);
+  a.buffer_id = w.buffer_id;
+  const std::string text = handler_->OnWaiting(id, w.buffer_id);
+  const size_t n = std::min(text.size(), sizeof a.text - 1);
+  std::memcpy(a.text, text.data(), n);
+  a.text[n] = '\0';
+  absl::MutexLock lock(&mu_);
+  Send(c, &a, sizeof a);  // a failure: Reap() drops it
   return true;
 }
 

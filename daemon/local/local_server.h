@@ -37,6 +37,7 @@ struct microd_wire_state;
 struct microd_wire_register;
 struct microd_wire_register_cuda;
 struct microd_wire_submit;
+struct microd_wire_waiting;
 
 namespace microd::local {
 
@@ -167,6 +168,11 @@ class LocalHandler {
   virtual absl::Status OnState(uint64_t client, bool save, StateDirectory dir, uint64_t ticket) {
     return absl::UnimplementedError("this daemon keeps no compression state");
   }
+  // What the client's buffer waits for, in words (a trainer's wait timed
+  // out): the local processes, nodes or step it waits for.
+  virtual std::string OnWaiting(uint64_t client, uint32_t buffer_id) {
+    return "the daemon cannot say";
+  }
 };
 
 struct LocalServerOptions {
@@ -259,6 +265,8 @@ class LocalServer {
   // REGISTER_CUDA: validates, opens the allocation and answers.
   bool HandleRegisterCuda(uint64_t id, Client& c, const ::microd_wire_register_cuda& r);
   bool HandleSubmit(uint64_t id, Client& c, const ::microd_wire_submit& submit);
+  // WAITING: the handler's account of what a buffer waits for.
+  bool HandleWaiting(uint64_t id, Client& c, const ::microd_wire_waiting& w);
   // STATE: validates, checks the directory's descriptor and hands it on.
   bool HandleState(uint64_t id, const Client& c, const ::microd_wire_state& state,
                    std::vector<int>& fds);

@@ -142,6 +142,44 @@ TEST(ClientApi, ArgumentChecksAndADeadDaemon) {
   std::filesystem::remove_all(dir, ignored);
 }
 
+// A wait that times out says which bucket it waited for (a trainer may
+// wait on several at once) and what for; before, only the ticket's number.
+// The node's second process never connects.
+TEST(ClientApi, AWaitThatTimesOutNamesTheBucket) {
+  const std::string dir = MakeTempDir("client");
+  const std::string sock = dir + "/microd.sock";
+  const pid_t daemon = Spawn({MICROD_DAEMON, "--socket=" + sock, "--nodes=1", "--local_size=2",
+                              "--coordinator_listen=127.0.0.1:0", "--admin=127.0.0.1:0",
+                              "--admin_port_file=" + dir + "/admin"},
+                             dir + "/daemon.log");
+  ASSERT_GT(ReadPortFile(dir + "/admin", std::chrono::seconds(20)), 0);
+  microd_options o;
+  microd_options_init(&o);
+  o.socket_path = sock.c_str();
+  o.local_rank = 0;
+  o.timeout_ms = 20000;
+  microd_client* c = nullptr;
+  ASSERT_EQ(microd_connect(&o, &c), MICROD_OK) << microd_last_error(nullptr);
+  float* data = nullptr;
+  int32_t id = -1;
+  ASSERT_EQ(microd_register_host_buffer(c, "fc.weight", 1000, &data, &id), MICROD_OK)
+      << microd_last_error(c);
+  EXPECT_EQ(microd_allreduce(c, id, 300), MICROD_ERR_TIMEOUT);
+  // And, from the daemon, what it waits for: the node's other process.
+  EXPECT_TRUE(absl::StrContains(microd_last_error(c),
+                                "(bucket 'fc.weight') not complete after 300 ms: bucket "
+                                "'fc.weight' was submitted on node 0"))
+      << microd_last_error(c);
+  EXPECT_TRUE(absl::StrContains(microd_last_error(c),
+                                "waiting for local process(es) 1 (not connected) to submit it"))
+      << microd_last_error(c);
+  EXPECT_EQ(microd_close(c), MICROD_OK);
+  kill(daemon, SIGTERM);
+  waitpid(daemon, nullptr, 0);
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+}
+
 // CUDA buffers where CUDA is not usable: a clear UNSUPPORTED, nothing else
 // changes and the handle keeps working. Runs without a GPU (a driver that
 // cannot load is what a machine without one has; the CUDA toolkit's stub

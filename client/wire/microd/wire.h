@@ -23,17 +23,19 @@
 #define MICROD_WIRE_PATH_BYTES 768    /* directory of a STATE message, NUL-terminated */
 
 enum microd_wire_type {
-  MICROD_MSG_HELLO = 1,         /* client -> daemon */
-  MICROD_MSG_HELLO_ACK = 2,     /* daemon -> client */
-  MICROD_MSG_REGISTER = 3,      /* client -> daemon, with the memfd */
-  MICROD_MSG_REGISTER_ACK = 4,  /* daemon -> client */
-  MICROD_MSG_SUBMIT = 5,        /* client -> daemon */
-  MICROD_MSG_COMPLETION = 6,    /* daemon -> client */
-  MICROD_MSG_ERROR = 7,         /* daemon -> client, then the daemon disconnects */
-  MICROD_MSG_GOODBYE = 8,       /* client -> daemon */
-  MICROD_MSG_REGISTER_CUDA = 9, /* client -> daemon, answered with REGISTER_ACK */
-  MICROD_MSG_STATE = 10,        /* client -> daemon, answered with a COMPLETION */
-  MICROD_MSG_MEMBERSHIP = 11    /* daemon -> client (one with MICROD_WIRE_CAP_MEMBERSHIP) */
+  MICROD_MSG_HELLO = 1,          /* client -> daemon */
+  MICROD_MSG_HELLO_ACK = 2,      /* daemon -> client */
+  MICROD_MSG_REGISTER = 3,       /* client -> daemon, with the memfd */
+  MICROD_MSG_REGISTER_ACK = 4,   /* daemon -> client */
+  MICROD_MSG_SUBMIT = 5,         /* client -> daemon */
+  MICROD_MSG_COMPLETION = 6,     /* daemon -> client */
+  MICROD_MSG_ERROR = 7,          /* daemon -> client, then the daemon disconnects */
+  MICROD_MSG_GOODBYE = 8,        /* client -> daemon */
+  MICROD_MSG_REGISTER_CUDA = 9,  /* client -> daemon, answered with REGISTER_ACK */
+  MICROD_MSG_STATE = 10,         /* client -> daemon, answered with a COMPLETION */
+  MICROD_MSG_MEMBERSHIP = 11,    /* daemon -> client (one with MICROD_WIRE_CAP_MEMBERSHIP) */
+  MICROD_MSG_WAITING = 12,       /* client -> daemon (one with MICROD_WIRE_CAP_WAITING) */
+  MICROD_MSG_WAITING_ANSWER = 13 /* daemon -> client */
 };
 
 /* Capabilities: in a HELLO_ACK the header's `reserved` field carries these
@@ -42,6 +44,10 @@ enum microd_wire_type {
  * daemon answers it, with MICROD_ERR_UNSUPPORTED where it has no CUDA (a CPU
  * build, or no usable GPU), never by dropping the connection. */
 #define MICROD_WIRE_CAP_REGISTER_CUDA 1u
+/* A daemon with this bit in its HELLO_ACK answers a WAITING message (what
+ * one of the client's buffers waits for) with a WAITING_ANSWER. The client
+ * asks when a wait for a completion times out, and says it in its error. */
+#define MICROD_WIRE_CAP_WAITING 8u
 /* In a HELLO the header's `reserved` field carries the client's bits: with
  * MICROD_WIRE_CAP_MEMBERSHIP the client understands MEMBERSHIP messages and
  * the status MICROD_ERR_MEMBERSHIP. An elastic job's daemon sends such a
@@ -187,6 +193,22 @@ typedef struct microd_wire_membership {
   char message[MICROD_WIRE_MESSAGE_BYTES]; /* what changed */
 } microd_wire_membership;
 
+/* What a submitted buffer waits for: the local processes that did not
+ * submit it, the nodes where it is not ready (as the coordinator last heard
+ * them), or the step it is in. */
+#define MICROD_WIRE_WAITING_BYTES 768
+typedef struct microd_wire_waiting {
+  microd_wire_header h;
+  uint32_t buffer_id;
+  uint32_t reserved;
+} microd_wire_waiting;
+typedef struct microd_wire_waiting_answer {
+  microd_wire_header h;
+  uint32_t buffer_id;
+  uint32_t reserved;
+  char text[MICROD_WIRE_WAITING_BYTES]; /* NUL-terminated */
+} microd_wire_waiting_answer;
+
 typedef struct microd_wire_goodbye {
   microd_wire_header h;
 } microd_wire_goodbye;
@@ -238,12 +260,14 @@ static_assert(sizeof(microd_wire_register) == 240, "wire layout");
 static_assert(sizeof(microd_wire_completion) == 288, "wire layout");
 static_assert(sizeof(microd_wire_register_cuda) == 328, "wire layout");
 static_assert(sizeof(microd_wire_state) == 800, "wire layout");
+static_assert(sizeof(microd_wire_waiting_answer) == 792, "wire layout");
 #else
 _Static_assert(sizeof(microd_wire_header) == 16, "wire layout");
 _Static_assert(sizeof(microd_wire_register) == 240, "wire layout");
 _Static_assert(sizeof(microd_wire_completion) == 288, "wire layout");
 _Static_assert(sizeof(microd_wire_register_cuda) == 328, "wire layout");
 _Static_assert(sizeof(microd_wire_state) == 800, "wire layout");
+_Static_assert(sizeof(microd_wire_waiting_answer) == 792, "wire layout");
 #endif
 
 #endif /* MICROD_CLIENT_WIRE_H_ */
