@@ -7,6 +7,8 @@
 #               (DEMO_ARGS="--epochs 5 --density 0.001" etc.)
 #   make bench  every benchmark, then one report beside PyTorch DDP
 #               (results/bench/report.md; BENCH_ARGS="--skip-training" etc.)
+#   make soak   the chaos soak: jobs on the emulated cluster under random faults
+#               (root; SOAK_SECONDS=7200, SOAK_ARGS="--seed 3 --fault_every 30-60")
 #   make test-asan / make test-tsan   the suites under ASan + UBSan / TSan
 #   make format / make format-check   rewrite / check the C, C++ and CUDA files
 #               against .clang-format (the CI runs the check)
@@ -24,7 +26,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: all deps configure build test test-long test-asan test-tsan fuzz coverage gpu-bundle gpu-bundle-check demo bench clean \
+.PHONY: all deps configure build test test-long soak test-asan test-tsan fuzz coverage gpu-bundle gpu-bundle-check demo bench clean \
 	image image-test format format-check
 
 all: build
@@ -43,6 +45,11 @@ test: build
 
 test-long: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 1500 -L long
+
+SOAK_SECONDS ?= 7200
+SOAK_ARGS ?=
+soak: build
+	$(BUILD)/tests/microd-soak --seconds=$(SOAK_SECONDS) $(SOAK_ARGS)
 
 test-asan: deps
 	bash scripts/sanitize.sh address
