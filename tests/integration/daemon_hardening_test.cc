@@ -556,10 +556,17 @@ TEST(Hardening, ATimedOutWaitSaysWhatItWaitsFor) {
   Trainer late(cluster.socket(1), 1, 1, 100);  // local process 0 of node 1: never submits
   std::vector<std::string> results(3);
   std::vector<std::thread> threads;
+  // Each keeps its connection until all three have their answer (the first
+  // to leave with work pending would fail the job for the others).
+  std::atomic<int> answered{0};
   for (int i = 0; i < 3; ++i) {
     threads.emplace_back([&, i] {
       Trainer t(cluster.socket(i < 2 ? 0 : 1), i < 2 ? 0 : 1, 1, 100);
       results[i] = t.Step(2, std::chrono::milliseconds(0), /*wait_ms=*/5000);
+      ++answered;
+      for (int k = 0; k < 1000 && answered < 3; ++k) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
     });
   }
   for (auto& t : threads) t.join();
