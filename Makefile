@@ -2,7 +2,7 @@
 #   make test   installs what is missing, configures, builds and runs the tests
 #               (all but the few long ones, each a minute or more)
 #   make test-long  the long ones: the smoke run of every benchmark, elastic and
-#               long training runs, packaging (.ci/run runs both)
+#               long training runs, packaging, the soak's short form (.ci/run runs both)
 #   make demo   the main job: Fashion-MNIST through a local cluster, MiCRO vs dense
 #               (DEMO_ARGS="--epochs 5 --density 0.001" etc.)
 #   make bench  every benchmark, then one report beside PyTorch DDP

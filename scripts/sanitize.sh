@@ -4,8 +4,7 @@
 # folder of its own (CUDA and the benchmarks off) and runs the suites that
 # exercise its own code: the unit tests, the transport contract, the
 # end-to-end and hardening suites (daemons and C clients, all instrumented)
-# and the fuzz replays. Not run: the chaos soak's short form (make test runs
-# it uninstrumented), the Python and packaging tests (they load
+# and the fuzz replays. Not run: the Python and packaging tests (they load
 # libmicrod into Debian's interpreter, which is not instrumented) and the
 # long ones (make test-long runs them uninstrumented; CI's time: the
 # emulated network's 18 tests took 286 s of the last CI run's ASan tests,
@@ -34,6 +33,6 @@ export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"
 status=0
-(cd "$build" && ctest --output-on-failure -j "$jobs" --timeout 900 -E '^(python_|deploy_|soak_)' -LE long) || status=$?
+(cd "$build" && ctest --output-on-failure -j "$jobs" --timeout 900 -E '^(python_|deploy_)' -LE long) || status=$?
 echo "sanitize ($kind): build $((built - start)) s, tests $(( $(date +%s) - built )) s"
 exit $status

@@ -25,8 +25,8 @@
 // namespaces); without, it says so and exits 77 (CTest: skipped).
 //
 // make soak runs it by hand (SOAK_SECONDS, default 7200: faults every 1-5
-// minutes); make test runs its short form (about 30 s: one segment of
-// each kind, a fault every 2-4 s).
+// minutes); make test-long runs its short form (about 30 s: one segment
+// of each kind, a fault every 2-4 s).
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>

@@ -199,6 +199,7 @@ TEST_P(TransportContractTest, AllreduceAverageIsTheSumDividedOrUnimplemented) {
   for (int n : GetParam().ranks) {
     auto group = GetParam().create(n);
     for (size_t count : {size_t{0}, size_t{5}, size_t{100003}, size_t{3000017}}) {
+      if (count > 1000000 && n > 4) continue;  // the lanes' split: n <= 4 suffice
       RunRanks(group, [&](int r, Transport& t) {
         std::vector<float> sum(count), avg(count);
         for (size_t i = 0; i < count; ++i) {
