@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "daemon/common/crypto.h"
 #include "daemon/common/log.h"
 #include "daemon/common/status_macros.h"
@@ -43,12 +44,15 @@ Coordinator::Coordinator(CoordinatorOptions options)
       admission_(options_.job_id, options_.token, options_.certificate_names_job),
       stalls_(options_.stall_warning, options_.stall_abort),
       seal_salt_(FreshSealSalt()) {
+  watchdog_ran_us_ = absl::ToUnixMicros(absl::Now());
   watchdog_ = std::thread([this] { Watchdog(); });
+  sentinel_ = std::thread([this] { Sentinel(); });
 }
 
 Coordinator::~Coordinator() {
   stop_.Notify();
   watchdog_.join();
+  sentinel_.join();
   absl::MutexLock lock(&mu_);
   FailLocked("coordinator shut down", /*log=*/false);
 }
@@ -405,22 +409,6 @@ absl::StatusOr<HeartbeatAnswer> Coordinator::Heartbeat(uint64_t session, int ran
   return answer;
 }
 
-void Coordinator::InspectStalls(absl::Time now) {
-  if (ShortLocked()) {
-    // Nothing runs: what every node waits for is nodes.
-    stalls_.Short(
-        absl::StrCat("the job has ", nodes_.size(), " node(s), fewer than its minimum of ",
-                     min_nodes(), " (--min_nodes): nothing runs until nodes join, for up to ",
-                     absl::FormatDuration(absl::Trunc(
-                         options_.elastic_timeout - (now - short_since_), absl::Seconds(1))),
-                     " more (--elastic_timeout_s)"));
-    return;
-  }
-  std::vector<StallInspector::NodeWaits> nodes;
-  for (const Node& n : nodes_) nodes.push_back({n.rank, n.name, &n.waiting});
-  if (std::string abort = stalls_.Inspect(now, nodes); !abort.empty()) FailLocked(abort);
-}
-
 absl::Status Coordinator::Leave(uint64_t session, int rank) {
   absl::MutexLock lock(&mu_);
   if (rank < 0) return absl::InvalidArgumentError(absl::StrCat("node rank ", rank, " is negative"));
@@ -517,86 +505,6 @@ JobSnapshot Coordinator::Snapshot() const {
     s.nodes.push_back(ns);
   }
   return s;
-}
-
-void Coordinator::Watchdog() {
-  const absl::Duration tick = std::max(
-      absl::Milliseconds(10), std::min(absl::Milliseconds(100), options_.peer_timeout / 10));
-  while (!stop_.WaitForNotificationWithTimeout(tick)) {
-    absl::MutexLock lock(&mu_);
-    if (state_ != JobState::kRunning) continue;
-    const absl::Time now = absl::Now();
-    // The first node past the peer timeout fails the job; others silent for
-    // over half of it are named too (a partition silences several at once,
-    // a few heartbeats apart).
-    const Node* first = nullptr;
-    std::string also;
-    std::vector<int> lost;  // every node past the timeout
-    std::vector<std::string> lost_text;
-    for (const Node& n : nodes_) {
-      if (n.left) continue;
-      const absl::Duration silent = now - n.last_seen;
-      const std::string text =
-          absl::StrCat("node ", n.rank, " (", n.name, ") silent for ",
-                       absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))));
-      if (silent > options_.peer_timeout) {
-        lost.push_back(n.rank);
-        lost_text.push_back(text);
-      }
-      if (silent > options_.peer_timeout && first == nullptr) {
-        first = &n;
-      } else if (silent > options_.peer_timeout / 2) {
-        absl::StrAppend(&also, also.empty() ? "; also silent: " : ", ", "node ", n.rank, " (",
-                        n.name, ") for ",
-                        absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(1))));
-      }
-    }
-    InspectStalls(now);
-    if (state_ != JobState::kRunning) continue;
-    const std::string timeout =
-        absl::StrCat(" (peer timeout ", absl::FormatDuration(options_.peer_timeout), ")");
-    const int left = static_cast<int>(nodes_.size() - lost.size());
-    if (first != nullptr && elastic() && (first->rank != 0 || !options_.served_by_node0) &&
-        (left >= min_nodes() || options_.elastic_timeout > absl::ZeroDuration())) {
-      // Node 0 serves this coordinator: silent, it is this process that
-      // stalled, and it cannot be dropped.
-      const std::string cause = absl::StrCat(absl::StrJoin(lost_text, ", "), timeout);
-      FormEpochLocked(lost, cause);
-      NoteShortLocked(cause);
-      continue;
-    }
-    if (first == nullptr && ShortLocked() && now - short_since_ > options_.elastic_timeout) {
-      FailLocked(absl::StrCat("the job waited ", absl::FormatDuration(options_.elastic_timeout),
-                              " (--elastic_timeout_s) for nodes to join and has ", nodes_.size(),
-                              " node(s), fewer than its minimum of ", min_nodes(),
-                              " (--min_nodes), since ", short_cause_));
-      continue;
-    }
-    if (first != nullptr) {
-      std::string why = absl::StrCat(
-          "node ", first->rank, " (", first->name, ") silent for ",
-          absl::FormatDuration(absl::Trunc(now - first->last_seen, absl::Milliseconds(1))), timeout,
-          also);
-      if (elastic()) {
-        absl::StrAppend(&why, first->rank == 0 && options_.served_by_node0
-                                  ? "; node 0 serves the coordinator and cannot be dropped "
-                                    "(microd --coordinator_only serves one of its own)"
-                                  : absl::StrCat("; ", left,
-                                                 " node(s) would remain, fewer "
-                                                 "than the minimum of ",
-                                                 min_nodes(), " (--min_nodes)"));
-      }
-      FailLocked(why);
-      continue;
-    }
-    if (!held_failure_.empty()) {
-      if (held_epoch_ != epoch_) {
-        held_failure_.clear();  // a node was lost since: the epoch formed instead
-      } else if (now >= held_until_) {
-        FailLocked(absl::StrCat(held_failure_, " (no node was lost within the peer timeout)"));
-      }
-    }
-  }
 }
 
 }  // namespace microd::control

@@ -5,6 +5,7 @@
 // call takes a deadline, and a job failure wakes every waiter at once.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -202,6 +203,8 @@ class Coordinator {
   // Ends the job: every pending and later call fails with `reason`.
   void Fail(const std::string& reason);
   JobSnapshot Snapshot() const;
+  // Tests: holds the coordinator's lock for `d`, as a slow call would.
+  void HoldLockForTest(absl::Duration d);
 
  private:
   struct Node {
@@ -297,6 +300,13 @@ class Coordinator {
   absl::Status JoinerDiffers(int rank, const std::vector<BucketInfo>& ready)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Watchdog();
+  // The watchdog ran `late` past its tick (this process, or the lock, was
+  // held): the nodes could not be heard meanwhile; their silence over it
+  // is not counted.
+  void CreditLocked(absl::Time now, absl::Duration late) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Watches the watchdog without taking any lock: says when it has not run
+  // for half the peer timeout, and what holds it.
+  void Sentinel();
   // The stall inspector, once per watchdog tick (stall_inspector.h); fails
   // the job past the abort limit.
   void InspectStalls(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -345,6 +355,11 @@ class Coordinator {
 
   absl::Notification stop_;
   std::thread watchdog_;
+  // The watchdog's progress, for the sentinel: when it last ran, and since
+  // when it waits for mu_ (0: it does not); Unix microseconds.
+  std::atomic<int64_t> watchdog_ran_us_{0};
+  std::atomic<int64_t> watchdog_waiting_us_{0};
+  std::thread sentinel_;
 };
 
 }  // namespace microd::control

@@ -22,6 +22,18 @@ using microd::testing::MakeTempDir;
 using microd::testing::ReadPortFile;
 using microd::testing::Spawn;
 
+// A daemon of a one-node job serving `local_size` processes on dir's
+// socket (dir/microd.sock), once it is up.
+pid_t StartDaemon(const std::string& dir, int local_size = 1) {
+  const pid_t daemon =
+      Spawn({MICROD_DAEMON, "--socket=" + dir + "/microd.sock", "--nodes=1",
+             "--local_size=" + std::to_string(local_size), "--coordinator_listen=127.0.0.1:0",
+             "--admin=127.0.0.1:0", "--admin_port_file=" + dir + "/admin"},
+            dir + "/daemon.log");
+  EXPECT_GT(ReadPortFile(dir + "/admin", std::chrono::seconds(20)), 0);
+  return daemon;
+}
+
 TEST(ClientApi, VersionAndStatusStrings) {
   EXPECT_EQ(microd_version(), MICROD_VERSION_CODE);
   const char* names[] = {"MICROD_OK",
@@ -86,11 +98,7 @@ TEST(ClientApi, NoDaemonIsUnavailableWithinTheTimeout) {
 TEST(ClientApi, ArgumentChecksAndADeadDaemon) {
   const std::string dir = MakeTempDir("client");
   const std::string sock = dir + "/microd.sock";
-  const pid_t daemon =
-      Spawn({MICROD_DAEMON, "--socket=" + sock, "--nodes=1", "--coordinator_listen=127.0.0.1:0",
-             "--admin=127.0.0.1:0", "--admin_port_file=" + dir + "/admin"},
-            dir + "/daemon.log");
-  ASSERT_GT(ReadPortFile(dir + "/admin", std::chrono::seconds(20)), 0);
+  const pid_t daemon = StartDaemon(dir);
   microd_options o;
   microd_options_init(&o);
   o.socket_path = sock.c_str();
@@ -148,11 +156,7 @@ TEST(ClientApi, ArgumentChecksAndADeadDaemon) {
 TEST(ClientApi, AWaitThatTimesOutNamesTheBucket) {
   const std::string dir = MakeTempDir("client");
   const std::string sock = dir + "/microd.sock";
-  const pid_t daemon = Spawn({MICROD_DAEMON, "--socket=" + sock, "--nodes=1", "--local_size=2",
-                              "--coordinator_listen=127.0.0.1:0", "--admin=127.0.0.1:0",
-                              "--admin_port_file=" + dir + "/admin"},
-                             dir + "/daemon.log");
-  ASSERT_GT(ReadPortFile(dir + "/admin", std::chrono::seconds(20)), 0);
+  const pid_t daemon = StartDaemon(dir, 2);
   microd_options o;
   microd_options_init(&o);
   o.socket_path = sock.c_str();
@@ -187,11 +191,7 @@ TEST(ClientApi, AWaitThatTimesOutNamesTheBucket) {
 TEST(ClientApi, CudaBufferWithoutUsableCudaIsUnsupported) {
   const std::string dir = MakeTempDir("client-cuda");
   const std::string sock = dir + "/microd.sock";
-  const pid_t daemon =
-      Spawn({MICROD_DAEMON, "--socket=" + sock, "--nodes=1", "--coordinator_listen=127.0.0.1:0",
-             "--admin=127.0.0.1:0", "--admin_port_file=" + dir + "/admin"},
-            dir + "/daemon.log");
-  ASSERT_GT(ReadPortFile(dir + "/admin", std::chrono::seconds(20)), 0);
+  const pid_t daemon = StartDaemon(dir);
   microd_options o;
   microd_options_init(&o);
   o.socket_path = sock.c_str();

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "daemon/common/log.h"
 #include "daemon/control/coordinator_client.h"
 #include "daemon/control/services.h"
 #include "daemon/join_options.h"
@@ -468,6 +469,42 @@ TEST_F(CoordinatorTest, SilentNodeFailsTheJobForEveryoneWithinThePeerTimeout) {
   // Afterwards nothing blocks.
   const std::string k = "k";
   EXPECT_FALSE(c[1]->Get({&k, 1}, absl::Now() + absl::Seconds(30)).ok());
+}
+
+// Issue Z: node 0's coordinator heard no heartbeat from any node, its own
+// included, for 23 s, then failed the job naming them
+// (docs/runs/2026-12-03-dense-stall.md). A coordinator whose lock a slow
+// call holds past the peer timeout (or whose process is held) could not
+// hear the nodes meanwhile: it no longer counts that silence against them,
+// and a sentinel that takes no lock says what held its watchdog.
+TEST_F(CoordinatorTest, ACoordinatorHeldPastThePeerTimeoutDoesNotBlameTheNodes) {
+  std::vector<std::string> lines;
+  absl::Mutex mu;
+  log::SetSink([&](log::Level, const std::string& line) {
+    absl::MutexLock lock(&mu);
+    lines.push_back(line);
+  });
+  Start(3, absl::Milliseconds(600));
+  std::vector<std::unique_ptr<CoordinatorClient>> c;
+  // The nodes' own peer timeout is longer: their heartbeats ride it out.
+  for (const char* n : {"a", "b", "c"}) c.push_back(Client(n, 1, -1, "secret", absl::Seconds(5)));
+  for (auto& r : JoinAll(c)) ASSERT_TRUE(r.ok()) << r.status();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  coordinator_->HoldLockForTest(absl::Milliseconds(1500));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+  EXPECT_EQ(coordinator_->Snapshot().state, JobState::kRunning) << coordinator_->Snapshot().failure;
+  for (auto& client : c) EXPECT_TRUE(client->job_status().ok()) << client->job_status();
+  log::SetSink(nullptr);
+  bool sentinel = false, credited = false;
+  for (const std::string& l : lines) {
+    sentinel = sentinel || (absl::StrContains(l, "coordinator: its watchdog has not run for") &&
+                            absl::StrContains(l, "for the coordinator's lock: a call holds it"));
+    credited = credited || absl::StrContains(l,
+                                             "late (this process, or the coordinator's lock, "
+                                             "was held): the nodes' silence");
+  }
+  EXPECT_TRUE(sentinel);
+  EXPECT_TRUE(credited);
 }
 
 // Over gRPC, an elastic job: node 2 stops (no more heartbeats); the

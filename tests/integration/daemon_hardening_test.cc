@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <thread>
@@ -217,6 +218,55 @@ TEST(Hardening, Node0PausedTwiceThePeerTimeoutFailsEveryProcessNamingIt) {
   for (int r = 1; r < kNodes; ++r) {
     EXPECT_TRUE(absl::StrContains(results[r], "node 0")) << "node " << r << ": " << results[r];
     EXPECT_LE(s.failed_at_ms[r] - paused_at_ms, 3000 + 5000) << "node " << r;
+  }
+}
+
+// Issue Z: a failure on one node reached two others only through the
+// coordinator's watchdog, 22 s later (docs/runs/2026-12-03-dense-stall.md).
+// A node that fails locally reports it at once, and the others hear it
+// with their next heartbeat (a tenth of the peer timeout: 1 s by default)
+// or from the data plane. Node 2's process leaves with a submission
+// pending (that fails the job there) while nodes 0 and 1 wait on a step:
+// both get the error, naming node 2, within a heartbeat and a second.
+TEST(Hardening, ALocalFailureReachesEveryNodeWithinAHeartbeat) {
+  constexpr int kNodes = 3;
+  ClusterOptions o;
+  o.peer_timeout_ms = 10000;  // heartbeats 1 s apart, as by default
+  DaemonCluster cluster(kNodes, 1, o);
+  std::atomic<int64_t> left_at_ms{0};
+  std::thread leaver([&] {
+    microd_options opt;
+    microd_options_init(&opt);
+    const std::string socket = cluster.socket(2);
+    opt.socket_path = socket.c_str();
+    opt.timeout_ms = 20000;
+    microd_client* c = nullptr;
+    ASSERT_EQ(microd_connect(&opt, &c), MICROD_OK) << microd_last_error(nullptr);
+    float* data = nullptr;
+    int32_t b0 = -1, b1 = -1;
+    uint64_t ticket = 0;
+    EXPECT_EQ(microd_register_host_buffer(c, "b0", 1000, &data, &b0), MICROD_OK);
+    EXPECT_EQ(microd_register_host_buffer(c, "b1", 1000, &data, &b1), MICROD_OK);
+    EXPECT_EQ(microd_allreduce_async(c, b1, &ticket), MICROD_OK) << microd_last_error(c);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the others wait on b0
+    left_at_ms = absl::ToUnixMillis(absl::Now());
+    microd_close(c);
+  });
+  std::vector<int64_t> failed_at_ms(2, 0);
+  const auto errors = OnEveryNode(2, [&](int r) {
+    Trainer t(cluster.socket(r), r, 1, 1000);
+    std::string e = t.Step(kNodes);
+    failed_at_ms[r] = absl::ToUnixMillis(absl::Now());
+    return e;
+  });
+  leaver.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(absl::StrContains(errors[r], "node 2")) << "node " << r << ": " << errors[r];
+    EXPECT_TRUE(absl::StrContains(errors[r], "disconnected with work pending"))
+        << "node " << r << ": " << errors[r];
+    const int64_t took = failed_at_ms[r] - left_at_ms;
+    std::printf("node %d had node 2's failure after %lld ms\n", r, static_cast<long long>(took));
+    EXPECT_LE(took, 1000 + 1000) << "node " << r;
   }
 }
 
