@@ -266,7 +266,9 @@ TEST(GlooTransportTest, IoNiceOutOfRangeIsRefused) {
 // A rank whose keys are not the group's (another job's or epoch's secret)
 // cannot take part: it never gets through a handshake (neither side proves
 // the link's secret to the other), nothing connects, and the errors name
-// the links; nothing it sent was read as data.
+// the links; nothing it sent was read as data. Node 0 gives up first (as
+// it did under load in CI): the dialer's later attempts find its port
+// closed, and the error still says why the ones before failed.
 TEST(GlooTransportTest, ARankWithOtherKeysIsRefusedNamingTheLink) {
   static rendezvous::InMemoryKeyValueStore store;
   std::vector<absl::Status> status(3);
@@ -278,7 +280,7 @@ TEST(GlooTransportTest, ARankWithOtherKeysIsRefusedNamingTheLink) {
       o.size = 3;
       o.store = &store;
       o.prefix = "other-keys";
-      o.timeout = absl::Seconds(5);
+      o.timeout = r == 0 ? absl::Seconds(2) : absl::Seconds(5);
       o.seal = TestKeys(r, 3, r == 2 ? 'x' : 's');
       auto t = CreateGlooTransport(o);
       status[r] = t.status();

@@ -194,6 +194,9 @@ void PairImpl::Dial(const PairAddress& peer, absl::Time deadline) {
   const socklen_t sa_len = SockAddr(peer, &sa);
   const std::string peer_text = SockText(reinterpret_cast<const sockaddr*>(&sa));
   std::string last = "no attempt";
+  // A reply that did not verify says more than whatever came after it
+  // (the peer may have given up and closed its port by the last attempt).
+  std::string refused;
   for (int attempt = 0; absl::Now() < deadline; ++attempt) {
     if (attempt > 0) absl::SleepFor(absl::Milliseconds(std::min(10 * attempt, 200)));
     const int fd = socket(sa.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
@@ -247,7 +250,8 @@ void PairImpl::Dial(const PairAddress& peer, absl::Time deadline) {
       device_->Refused(absl::StrCat("node ", peer_, " at ", peer_text),
                        "its reply did not prove the link's secret (it holds other keys: another "
                        "epoch's or job's?)");
-      give_up("the handshake: the reply did not verify");
+      refused = "the handshake: the reply did not verify";
+      give_up(refused);
       continue;
     }
     if (!WriteAll(fd, ours->data(), ours->size(), deadline)) {
@@ -264,9 +268,11 @@ void PairImpl::Dial(const PairAddress& peer, absl::Time deadline) {
     }
     return;
   }
+  const std::string why =
+      refused.empty() || refused == last ? last : absl::StrCat(refused, "; at last: ", last);
   absl::MutexLock lock(&mu_);
   Fail(absl::DeadlineExceededError(absl::StrCat(Link(), ": could not connect to node ", peer_,
-                                                " at ", peer_text, " in time (", last, ")")));
+                                                " at ", peer_text, " in time (", why, ")")));
   ThrowIfFailed();
 }
 
