@@ -334,12 +334,17 @@ void ExpectTheJobGoesOn(const std::string& mode, std::string* settled) {
   o.peer_timeout_ms = 3000;
   o.extra = {"--min_nodes=2", "--seal_failure=step"};
   DaemonCluster cluster(n, L, o);
-  cluster.StartClients(buckets, steps, -1, -1, -1,
-                       [](int, int) { return std::vector<std::string>{"elastic"}; });
+  // The processes wait at step 5 for the attacker to be in place: under
+  // load the 60 steps could end before it is (a flake loop's failure).
+  const std::string go = cluster.dir() + "/go";
+  cluster.StartClients(buckets, steps, -1, -1, -1, [&](int, int) {
+    return std::vector<std::string>{"elastic", "hold_at=5:" + go};
+  });
   WaitForProgress(cluster, 6);
   if (::testing::Test::HasFatalFailure()) return;
   const std::string log = TamperWithNode2(*lab, cluster, mode);
   ASSERT_FALSE(log.empty());
+  std::ofstream(go).put('\n');
   const auto codes = cluster.WaitClients(seconds(120));
   const std::string did = ReadFile(log);
   const int sender = TamperedSender(*lab, did);
