@@ -22,6 +22,16 @@ inline uint32_t Bits(float x) {
   return b;
 }
 
+// Where two arrays first differ bit for bit (n if nowhere): one memcmp in
+// the common case, where an assertion per element of a million would cost
+// more than the kernel it checks.
+inline uint64_t FirstBitDifference(const float* a, const float* b, uint64_t n) {
+  if (n == 0 || std::memcmp(a, b, n * sizeof(float)) == 0) return n;
+  uint64_t i = 0;
+  while (Bits(a[i]) == Bits(b[i])) ++i;
+  return i;
+}
+
 // Values spanning orders of magnitude, both signs, some exact zeros.
 inline std::vector<float> RandomValues(uint64_t n, uint32_t seed) {
   std::mt19937 rng(seed);

@@ -41,7 +41,7 @@ pid_t StartNode(const std::string& dir, int rank, int coordinator_port,
                                    absl::StrCat("--node_rank=", rank),
                                    absl::StrCat("--node_name=node", rank),
                                    "--admin=127.0.0.1:0",
-                                   "--join_timeout_ms=4000"};
+                                   "--join_timeout_ms=2000"};  // every use expects a refusal
   if (rank == 0) {
     args.push_back("--coordinator_listen=127.0.0.1:0");
     args.push_back("--coordinator_port_file=" + dir + "/coordinator");
