@@ -51,13 +51,8 @@ std::string StallInspector::Inspect(absl::Time now, const std::vector<NodeWaits>
       } else if (it->second->missing.empty()) {
         ready.push_back(who);
       } else {
-        std::vector<std::string> procs;
-        for (const auto& [local_rank, pid] : it->second->missing) {
-          procs.push_back(pid > 0 ? absl::StrCat(local_rank, " (pid ", pid, ")")
-                                  : absl::StrCat(local_rank, " (not connected)"));
-        }
-        missing.push_back(absl::StrCat(who, ": local process(es) ", absl::StrJoin(procs, ", "),
-                                       " did not submit it"));
+        missing.push_back(absl::StrCat(who, ": local process(es) ",
+                                       ProcessList(it->second->missing), " did not submit it"));
       }
     }
     // Ready everywhere and still not run: what runs before it is stuck, or

@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+
 namespace microd::control {
 
 // A bucket some local process of a node submitted that has not run yet
@@ -22,6 +24,17 @@ struct BucketWait {
   double seconds = 0;
   std::vector<std::pair<int, int>> missing;
 };
+
+// Such (local rank, pid) pairs for a message: "0 (pid 4242), 1 (not
+// connected)".
+inline std::string ProcessList(const std::vector<std::pair<int, int>>& processes) {
+  std::string out;
+  for (const auto& [local_rank, pid] : processes) {
+    absl::StrAppend(&out, out.empty() ? "" : ", ", local_rank,
+                    pid > 0 ? absl::StrCat(" (pid ", pid, ")") : " (not connected)");
+  }
+  return out;
+}
 
 enum class JobState { kForming, kRunning, kFailed, kFinished };
 const char* JobStateName(JobState state);

@@ -5,8 +5,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "daemon/common/status_map.h"
+#include "daemon/control/types.h"
 
 namespace microd::engine {
 namespace {}  // namespace
@@ -298,15 +298,10 @@ std::string ProcessTable::WaitingFor(uint64_t client, uint32_t buffer_id, absl::
   }
   const int64_t waited = absl::ToInt64Seconds(now - b.first_at);
   if (b.submitted < L_) {
-    std::vector<std::string> procs;
-    for (const auto& [local_rank, pid] : Missing(b)) {
-      procs.push_back(pid > 0 ? absl::StrCat(local_rank, " (pid ", pid, ")")
-                              : absl::StrCat(local_rank, " (not connected)"));
-    }
     return absl::StrCat("bucket '", *name, "' was submitted on ", node, " ", waited, " s ago by ",
                         b.submitted, " of its ", L_,
                         " local processes; waiting for local process(es) ",
-                        absl::StrJoin(procs, ", "), " to submit it");
+                        control::ProcessList(Missing(b)), " to submit it");
   }
   *others = true;
   return absl::StrCat("bucket '", *name, "' is ready on ", node, " (its ", L_,

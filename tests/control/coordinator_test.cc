@@ -5,6 +5,7 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <set>
@@ -505,6 +506,44 @@ TEST_F(CoordinatorTest, ACoordinatorHeldPastThePeerTimeoutDoesNotBlameTheNodes) 
   }
   EXPECT_TRUE(sentinel);
   EXPECT_TRUE(credited);
+}
+
+// Issue Z's other suspect for the 23 s stall: long polls taking gRPC's
+// server threads. 200 key reads that wait 3 s for a key no one writes
+// (far more calls than gRPC's 64 pollers) hold the coordinator's threads
+// while the nodes' heartbeats go on: no node is called silent (the peer
+// timeout passes 4 times over), and a write and a read between two nodes
+// are answered at once. The coordinator's server sets no thread limit:
+// each call gets a thread, none waits for another's.
+TEST_F(CoordinatorTest, LongPollsHoldingServerThreadsDoNotSilenceTheNodes) {
+  Start(3, absl::Milliseconds(600));
+  std::vector<std::unique_ptr<CoordinatorClient>> c;
+  for (const char* n : {"a", "b", "c"}) {
+    c.push_back(Client(n, 1, -1, "secret", absl::Milliseconds(600)));
+  }
+  for (auto& r : JoinAll(c)) ASSERT_TRUE(r.ok()) << r.status();
+  constexpr int kPolls = 200;
+  std::atomic<int> waited{0};
+  std::vector<std::thread> polls;
+  for (int i = 0; i < kPolls; ++i) {
+    polls.emplace_back([&, i] {
+      const std::string never = "never";
+      auto r = c[i % 3]->Get({&never, 1}, absl::Now() + absl::Seconds(3));
+      if (r.status().code() == absl::StatusCode::kDeadlineExceeded) ++waited;
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  EXPECT_EQ(coordinator_->Snapshot().state, JobState::kRunning) << coordinator_->Snapshot().failure;
+  for (auto& client : c) EXPECT_TRUE(client->job_status().ok()) << client->job_status();
+  const auto before = std::chrono::steady_clock::now();
+  const std::string k = "k";
+  ASSERT_TRUE(c[0]->Set(k, "v").ok());
+  auto v = c[1]->Get({&k, 1}, absl::Now() + absl::Seconds(2));
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_LT(std::chrono::steady_clock::now() - before, std::chrono::seconds(1));
+  for (auto& t : polls) t.join();
+  EXPECT_EQ(waited.load(), kPolls);  // every poll held its thread to its end
+  EXPECT_EQ(coordinator_->Snapshot().state, JobState::kRunning) << coordinator_->Snapshot().failure;
 }
 
 // Over gRPC, an elastic job: node 2 stops (no more heartbeats); the

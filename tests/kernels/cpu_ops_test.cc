@@ -292,7 +292,9 @@ TEST_P(CpuOpsTest, FusedPassWithAGradientScaleMatchesScaleThenPass) {
       ASSERT_EQ(ops_->FusedAccumulateSelect(a, nullptr), KernelStatus::kOk);
       for (uint64_t i = 0; i < d; ++i) {
         ASSERT_EQ(Bits(acc[i]), Bits(want_acc[i])) << i;
-        if (momentum) ASSERT_EQ(Bits(vout[i]), Bits(want_v[i])) << i;
+        if (momentum) {
+          ASSERT_EQ(Bits(vout[i]), Bits(want_v[i])) << i;
+        }
       }
       Pairs want;
       for (uint64_t i = b; i < end; ++i) {

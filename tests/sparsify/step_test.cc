@@ -395,7 +395,8 @@ SparsifyOptions OptionsOf(const Case& c, double density) {
 class StepTest : public ::testing::TestWithParam<Case> {};
 
 // Under a sanitizer (several times slower) each (n, d) runs one of the two
-// densities, in turn; the uninstrumented run takes both.
+// densities, in turn, and a saved state continues at one size per n; the
+// uninstrumented run takes them all.
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 constexpr bool kSanitized = true;
 #else
@@ -545,8 +546,11 @@ INSTANTIATE_TEST_SUITE_P(
 // update and residual, to the bit.
 TEST_P(StepTest, ASavedStateContinuesBitForBit) {
   const Case c = GetParam();
+  int combination = 0;
   for (int n : {1, 3, 4}) {
     for (uint64_t d : {uint64_t{1003}, uint64_t{20011}}) {
+      // Under a sanitizer one size per n, in turn (the large one at n = 3).
+      if (kSanitized && (combination++ / 2 + (d == 1003)) % 2 == 0) continue;
       SCOPED_TRACE(testing::Message() << "n=" << n << " d=" << d);
       const SparsifyOptions o = OptionsOf(c, 0.01);
       Cluster straight(n, 2 * n, d, o, c.wire), restarted(n, 2 * n, d, o, c.wire);
