@@ -176,20 +176,13 @@ class Soak {
                       << (out.empty() ? "no output" : out.back());
       }
       for (const std::string& line : out) {
-        std::vector<std::string> f = absl::StrSplit(line, ' ');
-        long t = 0;
-        int b = 0;
-        uint64_t h = 0;
-        if (f.size() != 3 || !absl::SimpleAtoi(f[0], &t) || !absl::SimpleAtoi(f[1], &b) ||
-            !absl::SimpleHexAtoi(f[2], &h) || t < 0 || t >= steps || b < 0 ||
-            b >= static_cast<int>(kBuckets.size())) {
-          continue;  // a FAILED line: counted above
-        }
+        ResultLine x;
+        if (!ParseResultLine(line, ref[r], &x)) continue;  // a FAILED line: counted above
         ++tally.results;
-        if (h != ref[r][t][b]) {
+        if (x.hash != ref[r][x.step][x.bucket]) {
           ++tally.off;
-          ADD_FAILURE() << "node " << r << " step " << t << " bucket " << kBuckets[b].name
-                        << ": off the reference";
+          ADD_FAILURE() << "node " << r << " step " << x.step << " bucket "
+                        << kBuckets[x.bucket].name << ": off the reference";
         }
       }
     }

@@ -25,6 +25,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -447,20 +448,35 @@ inline ReferenceHashes Reference(int n, int L, const std::vector<BucketSpec>& bu
 // "EPOCH ..." line for each step answered MICROD_ERR_MEMBERSHIP) against
 // the reference of its node r: every result bit for bit. `results` and
 // `epochs` get the results and the EPOCH lines.
+// One result line of a test client ("STEP BUCKET HASH", the hash in hex)
+// whose step and bucket index `ref` of `buckets` buckets (a node's
+// reference: ref[r]); false for any other line (FAILED, EPOCH).
+struct ResultLine {
+  long step = 0;
+  int bucket = 0;
+  uint64_t hash = 0;
+};
+inline bool ParseResultLine(const std::string& line, const std::vector<std::vector<uint64_t>>& ref,
+                            ResultLine* out) {
+  std::vector<std::string> f = absl::StrSplit(line, ' ');
+  return f.size() == 3 && absl::SimpleAtoi(f[0], &out->step) &&
+         absl::SimpleAtoi(f[1], &out->bucket) && absl::SimpleHexAtoi(f[2], &out->hash) &&
+         out->step >= 0 && out->step < static_cast<long>(ref.size()) && out->bucket >= 0 &&
+         out->bucket < static_cast<int>(ref[out->step].size());
+}
+
 inline void CheckElasticOutput(const std::vector<std::string>& lines, const ReferenceHashes& ref,
                                const std::vector<BucketSpec>& buckets, int r, size_t* results,
                                std::vector<std::string>* epochs) {
   for (const std::string& line : lines) {
-    std::vector<std::string> f = absl::StrSplit(line, ' ');
-    if (f[0] == "EPOCH") {
+    if (absl::StartsWith(line, "EPOCH ")) {
       epochs->push_back(line);
       continue;
     }
-    ASSERT_EQ(f.size(), 3u) << "node " << r << ": " << line;
-    const long t = std::stol(f[0]);
-    const int b = std::stoi(f[1]);
-    ASSERT_EQ(std::stoull(f[2], nullptr, 16), ref[r][t][b])
-        << "node " << r << " step " << t << " bucket " << buckets[b].name;
+    ResultLine x;
+    ASSERT_TRUE(ParseResultLine(line, ref[r], &x)) << "node " << r << ": " << line;
+    ASSERT_EQ(x.hash, ref[r][x.step][x.bucket])
+        << "node " << r << " step " << x.step << " bucket " << buckets[x.bucket].name;
     ++*results;
   }
 }
@@ -601,13 +617,11 @@ inline void ExpectMatchesReference(const DaemonCluster& cluster, const std::vect
           << "node " << r << " local " << l << ": " << (lines.empty() ? "no output" : lines.back());
       ASSERT_EQ(lines.size(), steps * buckets.size());
       for (const std::string& line : lines) {
-        std::vector<std::string> f = absl::StrSplit(line, ' ');
-        ASSERT_EQ(f.size(), 3u) << line;
-        const long t = std::stol(f[0]);
-        const int b = std::stoi(f[1]);
-        const uint64_t h = std::stoull(f[2], nullptr, 16);
-        ASSERT_EQ(h, ref[r][t][b])
-            << "node " << r << " local " << l << " step " << t << " bucket " << buckets[b].name;
+        ResultLine x;
+        ASSERT_TRUE(ParseResultLine(line, ref[r], &x)) << "node " << r << ": " << line;
+        ASSERT_EQ(x.hash, ref[r][x.step][x.bucket])
+            << "node " << r << " local " << l << " step " << x.step << " bucket "
+            << buckets[x.bucket].name;
       }
     }
   }

@@ -132,7 +132,8 @@ TEST_P(BatchedRounds, EveryBucketsStepTakesTheRoundsOfOne) {
   const int n = 4, L = 1;
   const long steps = 5;
   std::vector<BucketSpec> buckets;
-  for (int b = 0; b < 8; ++b) buckets.push_back({absl::StrCat("layer", b), 70001 + 1000 * b});
+  for (int b = 0; b < 8; ++b)
+    buckets.push_back({absl::StrCat("layer", b), 70001 + 1000 * uint64_t(b)});
   DaemonCluster cluster(n, L, c.flags);
   cluster.StartClients(buckets, steps);
   ExpectMatchesReference(cluster, cluster.WaitClients(std::chrono::seconds(120)),
