@@ -16,7 +16,10 @@
 //             daemon must still stop cleanly.
 //   elastic   an elastic job (--min_nodes=2) loses a node (its daemon
 //             SIGKILLed): the others go on, bit for bit with the
-//             reference of the survivors.
+//             reference of the survivors; or (one time in two) the
+//             data-plane connections between two of its live nodes are
+//             reset at a random step (the path's RST): the next epoch of
+//             the same nodes connects afresh, every result the reference's.
 //
 // Segments run in that order, round after round; the faults' kinds, nodes,
 // lengths and times are drawn from --seed. One line a minute (and one per
@@ -226,8 +229,25 @@ class Soak {
     if (tally.failures.size() == before) ++tally.expected_failures;
   }
 
-  // An elastic job loses a node: the others go on, exactly.
+  // An elastic job loses a node: the others go on, exactly. Or its data
+  // plane is reset between two live nodes mid-run: it goes on, exactly.
   void Elastic(int n) {
+    if (Pick(2) == 1) {
+      const int from = Pick(n);
+      const int to = (from + 1 + Pick(n - 1)) % n;
+      const long at = 5 + Pick(200);
+      tally.segment = absl::StrCat("segment ", tally.segments + 1, " (elastic: node ", from,
+                                   "'s connections to node ", to, " reset at step ", at, ")");
+      ++tally.faults["conn-reset"];
+      std::string settled;
+      ExpectTheJobGoesOn(
+          {}, [&](NetLab& lab, DaemonCluster& c) { ResetConnections(lab, c, from, to); },
+          [](NetLab&, DaemonCluster&, const std::string& cause) {
+            EXPECT_TRUE(absl::StrContains(cause, "connected afresh")) << cause;
+          },
+          &settled, n, /*steps=*/600, at, /*hold=*/false);
+      return;
+    }
     const int lost = 1 + Pick(n - 1);  // node 0 serves the coordinator
     tally.segment =
         absl::StrCat("segment ", tally.segments + 1, " (elastic: node ", lost, "'s daemon killed)");

@@ -445,22 +445,10 @@ absl::Status Coordinator::ReportFailure(uint64_t session, int rank, const std::s
     // caller's session is this epoch's (CheckMember): once per refusal.
     // Refusals that keep coming (someone on a link alters every step) fail
     // the job instead of forming epoch after epoch.
-    const absl::Time now = absl::Now();
-    refusals_.push_back(now);
-    while (!refusals_.empty() && refusals_.front() < now - options_.refusal_window) {
-      refusals_.pop_front();
-    }
-    if (static_cast<int>(refusals_.size()) > options_.max_refusal_epochs) {
-      FailLocked(absl::StrCat(text, "; sealed transfers were refused ", refusals_.size(),
-                              " times within ", absl::FormatDuration(options_.refusal_window),
-                              " (each failed a step and formed a new epoch): more than ",
-                              options_.max_refusal_epochs,
-                              ", so the job fails instead (--seal_failure=step)"));
-      return absl::OkStatus();
-    }
-    FormEpochLocked({}, absl::StrCat(text,
-                                     "; the step failed on every node, the data plane is "
-                                     "connected and keyed afresh"));
+    const std::string failed =
+        ReformLocked(&refusals_, text, "sealed transfers were refused",
+                     "the step failed on every node, the data plane is connected and keyed afresh");
+    if (!failed.empty()) FailLocked(absl::StrCat(failed, " (--seal_failure=step)"));
     return absl::OkStatus();
   }
   if (data_plane && elastic() && state_ == JobState::kRunning) {
@@ -479,6 +467,21 @@ absl::Status Coordinator::ReportFailure(uint64_t session, int rank, const std::s
   }
   FailLocked(text);
   return absl::OkStatus();
+}
+
+std::string Coordinator::ReformLocked(std::deque<absl::Time>* recent, const std::string& text,
+                                      const std::string& what, const std::string& done) {
+  const absl::Time now = absl::Now();
+  recent->push_back(now);
+  while (!recent->empty() && recent->front() < now - options_.refusal_window) recent->pop_front();
+  if (static_cast<int>(recent->size()) > options_.max_refusal_epochs) {
+    return absl::StrCat(text, "; ", what, " ", recent->size(), " times within ",
+                        absl::FormatDuration(options_.refusal_window),
+                        " (each failed a step and formed a new epoch): more than ",
+                        options_.max_refusal_epochs, ", so the job fails instead");
+  }
+  FormEpochLocked({}, absl::StrCat(text, "; ", done));
+  return "";
 }
 
 JobSnapshot Coordinator::Snapshot() const {

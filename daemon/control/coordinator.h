@@ -72,8 +72,10 @@ struct CoordinatorOptions {
   // and it is never dropped). False: a coordinator of its own
   // (--coordinator_only), and an elastic job may lose any node.
   bool served_by_node0 = true;
-  // --seal_failure=step: more than this many refused transfers (each a new
-  // epoch) within the window fail the job, naming the last and the count.
+  // An elastic job answers a refused transfer (--seal_failure=step), and a
+  // data-plane failure with no node lost (a connection reset on the path),
+  // with a new epoch of the same members; more than this many of either
+  // within the window fail the job, naming the last and the count.
   int max_refusal_epochs = 3;
   absl::Duration refusal_window = absl::Minutes(10);
 };
@@ -192,7 +194,9 @@ class Coordinator {
   // `data_plane`: a collective failed, which is how a lost peer looks to the
   // others; in an elastic job that verdict waits for the watchdog (the peer
   // timeout and a grace of kDataPlaneGrace): if nodes are found lost, the
-  // next epoch forms instead; else the job fails with this reason.
+  // next epoch forms instead; else (the data plane broke between live
+  // nodes) the next epoch of the same members connects it afresh, within
+  // the allowance of max_refusal_epochs.
   // `refused_transfer`: a sealed transfer failed verification there
   // (--seal_failure=step): an elastic job's next epoch forms at once, of the
   // same members (fresh keys and connections); the step fails everywhere.
@@ -271,6 +275,13 @@ class Coordinator {
   // report again).
   void FormEpochLocked(const std::vector<int>& lost, const std::string& cause)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The next epoch of the same members for `text` (what a node reported;
+  // the change's cause adds `done`), counted in `recent`; "" when it
+  // formed, else the job's failure: more than max_refusal_epochs of them
+  // within the refusal window (`what`: the kind, as the failure names it).
+  std::string ReformLocked(std::deque<absl::Time>* recent, const std::string& text,
+                           const std::string& what, const std::string& done)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank may write its own rendezvous entries only ("<prefix>/<rank>",
   // "<prefix>/rank_<rank>"), the data plane's in the current epoch's
   // namespace only (kRendezvousPrefix<epoch>/), and at most kMaxKeysPerNode
@@ -342,7 +353,10 @@ class Coordinator {
     size_t bytes = 0;
   };
   std::map<int, Written> written_ ABSL_GUARDED_BY(mu_);
-  std::deque<absl::Time> refusals_ ABSL_GUARDED_BY(mu_);  // within the refusal window
+  // Epochs of the same members formed for refusals and for data planes
+  // broken between live nodes, within the refusal window.
+  std::deque<absl::Time> refusals_ ABSL_GUARDED_BY(mu_);
+  std::deque<absl::Time> breaks_ ABSL_GUARDED_BY(mu_);
   // A data-plane failure held for the watchdog (elastic jobs): its reason,
   // its epoch, and when it becomes the job's failure.
   std::string held_failure_ ABSL_GUARDED_BY(mu_);

@@ -151,7 +151,15 @@ void Coordinator::Watchdog() {
       if (held_epoch_ != epoch_) {
         held_failure_.clear();  // a node was lost since: the epoch formed instead
       } else if (now >= held_until_) {
-        FailLocked(absl::StrCat(held_failure_, " (no node was lost within the peer timeout)"));
+        // No node was lost: the data plane broke between live nodes (a
+        // connection reset on the path). The same members connect afresh.
+        const std::string text = std::move(held_failure_);
+        held_failure_.clear();
+        const std::string failed =
+            ReformLocked(&breaks_, text, "the data plane broke between live nodes",
+                         "no node was lost within the peer timeout: the step failed on every "
+                         "node, the data plane is connected afresh");
+        if (!failed.empty()) FailLocked(failed);
       }
     }
   }

@@ -6,6 +6,8 @@
 #include <stdio.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <string>
@@ -14,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_cluster.h"
 #include "tests/integration/netlab.h"
@@ -86,6 +89,84 @@ inline void ExpectEveryProcessFails(
   if (then) then(cluster);
   const auto exits = cluster.Terminate(std::chrono::seconds(15));
   for (int r = 0; r < n; ++r) EXPECT_EQ(exits[r], 0) << "node " << r << "'s daemon";
+}
+
+// Resets every TCP connection between nodes `from` and `to` of `cluster`'s
+// job but the control plane's, as the path would (`ss -K` in node
+// `from`'s namespace: the socket closed there, an RST to the other end).
+inline void ResetConnections(const NetLab& lab, const DaemonCluster& cluster, int from, int to) {
+  const std::string port = std::to_string(cluster.coordinator_port());
+  const std::string killed = cluster.dir() + "/killed";
+  std::string cmd;
+  for (const auto& a :
+       lab.InNode(from, {"/usr/bin/ss", "-K", "-t", "dst", lab.addr(to), "and", "not", "dport", "=",
+                         ":" + port, "and", "not", "sport", "=", ":" + port})) {
+    absl::StrAppend(&cmd, " '", a, "'");
+  }
+  ASSERT_EQ(std::system(absl::StrCat(cmd, " >'", killed, "'").c_str()), 0) << cmd;
+  // ss lists the sockets it closed: at least one of the data plane.
+  ASSERT_TRUE(absl::StrContains(ReadFile(killed), lab.addr(to) + ":")) << ReadFile(killed);
+}
+
+// An elastic job of `n` nodes (`steps` steps) on the emulated cluster
+// meets `fault` (run once step `fault_at` began; with `hold`, while every
+// process waits at that step) that fails a step on every node but
+// loses none; the coordinator answers with the next epoch of the same
+// nodes (fresh keys and connections). Every process is told once
+// (MICROD_ERR_MEMBERSHIP), and every result of the job is the reference's,
+// bit for bit: the step is applied once on every node. `check` then gets
+// the change's cause as the coordinator recorded it; `settled`: how node
+// 2's log says it settled a step it held ("rolled forward", "dropped", "").
+inline void ExpectTheJobGoesOn(
+    const std::vector<std::string>& extra,
+    const std::function<void(NetLab&, DaemonCluster&)>& fault,
+    const std::function<void(NetLab&, DaemonCluster&, const std::string&)>& check,
+    std::string* settled, int n = 3, long steps = 60, long fault_at = 5, bool hold = true) {
+  const int L = 1;
+  const std::vector<BucketSpec> buckets = {{"fc", 100003}, {"b", 1000}};
+  auto lab = MakeLab(n, {"--rate=1gbit"});
+  ASSERT_NE(lab, nullptr);
+  ClusterOptions o;
+  o.lab = lab.get();
+  o.peer_timeout_ms = 3000;
+  o.extra = {"--min_nodes=2"};
+  o.extra.insert(o.extra.end(), extra.begin(), extra.end());
+  DaemonCluster cluster(n, L, o);
+  // The processes wait for the fault to be in place: under load the 60
+  // steps could end before it is (a flake loop's failure).
+  const std::string go = cluster.dir() + "/go";
+  cluster.StartClients(buckets, steps, -1, -1, -1, [&](int, int) {
+    std::vector<std::string> a = {"elastic"};
+    if (hold) a.push_back(absl::StrCat("hold_at=", fault_at, ":", go));
+    return a;
+  });
+  WaitForProgress(cluster, fault_at * buckets.size());
+  if (::testing::Test::HasFatalFailure()) return;
+  fault(*lab, cluster);
+  if (::testing::Test::HasFatalFailure()) return;
+  std::ofstream(go).put('\n');
+  const auto codes = cluster.WaitClients(std::chrono::seconds(120));
+  const ReferenceHashes ref = Reference(n, L, buckets, steps);
+  for (int r = 0; r < n; ++r) {
+    const auto lines = ReadLines(cluster.outs()[r]);
+    EXPECT_EQ(codes[r], 0) << "node " << r << ": " << (lines.empty() ? "" : lines.back());
+    size_t results = 0;
+    std::vector<std::string> epochs;
+    CheckElasticOutput(lines, ref, buckets, r, &results, &epochs);
+    EXPECT_EQ(results, steps * buckets.size()) << "node " << r;
+    ASSERT_EQ(epochs.size(), 1u) << "node " << r;
+    // step, epoch, rank, world size, node rank, node count: the same job.
+    EXPECT_TRUE(absl::EndsWith(epochs[0], absl::StrCat(" 1 ", r, " ", n, " ", r, " ", n)))
+        << "node " << r << ": " << epochs[0];
+  }
+  auto status = cluster.Status(0);
+  ASSERT_TRUE(status.ok()) << status.status();
+  ASSERT_EQ(status->membership_changes_size(), 1);
+  check(*lab, cluster, status->membership_changes(0).cause());
+  const std::string log2 = ReadFile(cluster.dir() + "/daemon2.log");
+  for (const char* how : {"rolled forward", "dropped"}) {
+    if (absl::StrContains(log2, how)) *settled = how;
+  }
 }
 
 }  // namespace microd::testing
