@@ -232,8 +232,9 @@ class SparseOps {
                                       void* stream) = 0;
 
   // Exact top-k by magnitude: writes min(k, size) pairs with the largest
-  // |acc[i]| (ties broken by lower index), in any order; scalars->count
-  // receives the number written.
+  // |acc[i]| (ties broken by lower index; a NaN above every number, as the
+  // bits of |acc[i]| order it), in any order; scalars->count receives the
+  // number written.
   virtual KernelStatus TopK(const float* acc, uint64_t size, uint64_t k, uint32_t* out_index,
                             float* out_value, StepScalars* scalars, void* stream) = 0;
 

@@ -38,10 +38,14 @@ METHODS = [
     ("microd-micro-0.1%", ["--sparsifier=micro", "--density=0.001", "--remedies=off"]),
     ("floor", None),
 ]
+# Top-k with error feedback, the baseline of sparsification papers (not run
+# by default: --methods microd-topk-0.1%,microd-micro-0.1% sets it beside micro).
+TOPK = [("microd-topk-0.1%", ["--sparsifier=topk", "--density=0.001", "--remedies=off"])]
 # The same microd methods with the data plane in the clear (--seal-cost).
 UNSEALED = "-unsealed"
 METHODS += [(name + UNSEALED, flags + ["--seal=off"]) for name, flags in METHODS
             if flags is not None]
+METHODS += TOPK
 # --seal_failure=step (an elastic job): a confirmation round before each
 # step commits (not run by default).
 METHODS.append(("microd-micro-0.1%-seal-failure-step",
@@ -357,7 +361,8 @@ def main():
     ap.add_argument("--slow-steps", type=int, default=5,
                     help="steps of the dense methods at rates below 1 Gbit/s")
     ap.add_argument("--methods", default=",".join(
-        m[0] for m in METHODS if not m[0].endswith(UNSEALED) and "seal-failure" not in m[0]))
+        m[0] for m in METHODS
+        if not m[0].endswith(UNSEALED) and "seal-failure" not in m[0] and m not in TOPK))
     ap.add_argument("--timeout", type=float, default=600, help="seconds per method")
     ap.add_argument("--work", default="", help="per-run files (default: a temporary folder)")
     ap.add_argument("--latency", action="store_true",

@@ -8,8 +8,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <numeric>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "kernels/convert.h"
@@ -312,19 +312,61 @@ class CpuSparseOps final : public SparseOps {
     if (n > 0 && (acc == nullptr || out_index == nullptr || out_value == nullptr)) {
       return KernelStatus::kInvalidArgument;
     }
-    std::vector<uint32_t> order(size);
-    std::iota(order.begin(), order.end(), 0u);
-    auto before = [acc](uint32_t x, uint32_t y) {
-      const float ax = std::fabs(acc[x]);
-      const float ay = std::fabs(acc[y]);
-      return ax > ay || (ax == ay && x < y);
-    };
-    if (n > 0 && n < size) std::nth_element(order.begin(), order.begin() + n, order.end(), before);
-    for (uint64_t j = 0; j < n; ++j) {
-      out_index[j] = order[j];
-      out_value[j] = acc[order[j]];
-    }
     scalars->count = n;
+    if (n == 0) return KernelStatus::kOk;
+    // A radix select on the magnitude's bits (the sign cleared: the order
+    // of the magnitudes, a NaN above Inf; the CUDA backend's keys): a
+    // histogram of the top bits finds the bin of the n-th largest; one more
+    // pass writes every value of a higher bin and keeps those of that bin,
+    // of which the largest are taken, ties to the lower index. Two passes
+    // over acc, not a sort of the bucket.
+    constexpr int kShift = 19;  // 4,096 bins: the exponent and 4 bits of mantissa
+    constexpr uint32_t kBins = 1u << (31 - kShift);
+    auto bits = [acc](uint64_t i) { return FloatBits(acc[i]) & 0x7FFFFFFFu; };
+    // Four histograms, so that runs of one bin do not wait on each other's
+    // increments.
+    std::vector<uint32_t> hist(4 * kBins, 0);
+    uint64_t i = 0;
+    for (; i + 4 <= size; i += 4) {
+      ++hist[bits(i) >> kShift];
+      ++hist[kBins + (bits(i + 1) >> kShift)];
+      ++hist[2 * kBins + (bits(i + 2) >> kShift)];
+      ++hist[3 * kBins + (bits(i + 3) >> kShift)];
+    }
+    for (; i < size; ++i) ++hist[bits(i) >> kShift];
+    uint32_t bin = kBins;
+    uint64_t above = 0;  // values in the bins above `bin`
+    for (;;) {
+      --bin;
+      const uint64_t here =
+          uint64_t{hist[bin]} + hist[kBins + bin] + hist[2 * kBins + bin] + hist[3 * kBins + bin];
+      if (above + here >= n) break;
+      above += here;
+    }
+    std::vector<std::pair<uint32_t, uint32_t>> in_bin;  // (bits, index) of the n-th's bin
+    uint64_t out = 0;
+    for (uint64_t j = 0; j < size; ++j) {
+      const uint32_t b = bits(j);
+      const uint32_t at = b >> kShift;
+      if (at > bin) {
+        out_index[out] = static_cast<uint32_t>(j);
+        out_value[out++] = acc[j];
+      } else if (at == bin) {
+        in_bin.emplace_back(b, static_cast<uint32_t>(j));
+      }
+    }
+    const uint64_t need = n - above;
+    auto before = [](const std::pair<uint32_t, uint32_t>& x,
+                     const std::pair<uint32_t, uint32_t>& y) {
+      return x.first > y.first || (x.first == y.first && x.second < y.second);
+    };
+    if (need < in_bin.size()) {
+      std::nth_element(in_bin.begin(), in_bin.begin() + need, in_bin.end(), before);
+    }
+    for (uint64_t j = 0; j < need; ++j) {
+      out_index[out] = in_bin[j].second;
+      out_value[out++] = acc[in_bin[j].second];
+    }
     return KernelStatus::kOk;
   }
 

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
 #include <cub/device/device_select.cuh>
 #include <map>
 #include <mutex>
@@ -436,21 +437,81 @@ __global__ void TrimFlagsKernel(const float* value, uint64_t count, float thresh
 
 // Sort keys for exact top-k: ascending key = descending magnitude; the stable
 // radix sort keeps index order among equal magnitudes (ties to lower index).
-__global__ void TopKKeysKernel(const float* acc, uint64_t size, uint32_t* keys, uint32_t* idx) {
+// The exact top-k as a radix select on the magnitude's bits (key = the
+// float's bits with the sign cleared: the order of |x|, a NaN above Inf),
+// three levels of the key's 31 bits (12, 10 and 9 bits), each a histogram
+// of the values whose higher bits are the selected prefix so far; then the
+// values above the k-th key are written, and of those equal to it the ones
+// of lowest index (their rank among the equal ones, an exclusive scan).
+struct SelectState {
+  uint32_t prefix;  // the k-th key's bits found so far
+  uint32_t pad;
+  unsigned long long above;  // values whose key is above that prefix's bin
+  unsigned long long written;
+};
+
+__device__ __forceinline__ uint32_t MagnitudeKey(float x) {
+  return __float_as_uint(x) & 0x7FFFFFFFu;
+}
+
+// Level histogram: the bits [shift, shift + log2(bins)) of the keys whose
+// bits from `high` up equal state->prefix (high 31: every key).
+__global__ void SelectHistKernel(const float* acc, uint64_t size, uint32_t shift, uint32_t bins,
+                                 uint32_t high, const SelectState* state, unsigned* hist) {
+  extern __shared__ unsigned local[];
+  for (uint32_t b = threadIdx.x; b < bins; b += blockDim.x) local[b] = 0;
+  __syncthreads();
+  const uint32_t prefix = high >= 31 ? 0 : state->prefix;
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size; i += stride) {
-    keys[i] = 0x7FFFFFFFu - (__float_as_uint(acc[i]) & 0x7FFFFFFFu);
-    idx[i] = static_cast<uint32_t>(i);
+    const uint32_t key = MagnitudeKey(acc[i]);
+    if (high >= 31 || (key >> high) == prefix) atomicAdd(&local[(key >> shift) & (bins - 1)], 1u);
+  }
+  __syncthreads();
+  for (uint32_t b = threadIdx.x; b < bins; b += blockDim.x) {
+    if (local[b] != 0) atomicAdd(&hist[b], local[b]);
   }
 }
 
-__global__ void TopKOutputKernel(const float* acc, const uint32_t* sorted_idx, uint64_t n,
-                                 uint32_t* out_index, float* out_value) {
+// The bin of the n-th largest key at this level (`width` bits), appended
+// to the prefix; the values above it counted. One thread: 4,096 bins at most.
+__global__ void SelectFindKernel(const unsigned* hist, uint32_t bins, uint32_t width, uint64_t n,
+                                 SelectState* state) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  unsigned long long above = state->above;
+  uint32_t b = bins;
+  while (b > 0) {
+    --b;
+    if (above + hist[b] >= n) break;
+    above += hist[b];
+  }
+  state->prefix = (state->prefix << width) | b;
+  state->above = above;
+}
+
+__global__ void SelectEqualKernel(const float* acc, uint64_t size, const SelectState* state,
+                                  uint32_t* equal) {
+  const uint32_t key = state->prefix;
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
-  for (uint64_t j = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += stride) {
-    const uint32_t i = sorted_idx[j];
-    out_index[j] = i;
-    out_value[j] = acc[i];
+  for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size; i += stride) {
+    equal[i] = MagnitudeKey(acc[i]) == key ? 1u : 0u;
+  }
+}
+
+// Every value above the k-th key, and the first n - above of those equal
+// to it (`rank`: how many equal ones come before each), in any order.
+__global__ void SelectOutputKernel(const float* acc, uint64_t size, uint64_t n, SelectState* state,
+                                   const uint32_t* rank, uint32_t* out_index, float* out_value) {
+  const uint32_t kth = state->prefix;
+  const unsigned long long ties = n - state->above;
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < size; i += stride) {
+    const uint32_t key = MagnitudeKey(acc[i]);
+    if (key > kth || (key == kth && rank[i] < ties)) {
+      const unsigned long long at = atomicAdd(&state->written, 1ull);
+      out_index[at] = static_cast<uint32_t>(i);
+      out_value[at] = acc[i];
+    }
   }
 }
 
@@ -936,25 +997,42 @@ class CudaSparseOps final : public SparseOps {
       TRY(cudaMemsetAsync(&scalars->count, 0, sizeof(uint64_t), s), "memset count");
       return KernelStatus::kOk;
     }
+    // Scratch: the state, a histogram, the equal flags and their ranks, the
+    // scan's own.
     const size_t array = AlignUp(size * sizeof(uint32_t));
-    cub::DoubleBuffer<uint32_t> keys(nullptr, nullptr);
-    cub::DoubleBuffer<uint32_t> idx(nullptr, nullptr);
+    const size_t head = AlignUp(sizeof(SelectState)) + AlignUp(4096 * sizeof(unsigned));
     size_t temp = 0;
-    TRY(cub::DeviceRadixSort::SortPairs(nullptr, temp, keys, idx, size, 0, 32, s),
-        "DeviceRadixSort::SortPairs size");
+    TRY(cub::DeviceScan::ExclusiveSum(nullptr, temp, static_cast<uint32_t*>(nullptr),
+                                      static_cast<uint32_t*>(nullptr), static_cast<int64_t>(size),
+                                      s),
+        "DeviceScan::ExclusiveSum size");
     char* base = nullptr;
-    TRY_STATUS(GetScratch(s, 4 * array + temp, &base));
-    keys = cub::DoubleBuffer<uint32_t>(reinterpret_cast<uint32_t*>(base),
-                                       reinterpret_cast<uint32_t*>(base + array));
-    idx = cub::DoubleBuffer<uint32_t>(reinterpret_cast<uint32_t*>(base + 2 * array),
-                                      reinterpret_cast<uint32_t*>(base + 3 * array));
-    TopKKeysKernel<<<Grid(size, kThreads), kThreads, 0, s>>>(acc, size, keys.Current(),
-                                                             idx.Current());
-    TRY(cudaGetLastError(), "top-k keys launch");
-    TRY(cub::DeviceRadixSort::SortPairs(base + 4 * array, temp, keys, idx, size, 0, 32, s),
-        "DeviceRadixSort::SortPairs");
-    TopKOutputKernel<<<Grid(n, kThreads), kThreads, 0, s>>>(acc, idx.Current(), n, out_index,
-                                                            out_value);
+    TRY_STATUS(GetScratch(s, head + 2 * array + temp, &base));
+    auto* state = reinterpret_cast<SelectState*>(base);
+    auto* hist = reinterpret_cast<unsigned*>(base + AlignUp(sizeof(SelectState)));
+    auto* equal = reinterpret_cast<uint32_t*>(base + head);
+    auto* rank = reinterpret_cast<uint32_t*>(base + head + array);
+    TRY(cudaMemsetAsync(state, 0, sizeof(SelectState), s), "memset select state");
+    struct Level {
+      uint32_t shift, width, high;
+    };
+    for (const Level l : {Level{19, 12, 31}, Level{9, 10, 19}, Level{0, 9, 9}}) {
+      const uint32_t bins = 1u << l.width;
+      TRY(cudaMemsetAsync(hist, 0, bins * sizeof(unsigned), s), "memset select histogram");
+      SelectHistKernel<<<Grid(size, kThreads), kThreads, bins * sizeof(unsigned), s>>>(
+          acc, size, l.shift, bins, l.high, state, hist);
+      TRY(cudaGetLastError(), "top-k histogram launch");
+      SelectFindKernel<<<1, 1, 0, s>>>(hist, bins, l.width, n, state);
+      TRY(cudaGetLastError(), "top-k find launch");
+    }
+    SelectEqualKernel<<<Grid(size, kThreads), kThreads, 0, s>>>(acc, size, state, equal);
+    TRY(cudaGetLastError(), "top-k ties launch");
+    size_t bytes = temp;
+    TRY(cub::DeviceScan::ExclusiveSum(base + head + 2 * array, bytes, equal, rank,
+                                      static_cast<int64_t>(size), s),
+        "DeviceScan::ExclusiveSum");
+    SelectOutputKernel<<<Grid(size, kThreads), kThreads, 0, s>>>(acc, size, n, state, rank,
+                                                                 out_index, out_value);
     TRY(cudaGetLastError(), "top-k output launch");
     SetCountKernel<<<1, 1, 0, s>>>(scalars, n);
     return Check(cudaGetLastError(), "set count launch");

@@ -648,6 +648,46 @@ TEST_P(CpuOpsTest, TopKIsExact) {
   }
 }
 
+// Issue AA: the exact top-k is a radix select now. Magnitudes that tie in
+// bulk (a few distinct values, both signs, signed zeros: the k-th
+// value's bin holds most of the bucket) and magnitudes that share the
+// histogram's bin but differ below it: the set is still the k largest,
+// ties to the lower index.
+TEST_P(CpuOpsTest, TopKBreaksTiesByTheLowerIndexWhateverTheBins) {
+  const uint64_t d = 100003;
+  std::vector<std::vector<float>> inputs(3, std::vector<float>(d));
+  for (uint64_t i = 0; i < d; ++i) {
+    const float few[] = {0.5f, -0.5f, 0.25f, 0.0f, -0.0f, 1.0f};
+    inputs[0][i] = few[(i * 7919) % 6];
+    // One histogram bin (1.0 to 1.0 + 2^-4): every value of it, apart
+    // below the bin's bits; one value larger, some smaller.
+    inputs[1][i] = 1.0f + std::ldexp(static_cast<float>((i * 2654435761u) % 4096), -16);
+    if (i % 1000 == 0) inputs[1][i] = -3.0f;
+    if (i % 7 == 0) inputs[1][i] = 0.125f;
+    inputs[2][i] = 0.0f;
+  }
+  for (const std::vector<float>& acc : inputs) {
+    std::vector<uint32_t> order(d);
+    for (uint64_t i = 0; i < d; ++i) order[i] = uint32_t(i);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](uint32_t a, uint32_t b) { return std::fabs(acc[a]) > std::fabs(acc[b]); });
+    for (uint64_t k : {uint64_t{1}, uint64_t{50}, d / 3, d - 1}) {
+      std::vector<uint32_t> want(order.begin(), order.begin() + k);
+      std::sort(want.begin(), want.end());
+      std::vector<uint32_t> idx(k);
+      std::vector<float> val(k);
+      StepScalars s;
+      ASSERT_EQ(ops_->TopK(acc.data(), d, k, idx.data(), val.data(), &s, nullptr),
+                KernelStatus::kOk);
+      ASSERT_EQ(s.count, k);
+      std::vector<uint32_t> got = idx;
+      std::sort(got.begin(), got.end());
+      EXPECT_TRUE(got == want) << "k=" << k << ": another set of indices";
+      for (uint64_t j = 0; j < k; ++j) EXPECT_EQ(Bits(val[j]), Bits(acc[idx[j]]));
+    }
+  }
+}
+
 TEST_P(CpuOpsTest, SortUnique) {
   std::vector<uint32_t> v = {9, 3, 3, 0, 9, 7, 0, 4294967295u};
   StepScalars s;

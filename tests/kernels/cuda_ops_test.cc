@@ -673,11 +673,17 @@ TEST_F(CudaOpsTest, CountOutsideMatchesCpu) {
 
 TEST_F(CudaOpsTest, TopKMatchesCpuIncludingTies) {
   for (uint64_t n : kSizes) {
-    for (bool ties : {false, true}) {
+    for (int ties : {0, 1, 2}) {
       std::vector<float> acc = RandomValues(n, 41);
-      if (ties) {
+      if (ties == 1) {
         // Few distinct magnitudes of both signs: ties decide membership.
         for (uint64_t i = 0; i < n; ++i) acc[i] = float(int(i * 7919 % 13) - 6) * 0.25f;
+      } else if (ties == 2) {
+        // One bin of the radix select's first level (1 to 1 + 2^-4): its
+        // later levels decide, some values tie.
+        for (uint64_t i = 0; i < n; ++i) {
+          acc[i] = 1.0f + std::ldexp(static_cast<float>((i * 2654435761u) % 4096), -16);
+        }
       }
       const float* accd = Up(acc);
       for (uint64_t k : {uint64_t{0}, uint64_t{1}, uint64_t{10}, n / 100, n / 3, n, n + 5}) {
