@@ -81,10 +81,6 @@ struct Row {
   std::string target;
 };
 
-}  // namespace
-
-namespace {
-
 // The CPU backend's exact top-k before issue AA, as the comparison: the
 // indices of the k largest |acc[i]|, ties to the lower index, by
 // nth_element over every index of the bucket.

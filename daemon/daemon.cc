@@ -73,6 +73,7 @@ engine::EngineOptions EngineOptionsOf(const DaemonConfig& c, uint64_t memory_bud
   eo.response_cache = c.response_cache;
   eo.cycle_floats = c.cycle_floats;
   eo.op_timeout = c.op_timeout;
+  eo.peer_timeout = c.peer_timeout;
   if (c.stall_abort_s > 0) {
     eo.peer_wait = absl::Seconds(c.stall_abort_s) + c.peer_timeout + c.op_timeout;
   }

@@ -45,4 +45,11 @@ ClientStatus ToClientStatus(const absl::Status& status) {
   }
 }
 
+absl::Status WithMessage(const absl::Status& status, absl::string_view message) {
+  absl::Status out(status.code(), message);
+  status.ForEachPayload(
+      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
+
 }  // namespace microd

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 
 namespace microd {
 
@@ -34,5 +35,8 @@ enum class ClientStatus : int {
 // Returns `status` with the client code it must map to attached.
 absl::Status WithClientStatus(absl::Status status, ClientStatus code);
 ClientStatus ToClientStatus(const absl::Status& status);
+// `status` (its code and payloads: the client code kept) with `message`
+// in place of its own.
+absl::Status WithMessage(const absl::Status& status, absl::string_view message);
 
 }  // namespace microd

@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "daemon/common/hold_monitor.h"
 #include "daemon/common/log.h"
 #include "daemon/common/status_macros.h"
 #include "daemon/common/status_map.h"
@@ -46,6 +47,7 @@ Engine::Engine(EngineOptions options, control::Membership membership, control::C
          return dense ? (sparsify.momentum > 0 ? 2 : 1) * count * sizeof(float)
                       : sparsify::BucketState::MemoryBytes(count, n, sparsify);
        }});
+  HoldMonitor::Process();  // watching from now: Fail says if this node was held
 }
 
 Engine::~Engine() { Stop(absl::CancelledError("the daemon is shutting down")); }
@@ -68,7 +70,26 @@ void Engine::Stop(const absl::Status& reason) {
   if (negotiator_ != nullptr) negotiator_->Join();
 }
 
-void Engine::Fail(const absl::Status& reason, bool report) {
+absl::Status Engine::WithHold(const absl::Status& reason) const {
+  constexpr absl::string_view kSaid = "microd/held";  // said once, whichever path says it
+  if (reason.ok() || reason.GetPayload(kSaid).has_value()) return reason;
+  const absl::Duration held =
+      HoldMonitor::Process().HeldWithin(options_.peer_timeout + absl::Seconds(5));
+  if (held < options_.peer_timeout / 2) return reason;
+  absl::Status s = WithMessage(
+      reason, absl::StrCat("node ", membership_.node_rank, " (this node) was held for ",
+                           absl::FormatDuration(absl::Trunc(held, absl::Milliseconds(100))),
+                           " (its daemon stopped or not scheduled; the peer timeout is ",
+                           absl::FormatDuration(options_.peer_timeout),
+                           "): the other nodes may have given up on it; here: ", reason.message()));
+  s.SetPayload(kSaid, absl::Cord());
+  return s;
+}
+
+void Engine::Fail(const absl::Status& failure, bool report) {
+  const bool ended = failure.code() == absl::StatusCode::kFailedPrecondition ||
+                     failure.code() == absl::StatusCode::kCancelled;
+  const absl::Status reason = ended ? failure : WithHold(failure);
   std::vector<Work> pending;
   std::vector<Fence::Parked> fenced;  // refused by the fence, not answered yet
   {
@@ -82,8 +103,6 @@ void Engine::Fail(const absl::Status& reason, bool report) {
     for (Work& w : recovery_.End()) pending.push_back(std::move(w));
     state_.table.DropNewlyReady();
   }
-  const bool ended = reason.code() == absl::StatusCode::kFailedPrecondition ||
-                     reason.code() == absl::StatusCode::kCancelled;
   if (ended) {
     MICROD_LOG(Info, "node %d: job ended: %s", membership_.node_rank,
                std::string(reason.message()).c_str());
@@ -225,11 +244,12 @@ std::string Engine::OnWaiting(uint64_t client, uint32_t buffer_id) {
                       "second or more, a heartbeat apart)");
 }
 
-absl::Status Engine::WithRootCause(const absl::Status& local) {
+absl::Status Engine::WithRootCause(const absl::Status& failure) {
+  const absl::Status local = WithHold(failure);
   if (client_ == nullptr) return local;
   const absl::Status job = client_->RefreshJobStatus();
   if (job.ok()) return local;
-  return absl::Status(local.code(), absl::StrCat(job.message(), " (here: ", local.message(), ")"));
+  return WithMessage(local, absl::StrCat(job.message(), " (here: ", local.message(), ")"));
 }
 
 void Engine::Complete(const Work& w, const absl::Status& status) {

@@ -65,7 +65,9 @@ class Engine final : public local::LocalHandler, private JobControl, private Sta
   // Fails everything pending and stops the loop.
   void Stop(const absl::Status& reason);
   // Ends the job on this node (and tells the coordinator when `report`).
-  void Fail(const absl::Status& reason, bool report) override;
+  // A failure soon after this process was held past half the peer timeout
+  // says so first (WithHold).
+  void Fail(const absl::Status& failure, bool report) override;
   // An elastic job's next membership epoch, as the coordinator told this
   // node (its membership there, and what changed): the engine ends what
   // runs on the old data plane and reconfigures on its thread (Reconfigure).
@@ -95,6 +97,10 @@ class Engine final : public local::LocalHandler, private JobControl, private Sta
   std::vector<control::BucketWait> Waiting(absl::Duration at_least, size_t limit = 64) const;
 
  private:
+  // `reason`, preceded by this node's hold if it was held (HoldMonitor)
+  // past half the peer timeout within the peer timeout and 5 s: the other
+  // nodes then gave up on it, whatever error came first here.
+  absl::Status WithHold(const absl::Status& reason) const;
   // JobControl.
   absl::Status WithRootCause(const absl::Status& local) override;
   void Finish(const Work& work, const absl::Status& status) override;

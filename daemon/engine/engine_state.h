@@ -73,7 +73,8 @@ class JobControl {
   virtual ~JobControl() = default;
   // Ends the job on this node (and tells the coordinator when `report`).
   virtual void Fail(const absl::Status& reason, bool report) = 0;
-  // A step failed here: the reason another node gave the coordinator first.
+  // A step failed here: the reason another node gave the coordinator first,
+  // and whether this node was held (Engine::WithHold).
   virtual absl::Status WithRootCause(const absl::Status& local) = 0;
   // Answers a Work of the running batch, unless Fail() did already.
   virtual void Finish(const Work& work, const absl::Status& status) = 0;

@@ -30,6 +30,8 @@ struct EngineOptions {
   // Buckets with fewer elements go dense, fused into one allreduce per batch.
   uint64_t dense_floor = 65536;
   absl::Duration op_timeout = absl::Seconds(60);
+  // A node silent this long is lost (--peer_timeout_ms).
+  absl::Duration peer_timeout = absl::Seconds(10);
   // How long a response-cache cycle waits for the other nodes to enter it
   // (a node enters only with work pending: its trainer may be busy, e.g.
   // saving a checkpoint). The stall inspector reports such waits long before.

@@ -14,11 +14,8 @@ namespace microd::engine {
 namespace {
 
 absl::Status InBucket(const absl::Status& s, const std::string& bucket, size_t local_rank) {
-  absl::Status out(
-      s.code(), absl::StrCat("bucket '", bucket, "', local rank ", local_rank, ": ", s.message()));
-  s.ForEachPayload(
-      [&](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
-  return out;
+  return WithMessage(
+      s, absl::StrCat("bucket '", bucket, "', local rank ", local_rank, ": ", s.message()));
 }
 
 // Calls `begin` on the device memory of each CUDA buffer until one fails,

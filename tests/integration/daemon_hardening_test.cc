@@ -196,7 +196,10 @@ TEST(Hardening, Node0PausedShorterThanThePeerTimeoutKeepsTheJob) {
 }
 
 // Paused for twice the peer timeout, node 0 is lost: every process gets an
-// error naming node 0, within the peer timeout and a few seconds.
+// error naming node 0, within the peer timeout and a few seconds. Node 0's
+// own process too (issue Z's soak: 4 of 7 such pauses failed it naming only
+// node 1, whose connection it found closed when it ran again): its daemon
+// says it was held.
 TEST(Hardening, Node0PausedTwiceThePeerTimeoutFailsEveryProcessNamingIt) {
   constexpr int kNodes = 3;
   ClusterOptions o;
@@ -212,13 +215,14 @@ TEST(Hardening, Node0PausedTwiceThePeerTimeoutFailsEveryProcessNamingIt) {
     kill(cluster.pid(0), SIGCONT);
   });
   // Every node steps until it fails; node 0's trainer waits on a stopped
-  // daemon meanwhile, and its result is not checked.
+  // daemon meanwhile.
   const auto results = RunUntilStopped(cluster, kNodes, s);
   pauser.join();
   for (int r = 1; r < kNodes; ++r) {
     EXPECT_TRUE(absl::StrContains(results[r], "node 0")) << "node " << r << ": " << results[r];
     EXPECT_LE(s.failed_at_ms[r] - paused_at_ms, 3000 + 5000) << "node " << r;
   }
+  EXPECT_TRUE(absl::StrContains(results[0], "node 0")) << "node 0: " << results[0];
 }
 
 // Issue Z: a failure on one node reached two others only through the

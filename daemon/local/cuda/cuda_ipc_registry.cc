@@ -275,10 +275,7 @@ class Buffer final : public DeviceMemory {
 
   absl::Status WithContext(const absl::Status& s) const {
     if (s.ok()) return s;
-    absl::Status out(s.code(), absl::StrCat(description_, ": ", s.message()));
-    s.ForEachPayload(
-        [&](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
-    return out;
+    return WithMessage(s, absl::StrCat(description_, ": ", s.message()));
   }
 
   absl::Status Queue(cudaMemcpyKind kind) {
