@@ -92,10 +92,12 @@ void Engine::Fail(const absl::Status& failure, bool report) {
   const absl::Status reason = ended ? failure : WithHold(failure);
   std::vector<Work> pending;
   std::vector<Fence::Parked> fenced;  // refused by the fence, not answered yet
+  std::shared_ptr<transport::Transport> connecting;
   {
     absl::MutexLock lock(&state_.mu);
     if (!state_.failed.ok()) return;
     state_.failed = JobFailed(reason);
+    connecting = connecting_;
     fenced = state_.fence.TakeParked();
     pending = state_.table.TakeAllSubmitted();
     for (Work& w : state_.in_flight) pending.push_back(std::move(w));
@@ -115,6 +117,7 @@ void Engine::Fail(const absl::Status& failure, bool report) {
   if (report && client_ != nullptr) (void)client_->ReportFailure(std::string(reason.message()));
   // Unblock a step in flight, here and (by closed connections) on the peers.
   CurrentOwner()->Abort(reason);
+  if (connecting != nullptr) connecting->Abort(reason);  // the next epoch's first rounds
   const absl::Status status = JobFailed(reason);
   for (const Work& w : pending) Complete(w, status);
   for (const Fence::Parked& f : fenced) {

@@ -179,6 +179,10 @@ class Engine final : public local::LocalHandler, private JobControl, private Sta
   // unless it hands it over (AdoptTransport). Under state_.mu.
   std::shared_ptr<transport::Transport> current_;
   std::shared_ptr<transport::Transport> previous_;
+  // The next epoch's data plane while its first rounds run (Reconfigured):
+  // Fail aborts it too, so a stop does not wait out their deadline on
+  // peers that are gone.
+  std::shared_ptr<transport::Transport> connecting_ ABSL_GUARDED_BY(state_.mu);
   // What the current data plane's owner is, for a thread that calls into it
   // outside state_.mu (an abort).
   std::shared_ptr<transport::Transport> CurrentOwner() const;

@@ -204,9 +204,22 @@ absl::Status Engine::Reconfigured(const control::Membership& next, const std::st
   MICROD_LOG(Warning, "node %d: membership epoch %llu: now node %d of %d (%s)",
              membership_.node_rank, static_cast<unsigned long long>(next.epoch), next.node_rank,
              next.node_count, change.c_str());
-  ASSIGN_OR_RETURN(std::unique_ptr<transport::Transport> t, options_.new_transport(next));
-  RETURN_IF_ERROR(
-      AgreeOnState(*t, next, /*joining=*/joining_ && !adopted_, options_.op_timeout, *this));
+  ASSIGN_OR_RETURN(std::unique_ptr<transport::Transport> made, options_.new_transport(next));
+  std::shared_ptr<transport::Transport> t(std::move(made));
+  {
+    absl::MutexLock lock(&state_.mu);
+    if (!state_.failed.ok() || state_.stop) {
+      return absl::CancelledError("the engine stops: the next epoch is not run");
+    }
+    connecting_ = t;
+  }
+  const absl::Status agreed =
+      AgreeOnState(*t, next, /*joining=*/joining_ && !adopted_, options_.op_timeout, *this);
+  {
+    absl::MutexLock lock(&state_.mu);
+    connecting_ = nullptr;
+  }
+  RETURN_IF_ERROR(agreed);
   const sparsify::JobShape shape{next.node_count, next.node_rank, next.world_size};
   // The data plane two epochs back, released once the lock is (its
   // connections close and its threads end: not under the engine's lock).
@@ -231,7 +244,7 @@ absl::Status Engine::Reconfigured(const control::Membership& next, const std::st
   confirmed_before_ += transport_->confirmed();
   retired = std::move(previous_);
   previous_ = std::move(current_);
-  current_ = std::shared_ptr<transport::Transport>(std::move(t));
+  current_ = std::move(t);
   transport_ = current_.get();
   return absl::OkStatus();
 }

@@ -310,5 +310,24 @@ TEST(EngineEpochs, ARefusalWhileAnEpochConnectsFailsTheJobByDefault) {
       << job.engines[2]->Snapshot().failure;
 }
 
+// A stop while the next epoch's first rounds wait on peers that will not
+// come (make test, once: a daemon stopped as the others left the job, and
+// took more than 20 s): the engine stops at once, not at the rounds'
+// deadline (the operation timeout, 20 s here).
+TEST(EngineEpochs, AStopWhileAnEpochConnectsIsPrompt) {
+  constexpr int n = 3;
+  Job job(n);
+  job.engines[0]->Stop(absl::CancelledError("node 0 stops"));
+  job.engines[1]->Stop(absl::CancelledError("node 1 stops"));
+  job.Refused(1);
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (job.epochs.made(2) < 2 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(job.epochs.made(2), 2) << "node 2 did not begin epoch 1";
+  absl::SleepFor(absl::Milliseconds(200));  // its first rounds wait on nodes 0 and 1
+  const absl::Time start = absl::Now();
+  job.engines[2]->Stop(absl::CancelledError("node 2 stops"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
 }  // namespace
 }  // namespace microd::engine
