@@ -783,8 +783,9 @@ std::vector<Membership> JoinDirect(Coordinator& c, const std::vector<std::string
 
 std::unique_ptr<Coordinator> ElasticCoordinator(
     int nodes, int min_nodes, absl::Duration timeout = absl::Milliseconds(500), int max_nodes = 0,
-    absl::Duration elastic_timeout = absl::ZeroDuration()) {
+    absl::Duration elastic_timeout = absl::ZeroDuration(), int max_refusal_epochs = 3) {
   CoordinatorOptions o;
+  o.max_refusal_epochs = max_refusal_epochs;
   o.job_id = "job";
   o.expected_nodes = nodes;
   o.min_nodes = min_nodes;
@@ -947,13 +948,9 @@ TEST(CoordinatorElastic, ADataPlaneFailureWaitsForThePeerTimeout) {
     EXPECT_EQ(c->Snapshot().changes.back().nodes, 2);
   }
   {
-    CoordinatorOptions o;
-    o.job_id = "job";
-    o.expected_nodes = 3;
-    o.min_nodes = 2;
-    o.peer_timeout = absl::Milliseconds(500);
-    o.max_refusal_epochs = 2;
-    auto c = *Coordinator::Create(o);
+    const absl::Duration peer_timeout = absl::Milliseconds(500);
+    auto c = ElasticCoordinator(3, 2, peer_timeout, 0, absl::ZeroDuration(),
+                                /*max_refusal_epochs=*/2);
     std::vector<Membership> m = JoinDirect(*c, {"a", "b", "c"});
     for (uint64_t e = 1; e <= 2; ++e) {
       const absl::Time start = absl::Now();
@@ -963,7 +960,7 @@ TEST(CoordinatorElastic, ADataPlaneFailureWaitsForThePeerTimeout) {
       const JobSnapshot snap = c->Snapshot();
       ASSERT_EQ(snap.state, JobState::kRunning) << snap.failure;
       ASSERT_EQ(snap.epoch, e);
-      EXPECT_GE(absl::Now() - start, o.peer_timeout + Coordinator::kDataPlaneGrace);
+      EXPECT_GE(absl::Now() - start, peer_timeout + Coordinator::kDataPlaneGrace);
       EXPECT_EQ(snap.changes.back().nodes, 3);  // the same members, ranks kept
       EXPECT_EQ(m[1].node_rank, 1);
       EXPECT_TRUE(
